@@ -1,0 +1,64 @@
+"""tactix: paged prefill attention, paged decode attention and GEMM from pluggable backends.
+
+One API (`PagedPrefill`, `PagedDecode`, `Gemm`) over backends discovered through the
+``tactix.backends`` entry-point group; see ``tactix backends`` for what is installed.
+"""
+
+from tactix._version import __version__
+from tactix.attention import PagedDecode, PagedPrefill
+from tactix.batch import PagedBatch
+from tactix.capabilities import AttentionCapabilities, BackendSpec, GemmCapabilities, GemmDTypes
+from tactix.errors import (
+    BackendError,
+    BackendNotFoundError,
+    BackendUnavailableError,
+    DuplicateBackendError,
+    FallbackWarning,
+    InvalidArgumentError,
+    PluginError,
+    TacticError,
+    TactixError,
+    TactixWarning,
+    UnsupportedProblemError,
+)
+from tactix.gemm import Gemm, gemm
+from tactix.hookspecs import AttentionPlan, GemmPlan, PlanOptions, hookimpl
+from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem, bucket_size
+from tactix.registry import get_registry
+from tactix.tactics import SCHEMA_VERSION, Tactic
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "AttentionCapabilities",
+    "AttentionPlan",
+    "BackendError",
+    "BackendNotFoundError",
+    "BackendSpec",
+    "BackendUnavailableError",
+    "DecodeProblem",
+    "DuplicateBackendError",
+    "FallbackWarning",
+    "Gemm",
+    "GemmCapabilities",
+    "GemmDTypes",
+    "GemmPlan",
+    "GemmProblem",
+    "InvalidArgumentError",
+    "PagedBatch",
+    "PagedDecode",
+    "PagedPrefill",
+    "PlanOptions",
+    "PluginError",
+    "PrefillProblem",
+    "Problem",
+    "Tactic",
+    "TacticError",
+    "TactixError",
+    "TactixWarning",
+    "UnsupportedProblemError",
+    "__version__",
+    "bucket_size",
+    "gemm",
+    "get_registry",
+    "hookimpl",
+]

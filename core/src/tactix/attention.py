@@ -1,0 +1,517 @@
+"""Paged-KV attention: `PagedPrefill` and `PagedDecode`, planned once per batch, run per layer.
+
+``plan()`` validates the batch metadata, builds the problem, chooses the backend and tactic,
+and asks that backend for a plan (which may build a graph or compile a kernel). ``run()``
+checks the tensors against the plan with a few attribute comparisons and calls the plan
+directly: no hook dispatch, and no allocation or host sync when ``out`` (and ``lse``) are
+given, so it can be captured in a CUDA graph when the wrapper was made with
+``use_cuda_graph=True``.
+
+Tensor layouts (FlashInfer's):
+
+* ``q``: ``[num_qo_tokens, num_qo_heads, head_dim_qk]`` (decode: ``[batch_size, ...]``)
+* cache, ``kv_layout="NHD"``: ``(k, v)`` each ``[num_pages, page_size, num_kv_heads, head_dim]``
+  or one tensor ``[num_pages, 2, page_size, num_kv_heads, head_dim]``
+* cache, ``kv_layout="HND"``: ``(k, v)`` each ``[num_pages, num_kv_heads, page_size, head_dim]``
+  or one tensor ``[num_pages, 2, num_kv_heads, page_size, head_dim]``
+* ``out``: ``[num_qo_tokens, num_qo_heads, head_dim_vo]`` of ``o_data_type``
+* ``lse``: ``[num_qo_tokens, num_qo_heads]`` float32, the **natural-log** log-sum-exp of each
+  row's scaled (and soft-capped) logits over the keys it attends to. (FlashInfer returns it in
+  base 2; `tactix.compat.flashinfer` converts.)
+
+Query head ``h`` attends KV head ``h // (num_qo_heads // num_kv_heads)``. With ``causal``,
+query row ``i`` of a request with ``q_len`` rows and ``kv_len`` keys sits at position
+``kv_len - q_len + i`` (bottom-right alignment: the new tokens are the end of the sequence) and
+attends keys ``j <= kv_len - q_len + i``; ``window_left = w >= 0`` further limits it to
+``j >= kv_len - q_len + i - w``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from tactix.batch import PagedBatch
+from tactix.dtypes import parse_dtype, to_torch_dtype
+from tactix.errors import InvalidArgumentError, TactixError
+from tactix.hookspecs import PlanOptions
+from tactix.problems import DecodeProblem, KVLayout, PrefillProblem, make_problem
+from tactix.registry import get_registry
+from tactix.selection import Selection, select_and_plan
+from tactix.tactics import Tactic, parse_tactic
+
+__all__ = ["PagedDecode", "PagedPrefill"]
+
+_LAYOUTS = ("NHD", "HND")
+
+
+def _resolve_device(explicit: torch.device | None, *tensors: object) -> torch.device:
+    if explicit is not None:
+        return explicit
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            return t.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _positive_int(value: object, argument: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(argument, "a positive int", repr(value))
+    return value
+
+
+class _PagedAttention:
+    _op: ClassVar[str]
+    _rows_name: ClassVar[str]
+
+    def __init__(
+        self,
+        kv_layout: KVLayout = "NHD",
+        *,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        use_cuda_graph: bool = False,
+    ) -> None:
+        if kv_layout not in _LAYOUTS:
+            raise InvalidArgumentError("kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+        if not isinstance(backend, str):
+            raise InvalidArgumentError("backend", "'auto' or a backend name", repr(backend))
+        if backend != "auto":
+            get_registry().get(backend)  # unknown or unavailable names fail here, listing choices
+        self.kv_layout: KVLayout = kv_layout
+        self._backend = backend
+        self._device = torch.device(device) if device is not None else None
+        self._use_cuda_graph = bool(use_cuda_graph)
+        self._selection: Selection | None = None
+        self._problem: PrefillProblem | DecodeProblem | None = None
+        self._batch: PagedBatch | None = None
+        self._run: Any = None
+
+    # -- what was chosen ------------------------------------------------------------------
+
+    @property
+    def problem(self) -> PrefillProblem | DecodeProblem:
+        if self._problem is None:
+            raise TactixError(f"{type(self).__name__}: call plan() first")
+        return self._problem
+
+    @property
+    def backend(self) -> str:
+        """Name of the backend that serves the current plan."""
+        return self._chosen().backend.name
+
+    @property
+    def tactic(self) -> Tactic:
+        """The concrete tactic of the current plan."""
+        tactic: Tactic = self._chosen().plan.tactic
+        return tactic
+
+    @property
+    def selection_source(self) -> str:
+        """How the tactic was chosen: 'explicit', 'store', 'default' or 'fallback'."""
+        return self._chosen().source
+
+    @property
+    def plan_object(self) -> Any:
+        """The backend's plan; ``plan_object.run(q, k, v, out, lse)`` is what ``run`` calls."""
+        return self._chosen().plan
+
+    def _chosen(self) -> Selection:
+        if self._selection is None:
+            raise TactixError(f"{type(self).__name__}: call plan() first")
+        return self._selection
+
+    # -- plan -----------------------------------------------------------------------------
+
+    def _plan(
+        self,
+        *,
+        qo_indptr: torch.Tensor | None,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        head_dim_vo: int | None,
+        page_size: int,
+        causal: bool,
+        sm_scale: float | None,
+        window_left: int,
+        logits_soft_cap: float | None,
+        q_data_type: torch.dtype | str,
+        kv_data_type: torch.dtype | str | None,
+        o_data_type: torch.dtype | str | None,
+        return_lse: bool,
+        backend: str | None,
+        tactic: Tactic | dict[str, Any] | str | None,
+    ) -> None:
+        device = _resolve_device(self._device, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+        page_size = _positive_int(page_size, "page_size")
+        head_dim_qk = _positive_int(head_dim_qk, "head_dim_qk")
+        head_dim_vo = head_dim_qk if head_dim_vo is None else _positive_int(head_dim_vo, "head_dim_vo")
+        num_qo_heads = _positive_int(num_qo_heads, "num_qo_heads")
+        num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
+        if num_qo_heads % num_kv_heads:
+            raise InvalidArgumentError(
+                "num_qo_heads", f"a multiple of num_kv_heads = {num_kv_heads}", num_qo_heads
+            )
+        if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+            raise InvalidArgumentError("window_left", "-1 (no window) or an int >= 0", repr(window_left))
+        q_dtype = parse_dtype(q_data_type, "q_data_type")
+        kv_dtype = q_dtype if kv_data_type is None else parse_dtype(kv_data_type, "kv_data_type")
+        out_dtype = q_dtype if o_data_type is None else parse_dtype(o_data_type, "o_data_type")
+        scale = 1.0 / math.sqrt(head_dim_qk) if sm_scale is None else float(sm_scale)
+        if not scale > 0 or not math.isfinite(scale):
+            raise InvalidArgumentError("sm_scale", "a finite float > 0", sm_scale)
+        cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
+        if not cap >= 0 or not math.isfinite(cap):
+            raise InvalidArgumentError("logits_soft_cap", "None, 0 or a finite float > 0", logits_soft_cap)
+        chosen_backend = self._backend if backend is None else backend
+        if not isinstance(chosen_backend, str):
+            raise InvalidArgumentError("backend", "'auto' or a backend name", repr(chosen_backend))
+        chosen_tactic = None if tactic is None else parse_tactic(tactic)
+
+        batch = PagedBatch.build(
+            qo_indptr=qo_indptr,
+            kv_indptr=paged_kv_indptr,
+            kv_indices=paged_kv_indices,
+            kv_last_page_len=paged_kv_last_page_len,
+            page_size=page_size,
+            device=device,
+            causal=causal,
+        )
+        fields: dict[str, Any] = {
+            "device_type": device.type,
+            "num_qo_heads": num_qo_heads,
+            "num_kv_heads": num_kv_heads,
+            "head_dim_qk": head_dim_qk,
+            "head_dim_vo": head_dim_vo,
+            "page_size": page_size,
+            "kv_layout": self.kv_layout,
+            "q_dtype": q_dtype,
+            "kv_dtype": kv_dtype,
+            "out_dtype": out_dtype,
+            "sm_scale": scale,
+            "window_left": window_left,
+            "logits_soft_cap": cap,
+            "return_lse": bool(return_lse),
+            "batch_size": batch.batch_size,
+            "max_kv_len": batch.max_kv_len,
+        }
+        if self._op == "prefill":
+            fields.update(
+                causal=bool(causal), num_qo_tokens=batch.num_qo_tokens, max_qo_len=batch.max_qo_len
+            )
+        problem = make_problem(self._op, **fields)  # type: ignore[arg-type]
+        options = PlanOptions(device=device, use_cuda_graph=self._use_cuda_graph, previous=None)
+        if self._selection is not None:
+            options["previous"] = self._selection.plan
+        selection = select_and_plan(
+            problem,
+            batch,
+            backend=chosen_backend,
+            tactic=chosen_tactic,
+            options=options,
+            previous=self._selection if self._use_cuda_graph else None,
+        )
+
+        rows = batch.num_qo_tokens
+        self._selection = selection
+        self._problem = problem  # type: ignore[assignment]
+        self._batch = batch
+        self._device_now = device
+        self._q_shape = torch.Size((rows, num_qo_heads, head_dim_qk))
+        self._q_dtype = to_torch_dtype(q_dtype)
+        self._kv_dtype = to_torch_dtype(kv_dtype)
+        self._out_shape = torch.Size((rows, num_qo_heads, head_dim_vo))
+        self._out_dtype = to_torch_dtype(out_dtype)
+        self._lse_shape = torch.Size((rows, num_qo_heads))
+        if self.kv_layout == "NHD":
+            self._k_tail = torch.Size((page_size, num_kv_heads, head_dim_qk))
+            self._v_tail = torch.Size((page_size, num_kv_heads, head_dim_vo))
+        else:
+            self._k_tail = torch.Size((num_kv_heads, page_size, head_dim_qk))
+            self._v_tail = torch.Size((num_kv_heads, page_size, head_dim_vo))
+        self._return_lse = bool(return_lse)
+        self._pages_checked = -1
+        self._run = selection.plan.run
+
+    # -- run ------------------------------------------------------------------------------
+
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        return_lse: bool | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention for the planned batch. Returns ``out``, or ``(out, lse)`` with the LSE."""
+        run = self._run
+        if run is None:
+            raise TactixError(f"{type(self).__name__}: call plan() before run()")
+        device = self._device_now
+        if type(q) is not torch.Tensor or q.shape != self._q_shape or q.dtype != self._q_dtype or q.device != device:
+            self._reject("q", q, self._q_shape, self._q_dtype)
+        if type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2:
+            k, v = paged_kv_cache
+        else:
+            k, v = self._split(paged_kv_cache)
+        if k.shape[1:] != self._k_tail or k.dtype != self._kv_dtype or k.device != device:
+            self._reject_cache("k", k, self._k_tail)
+        if v.shape[1:] != self._v_tail or v.dtype != self._kv_dtype or v.device != device:
+            self._reject_cache("v", v, self._v_tail)
+        pages = k.shape[0]
+        if pages != self._pages_checked:
+            self._check_pages(pages, v)
+        want_lse = (self._return_lse if return_lse is None else bool(return_lse)) or lse is not None
+        if want_lse and not self._return_lse:
+            raise InvalidArgumentError(
+                "return_lse", "False as planned (pass return_lse=True to plan() for the LSE)", True
+            )
+        if out is None:
+            out = torch.empty(self._out_shape, dtype=self._out_dtype, device=device)
+        elif out.shape != self._out_shape or out.dtype != self._out_dtype or out.device != device or not out.is_contiguous():
+            self._reject("out", out, self._out_shape, self._out_dtype, contiguous=True)
+        if self._return_lse:
+            if lse is None:
+                lse = torch.empty(self._lse_shape, dtype=torch.float32, device=device)
+            elif lse.shape != self._lse_shape or lse.dtype != torch.float32 or lse.device != device or not lse.is_contiguous():
+                self._reject("lse", lse, self._lse_shape, torch.float32, contiguous=True)
+        run(q, k, v, out, lse)
+        if want_lse:
+            assert lse is not None
+            return out, lse
+        return out
+
+    def _split(self, cache: object) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(cache, (tuple, list)):
+            if len(cache) != 2 or not all(isinstance(t, torch.Tensor) for t in cache):
+                raise InvalidArgumentError(
+                    "paged_kv_cache", "a (k, v) tuple of tensors or one 5-D tensor", f"a {type(cache).__name__} of {len(cache)}"
+                )
+            return cache[0], cache[1]
+        if not isinstance(cache, torch.Tensor):
+            raise InvalidArgumentError(
+                "paged_kv_cache", "a (k, v) tuple of tensors or one 5-D tensor", type(cache).__name__
+            )
+        if cache.dim() != 5 or cache.shape[1] != 2:
+            raise InvalidArgumentError(
+                "paged_kv_cache",
+                f"a 5-D tensor [num_pages, 2, {', '.join(self._layout_names())}]",
+                f"shape {tuple(cache.shape)}",
+            )
+        return cache[:, 0], cache[:, 1]
+
+    def _layout_names(self) -> tuple[str, str, str]:
+        if self.kv_layout == "NHD":
+            return ("page_size", "num_kv_heads", "head_dim")
+        return ("num_kv_heads", "page_size", "head_dim")
+
+    def _reject(
+        self, name: str, t: object, shape: torch.Size, dtype: torch.dtype, contiguous: bool = False
+    ) -> None:
+        expected = f"a contiguous {dtype} tensor" if contiguous else f"a {dtype} tensor"
+        expected += f" of shape {tuple(shape)} on {self._device_now}"
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(name, expected, type(t).__name__)
+        got = f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+        if contiguous and not t.is_contiguous():
+            got = "non-contiguous " + got
+        raise InvalidArgumentError(name, expected, got)
+
+    def _reject_cache(self, name: str, t: torch.Tensor, tail: torch.Size) -> None:
+        names = self._layout_names()
+        layout = ", ".join(f"{n}={s}" for n, s in zip(names, tail, strict=True))
+        expected = f"a {self._kv_dtype} tensor [num_pages, {layout}] ({self.kv_layout}) on {self._device_now}"
+        got = f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+        page_axis = 1 if self.kv_layout == "NHD" else 2
+        if t.dim() == 4 and t.shape[page_axis] != tail[page_axis - 1]:
+            raise InvalidArgumentError(
+                "page_size",
+                f"the cache's page size ({t.shape[page_axis]} in {name}, {self.kv_layout} layout)",
+                tail[page_axis - 1],
+            )
+        raise InvalidArgumentError(f"paged_kv_cache ({name})", expected, got)
+
+    def _check_pages(self, pages: int, v: torch.Tensor) -> None:
+        if v.shape[0] != pages:
+            raise InvalidArgumentError(
+                "paged_kv_cache", f"k and v with the same number of pages ({pages})", v.shape[0]
+            )
+        assert self._batch is not None
+        self._batch.check_page_bounds(pages)
+        self._pages_checked = pages
+
+
+class PagedPrefill(_PagedAttention):
+    """Batch prefill/append attention over a paged KV cache.
+
+    Examples
+    --------
+    >>> import torch, tactix
+    >>> wrapper = tactix.PagedPrefill(kv_layout="NHD", device="cpu")
+    >>> qo_indptr = torch.tensor([0, 3, 5], dtype=torch.int32)          # 2 requests: 3 and 2 new tokens
+    >>> kv_indptr = torch.tensor([0, 2, 3], dtype=torch.int32)          # pages per request: 2 and 1
+    >>> kv_indices = torch.tensor([4, 1, 7], dtype=torch.int32)         # any pages of the cache
+    >>> last_len = torch.tensor([3, 2], dtype=torch.int32)              # kv lengths 16+3=19 and 2
+    >>> wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_len, num_qo_heads=8, num_kv_heads=2,
+    ...              head_dim_qk=64, page_size=16, causal=True, q_data_type=torch.float32)
+    >>> cache = torch.randn(8, 2, 16, 2, 64)                            # [pages, 2, page, heads, dim]
+    >>> for layer in range(2):                                          # plan once, run per layer
+    ...     out = wrapper.run(torch.randn(5, 8, 64), cache)
+    >>> out.shape, wrapper.backend
+    (torch.Size([5, 8, 64]), 'torch')
+    """
+
+    _op: ClassVar[str] = "prefill"
+
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        page_size: int,
+        *,
+        head_dim_vo: int | None = None,
+        causal: bool = False,
+        sm_scale: float | None = None,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        q_data_type: torch.dtype | str = torch.bfloat16,
+        kv_data_type: torch.dtype | str | None = None,
+        o_data_type: torch.dtype | str | None = None,
+        return_lse: bool = False,
+        backend: str | None = None,
+        tactic: Tactic | dict[str, Any] | str | None = None,
+    ) -> None:
+        """Plan a batch: validate its metadata, choose backend and tactic, build the plan.
+
+        Parameters
+        ----------
+        qo_indptr : int32/int64 ``[batch_size + 1]``, CPU or device
+            Query rows of request ``b`` are ``q[qo_indptr[b]:qo_indptr[b + 1]]``.
+        paged_kv_indptr : int32/int64 ``[batch_size + 1]``
+            Request ``b`` owns pages ``paged_kv_indices[paged_kv_indptr[b]:paged_kv_indptr[b + 1]]``.
+        paged_kv_indices : int32/int64 ``[>= paged_kv_indptr[-1]]``
+            Page numbers in the cache, in sequence order.
+        paged_kv_last_page_len : int32/int64 ``[batch_size]``
+            Valid tokens in each request's last page, in ``[1, page_size]``.
+        num_qo_heads, num_kv_heads, head_dim_qk, page_size : int
+            ``num_qo_heads`` must be a multiple of ``num_kv_heads`` (GQA).
+        head_dim_vo : int, optional
+            Head dim of V and the output (default ``head_dim_qk``).
+        causal : bool
+            Bottom-right aligned causal mask (see the module docstring).
+        sm_scale : float, optional
+            Logit scale (default ``1 / sqrt(head_dim_qk)``).
+        window_left : int
+            Sliding window: keys at most this far left of the query's position (-1: none).
+        logits_soft_cap : float, optional
+            ``cap * tanh(logit / cap)`` applied to scaled logits (None or 0: none).
+        q_data_type, kv_data_type, o_data_type : torch.dtype or str
+            kv and out default to the q dtype.
+        return_lse : bool
+            Plan for an LSE output as well.
+        backend : str, optional
+            Overrides the wrapper's backend for this plan (``"auto"`` or a name).
+        tactic : Tactic, optional
+            Run exactly this tactic (its backend must be able to serve the problem).
+        """
+        if not isinstance(qo_indptr, torch.Tensor):
+            raise InvalidArgumentError("qo_indptr", "a 1-D int32 or int64 torch.Tensor", type(qo_indptr).__name__)
+        self._plan(
+            qo_indptr=qo_indptr,
+            paged_kv_indptr=paged_kv_indptr,
+            paged_kv_indices=paged_kv_indices,
+            paged_kv_last_page_len=paged_kv_last_page_len,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim_qk=head_dim_qk,
+            head_dim_vo=head_dim_vo,
+            page_size=page_size,
+            causal=causal,
+            sm_scale=sm_scale,
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            q_data_type=q_data_type,
+            kv_data_type=kv_data_type,
+            o_data_type=o_data_type,
+            return_lse=return_lse,
+            backend=backend,
+            tactic=tactic,
+        )
+
+
+class PagedDecode(_PagedAttention):
+    """Batch decode attention (one query row per request) over a paged KV cache.
+
+    ``q`` is ``[batch_size, num_qo_heads, head_dim_qk]``; each request attends all its keys.
+
+    Examples
+    --------
+    >>> import torch, tactix
+    >>> wrapper = tactix.PagedDecode(kv_layout="HND", device="cpu")
+    >>> i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
+    >>> wrapper.plan(i32(0, 1, 3), i32(5, 0, 2), i32(5, 8), num_qo_heads=4, num_kv_heads=4,
+    ...              head_dim_qk=32, page_size=8, q_data_type=torch.float32)
+    >>> k, v = torch.randn(6, 4, 8, 32), torch.randn(6, 4, 8, 32)      # HND pages
+    >>> wrapper.run(torch.randn(2, 4, 32), (k, v)).shape
+    torch.Size([2, 4, 32])
+    """
+
+    _op: ClassVar[str] = "decode"
+
+    def plan(
+        self,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        page_size: int,
+        *,
+        head_dim_vo: int | None = None,
+        sm_scale: float | None = None,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        q_data_type: torch.dtype | str = torch.bfloat16,
+        kv_data_type: torch.dtype | str | None = None,
+        o_data_type: torch.dtype | str | None = None,
+        return_lse: bool = False,
+        backend: str | None = None,
+        tactic: Tactic | dict[str, Any] | str | None = None,
+    ) -> None:
+        """Plan a decode batch; the arguments mean what they mean for `PagedPrefill.plan`."""
+        self._plan(
+            qo_indptr=None,
+            paged_kv_indptr=paged_kv_indptr,
+            paged_kv_indices=paged_kv_indices,
+            paged_kv_last_page_len=paged_kv_last_page_len,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim_qk=head_dim_qk,
+            head_dim_vo=head_dim_vo,
+            page_size=page_size,
+            causal=False,
+            sm_scale=sm_scale,
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            q_data_type=q_data_type,
+            kv_data_type=kv_data_type,
+            o_data_type=o_data_type,
+            return_lse=return_lse,
+            backend=backend,
+            tactic=tactic,
+        )

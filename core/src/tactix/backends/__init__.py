@@ -1,0 +1,1 @@
+"""Backends built into core (registered through core's own ``tactix.backends`` entry point)."""

@@ -1,0 +1,522 @@
+"""The built-in ``torch`` backend: paged attention and GEMM from plain PyTorch ops, CPU and GPU.
+
+Attention gathers each request's pages into a padded ``[batch, heads, kv_len, dim]`` view
+(index tensors computed once in plan), then runs one of:
+
+* ``explicit``: masked softmax attention computed in float32 by matmuls; serves every feature
+  (GQA, bottom-right causal, window, soft-cap, LSE) on every device. The CPU default.
+* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` restricted to one PyTorch
+  implementation (``params.impl``: ``math``, ``flash``, ``efficient`` or ``cudnn``), so each is
+  a separate tuning candidate. No soft-cap and no LSE; ``flash`` and ``cudnn`` also need a
+  batch whose requests all have the same lengths and no window (no mask). On a GPU the default
+  is ``efficient`` where it applies, else ``explicit``.
+
+GEMM runs ``matmul`` (``torch.mm``/``addmm``/``bmm``) for 16- and 32-bit operands, and for fp8
+either ``scaled_mm`` (``torch._scaled_mm``, both operands k-major, unbatched) or ``dequant``
+(upcast to float32, multiply, scale). All plans keep their index buffers at fixed addresses, so
+``run`` captures in a CUDA graph; with ``use_cuda_graph`` a re-plan of the same shape bucket
+rewrites those buffers in place, so a captured graph replays the new batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+import torch.nn.functional as F
+
+import tactix
+from tactix.batch import PagedBatch
+from tactix.capabilities import AttentionCapabilities, BackendSpec, GemmCapabilities, GemmDTypes
+from tactix.dtypes import to_torch_dtype
+from tactix.errors import UnsupportedProblemError
+from tactix.hookspecs import PlanOptions, hookimpl
+from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem, bucket_size
+from tactix.tactics import Tactic
+
+NAME: Final = "torch"
+
+_FLOAT_TYPES: Final = frozenset({"float16", "bfloat16", "float32"})
+_SDPA_IMPLS: Final = ("math", "flash", "efficient", "cudnn")
+_SDPA_CPU: Final = frozenset({"math", "flash"})
+
+_ATTENTION = AttentionCapabilities(
+    devices=frozenset({"cpu", "cuda"}),
+    q_dtypes=_FLOAT_TYPES,
+    kv_dtypes=_FLOAT_TYPES,
+    out_dtypes=_FLOAT_TYPES,
+    head_dims=None,
+    different_vo_head_dim=True,
+    page_sizes=None,
+    kv_layouts=frozenset({"NHD", "HND"}),
+    causal=True,
+    non_causal=True,
+    chunked=True,
+    sliding_window=True,
+    logits_soft_cap=True,
+    lse=True,
+    cuda_graph="fixed_buffers",
+)
+
+_GEMM = GemmCapabilities(
+    devices=frozenset({"cpu", "cuda"}),
+    dtypes=frozenset(
+        [GemmDTypes(a=t, b=t, out=t) for t in ("float16", "bfloat16", "float32")]
+        + [
+            GemmDTypes(a="float8_e4m3fn", b="float8_e4m3fn", out=o, scale_mode="per_tensor")
+            for o in ("bfloat16", "float16", "float32")
+        ]
+    ),
+    a_m_major=True,
+    b_n_major=True,
+    bias=True,
+    batched=True,
+    cuda_graph="fixed_buffers",
+)
+
+
+@hookimpl
+def tactix_backends() -> list[BackendSpec]:
+    return [
+        BackendSpec(
+            name=NAME,
+            version=tactix.__version__,
+            description="PyTorch ops (SDPA, matmul, _scaled_mm); runs wherever torch runs",
+            prefill=_ATTENTION,
+            decode=_ATTENTION,
+            gemm=_GEMM,
+            preference=-100,  # the fallback: every other backend is tried first
+        )
+    ]
+
+
+@hookimpl
+def tactix_environment(backend: str) -> list[str] | None:
+    return [] if backend == NAME else None
+
+
+@hookimpl
+def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
+    if backend != NAME:
+        return None
+    if isinstance(problem, GemmProblem):
+        kernels = ["matmul"] if problem.scale_mode == "none" else ["scaled_mm", "dequant"]
+        candidates = [Tactic(backend=NAME, kernel=k) for k in kernels]
+    else:
+        candidates = [Tactic(backend=NAME, kernel="explicit")] + [
+            Tactic(backend=NAME, kernel="sdpa", params={"impl": impl}) for impl in _SDPA_IMPLS
+        ]
+    return [t for t in candidates if not _reasons(problem, t, None)]
+
+
+@hookimpl
+def tactix_check(backend: str, problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> list[str] | None:
+    if backend != NAME:
+        return None
+    return _reasons(problem, tactic, batch)
+
+
+# --------------------------------------------------------------------------------------------
+# Support rules
+
+
+def _reasons(problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> list[str]:
+    if isinstance(problem, GemmProblem):
+        return _gemm_reasons(problem, tactic)
+    return _attention_reasons(problem, tactic, batch)
+
+
+def _attention_reasons(
+    problem: PrefillProblem | DecodeProblem, tactic: Tactic, batch: PagedBatch | None
+) -> list[str]:
+    out: list[str] = []
+    if problem.kv_dtype != problem.q_dtype:
+        out.append(f"kv dtype {problem.kv_dtype} must equal q dtype {problem.q_dtype}")
+    if tactic.kernel in ("default", "explicit"):
+        if tactic.params:
+            out.append(f"kernel '{tactic.kernel}' takes no params (got {tactic.params})")
+        return out
+    if tactic.kernel != "sdpa":
+        return out + [f"unknown kernel '{tactic.kernel}' (known: default, explicit, sdpa)"]
+    impl = tactic.params.get("impl")
+    if impl not in _SDPA_IMPLS or set(tactic.params) != {"impl"}:
+        return out + [f"sdpa params must be {{'impl': one of {list(_SDPA_IMPLS)}}} (got {tactic.params})"]
+    if problem.logits_soft_cap > 0:
+        out.append("SDPA has no logits soft-cap")
+    if problem.return_lse:
+        out.append("SDPA does not return the LSE")
+    if problem.device_type == "cpu" and impl not in _SDPA_CPU:
+        out.append(f"SDPA '{impl}' runs only on CUDA")
+    if impl in ("flash", "cudnn"):
+        if problem.q_dtype not in ("float16", "bfloat16"):
+            out.append(f"SDPA '{impl}' needs float16 or bfloat16 (got {problem.q_dtype})")
+        if problem.window_left >= 0:
+            out.append(f"SDPA '{impl}' takes no mask, so no sliding window")
+        if batch is not None and _needs_mask(problem, batch):
+            out.append(f"SDPA '{impl}' takes no mask: the requests' lengths differ")
+    if impl == "cudnn" and problem.head_dim_qk > 128:
+        out.append("SDPA 'cudnn' supports head dims up to 128")
+    if impl != "math" and problem.head_dim_qk != problem.head_dim_vo:
+        out.append(f"SDPA '{impl}' needs head_dim_vo == head_dim_qk")
+    if impl == "efficient" and problem.head_dim_qk % 8:
+        out.append("SDPA 'efficient' needs a head dim that is a multiple of 8")
+    return out
+
+
+def _gemm_reasons(problem: GemmProblem, tactic: Tactic) -> list[str]:
+    if tactic.params:
+        return [f"kernel '{tactic.kernel}' takes no params (got {tactic.params})"]
+    fp8 = problem.scale_mode == "per_tensor"
+    if tactic.kernel == "default":
+        return []
+    if tactic.kernel == "matmul":
+        return ["'matmul' does not apply scales; use 'scaled_mm' or 'dequant'"] if fp8 else []
+    if tactic.kernel in ("scaled_mm", "dequant") and not fp8:
+        return [f"'{tactic.kernel}' is for fp8 operands with per-tensor scales"]
+    if tactic.kernel == "dequant":
+        return []
+    if tactic.kernel == "scaled_mm":
+        out = []
+        if not (problem.a_k_major and problem.b_k_major):
+            out.append("'scaled_mm' needs both operands k-major")
+        if problem.batched:
+            out.append("'scaled_mm' is not batched")
+        if problem.k % 16 or problem.n % 16:
+            out.append(f"'scaled_mm' needs k and n divisible by 16 (got k={problem.k}, n={problem.n})")
+        if problem.bias_dtype is not None and (
+            problem.out_dtype == "float32" or problem.bias_dtype != problem.out_dtype
+        ):
+            out.append("'scaled_mm' needs a bias of the output dtype, and no bias with float32 out")
+        return out
+    return [f"unknown kernel '{tactic.kernel}' (known: default, matmul, scaled_mm, dequant)"]
+
+
+def _needs_mask(problem: PrefillProblem | DecodeProblem, batch: PagedBatch) -> bool:
+    """Whether the padded batch needs an explicit mask (ragged lengths, window, chunked causal)."""
+    if problem.window_left >= 0 or batch.batch_size > 1 and (
+        bool((batch.kv_lens != batch.max_kv_len).any()) or bool((batch.qo_lens != batch.max_qo_len).any())
+    ):
+        return True
+    causal = isinstance(problem, PrefillProblem) and problem.causal
+    # a uniform causal batch with q as long as kv is the one case is_causal expresses.
+    return causal and batch.max_qo_len != batch.max_kv_len
+
+
+def _concrete(problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> Tactic:
+    """Resolve the default tactic to the kernel it stands for on this problem."""
+    if not tactic.is_default:
+        return tactic
+    if isinstance(problem, GemmProblem):
+        if problem.scale_mode == "none":
+            return Tactic(backend=NAME, kernel="matmul")
+        scaled = Tactic(backend=NAME, kernel="scaled_mm")
+        cc_ok = problem.device_type != "cuda" or torch.cuda.get_device_capability() >= (8, 9)
+        if cc_ok and not _gemm_reasons(problem, scaled):
+            return scaled
+        return Tactic(backend=NAME, kernel="dequant")
+    if problem.device_type == "cuda":
+        efficient = Tactic(backend=NAME, kernel="sdpa", params={"impl": "efficient"})
+        if not _attention_reasons(problem, efficient, batch):
+            return efficient
+    return Tactic(backend=NAME, kernel="explicit")
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    batch_size: int
+    tokens: int
+    q_len: int  # padded query rows per request
+    pages: int  # padded pages per request
+
+    def compatible(self, other: _Geometry) -> bool:
+        return self == other
+
+
+def _sdpa_backend(impl: str) -> Any:
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "math": SDPBackend.MATH,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+    }[impl]
+
+
+class _AttentionPlan:
+    """Padded-gather attention over the paged cache. All index tensors live on the device."""
+
+    def __init__(
+        self,
+        problem: PrefillProblem | DecodeProblem,
+        batch: PagedBatch,
+        tactic: Tactic,
+        options: PlanOptions,
+    ) -> None:
+        self.problem = problem
+        self.tactic = tactic
+        self.built = False
+        self.device = options["device"]
+        causal = isinstance(problem, PrefillProblem) and problem.causal
+        page = problem.page_size
+        if options["use_cuda_graph"]:
+            # shapes depend on the bucket only, so re-plans of the bucket keep them.
+            q_len = bucket_size(batch.max_qo_len)
+            pages = -(-bucket_size(batch.max_kv_len) // page)
+        else:
+            q_len = batch.max_qo_len
+            pages = -(-batch.max_kv_len // page)
+        self.geometry = _Geometry(batch.batch_size, batch.num_qo_tokens, max(q_len, 1), pages)
+        self.mask_needed = options["use_cuda_graph"] or _needs_mask(problem, batch)
+        self.is_causal = causal and not self.mask_needed
+        self._sdpa = None
+        if tactic.kernel == "sdpa":
+            self._sdpa = _sdpa_backend(str(tactic.params["impl"]))
+            self._gqa_native = tactic.params["impl"] in ("math", "flash")
+
+        page_table, q_index, out_index, mask = self._indices(batch, causal)
+        previous = options["previous"]
+        if options["use_cuda_graph"] and previous is not None:
+            if not isinstance(previous, _AttentionPlan) or not previous.geometry.compatible(self.geometry):
+                old = previous.geometry if isinstance(previous, _AttentionPlan) else previous
+                raise UnsupportedProblemError(
+                    NAME,
+                    problem,
+                    [
+                        "in CUDA-graph mode a re-plan must keep the batch size, the token count and "
+                        f"the length buckets, so captured graphs stay valid (planned {old}, now "
+                        f"{self.geometry}); use one wrapper per captured shape"
+                    ],
+                )
+            # rewrite the captured buffers in place: same addresses, new batch.
+            previous.page_table.copy_(page_table)
+            previous.q_index.copy_(q_index)
+            previous.out_index.copy_(out_index)
+            previous.mask.copy_(mask)
+            page_table, q_index, out_index, mask = (
+                previous.page_table, previous.q_index, previous.out_index, previous.mask,
+            )
+        self.page_table, self.q_index, self.out_index, self.mask = page_table, q_index, out_index, mask
+        self._attn_mask = mask if self.mask_needed else None
+        self._kv_len = batch.max_kv_len  # without a mask, keys past the longest request are cut
+
+    def _indices(
+        self, batch: PagedBatch, causal: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gather/scatter indices and the mask, built on the device with no host sync."""
+        g = self.geometry
+        dev = batch.on(self.device)
+        device = self.device
+        problem = self.problem
+        page = problem.page_size
+        rows = torch.arange(g.batch_size, device=device)
+        num_pages = (dev.kv_indptr[1:] - dev.kv_indptr[:-1]).long()
+        nnz = batch.num_page_entries
+        req = torch.repeat_interleave(rows, num_pages, output_size=nnz)
+        slot = torch.arange(nnz, device=device) - dev.kv_indptr[:-1].long()[req]
+        page_table = torch.zeros(g.batch_size, g.pages, dtype=torch.long, device=device)
+        page_table[req, slot] = dev.kv_indices.long()
+
+        q_lens = dev.qo_lens.long()
+        kv_lens = dev.kv_lens.long()
+        starts = dev.qo_indptr[:-1].long()
+        i = torch.arange(g.q_len, device=device)
+        last_row = (q_lens - 1).clamp(min=0)
+        q_index = starts[:, None] + torch.minimum(i[None, :], last_row[:, None])
+        q_index = q_index.clamp(0, max(g.tokens - 1, 0)).reshape(-1)
+
+        tok_req = torch.repeat_interleave(rows, q_lens, output_size=g.tokens)
+        tok_pos = torch.arange(g.tokens, device=device) - starts[tok_req]
+        out_index = tok_req * g.q_len + tok_pos
+
+        j = torch.arange(g.pages * page, device=device)
+        offset = (kv_lens - q_lens)[:, None, None]  # bottom-right alignment of q within kv
+        qpos = i[None, :, None] + offset
+        mask = j[None, None, :] < kv_lens[:, None, None]
+        if causal:
+            mask = mask & (j[None, None, :] <= qpos)
+        if problem.window_left >= 0:
+            mask = mask & (j[None, None, :] >= qpos - problem.window_left)
+        padded_row = (i[None, :] >= q_lens[:, None])[:, :, None]
+        # padding rows attend key 0 only, so no row is empty (their output is discarded).
+        mask = torch.where(padded_row, j[None, None, :] == 0, mask)
+        return page_table, q_index, out_index, mask[:, None]
+
+    def _gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """Pages of every request as ``[batch, kv_heads, pages * page_size, dim]``."""
+        g = self.geometry
+        pages = cache.index_select(0, self.page_table.view(-1))
+        if self.problem.kv_layout == "NHD":  # [B*P, S, H, D]
+            s, h, d = pages.shape[1:]
+            return pages.view(g.batch_size, g.pages * s, h, d).transpose(1, 2)
+        h, s, d = pages.shape[1:]  # HND: [B*P, H, S, D]
+        return (
+            pages.view(g.batch_size, g.pages, h, s, d)
+            .permute(0, 2, 1, 3, 4)
+            .reshape(g.batch_size, h, g.pages * s, d)
+        )
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+    ) -> None:
+        g = self.geometry
+        p = self.problem
+        hq = p.num_qo_heads
+        qp = q.index_select(0, self.q_index).view(g.batch_size, g.q_len, hq, p.head_dim_qk).transpose(1, 2)
+        kp = self._gather(k_cache)
+        vp = self._gather(v_cache)
+        if self._sdpa is None:
+            o, row_lse = self._explicit(qp, kp, vp, lse is not None)
+        else:
+            o, row_lse = self._run_sdpa(qp, kp, vp), None
+        rows = o.transpose(1, 2).reshape(g.batch_size * g.q_len, hq, p.head_dim_vo)
+        torch.index_select(rows.to(out.dtype), 0, self.out_index, out=out)
+        if lse is not None:
+            assert row_lse is not None
+            flat = row_lse.transpose(1, 2).reshape(g.batch_size * g.q_len, hq)
+            torch.index_select(flat, 0, self.out_index, out=lse)
+
+    def _explicit(
+        self, qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, want_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        g = self.geometry
+        p = self.problem
+        hkv, group = p.num_kv_heads, p.gqa_ratio
+        q32 = qp.float().reshape(g.batch_size, hkv, group * g.q_len, p.head_dim_qk)
+        scores = torch.matmul(q32, kp.float().transpose(-1, -2)) * p.sm_scale
+        if p.logits_soft_cap > 0:
+            scores = torch.tanh(scores / p.logits_soft_cap) * p.logits_soft_cap
+        scores = scores.view(g.batch_size, hkv, group, g.q_len, -1)
+        scores = scores.masked_fill(~self.mask[:, :, None], float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1) if want_lse else None
+        probs = torch.softmax(scores, dim=-1).view(g.batch_size, hkv, group * g.q_len, -1)
+        o = torch.matmul(probs, vp.float()).view(g.batch_size, p.num_qo_heads, g.q_len, p.head_dim_vo)
+        if row_lse is not None:
+            row_lse = row_lse.reshape(g.batch_size, p.num_qo_heads, g.q_len)
+        return o, row_lse
+
+    def _run_sdpa(self, qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention import sdpa_kernel
+
+        p = self.problem
+        if self._attn_mask is None:
+            kp, vp = kp[:, :, : self._kv_len], vp[:, :, : self._kv_len]
+        if not self._gqa_native and p.gqa_ratio > 1:
+            kp = kp.repeat_interleave(p.gqa_ratio, dim=1)
+            vp = vp.repeat_interleave(p.gqa_ratio, dim=1)
+        with sdpa_kernel(self._sdpa):
+            return F.scaled_dot_product_attention(
+                qp,
+                kp,
+                vp,
+                attn_mask=self._attn_mask,
+                is_causal=self.is_causal,
+                scale=p.sm_scale,
+                enable_gqa=self._gqa_native and p.gqa_ratio > 1,
+            )
+
+
+def _plan_attention(
+    backend: str,
+    problem: PrefillProblem | DecodeProblem,
+    batch: PagedBatch,
+    tactic: Tactic,
+    options: PlanOptions,
+) -> _AttentionPlan | None:
+    if backend != NAME:
+        return None
+    concrete = _concrete(problem, tactic, batch)
+    reasons = _attention_reasons(problem, concrete, batch)
+    if reasons:
+        raise UnsupportedProblemError(NAME, problem, reasons)
+    return _AttentionPlan(problem, batch, concrete, options)
+
+
+@hookimpl
+def tactix_plan_prefill(
+    backend: str, problem: PrefillProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions
+) -> _AttentionPlan | None:
+    return _plan_attention(backend, problem, batch, tactic, options)
+
+
+@hookimpl
+def tactix_plan_decode(
+    backend: str, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions
+) -> _AttentionPlan | None:
+    return _plan_attention(backend, problem, batch, tactic, options)
+
+
+# --------------------------------------------------------------------------------------------
+# GEMM
+
+
+class _GemmPlan:
+    def __init__(self, problem: GemmProblem, tactic: Tactic) -> None:
+        self.problem = problem
+        self.tactic = tactic
+        self.built = False
+        self._out_dtype = to_torch_dtype(problem.out_dtype)
+        self.run = {  # type: ignore[method-assign]
+            "matmul": self._matmul,
+            "scaled_mm": self._scaled_mm,
+            "dequant": self._dequant,
+        }[tactic.kernel]
+
+    def run(  # replaced per kernel in __init__; kept for the protocol
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        out: torch.Tensor,
+        bias: torch.Tensor | None,
+        scale_a: torch.Tensor | None,
+        scale_b: torch.Tensor | None,
+    ) -> None:
+        raise NotImplementedError
+
+    def _matmul(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
+                scale_a: torch.Tensor | None, scale_b: torch.Tensor | None) -> None:
+        if a.dim() == 2:
+            if bias is None:
+                torch.mm(a, b, out=out)
+            else:
+                torch.addmm(bias, a, b, out=out)
+        elif bias is None:
+            torch.bmm(a, b, out=out)
+        else:
+            torch.baddbmm(bias, a, b, out=out)
+
+    def _scaled_mm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
+                   scale_a: torch.Tensor | None, scale_b: torch.Tensor | None) -> None:
+        torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=self._out_dtype, out=out)
+
+    def _dequant(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
+                 scale_a: torch.Tensor | None, scale_b: torch.Tensor | None) -> None:
+        assert scale_a is not None and scale_b is not None
+        acc = torch.matmul(a.float(), b.float()) * (scale_a.float() * scale_b.float())
+        if bias is not None:
+            acc = acc + bias.float()
+        out.copy_(acc)
+
+
+@hookimpl
+def tactix_plan_gemm(
+    backend: str, problem: GemmProblem, tactic: Tactic, options: PlanOptions
+) -> _GemmPlan | None:
+    if backend != NAME:
+        return None
+    concrete = _concrete(problem, tactic, None)
+    reasons = _gemm_reasons(problem, concrete)
+    if reasons:
+        raise UnsupportedProblemError(NAME, problem, reasons)
+    return _GemmPlan(problem, concrete)
+

@@ -1,0 +1,323 @@
+"""Backend discovery: entry points of the ``tactix.backends`` group, loaded one at a time.
+
+Our own loader wraps each ``EntryPoint.load()`` and registration call, so a plugin that fails
+to import or register is recorded (name, distribution, version, error) and skipped; the rest
+keep working. ``TACTIX_BACKENDS`` (comma-separated allow-list) and ``TACTIX_DISABLE_BACKENDS``
+(deny-list) are applied before anything is imported. Two distributions registering the same
+name disable that name with an error naming both. Loading a plugin never initialises CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import logging
+import os
+import threading
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+import pluggy
+
+from tactix import hookspecs
+from tactix.capabilities import BackendSpec
+from tactix.errors import (
+    BackendNotFoundError,
+    BackendUnavailableError,
+    DuplicateBackendError,
+    PluginError,
+)
+from tactix.problems import Problem
+from tactix.tactics import Tactic
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Backend",
+    "BackendRecord",
+    "Registry",
+    "get_registry",
+    "set_registry",
+]
+
+log = logging.getLogger("tactix.registry")
+
+ENTRY_POINT_GROUP: Final = "tactix.backends"
+Status = Literal["active", "disabled", "failed"]
+
+
+@dataclass(frozen=True)
+class BackendRecord:
+    """What discovery learned about one entry point."""
+
+    name: str
+    distribution: str | None
+    distribution_version: str | None
+    entry_point: str
+    status: Status
+    error: str | None = None
+    spec: BackendSpec | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "distribution_version": self.distribution_version,
+            "entry_point": self.entry_point,
+            "status": self.status,
+            "error": self.error,
+            "version": self.spec.version if self.spec else None,
+            "ops": self.spec.ops if self.spec else [],
+        }
+
+
+@dataclass
+class _Hook:
+    function: Callable[..., Any]
+    argnames: tuple[str, ...]
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return self.function(*[kwargs[a] for a in self.argnames])
+
+
+@dataclass
+class Backend:
+    """An active backend: its spec and direct handles to its plugin's hook implementations.
+
+    Calls go to this plugin's implementations only (resolved once at discovery), so another
+    plugin can never answer for this backend, and no hook loop runs at plan time.
+    """
+
+    record: BackendRecord
+    spec: BackendSpec
+    _hooks: dict[str, _Hook] = field(repr=False)
+    _environment: list[str] | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def _call(self, hook: str, **kwargs: Any) -> Any:
+        impl = self._hooks.get(hook)
+        if impl is None:
+            return None
+        return impl(backend=self.name, **kwargs)
+
+    def environment(self) -> list[str]:
+        """Reasons this backend cannot run on this machine (cached; empty list: it can)."""
+        if self._environment is None:
+            try:
+                reasons = self._call("tactix_environment")
+            except Exception as exc:  # a plugin bug must not take discovery down
+                reasons = [f"tactix_environment raised {type(exc).__name__}: {exc}"]
+            self._environment = list(reasons or [])
+        return self._environment
+
+    def tactics(self, problem: Problem) -> list[Tactic]:
+        """The backend's tactic space for ``problem``, default first, without duplicates."""
+        listed = self._call("tactix_tactics", problem=problem) or []
+        out = [Tactic.default(self.name)]
+        for tactic in listed:
+            if not isinstance(tactic, Tactic) or tactic.backend != self.name:
+                raise PluginError(
+                    f"plugin '{self.name}' returned {tactic!r} from tactix_tactics; expected "
+                    f"Tactic objects with backend='{self.name}'"
+                )
+            if tactic not in out:
+                out.append(tactic)
+        return out
+
+    def check(self, problem: Problem, tactic: Tactic, batch: Any = None) -> list[str]:
+        """Reasons ``tactic`` cannot serve ``problem`` here: environment, capabilities, plugin."""
+        if tactic.backend != self.name:
+            return [f"tactic {tactic} belongs to backend '{tactic.backend}', not '{self.name}'"]
+        reasons = self.environment() + self.spec.reasons(problem)
+        if reasons:
+            return reasons
+        try:
+            extra = self._call("tactix_check", problem=problem, tactic=tactic, batch=batch)
+        except Exception as exc:
+            return [f"tactix_check raised {type(exc).__name__}: {exc}"]
+        return list(extra or [])
+
+    def plan(self, problem: Problem, tactic: Tactic, options: hookspecs.PlanOptions, batch: Any = None) -> Any:
+        """Call this backend's plan hook for ``problem.op``. Exceptions propagate."""
+        hook = f"tactix_plan_{problem.op}"
+        kwargs: dict[str, Any] = {"problem": problem, "tactic": tactic, "options": options}
+        if problem.op != "gemm":
+            kwargs["batch"] = batch
+        plan = self._call(hook, **kwargs)
+        if plan is None:
+            raise PluginError(f"backend '{self.name}' returned no plan from {hook} for {problem}")
+        return plan
+
+
+class Registry:
+    """The backends discovered in this process."""
+
+    def __init__(self, records: Sequence[BackendRecord], backends: Mapping[str, Backend]) -> None:
+        self._records = list(records)
+        self._backends = dict(backends)
+        self._by_preference = sorted(
+            self._backends.values(), key=lambda b: (-b.spec.preference, b.name)
+        )
+
+    @classmethod
+    def discover(
+        cls,
+        entry_points: Iterable[metadata.EntryPoint] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> Registry:
+        env = os.environ if environ is None else environ
+        eps = list(metadata.entry_points(group=ENTRY_POINT_GROUP) if entry_points is None else entry_points)
+        allow = _name_list(env.get("TACTIX_BACKENDS"))
+        deny = _name_list(env.get("TACTIX_DISABLE_BACKENDS")) or set()
+
+        by_name: dict[str, list[metadata.EntryPoint]] = {}
+        for ep in eps:
+            by_name.setdefault(ep.name, []).append(ep)
+
+        manager = pluggy.PluginManager(hookspecs.PROJECT)
+        manager.add_hookspecs(hookspecs)
+        records: list[BackendRecord] = []
+        backends: dict[str, Backend] = {}
+        for name, group in sorted(by_name.items()):
+            dists = {_dist_name(ep) for ep in group}
+            if len(group) > 1:
+                listed = " and ".join(f"'{d}'" for d in sorted(dists, key=str))
+                err = DuplicateBackendError(
+                    f"backend '{name}' is registered by more than one distribution ({listed}); "
+                    "uninstall one of them"
+                )
+                records += [_record(ep, "failed", str(err)) for ep in group]
+                continue
+            ep = group[0]
+            if allow is not None and name not in allow:
+                records.append(_record(ep, "disabled", "not listed in TACTIX_BACKENDS"))
+                continue
+            if name in deny:
+                records.append(_record(ep, "disabled", "listed in TACTIX_DISABLE_BACKENDS"))
+                continue
+            record, backend = _load(ep, manager)
+            records.append(record)
+            if backend is not None:
+                backends[name] = backend
+        if allow is not None:
+            for missing in sorted(allow - set(by_name)):
+                log.warning("TACTIX_BACKENDS names '%s', which no installed plugin provides", missing)
+        return cls(records, backends)
+
+    def records(self) -> list[BackendRecord]:
+        return list(self._records)
+
+    def active(self) -> list[Backend]:
+        """Active backends, most preferred first."""
+        return list(self._by_preference)
+
+    def get(self, name: str) -> Backend:
+        """The active backend called ``name``; an error naming the valid choices otherwise."""
+        backend = self._backends.get(name)
+        if backend is not None:
+            return backend
+        for record in self._records:
+            if record.name == name:
+                if record.error and record.status == "failed" and "more than one distribution" in record.error:
+                    raise DuplicateBackendError(record.error)
+                raise BackendUnavailableError(
+                    f"backend '{name}' is {record.status}: {record.error}"
+                )
+        raise BackendNotFoundError(name, self._backends)
+
+
+def _name_list(value: str | None) -> set[str] | None:
+    if value is None or not value.strip():
+        return None
+    return {v.strip() for v in value.split(",") if v.strip()}
+
+
+def _dist_name(ep: metadata.EntryPoint) -> str | None:
+    dist = getattr(ep, "dist", None)
+    return dist.name if dist is not None else None
+
+
+def _record(ep: metadata.EntryPoint, status: Status, error: str | None = None, spec: BackendSpec | None = None) -> BackendRecord:
+    dist = getattr(ep, "dist", None)
+    return BackendRecord(
+        name=ep.name,
+        distribution=dist.name if dist is not None else None,
+        distribution_version=dist.version if dist is not None else None,
+        entry_point=ep.value,
+        status=status,
+        error=error,
+        spec=spec,
+    )
+
+
+def _load(ep: metadata.EntryPoint, manager: pluggy.PluginManager) -> tuple[BackendRecord, Backend | None]:
+    def failed(what: str, exc: BaseException) -> tuple[BackendRecord, None]:
+        log.warning("tactix backend '%s' (%s) %s: %s", ep.name, ep.value, what, exc)
+        log.debug("%s", "".join(traceback.format_exception(exc)))
+        return _record(ep, "failed", f"{what}: {type(exc).__name__}: {exc}"), None
+
+    try:
+        plugin = ep.load()
+    except Exception as exc:
+        return failed("failed to import", exc)
+    try:
+        manager.register(plugin, name=f"{ep.name}@{ep.value}")
+    except Exception as exc:
+        return failed("failed to register its hooks", exc)
+    try:
+        manager.check_pending()  # a misspelt tactix_* hook would otherwise be ignored silently
+    except Exception as exc:
+        manager.unregister(plugin)
+        return failed("failed to register its hooks", exc)
+
+    hooks: dict[str, _Hook] = {}
+    for hook_name in dir(manager.hook):
+        if not hook_name.startswith("tactix_"):
+            continue
+        caller = getattr(manager.hook, hook_name)
+        for impl in caller.get_hookimpls():
+            if impl.plugin is plugin:
+                hooks[hook_name] = _Hook(impl.function, tuple(impl.argnames))
+    manager.unregister(plugin)
+
+    register = hooks.pop("tactix_backends", None)
+    if register is None:
+        return failed("is not a tactix plugin", PluginError("it implements no tactix_backends hook"))
+    try:
+        specs = register()
+    except Exception as exc:
+        return failed("failed in tactix_backends", exc)
+    mine = [s for s in (specs or []) if isinstance(s, BackendSpec) and s.name == ep.name]
+    if len(mine) != 1:
+        names = [getattr(s, "name", type(s).__name__) for s in (specs or [])]
+        return failed(
+            "registered no matching backend",
+            PluginError(f"entry point '{ep.name}' must register one BackendSpec named '{ep.name}' (got {names})"),
+        )
+    record = _record(ep, "active", None, mine[0])
+    return record, Backend(record=record, spec=mine[0], _hooks=hooks)
+
+
+_lock = threading.Lock()
+_registry: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, discovered on first use."""
+    global _registry
+    if _registry is None:
+        with _lock:
+            if _registry is None:
+                _registry = Registry.discover()
+    return _registry
+
+
+def set_registry(registry: Registry | None) -> Registry | None:
+    """Replace the process-wide registry (None: rediscover on next use). Returns the old one."""
+    global _registry
+    with _lock:
+        old, _registry = _registry, registry
+    return old

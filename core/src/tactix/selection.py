@@ -1,0 +1,177 @@
+"""Choosing the (backend, tactic) that serves a problem, and the fallback policy.
+
+Order: an explicit tactic, else an explicit backend's default, else (``auto``) a stored tactic
+if a tactic source is attached, else each active backend's default, most preferred first.
+An explicit choice that cannot serve raises. Under ``auto``, a stored tactic that no longer
+validates or whose plan raises falls back to that backend's default and then to the next
+backend, with one `FallbackWarning` naming the problem, the tactic and the cause; when the
+last candidate's plan raises, that error propagates. Nothing is ever retried.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from tactix.batch import PagedBatch
+from tactix.errors import (
+    BackendError,
+    FallbackWarning,
+    InvalidArgumentError,
+    TacticError,
+    TactixError,
+    UnsupportedProblemError,
+)
+from tactix.hookspecs import PlanOptions
+from tactix.problems import Problem
+from tactix.registry import Backend, get_registry
+from tactix.tactics import Tactic
+
+__all__ = ["Selection", "select_and_plan", "set_tactic_source"]
+
+TacticSource = Callable[[Problem], Tactic | None]
+"""Given a problem, the stored tactic for its bucket, or None (the autotuner installs one)."""
+
+_source: TacticSource | None = None
+_warned: set[tuple[str, str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def set_tactic_source(source: TacticSource | None) -> TacticSource | None:
+    """Install the function consulted for stored tactics under ``auto``; returns the old one."""
+    global _source
+    old, _source = _source, source
+    return old
+
+
+class Selection:
+    """The outcome of planning: which backend serves, with which plan."""
+
+    __slots__ = ("backend", "plan", "source")
+
+    def __init__(self, backend: Backend, plan: Any, source: str) -> None:
+        self.backend = backend
+        self.plan = plan
+        self.source = source
+        """How the tactic was chosen: 'explicit', 'store', 'default' or 'fallback'."""
+
+
+def warn_fallback(problem: Problem, tactic: Tactic, cause: str, instead: str) -> None:
+    key = (problem.key_json(), tactic.to_json(), cause)
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(
+        FallbackWarning(f"{problem}: tactic {tactic} cannot serve ({cause}); using {instead}"),
+        stacklevel=4,
+    )
+
+
+def select_and_plan(
+    problem: Problem,
+    batch: PagedBatch | None,
+    *,
+    backend: str,
+    tactic: Tactic | None,
+    options: PlanOptions,
+    previous: Selection | None = None,
+) -> Selection:
+    registry = get_registry()
+
+    def plan(b: Backend, t: Tactic) -> Any:
+        opts = dict(options)
+        if previous is None or previous.backend is not b:
+            opts["previous"] = None
+        return b.plan(problem, t, opts, batch)  # type: ignore[arg-type]
+
+    if options["use_cuda_graph"] and previous is not None:
+        # a captured graph reads the previous plan's buffers: the same backend and tactic must
+        # rewrite them, so there is no fallback here (any error propagates).
+        b, t = previous.backend, previous.plan.tactic
+        if tactic is not None and tactic != t or backend not in ("auto", b.name):
+            raise TacticError(
+                "in CUDA-graph mode a wrapper keeps its backend and tactic across re-plans "
+                f"(planned with {t}); create a new wrapper to change them"
+            )
+        return Selection(b, _plan_or_raise(b, t, problem, batch, plan), previous.source)
+
+    if tactic is not None:
+        if backend != "auto" and tactic.backend != backend:
+            raise TacticError(
+                f"'tactic' must belong to backend '{backend}' (got a tactic of backend '{tactic.backend}')"
+            )
+        b = registry.get(tactic.backend)
+        _require(b, problem, tactic, batch)
+        return Selection(b, _plan_or_raise(b, tactic, problem, batch, plan), "explicit")
+
+    candidates: list[tuple[Backend, Tactic, str]] = []
+    if backend != "auto":
+        b = registry.get(backend)
+        stored = _stored(problem)
+        if stored is not None and stored.backend == b.name:
+            candidates.append((b, stored, "store"))
+        candidates.append((b, Tactic.default(b.name), "default"))
+    else:
+        stored = _stored(problem)
+        if stored is not None:
+            try:
+                candidates.append((registry.get(stored.backend), stored, "store"))
+            except TactixError as exc:
+                warn_fallback(problem, stored, str(exc), "the untuned choice")
+        candidates += [(b, Tactic.default(b.name), "default") for b in registry.active()]
+
+    unsupported: list[str] = []
+    failure: tuple[Tactic, BaseException] | None = None
+    for index, (b, t, source) in enumerate(candidates):
+        reasons = b.check(problem, t, batch)
+        if reasons:
+            if source == "store":
+                warn_fallback(problem, t, "; ".join(reasons), f"{b.name}'s default")
+            unsupported.append(f"{b.name}: {'; '.join(reasons)}")
+            continue
+        if failure is not None:
+            warn_fallback(problem, failure[0], _describe(failure[1]), str(t))
+        try:
+            chosen = plan(b, t)
+        except InvalidArgumentError:
+            raise  # bad input is the caller's to fix, whichever backend noticed it
+        except Exception as exc:
+            failure = (t, exc)
+            last = index == len(candidates) - 1
+            if last or (backend != "auto" and source == "default"):
+                if isinstance(exc, TactixError):
+                    raise
+                raise BackendError(b.name, f"plan {problem} with {t}", exc) from exc
+            continue
+        return Selection(b, chosen, source if failure is None else "fallback")
+    if failure is not None:
+        raise BackendError(failure[0].backend, f"plan {problem} with {failure[0]}", failure[1]) from failure[1]
+    raise UnsupportedProblemError(backend, problem, unsupported or ["no backend is active"])
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _stored(problem: Problem) -> Tactic | None:
+    return _source(problem) if _source is not None else None
+
+
+def _require(b: Backend, problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> None:
+    reasons = b.check(problem, tactic, batch)
+    if reasons:
+        raise UnsupportedProblemError(b.name, problem, reasons)
+
+
+def _plan_or_raise(
+    b: Backend, t: Tactic, problem: Problem, batch: PagedBatch | None, plan: Callable[[Backend, Tactic], Any]
+) -> Any:
+    try:
+        return plan(b, t)
+    except TactixError:
+        raise
+    except Exception as exc:
+        raise BackendError(b.name, f"plan {problem} with {t}", exc) from exc

@@ -1,0 +1,158 @@
+"""A float64 oracle for paged attention and GEMM, and the tolerances results are held to.
+
+Written plainly on purpose: a loop over requests, pages concatenated one by one, masks built
+from explicit positions, float64 throughout. It shares no code with any backend (the built-in
+torch backend included), so a bug there cannot hide here. It runs on whatever device the
+inputs are on.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+import torch
+
+__all__ = [
+    "LSE_TOLERANCE",
+    "TOLERANCE",
+    "attention_reference",
+    "gemm_reference",
+    "lse_error",
+    "relative_error",
+    "tolerance_for",
+]
+
+TOLERANCE: Final[dict[str, float]] = {
+    "float32": 1e-5,
+    "float16": 2e-3,
+    "bfloat16": 1e-2,
+}
+"""Largest relative error ``||out - ref|| / ||ref||`` accepted, by output dtype.
+
+float32: the oracle's float64 against float32 arithmetic (well under 1e-5 for these sizes).
+float16 / bfloat16: rounding the output alone costs about 2^-11 / 2^-8 per element; the bound
+leaves room for reduced-precision intermediates (P in 16 bits before P @ V, for instance).
+"""
+
+LSE_TOLERANCE: Final[dict[str, float]] = {
+    "float32": 1e-5,
+    "float16": 2e-3,
+    "bfloat16": 2e-3,
+}
+"""Largest ``|lse - ref| / max(1, |ref|)`` accepted, by query dtype (LSE is float32 always)."""
+
+
+def tolerance_for(out_dtype: torch.dtype | str) -> float:
+    name = str(out_dtype).removeprefix("torch.")
+    return TOLERANCE[name]
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64; ``inf`` if ``out`` holds a NaN or an infinity."""
+    out64 = out.detach().to(ref.device, torch.float64)
+    if not bool(torch.isfinite(out64).all()):
+        return math.inf
+    denom = float(torch.linalg.vector_norm(ref))
+    diff = float(torch.linalg.vector_norm(out64 - ref))
+    return diff / denom if denom > 0 else diff
+
+
+def lse_error(lse: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest ``|lse - ref| / max(1, |ref|)``; ``inf`` if ``lse`` holds a NaN."""
+    lse64 = lse.detach().to(ref.device, torch.float64)
+    if not bool(torch.isfinite(lse64).all()):
+        return math.inf
+    return float(((lse64 - ref).abs() / ref.abs().clamp(min=1.0)).max()) if ref.numel() else 0.0
+
+
+def _request_pages(cache: torch.Tensor, pages: list[int], kv_layout: str) -> torch.Tensor:
+    """Concatenate a request's pages into ``[tokens, heads, dim]``."""
+    parts = []
+    for page in pages:
+        block = cache[page]
+        if kv_layout == "HND":  # [heads, page_size, dim] -> [page_size, heads, dim]
+            block = block.permute(1, 0, 2)
+        parts.append(block)
+    return torch.cat(parts, dim=0).to(torch.float64)
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    *,
+    kv_layout: str,
+    causal: bool,
+    sm_scale: float,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged attention in float64: returns ``out [rows, qo_heads, dim_vo]`` and ``lse [rows, qo_heads]``.
+
+    Decode is the case ``qo_indptr = [0, 1, ..., batch]`` with ``causal=False``. The LSE is the
+    natural-log log-sum-exp of the scaled, soft-capped logits over the attended keys.
+    """
+    qo = [int(x) for x in qo_indptr.tolist()]
+    kv = [int(x) for x in kv_indptr.tolist()]
+    indices = [int(x) for x in kv_indices.tolist()]
+    last = [int(x) for x in kv_last_page_len.tolist()]
+    page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
+    rows, qo_heads, _ = q.shape
+    kv_heads = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
+    group = qo_heads // kv_heads
+    dim_vo = v_cache.shape[-1]
+    out = torch.zeros(rows, qo_heads, dim_vo, dtype=torch.float64, device=q.device)
+    lse = torch.zeros(rows, qo_heads, dtype=torch.float64, device=q.device)
+
+    for r in range(len(last)):
+        pages = indices[kv[r] : kv[r + 1]]
+        kv_len = (len(pages) - 1) * page_size + last[r]
+        k = _request_pages(k_cache, pages, kv_layout)[:kv_len]  # [kv_len, kv_heads, d]
+        v = _request_pages(v_cache, pages, kv_layout)[:kv_len]
+        head_map = torch.arange(qo_heads, device=q.device) // group
+        k = k[:, head_map]  # one K/V head per query head
+        v = v[:, head_map]
+        q_rows = q[qo[r] : qo[r + 1]].to(torch.float64)  # [q_len, qo_heads, d]
+        q_len = q_rows.shape[0]
+        if q_len == 0:
+            continue
+        logits = torch.einsum("qhd,khd->hqk", q_rows, k) * sm_scale
+        if logits_soft_cap > 0:
+            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+        position = torch.arange(q_len, device=q.device) + (kv_len - q_len)  # bottom-right
+        key = torch.arange(kv_len, device=q.device)
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
+        if causal:
+            allowed &= key[None, :] <= position[:, None]
+        if window_left >= 0:
+            allowed &= key[None, :] >= position[:, None] - window_left
+        logits = logits.masked_fill(~allowed, -math.inf)
+        row_lse = torch.logsumexp(logits, dim=-1)  # [heads, q_len]
+        probs = torch.exp(logits - row_lse[..., None])
+        out[qo[r] : qo[r + 1]] = torch.einsum("hqk,khd->qhd", probs, v.to(torch.float64))
+        lse[qo[r] : qo[r + 1]] = row_lse.transpose(0, 1)
+    return out, lse
+
+
+def gemm_reference(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``scale_a * scale_b * (a @ b) + bias`` in float64, from the operands as stored."""
+    result = torch.matmul(a.to(torch.float64), b.to(torch.float64))
+    if scale_a is not None:
+        result = result * scale_a.to(torch.float64).reshape(())
+    if scale_b is not None:
+        result = result * scale_b.to(torch.float64).reshape(())
+    if bias is not None:
+        result = result + bias.to(torch.float64)
+    return result
