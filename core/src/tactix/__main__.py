@@ -1,0 +1,5 @@
+import sys
+
+from tactix.cli import main
+
+sys.exit(main())

@@ -1,0 +1,165 @@
+"""The ``tactix`` command: ``backends``, ``doctor`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import tactix
+from tactix.registry import get_registry
+
+__all__ = ["main"]
+
+
+def _backend_rows() -> list[dict[str, Any]]:
+    registry = get_registry()
+    active = {b.name: b for b in registry.active()}
+    rows = []
+    for record in registry.records():
+        row = record.as_dict()
+        backend = active.get(record.name)
+        if backend is not None:
+            reasons = backend.environment()
+            row["runs_here"] = not reasons
+            row["not_here_because"] = reasons
+        else:
+            row["runs_here"] = False
+            row["not_here_because"] = [record.error or record.status]
+        rows.append(row)
+    return rows
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    rows = _backend_rows()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no tactix backends are installed (the 'tactix.backends' entry-point group is empty)")
+        return 1
+    table = [
+        (
+            r["name"],
+            r["version"] or r["distribution_version"] or "?",
+            r["distribution"] or "?",
+            r["status"],
+            ",".join(r["ops"]) or "-",
+            "yes" if r["runs_here"] else "no",
+        )
+        for r in rows
+    ]
+    print(_table(("backend", "version", "distribution", "status", "ops", "runs here"), table))
+    notes = [(r["name"], r["error"] or "; ".join(r["not_here_because"])) for r in rows
+             if r["status"] != "active" or not r["runs_here"]]
+    if notes:
+        print()
+        for name, why in notes:
+            print(f"{name}: {why}")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    info: dict[str, Any] = {
+        "tactix": tactix.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "env": {k: v for k, v in os.environ.items() if k.startswith("TACTIX_")},
+    }
+    if torch.cuda.is_available():
+        info["cudnn"] = torch.backends.cudnn.version()
+        info["gpus"] = [
+            {
+                "index": i,
+                "name": torch.cuda.get_device_name(i),
+                "compute_capability": "{}.{}".format(*torch.cuda.get_device_capability(i)),
+                "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1),
+                "multiprocessors": torch.cuda.get_device_properties(i).multi_processor_count,
+            }
+            for i in range(torch.cuda.device_count())
+        ]
+    info["backends"] = _backend_rows()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"tactix {info['tactix']}  python {info['python']}  torch {info['torch']}  ({info['platform']})")
+    if info["cuda_available"]:
+        print(f"CUDA {info['torch_cuda']}  cuDNN {info['cudnn']}")
+        for g in info["gpus"]:
+            print(f"  GPU {g['index']}: {g['name']}  sm_{g['compute_capability'].replace('.', '')}  "
+                  f"{g['memory_gib']} GiB  {g['multiprocessors']} SMs")
+    else:
+        print(f"no CUDA GPU visible (torch built with CUDA {info['torch_cuda']}); GPU backends cannot run here")
+    for k, v in info["env"].items():
+        print(f"  {k}={v}")
+    print()
+    return cmd_backends(argparse.Namespace(json=False))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tactix.demo import format_rows, rows_json, run_demo
+
+    if args.device:
+        device = torch.device(args.device)
+    else:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    rows = run_demo(device, decode_steps=args.decode_steps, seed=args.seed)
+    print(format_rows(rows, device))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(rows_json(rows, device))
+    return 0 if all(r.ok for r in rows) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tactix", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tactix {tactix.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("backends", help="list installed backends and their status")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_backends)
+
+    p = sub.add_parser("doctor", help="describe this machine (torch, CUDA, cuDNN, GPUs) and every backend")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("demo", help="run a Llama-like serving step through 'auto', checked against float64")
+    p.add_argument("--device", help="'cpu' or 'cuda[:N]' (default: cuda if available)")
+    p.add_argument("--decode-steps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except tactix.TactixError as exc:
+        print(f"tactix: error: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

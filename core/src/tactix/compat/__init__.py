@@ -1,0 +1,1 @@
+"""Drop-in names for users of other libraries (FlashInfer)."""

@@ -1,0 +1,145 @@
+"""Backend discovery through real entry points: failures isolated, allow/deny lists, duplicates."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tactix
+from tactix.registry import get_registry
+from tests.plugin_fixtures import (
+    BROKEN_IMPORT,
+    MISSPELT_HOOK,
+    RAISING_REGISTRATION,
+    WRONG_NAME,
+    delegating_plugin,
+    plugins_on_path,
+    write_distribution,
+)
+
+
+def _decode_runs_on(backend: str = "auto") -> str:
+    wrapper = tactix.PagedDecode("NHD", device="cpu", backend=backend)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    wrapper.plan(i32(0, 1), i32(0), i32(3), 4, 2, 16, 4, q_data_type=torch.float32)
+    cache = torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16)
+    out = wrapper.run(torch.randn(1, 4, 16), cache)
+    assert isinstance(out, torch.Tensor) and bool(torch.isfinite(out).all())
+    return wrapper.backend
+
+
+@pytest.fixture
+def broken_plugins(tmp_path: Path) -> Path:
+    write_distribution(tmp_path, "tactix-broken", "0.3.1", {"broken": "tx_broken_mod"},
+                       {"tx_broken_mod": BROKEN_IMPORT})
+    write_distribution(tmp_path, "tactix-raiser", "1.0", {"raiser": "tx_raiser_mod"},
+                       {"tx_raiser_mod": RAISING_REGISTRATION})
+    write_distribution(tmp_path, "tactix-wrongname", "1.0", {"wrongname": "tx_wrongname_mod"},
+                       {"tx_wrongname_mod": WRONG_NAME})
+    write_distribution(tmp_path, "tactix-misspelt", "1.0", {"misspelt": "tx_misspelt_mod"},
+                       {"tx_misspelt_mod": MISSPELT_HOOK})
+    return tmp_path
+
+
+def test_torch_backend_is_active_by_default() -> None:
+    record = {r.name: r for r in get_registry().records()}["torch"]
+    assert record.status == "active"
+    assert record.distribution == "tactix"
+    assert record.spec is not None and set(record.spec.ops) == {"prefill", "decode", "gemm"}
+
+
+def test_broken_plugins_are_recorded_and_skipped(broken_plugins: Path) -> None:
+    with plugins_on_path(broken_plugins):
+        records = {r.name: r for r in get_registry().records()}
+        broken = records["broken"]
+        assert broken.status == "failed"
+        assert broken.distribution == "tactix-broken" and broken.distribution_version == "0.3.1"
+        assert "ImportError" in (broken.error or "") and "libmissing.so.1" in (broken.error or "")
+        assert records["raiser"].status == "failed"
+        assert "registration exploded" in (records["raiser"].error or "")
+        assert records["wrongname"].status == "failed"
+        assert "someone_else" in (records["wrongname"].error or "")
+        assert records["misspelt"].status == "failed"
+        assert "tactix_plan_prefil" in (records["misspelt"].error or "")
+        assert records["torch"].status == "active"
+        # everything else keeps working, and asking for a failed backend says why
+        assert _decode_runs_on() == "torch"
+        with pytest.raises(tactix.BackendUnavailableError, match="libmissing"):
+            tactix.PagedDecode(backend="broken")
+
+
+def test_cli_lists_failed_plugin_with_its_error(broken_plugins: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(broken_plugins))
+    plain = subprocess.run([sys.executable, "-m", "tactix", "backends"], env=env,
+                           capture_output=True, text=True, check=True)
+    assert "torch" in plain.stdout and "active" in plain.stdout
+    assert "broken: failed to import: ImportError: libmissing.so.1" in plain.stdout
+    as_json = subprocess.run([sys.executable, "-m", "tactix", "backends", "--json"], env=env,
+                             capture_output=True, text=True, check=True)
+    rows = {r["name"]: r for r in json.loads(as_json.stdout)}
+    assert rows["broken"]["status"] == "failed" and rows["broken"]["runs_here"] is False
+    assert rows["torch"]["status"] == "active" and rows["torch"]["runs_here"] is True
+    assert rows["torch"]["ops"] == ["prefill", "decode", "gemm"]
+
+
+def test_duplicate_names_fail_naming_both_distributions(tmp_path: Path) -> None:
+    source = delegating_plugin("twin", preference=0)
+    write_distribution(tmp_path, "tactix-twin-a", "1.0", {"twin": "tx_twin_a"}, {"tx_twin_a": source})
+    write_distribution(tmp_path, "tactix-twin-b", "2.0", {"twin": "tx_twin_b"}, {"tx_twin_b": source})
+    with plugins_on_path(tmp_path):
+        twins = [r for r in get_registry().records() if r.name == "twin"]
+        assert len(twins) == 2 and all(r.status == "failed" for r in twins)
+        assert all("tactix-twin-a" in (r.error or "") and "tactix-twin-b" in (r.error or "") for r in twins)
+        with pytest.raises(tactix.DuplicateBackendError, match="tactix-twin-a"):
+            get_registry().get("twin")
+        assert _decode_runs_on() == "torch"
+
+
+def test_allow_and_deny_lists_do_not_import_excluded_plugins(
+    broken_plugins: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TACTIX_BACKENDS", "torch,misspelt")
+    monkeypatch.setenv("TACTIX_DISABLE_BACKENDS", "misspelt")
+    with plugins_on_path(broken_plugins):
+        records = {r.name: r for r in get_registry().records()}
+        assert records["broken"].status == "disabled"
+        assert records["broken"].error == "not listed in TACTIX_BACKENDS"
+        assert records["misspelt"].status == "disabled"
+        assert records["misspelt"].error == "listed in TACTIX_DISABLE_BACKENDS"
+        assert "tx_broken_mod" not in sys.modules and "tx_misspelt_mod" not in sys.modules
+        assert [b.name for b in get_registry().active()] == ["torch"]
+
+
+def test_deny_list_can_disable_the_builtin_backend(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TACTIX_DISABLE_BACKENDS", "torch")
+    with plugins_on_path(tmp_path):
+        with pytest.raises(tactix.BackendUnavailableError, match="TACTIX_DISABLE_BACKENDS"):
+            tactix.PagedDecode(backend="torch")
+        with pytest.raises(tactix.UnsupportedProblemError, match="no backend is active"):
+            _decode_runs_on()
+
+
+def test_unknown_backend_lists_valid_names() -> None:
+    with pytest.raises(tactix.BackendNotFoundError) as info:
+        tactix.PagedPrefill(backend="cudnnn")
+    assert "'cudnnn'" in str(info.value) and "'torch'" in str(info.value) and "backend" in str(info.value)
+
+
+def test_importing_tactix_and_discovering_plugins_does_not_initialise_cuda() -> None:
+    code = (
+        "import tactix, torch\n"
+        "from tactix.registry import get_registry\n"
+        "get_registry().records()\n"
+        "import tactix.backends.torch\n"
+        "assert not torch.cuda.is_initialized(), 'CUDA was initialised'\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"

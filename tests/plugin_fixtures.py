@@ -1,0 +1,124 @@
+"""Installable-looking test plugins: a folder on sys.path with ``*.dist-info`` metadata.
+
+``importlib.metadata`` finds these exactly as it finds pip-installed distributions, so the
+registry is exercised through real entry-point discovery, not a mocked list.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tactix.registry import set_registry
+
+
+def write_distribution(root: Path, dist: str, version: str, entry_points: dict[str, str],
+                       modules: dict[str, str]) -> None:
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    lines = ["[tactix.backends]"] + [f"{name} = {target}" for name, target in entry_points.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    for module, source in modules.items():
+        (root / f"{module}.py").write_text(textwrap.dedent(source))
+
+
+@contextmanager
+def plugins_on_path(root: Path) -> Iterator[None]:
+    """Make the distributions under ``root`` discoverable; restore everything afterwards."""
+    before = set(sys.modules)
+    sys.path.insert(0, str(root))
+    set_registry(None)
+    try:
+        yield
+    finally:
+        sys.path.remove(str(root))
+        for name in set(sys.modules) - before:
+            mod = sys.modules.get(name)
+            if mod is not None and str(getattr(mod, "__file__", "") or "").startswith(str(root)):
+                del sys.modules[name]
+        set_registry(None)
+
+
+BROKEN_IMPORT = """
+raise ImportError("libmissing.so.1: cannot open shared object file")
+"""
+
+RAISING_REGISTRATION = """
+import tactix
+
+@tactix.hookimpl
+def tactix_backends():
+    raise RuntimeError("registration exploded")
+"""
+
+WRONG_NAME = """
+import tactix
+from tactix.backends.torch import tactix_backends as _torch_backends
+
+@tactix.hookimpl
+def tactix_backends():
+    spec = _torch_backends()[0]
+    return [spec.model_copy(update={"name": "someone_else"})]
+"""
+
+MISSPELT_HOOK = """
+import tactix
+
+@tactix.hookimpl
+def tactix_backends():
+    return [tactix.BackendSpec(name="misspelt", version="1.0")]
+
+@tactix.hookimpl
+def tactix_plan_prefil(backend, problem, batch, tactic, options):
+    return None
+"""
+
+
+def delegating_plugin(name: str, preference: int, plan_raises: str | None = None,
+                      check_reason: str | None = None) -> str:
+    """A plugin that serves decode by delegating to the torch backend's decode plan.
+
+    ``plan_raises``: its plan raises RuntimeError with this message instead.
+    ``check_reason``: its check refuses every non-default tactic with this reason.
+    """
+    return f"""
+import tactix
+from tactix.backends import torch as _torch
+
+NAME = {name!r}
+PLAN_RAISES = {plan_raises!r}
+CHECK_REASON = {check_reason!r}
+
+@tactix.hookimpl
+def tactix_backends():
+    spec = _torch.tactix_backends()[0]
+    return [tactix.BackendSpec(name=NAME, version="9.9", decode=spec.decode, preference={preference})]
+
+@tactix.hookimpl
+def tactix_tactics(backend, problem):
+    if backend != NAME:
+        return None
+    return [tactix.Tactic(backend=NAME, kernel="special")]
+
+@tactix.hookimpl
+def tactix_check(backend, problem, tactic):
+    if backend != NAME:
+        return None
+    if tactic.kernel == "special" and CHECK_REASON is not None:
+        return [CHECK_REASON]
+    return []
+
+@tactix.hookimpl
+def tactix_plan_decode(backend, problem, batch, tactic, options):
+    if backend != NAME:
+        return None
+    if PLAN_RAISES is not None:
+        raise RuntimeError(PLAN_RAISES)
+    inner = _torch.tactix_plan_decode("torch", problem, batch, tactix.Tactic.default("torch"), options)
+    inner.tactic = tactic if not tactic.is_default else tactix.Tactic(backend=NAME, kernel="plain")
+    return inner
+"""
