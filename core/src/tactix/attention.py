@@ -29,6 +29,7 @@ attends keys ``j <= kv_len - q_len + i``; ``window_left = w >= 0`` further limit
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, ClassVar
 
 import torch
@@ -49,6 +50,8 @@ _LAYOUTS = ("NHD", "HND")
 
 def _resolve_device(explicit: torch.device | None, *tensors: object) -> torch.device:
     if explicit is not None:
+        if explicit.type == "cuda" and explicit.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
         return explicit
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "cpu":
@@ -90,6 +93,7 @@ class _PagedAttention:
         self._problem: PrefillProblem | DecodeProblem | None = None
         self._batch: PagedBatch | None = None
         self._run: Any = None
+        self._splits: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, torch.Tensor]] = {}
 
     # -- what was chosen ------------------------------------------------------------------
 
@@ -238,7 +242,8 @@ class _PagedAttention:
             self._k_tail = torch.Size((num_kv_heads, page_size, head_dim_qk))
             self._v_tail = torch.Size((num_kv_heads, page_size, head_dim_vo))
         self._return_lse = bool(return_lse)
-        self._pages_checked = -1
+        self._k_shape = self._v_shape = torch.Size()  # the last cache shape accepted by run()
+        self._device_index = device.index if device.type == "cuda" else -1
         self._run = selection.plan.run
 
     # -- run ------------------------------------------------------------------------------
@@ -256,20 +261,28 @@ class _PagedAttention:
         run = self._run
         if run is None:
             raise TactixError(f"{type(self).__name__}: call plan() before run()")
-        device = self._device_now
-        if type(q) is not torch.Tensor or q.shape != self._q_shape or q.dtype != self._q_dtype or q.device != device:
+        # The checks below are plain attribute comparisons (about 1 us in all); anything that
+        # fails them goes to a slow path that explains what was expected.
+        index = self._device_index
+        if type(q) is not torch.Tensor or q.shape != self._q_shape or q.dtype != self._q_dtype or q.get_device() != index:
             self._reject("q", q, self._q_shape, self._q_dtype)
         if type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2:
             k, v = paged_kv_cache
         else:
-            k, v = self._split(paged_kv_cache)
-        if k.shape[1:] != self._k_tail or k.dtype != self._kv_dtype or k.device != device:
-            self._reject_cache("k", k, self._k_tail)
-        if v.shape[1:] != self._v_tail or v.dtype != self._kv_dtype or v.device != device:
-            self._reject_cache("v", v, self._v_tail)
-        pages = k.shape[0]
-        if pages != self._pages_checked:
-            self._check_pages(pages, v)
+            split = self._splits.get(id(paged_kv_cache))
+            if split is not None and split[0]() is paged_kv_cache:
+                k, v = split[1], split[2]
+            else:
+                k, v = self._split(paged_kv_cache)
+        kv_dtype = self._kv_dtype
+        if (
+            type(k) is not torch.Tensor or type(v) is not torch.Tensor
+            or k.shape != self._k_shape or v.shape != self._v_shape
+            or k.dtype != kv_dtype or v.dtype != kv_dtype
+            or k.get_device() != index or v.get_device() != index
+        ):
+            self._accept_cache(k, v)
+        device = self._device_now
         want_lse = (self._return_lse if return_lse is None else bool(return_lse)) or lse is not None
         if want_lse and not self._return_lse:
             raise InvalidArgumentError(
@@ -277,12 +290,12 @@ class _PagedAttention:
             )
         if out is None:
             out = torch.empty(self._out_shape, dtype=self._out_dtype, device=device)
-        elif out.shape != self._out_shape or out.dtype != self._out_dtype or out.device != device or not out.is_contiguous():
+        elif out.shape != self._out_shape or out.dtype != self._out_dtype or out.get_device() != index or not out.is_contiguous():
             self._reject("out", out, self._out_shape, self._out_dtype, contiguous=True)
         if self._return_lse:
             if lse is None:
                 lse = torch.empty(self._lse_shape, dtype=torch.float32, device=device)
-            elif lse.shape != self._lse_shape or lse.dtype != torch.float32 or lse.device != device or not lse.is_contiguous():
+            elif lse.shape != self._lse_shape or lse.dtype != torch.float32 or lse.get_device() != index or not lse.is_contiguous():
                 self._reject("lse", lse, self._lse_shape, torch.float32, contiguous=True)
         run(q, k, v, out, lse)
         if want_lse:
@@ -307,7 +320,14 @@ class _PagedAttention:
                 f"a 5-D tensor [num_pages, 2, {', '.join(self._layout_names())}]",
                 f"shape {tuple(cache.shape)}",
             )
-        return cache[:, 0], cache[:, 1]
+        k, v = cache.unbind(1)
+        # remember the views (a 5-D split costs about 1.5 us) until the cache object dies
+        splits = self._splits
+        if len(splits) >= 256:
+            splits.clear()
+        key = id(cache)
+        splits[key] = (weakref.ref(cache, lambda _, key=key: splits.pop(key, None)), k, v)
+        return k, v
 
     def _layout_names(self) -> tuple[str, str, str]:
         if self.kv_layout == "NHD":
@@ -326,7 +346,9 @@ class _PagedAttention:
             got = "non-contiguous " + got
         raise InvalidArgumentError(name, expected, got)
 
-    def _reject_cache(self, name: str, t: torch.Tensor, tail: torch.Size) -> None:
+    def _reject_cache(self, name: str, t: object, tail: torch.Size) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"paged_kv_cache ({name})", "a torch.Tensor", type(t).__name__)
         names = self._layout_names()
         layout = ", ".join(f"{n}={s}" for n, s in zip(names, tail, strict=True))
         expected = f"a {self._kv_dtype} tensor [num_pages, {layout}] ({self.kv_layout}) on {self._device_now}"
@@ -340,14 +362,23 @@ class _PagedAttention:
             )
         raise InvalidArgumentError(f"paged_kv_cache ({name})", expected, got)
 
-    def _check_pages(self, pages: int, v: torch.Tensor) -> None:
+    def _accept_cache(self, k: object, v: object) -> None:
+        """Validate a cache whose shape differs from the last one accepted, then remember it."""
+        for name, t, tail in (("k", k, self._k_tail), ("v", v, self._v_tail)):
+            if (
+                not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1:] != tail
+                or t.dtype != self._kv_dtype or t.device != self._device_now
+            ):
+                self._reject_cache(name, t, tail)
+        assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+        pages = k.shape[0]
         if v.shape[0] != pages:
             raise InvalidArgumentError(
                 "paged_kv_cache", f"k and v with the same number of pages ({pages})", v.shape[0]
             )
         assert self._batch is not None
         self._batch.check_page_bounds(pages)
-        self._pages_checked = pages
+        self._k_shape, self._v_shape = k.shape, v.shape
 
 
 class PagedPrefill(_PagedAttention):

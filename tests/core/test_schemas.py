@@ -1,0 +1,126 @@
+"""Problems, tactics and the public surface: canonical forms, stable hashes, complete keys."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from typing import Any
+
+import pytest
+
+import tactix
+from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, make_problem, problem_from_key
+from tactix.tactics import SCHEMA_VERSION, Tactic, parse_tactic
+
+PREFILL: dict[str, Any] = dict(
+    device_type="cuda", num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, head_dim_vo=128, page_size=16,
+    kv_layout="HND", q_dtype="bfloat16", kv_dtype="bfloat16", out_dtype="bfloat16", sm_scale=0.088,
+    window_left=-1, logits_soft_cap=0.0, return_lse=False, batch_size=8, max_kv_len=2048, causal=True,
+    num_qo_tokens=16384, max_qo_len=2048,
+)
+GEMM: dict[str, Any] = dict(
+    device_type="cuda", m=64, n=4096, k=4096, batch=1, batched=False, a_dtype="bfloat16", b_dtype="bfloat16",
+    out_dtype="bfloat16", a_k_major=True, b_k_major=True, scale_mode="none", bias_dtype=None,
+)
+# a different valid value for every field, to show each one reaches the key
+OTHER: dict[str, Any] = dict(
+    device_type="cpu", num_qo_heads=16, num_kv_heads=4, head_dim_qk=64, head_dim_vo=64, page_size=32,
+    kv_layout="NHD", q_dtype="float16", kv_dtype="float16", out_dtype="float32", sm_scale=0.125,
+    window_left=512, logits_soft_cap=30.0, return_lse=True, causal=False, n=4097, k=2048, batch=4,
+    batched=True, a_dtype="float16", b_dtype="float16", a_k_major=False, b_k_major=False,
+    scale_mode="per_tensor", bias_dtype="bfloat16",
+)
+
+
+def test_tactic_json_is_canonical_and_hash_ignores_insertion_order() -> None:
+    a = Tactic(backend="cudnn", kernel="sdpa", params={"engine": 8, "knobs": {"b": 1, "a": [2, 3]}})
+    b = Tactic(backend="cudnn", kernel="sdpa", params={"knobs": {"a": [2, 3], "b": 1}, "engine": 8})
+    assert a == b and hash(a) == hash(b) and a.digest() == b.digest()
+    assert a.to_json() == b.to_json()
+    assert " " not in a.to_json() and a.to_json().index('"backend"') < a.to_json().index('"kernel"')
+    assert parse_tactic(a.to_json()) == a
+    assert a != Tactic(backend="cudnn", kernel="sdpa", params={"engine": 9, "knobs": {"b": 1, "a": [2, 3]}})
+
+
+def test_tactic_digest_is_the_same_in_a_fresh_process() -> None:
+    tactic = Tactic(backend="torch", kernel="sdpa", params={"impl": "efficient", "x": 1.5})
+    code = (
+        "from tactix.tactics import Tactic\n"
+        f"print(Tactic.model_validate_json({tactic.to_json()!r}).digest())\n"
+    )
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == tactic.digest()
+
+
+@pytest.mark.parametrize("value", [3, "3", True, 2.5, [1], None])
+def test_bare_plan_indices_and_other_non_objects_are_rejected(value: object) -> None:
+    with pytest.raises(tactix.TacticError, match="not a valid tactic"):
+        parse_tactic(value)  # type: ignore[arg-type]
+    if isinstance(value, int) and not isinstance(value, bool):
+        with pytest.raises(tactix.TacticError, match="bare plan indices"):
+            parse_tactic(value)  # type: ignore[arg-type]
+
+
+def test_foreign_schema_version_is_rejected() -> None:
+    with pytest.raises(tactix.TacticError, match="schema_version"):
+        parse_tactic({"schema_version": SCHEMA_VERSION + 1, "backend": "torch", "kernel": "explicit"})
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 16, 17, 1000, 1024, 1025, 65537])
+def test_bucket_is_the_next_power_of_two(n: int) -> None:
+    b = tactix.bucket_size(n)
+    assert b >= n and (b == 0 or b & (b - 1) == 0) and (n == 0 or b < 2 * n)
+
+
+@pytest.mark.parametrize(("cls", "base"), [(PrefillProblem, PREFILL), (GemmProblem, GEMM)])
+def test_every_static_field_reaches_the_key(cls: type, base: dict[str, Any]) -> None:
+    problem = cls(**base)
+    for name in base:
+        if name in cls._dynamic:
+            continue
+        changed = dict(base, **{name: OTHER[name]})
+        if name == "scale_mode":  # scales come with fp8 operands
+            changed.update(a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn")
+        assert cls(**changed).key_hash() != problem.key_hash(), f"{name} does not change the key"
+
+
+@pytest.mark.parametrize(("cls", "base"), [(PrefillProblem, PREFILL), (GemmProblem, GEMM)])
+def test_dynamic_sizes_share_a_key_within_their_bucket_only(cls: type, base: dict[str, Any]) -> None:
+    problem = cls(**base)
+    for name in cls._dynamic:
+        value = base[name]
+        same = dict(base, **{name: value // 2 + 1}) if value > 2 else None
+        if same is not None and tactix.bucket_size(same[name]) == tactix.bucket_size(value):
+            assert cls(**same).key_hash() == problem.key_hash(), name
+        bigger = dict(base, **{name: value * 2 + 1})
+        assert cls(**bigger).key_hash() != problem.key_hash(), name
+
+
+def test_problem_key_round_trips() -> None:
+    problem = PrefillProblem(**PREFILL)
+    rebuilt = problem_from_key(problem.key())
+    assert rebuilt == problem.bucketed() and rebuilt.key_hash() == problem.key_hash()
+    decode = DecodeProblem(**{k: v for k, v in PREFILL.items() if k not in ("causal", "num_qo_tokens", "max_qo_len")})
+    assert decode.key_hash() != problem.key_hash()  # the op is part of the key
+
+
+def test_invalid_problem_names_the_field() -> None:
+    with pytest.raises(tactix.InvalidArgumentError, match="num_qo_heads"):
+        make_problem("prefill", **dict(PREFILL, num_qo_heads=30))
+    with pytest.raises(tactix.InvalidArgumentError, match="page_size"):
+        make_problem("prefill", **dict(PREFILL, page_size=0))
+
+
+def test_problem_labels_read_like_test_ids() -> None:
+    assert str(PrefillProblem(**PREFILL)) == "prefill[bf16-h32/8-d128-p16-HND-causal]"
+    assert str(GemmProblem(**GEMM)) == "gemm[bf16->bf16-m64n4096k4096-A-kB-k]"
+
+
+def test_all_lists_exactly_the_public_names() -> None:
+    public = {
+        name for name, value in vars(tactix).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+    assert set(tactix.__all__) == public | {"__version__"}
+    assert len(tactix.__all__) == len(set(tactix.__all__))
