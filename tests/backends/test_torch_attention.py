@@ -100,40 +100,138 @@ PREFILL_CASES = _seeded(
         P("basic", qo=(5, 17, 1), kv=(5, 40, 16)),
         P("causal_5d", qo=(7, 16, 1), kv=(7, 16, 33), causal=True, form="5d"),
         P("gqa4_hnd_d128_chunked", qo=(10, 3), kv=(64, 50), hq=8, hkv=2, dqk=128, layout="HND", causal=True),
-        P("gqa8_p64_5d_chunked", qo=(20, 1, 33), kv=(100, 64, 33), hq=8, hkv=1, page=64, causal=True, form="5d"),
+        P(
+            "gqa8_p64_5d_chunked",
+            qo=(20, 1, 33),
+            kv=(100, 64, 33),
+            hq=8,
+            hkv=1,
+            page=64,
+            causal=True,
+            form="5d",
+        ),
         P("hnd_p1_causal_chunked", qo=(4, 1, 6), kv=(9, 1, 6), page=1, layout="HND", causal=True),
         P("hnd_p1_5d_gqa4", qo=(3, 5), kv=(1, 7), hq=8, hkv=2, page=1, layout="HND", form="5d"),
         P("nhd_p1_window_causal", qo=(5, 2), kv=(12, 2), hkv=2, page=1, causal=True, window=3),
         P("window_causal_chunked", qo=(12, 30), kv=(70, 30), hq=8, hkv=2, causal=True, window=8),
-        P("window0_causal_chunked_hnd_5d", qo=(6, 1), kv=(20, 5), dqk=128, layout="HND", form="5d",
-          causal=True, window=0),
+        P(
+            "window0_causal_chunked_hnd_5d",
+            qo=(6, 1),
+            kv=(20, 5),
+            dqk=128,
+            layout="HND",
+            form="5d",
+            causal=True,
+            window=0,
+        ),
         P("window_noncausal_hnd", qo=(9, 4), kv=(32, 17), layout="HND", window=5),
         P("softcap", qo=(6, 11), kv=(30, 11), cap=1.0, q_scale=3.0),
-        P("softcap_lse_causal_hnd_gqa4", qo=(8, 2), kv=(24, 40), hq=8, hkv=2, dqk=128, layout="HND",
-          causal=True, cap=2.0, lse=True, q_scale=3.0),
+        P(
+            "softcap_lse_causal_hnd_gqa4",
+            qo=(8, 2),
+            kv=(24, 40),
+            hq=8,
+            hkv=2,
+            dqk=128,
+            layout="HND",
+            causal=True,
+            cap=2.0,
+            lse=True,
+            q_scale=3.0,
+        ),
         P("lse_5d_gqa8_kv1_q1", qo=(1, 16), kv=(1, 48), hq=8, hkv=1, form="5d", lse=True),
-        P("lse_window_causal_chunked_hnd", qo=(7, 9), kv=(40, 9), layout="HND", causal=True, window=6, lse=True),
+        P(
+            "lse_window_causal_chunked_hnd",
+            qo=(7, 9),
+            kv=(40, 9),
+            layout="HND",
+            causal=True,
+            window=6,
+            lse=True,
+        ),
         P("lse_softcap_window_b1", qo=(5,), kv=(37,), cap=5.0, window=10, lse=True, q_scale=3.0),
         P("d256_causal", qo=(8, 3), kv=(8, 40), dqk=256, causal=True),
-        P("d256_hnd_p64_gqa8_lse_b1", qo=(4,), kv=(130,), dqk=256, hq=8, hkv=1, page=64, layout="HND", lse=True),
+        P(
+            "d256_hnd_p64_gqa8_lse_b1",
+            qo=(4,),
+            kv=(130,),
+            dqk=256,
+            hq=8,
+            hkv=1,
+            page=64,
+            layout="HND",
+            lse=True,
+        ),
         P("b1_q1_kv1_causal", qo=(1,), kv=(1,), causal=True),
         P("b1_square_exact_pages_5d", qo=(64,), kv=(64,), causal=True, form="5d"),
         P("noncausal_q_longer_than_kv_hnd", qo=(10, 2), kv=(3, 2), layout="HND"),
         P("vo32_gqa4_causal_chunked", qo=(6, 3), kv=(20, 3), hq=8, hkv=2, dqk=64, dvo=32, causal=True),
-        P("vo64_hnd_window_softcap_lse", qo=(5, 8), kv=(29, 8), dqk=128, dvo=64, layout="HND", causal=True,
-          window=7, cap=2.0, lse=True, q_scale=3.0),
+        P(
+            "vo64_hnd_window_softcap_lse",
+            qo=(5, 8),
+            kv=(29, 8),
+            dqk=128,
+            dvo=64,
+            layout="HND",
+            causal=True,
+            window=7,
+            cap=2.0,
+            lse=True,
+            q_scale=3.0,
+        ),
         P("vo32_p1_hnd", qo=(3,), kv=(5,), dqk=64, dvo=32, page=1, layout="HND"),
         P("sm_scale", qo=(4, 6), kv=(10, 6), sm_scale=0.3, causal=True),
-        P("int64_meta_padded_indices", qo=(3, 5), kv=(19, 5), index_dtype=torch.int64, pad_indices=True,
-          causal=True),
-        P("many_requests_hnd_gqa4", qo=(1, 8, 3, 16, 2, 5), kv=(17, 8, 40, 16, 2, 64), hq=8, hkv=2,
-          layout="HND", causal=True),
-        P("bf16_gqa4_5d_chunked", qo=(9, 4), kv=(50, 4), dtype=BF16, hq=8, hkv=2, dqk=128, form="5d", causal=True),
-        P("bf16_hnd_window_lse", qo=(6, 2), kv=(33, 2), dtype=BF16, layout="HND", window=4, lse=True, causal=True),
+        P(
+            "int64_meta_padded_indices",
+            qo=(3, 5),
+            kv=(19, 5),
+            index_dtype=torch.int64,
+            pad_indices=True,
+            causal=True,
+        ),
+        P(
+            "many_requests_hnd_gqa4",
+            qo=(1, 8, 3, 16, 2, 5),
+            kv=(17, 8, 40, 16, 2, 64),
+            hq=8,
+            hkv=2,
+            layout="HND",
+            causal=True,
+        ),
+        P(
+            "bf16_gqa4_5d_chunked",
+            qo=(9, 4),
+            kv=(50, 4),
+            dtype=BF16,
+            hq=8,
+            hkv=2,
+            dqk=128,
+            form="5d",
+            causal=True,
+        ),
+        P(
+            "bf16_hnd_window_lse",
+            qo=(6, 2),
+            kv=(33, 2),
+            dtype=BF16,
+            layout="HND",
+            window=4,
+            lse=True,
+            causal=True,
+        ),
         P("bf16_in_f32_out", qo=(4, 7), kv=(20, 7), dtype=BF16, out_dtype=F32, causal=True),
         P("fp16_gqa8_p64_hnd", qo=(5, 3), kv=(70, 64), dtype=F16, hq=8, hkv=1, page=64, layout="HND"),
-        P("fp16_softcap_lse_5d", qo=(4, 1), kv=(18, 1), dtype=F16, form="5d", causal=True, cap=3.0, lse=True,
-          q_scale=3.0),
+        P(
+            "fp16_softcap_lse_5d",
+            qo=(4, 1),
+            kv=(18, 1),
+            dtype=F16,
+            form="5d",
+            causal=True,
+            cap=3.0,
+            lse=True,
+            q_scale=3.0,
+        ),
         P("bf16_d256", qo=(3,), kv=(40,), dtype=BF16, dqk=256, causal=True),
     ],
     base=1000,
@@ -153,11 +251,26 @@ DECODE_CASES = _seeded(
         D("d256_hnd", kv=(40, 16), dqk=256, layout="HND"),
         D("d256_p64_lse_b1", kv=(65,), dqk=256, page=64, lse=True),
         D("vo32_gqa4", kv=(10, 21), dqk=64, dvo=32, hq=8, hkv=2),
-        D("vo64_hnd_window_softcap_lse", kv=(31, 4), dqk=128, dvo=64, layout="HND", window=9, cap=2.0,
-          lse=True, q_scale=3.0),
+        D(
+            "vo64_hnd_window_softcap_lse",
+            kv=(31, 4),
+            dqk=128,
+            dvo=64,
+            layout="HND",
+            window=9,
+            cap=2.0,
+            lse=True,
+            q_scale=3.0,
+        ),
         D("b1_kv1", kv=(1,)),
         D("many_requests_hnd_gqa4", kv=(3, 1, 64, 17, 32, 100, 5, 48), hq=8, hkv=2, layout="HND"),
-        D("sm_scale_int64_padded_indices", kv=(9, 14), sm_scale=0.2, index_dtype=torch.int64, pad_indices=True),
+        D(
+            "sm_scale_int64_padded_indices",
+            kv=(9, 14),
+            sm_scale=0.2,
+            index_dtype=torch.int64,
+            pad_indices=True,
+        ),
         D("bf16_gqa4_hnd_5d", kv=(40, 7), dtype=BF16, hq=8, hkv=2, dqk=128, layout="HND", form="5d"),
         D("bf16_lse_window", kv=(26, 3), dtype=BF16, window=5, lse=True),
         D("fp16_gqa8_p64_softcap", kv=(19, 64), dtype=F16, hq=8, hkv=1, page=64, cap=3.0, q_scale=3.0),
@@ -292,7 +405,14 @@ def reference(b: Batch, **overrides: object) -> tuple[torch.Tensor, torch.Tensor
     )
     kwargs.update(overrides)
     return attention_reference(
-        b.q, b.k, b.v, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, **kwargs  # type: ignore[arg-type]
+        b.q,
+        b.k,
+        b.v,
+        b.qo_indptr,
+        b.kv_indptr,
+        b.kv_indices,
+        b.last_page_len,
+        **kwargs,  # type: ignore[arg-type]
     )
 
 
@@ -380,8 +500,10 @@ def test_case_matrix_covers_every_feature() -> None:
         assert any(any(n % c.page == 0 and n > c.page for n in c.kv_lens) for c in cases)
         assert any(len(c.kv_lens) == 1 for c in cases)
     assert {c.causal for c in PREFILL_CASES} == {True, False}
-    assert any(c.causal and c.window >= 0 and any(
-        kv > q for q, kv in zip(c.qo_lens or (), c.kv_lens, strict=True)) for c in PREFILL_CASES)
+    assert any(
+        c.causal and c.window >= 0 and any(kv > q for q, kv in zip(c.qo_lens or (), c.kv_lens, strict=True))
+        for c in PREFILL_CASES
+    )
     assert any(1 in (c.qo_lens or ()) for c in PREFILL_CASES)
 
 
@@ -393,7 +515,14 @@ TACTIC_CASES = _seeded(
     [
         # uniform lengths: every listed tactic (SDPA flash included) must serve these
         P("uniform_bf16_causal_square_gqa4", qo=(16, 16), kv=(16, 16), dtype=BF16, hq=8, hkv=2, causal=True),
-        P("uniform_bf16_noncausal_chunked_hnd_5d", qo=(5, 5), kv=(37, 37), dtype=BF16, layout="HND", form="5d"),
+        P(
+            "uniform_bf16_noncausal_chunked_hnd_5d",
+            qo=(5, 5),
+            kv=(37, 37),
+            dtype=BF16,
+            layout="HND",
+            form="5d",
+        ),
         P("uniform_fp16_noncausal_p1", qo=(3, 3, 3), kv=(9, 9, 9), dtype=F16, page=1, hq=8, hkv=1),
         P("uniform_f32_causal_chunked", qo=(6, 6), kv=(20, 20), causal=True),
         P("uniform_f32_vo32", qo=(4,), kv=(9,), dvo=32),
@@ -447,8 +576,18 @@ def test_every_listed_tactic(case: Case) -> None:
 
 
 REUSE_CASES = [
-    P("reuse_prefill", qo=(4, 9, 1), kv=(4, 30, 16), hq=8, hkv=2, layout="HND", causal=True, window=6,
-      lse=True, seed=4001),
+    P(
+        "reuse_prefill",
+        qo=(4, 9, 1),
+        kv=(4, 30, 16),
+        hq=8,
+        hkv=2,
+        layout="HND",
+        causal=True,
+        window=6,
+        lse=True,
+        seed=4001,
+    ),
     D("reuse_decode", kv=(1, 30, 17), hq=4, hkv=1, form="5d", cap=2.0, q_scale=3.0, seed=4002),
 ]
 
@@ -497,7 +636,16 @@ def test_replan_same_wrapper_with_new_batch() -> None:
     batches = [
         P("replan_a", qo=(5, 2, 8), kv=(20, 2, 40), hq=8, hkv=2, causal=True, seed=4101),
         P("replan_b", qo=(1,), kv=(70,), hq=8, hkv=2, causal=True, seed=4102),
-        P("replan_c", qo=(3, 3, 3, 3, 7), kv=(3, 17, 33, 1 + 3, 64), hq=8, hkv=2, window=5, lse=True, seed=4103),
+        P(
+            "replan_c",
+            qo=(3, 3, 3, 3, 7),
+            kv=(3, 17, 33, 1 + 3, 64),
+            hq=8,
+            hkv=2,
+            window=5,
+            lse=True,
+            seed=4103,
+        ),
         P("replan_a_again", qo=(5, 2, 8), kv=(20, 2, 40), hq=8, hkv=2, causal=True, seed=4104),
     ]
     wrapper = tactix.PagedPrefill(kv_layout="NHD", backend="torch", device="cpu")
@@ -623,12 +771,11 @@ def test_nan_outside_the_batch_does_not_leak(kernel: str) -> None:
         if p not in used:
             b.k[p] = float("nan")
             b.v[p] = float("nan")
-    for r, n in enumerate(case.kv_lens):
+    for r in range(len(case.kv_lens)):
         last_page = int(b.kv_indices[int(b.kv_indptr[r + 1]) - 1])
         valid = int(b.last_page_len[r])
-        b.k[last_page, valid:] = float("nan")
+        b.k[last_page, valid:] = float("nan")  # NHD: [page, slot, head, dim]
         b.v[last_page, valid:] = float("nan")
-        del n
     tactic = (
         tactix.Tactic(backend="torch", kernel="explicit")
         if kernel == "explicit"
@@ -638,5 +785,7 @@ def test_nan_outside_the_batch_does_not_leak(kernel: str) -> None:
     plan(wrapper, b, tactic=tactic)
     out = wrapper.run(b.q, b.cache)
     assert isinstance(out, torch.Tensor)
-    assert not bool(torch.isnan(out).any()), f"NaN rows: {torch.isnan(out).any(-1).any(-1).nonzero().flatten().tolist()}"
+    assert not bool(torch.isnan(out).any()), (
+        f"NaN rows: {torch.isnan(out).any(-1).any(-1).nonzero().flatten().tolist()}"
+    )
     check(b, out)

@@ -26,8 +26,15 @@ def _short(dtype: torch.dtype) -> str:
     return {F32: "f32", BF16: "bf16", F16: "f16", E4M3: "e4m3"}[dtype]
 
 
-def make_a(gen: torch.Generator, m: int, k: int, dtype: torch.dtype, layout: str, batch: int | None = None,
-           scale: float = 1.0) -> torch.Tensor:
+def make_a(
+    gen: torch.Generator,
+    m: int,
+    k: int,
+    dtype: torch.dtype,
+    layout: str,
+    batch: int | None = None,
+    scale: float = 1.0,
+) -> torch.Tensor:
     lead = () if batch is None else (batch,)
     if layout == "k":  # row-major [.., m, k]
         return (torch.randn(*lead, m, k, generator=gen) * scale).to(dtype)
@@ -35,8 +42,15 @@ def make_a(gen: torch.Generator, m: int, k: int, dtype: torch.dtype, layout: str
     return t.transpose(-1, -2)
 
 
-def make_b(gen: torch.Generator, k: int, n: int, dtype: torch.dtype, layout: str, batch: int | None = None,
-           scale: float = 1.0) -> torch.Tensor:
+def make_b(
+    gen: torch.Generator,
+    k: int,
+    n: int,
+    dtype: torch.dtype,
+    layout: str,
+    batch: int | None = None,
+    scale: float = 1.0,
+) -> torch.Tensor:
     lead = () if batch is None else (batch,)
     if layout == "k":  # transposed [n, k] weight
         return (torch.randn(*lead, n, k, generator=gen) * scale).to(dtype).transpose(-1, -2)
@@ -58,10 +72,17 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, out_dtype: torch.dtype, l
 SHAPES = [(1, 33, 17), (7, 48, 32), (5, 1, 9)]  # (m, n, k): m = 1, odd n/k, n = 1
 
 DENSE_CASES = [
-    pytest.param(dtype, la, lb, bias, SHAPES[i % len(SHAPES)], 100 + i,
-                 id=f"{_short(dtype)}-A{la}-B{lb}-{'bias' if bias else 'nobias'}-"
-                    f"m{SHAPES[i % len(SHAPES)][0]}n{SHAPES[i % len(SHAPES)][1]}k{SHAPES[i % len(SHAPES)][2]}"
-                    f"-seed{100 + i}")
+    pytest.param(
+        dtype,
+        la,
+        lb,
+        bias,
+        SHAPES[i % len(SHAPES)],
+        100 + i,
+        id=f"{_short(dtype)}-A{la}-B{lb}-{'bias' if bias else 'nobias'}-"
+        f"m{SHAPES[i % len(SHAPES)][0]}n{SHAPES[i % len(SHAPES)][1]}k{SHAPES[i % len(SHAPES)][2]}"
+        f"-seed{100 + i}",
+    )
     for i, (dtype, la, lb, bias) in enumerate(
         (dtype, la, lb, bias)
         for dtype in (F32, BF16, F16)
@@ -73,8 +94,9 @@ DENSE_CASES = [
 
 
 @pytest.mark.parametrize(("dtype", "la", "lb", "with_bias", "shape", "seed"), DENSE_CASES)
-def test_gemm_dense(dtype: torch.dtype, la: str, lb: str, with_bias: bool, shape: tuple[int, int, int],
-                    seed: int) -> None:
+def test_gemm_dense(
+    dtype: torch.dtype, la: str, lb: str, with_bias: bool, shape: tuple[int, int, int], seed: int
+) -> None:
     m, n, k = shape
     gen = torch.Generator().manual_seed(seed)
     a = make_a(gen, m, k, dtype, la)
@@ -111,11 +133,21 @@ def test_gemm_batched(dtype: torch.dtype, la: str, lb: str) -> None:
 # fp8 (e4m3) with per-tensor scales
 
 
-def _fp8_problem(m: int, n: int, k: int, la: str, lb: str, batch: int | None, out_dtype: torch.dtype,
-                 bias: bool) -> tactix.GemmProblem:
+def _fp8_problem(
+    m: int, n: int, k: int, la: str, lb: str, batch: int | None, out_dtype: torch.dtype, bias: bool
+) -> tactix.GemmProblem:
     g = tactix.Gemm(backend="torch", device="cpu")
-    g.plan(m, n, k, batch=batch, a_dtype=E4M3, out_dtype=out_dtype, a_k_major=la == "k", b_k_major=lb == "k",
-           bias_dtype=out_dtype if bias else None)
+    g.plan(
+        m,
+        n,
+        k,
+        batch=batch,
+        a_dtype=E4M3,
+        out_dtype=out_dtype,
+        a_k_major=la == "k",
+        b_k_major=lb == "k",
+        bias_dtype=out_dtype if bias else None,
+    )
     return g.problem
 
 
@@ -133,8 +165,9 @@ FP8_CASES = [
 
 
 @pytest.mark.parametrize(("m", "n", "k", "la", "lb", "batch", "out_dtype", "with_bias"), FP8_CASES)
-def test_fp8_every_listed_tactic(m: int, n: int, k: int, la: str, lb: str, batch: int | None,
-                                 out_dtype: torch.dtype, with_bias: bool) -> None:
+def test_fp8_every_listed_tactic(
+    m: int, n: int, k: int, la: str, lb: str, batch: int | None, out_dtype: torch.dtype, with_bias: bool
+) -> None:
     seed = 300 + m * 7 + n + k + (batch or 0)
     gen = torch.Generator().manual_seed(seed)
     a = make_a(gen, m, k, E4M3, la, batch=batch, scale=2.0)
@@ -148,23 +181,49 @@ def test_fp8_every_listed_tactic(m: int, n: int, k: int, la: str, lb: str, batch
     listed = tactix.get_registry().get("torch").tactics(problem)
     kernels = [t.kernel for t in listed]
     assert "dequant" in kernels, kernels
-    scaled_mm_fits = la == "k" and lb == "k" and batch is None and k % 16 == 0 and n % 16 == 0 and (
-        not with_bias or out_dtype != F32)
+    scaled_mm_fits = (
+        la == "k"
+        and lb == "k"
+        and batch is None
+        and k % 16 == 0
+        and n % 16 == 0
+        and (not with_bias or out_dtype != F32)
+    )
     assert ("scaled_mm" in kernels) == scaled_mm_fits, f"listed {kernels}"
     assert "matmul" not in kernels, "matmul applies no scales"
 
     for tactic in listed:
         label = f"{tactic} seed {seed}"
-        out = tactix.gemm(a, b, bias=bias, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
-                          backend="torch", tactic=tactic)
+        out = tactix.gemm(
+            a,
+            b,
+            bias=bias,
+            scale_a=scale_a,
+            scale_b=scale_b,
+            out_dtype=out_dtype,
+            backend="torch",
+            tactic=tactic,
+        )
         assert_close(out, ref, out_dtype, label)
         g = tactix.Gemm(backend="torch", device="cpu")
-        g.plan(m, n, k, batch=batch, a_dtype=E4M3, out_dtype=out_dtype, a_k_major=la == "k",
-               b_k_major=lb == "k", bias_dtype=out_dtype if with_bias else None, tactic=tactic)
+        g.plan(
+            m,
+            n,
+            k,
+            batch=batch,
+            a_dtype=E4M3,
+            out_dtype=out_dtype,
+            a_k_major=la == "k",
+            b_k_major=lb == "k",
+            bias_dtype=out_dtype if with_bias else None,
+            tactic=tactic,
+        )
         assert g.backend == "torch" and g.tactic.backend == "torch"
         if not tactic.is_default:
             assert g.tactic == tactic
-        assert_close(g.run(a, b, bias=bias, scale_a=scale_a, scale_b=scale_b), ref, out_dtype, "Gemm " + label)
+        assert_close(
+            g.run(a, b, bias=bias, scale_a=scale_a, scale_b=scale_b), ref, out_dtype, "Gemm " + label
+        )
 
 
 def test_fp8_scales_actually_scale() -> None:
@@ -206,14 +265,23 @@ def test_dense_lists_matmul_only(dtype: torch.dtype) -> None:
     ],
     ids=["bf16-bias", "f32-Am-Bn", "f16-batched-bias", "fp8-kk-bias", "fp8-Am-Bn"],
 )
-def test_gemm_plan_reuse_with_new_data(dtype: torch.dtype, la: str, lb: str, batch: int | None,
-                                       with_bias: bool) -> None:
+def test_gemm_plan_reuse_with_new_data(
+    dtype: torch.dtype, la: str, lb: str, batch: int | None, with_bias: bool
+) -> None:
     m, n, k = 6, 32, 48
     fp8 = dtype == E4M3
     out_dtype = BF16 if fp8 else dtype
     g = tactix.Gemm(backend="torch", device="cpu")
-    g.plan(m, n, k, batch=batch, a_dtype=dtype, a_k_major=la == "k", b_k_major=lb == "k",
-           bias_dtype=out_dtype if with_bias else None)
+    g.plan(
+        m,
+        n,
+        k,
+        batch=batch,
+        a_dtype=dtype,
+        a_k_major=la == "k",
+        b_k_major=lb == "k",
+        bias_dtype=out_dtype if with_bias else None,
+    )
     assert g.backend == "torch" and g.tactic.backend == "torch"
     for i in range(3):
         seed = 400 + i
@@ -223,7 +291,10 @@ def test_gemm_plan_reuse_with_new_data(dtype: torch.dtype, la: str, lb: str, bat
         bias = torch.randn(n, generator=gen).to(out_dtype) if with_bias else None
         scales = {}
         if fp8:
-            scales = {"scale_a": torch.rand(1, generator=gen) + 0.5, "scale_b": torch.rand(1, generator=gen) + 0.5}
+            scales = {
+                "scale_a": torch.rand(1, generator=gen) + 0.5,
+                "scale_b": torch.rand(1, generator=gen) + 0.5,
+            }
         out = g.run(a, b, bias=bias, **scales)
         assert_close(out, gemm_reference(a, b, bias=bias, **scales), out_dtype, f"run {i} seed {seed}")
 
@@ -239,8 +310,9 @@ def test_gemm_plan_reuse_with_new_data(dtype: torch.dtype, la: str, lb: str, bat
     ],
     ids=["bf16-bias", "f32-batched", "fp8-scaled_mm-bias", "fp8-dequant", "fp8-dequant-batched-bias"],
 )
-def test_out_buffer_fully_written(dtype: torch.dtype, tactic: str | None, batch: int | None,
-                                  with_bias: bool) -> None:
+def test_out_buffer_fully_written(
+    dtype: torch.dtype, tactic: str | None, batch: int | None, with_bias: bool
+) -> None:
     m, n, k = 9, 32, 16
     gen = torch.Generator().manual_seed(500)
     fp8 = dtype == E4M3

@@ -1,0 +1,849 @@
+"""Bad input is refused with a `tactix.TactixError` naming the argument, before any kernel runs.
+
+Every test starts from a valid call, breaks exactly one thing, and checks the error's class, that
+its message names the argument (and the offending value where one is meaningful), and, through a
+spy on the torch backend, that no attention or GEMM kernel was reached. (A wrong device cannot
+be produced on a CPU-only machine, so it is not covered here.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pydantic
+import pytest
+import torch
+
+import tactix
+import tactix.backends.torch as torch_backend
+from tactix.tactics import parse_tactic
+
+F32, BF16, E4M3 = torch.float32, torch.bfloat16, torch.float8_e4m3fn
+PAGE, HQ, HKV, D = 16, 8, 2, 32
+NUM_PAGES = 8
+
+
+def i32(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# A spy on the torch backend: counts plans made and kernels run
+
+
+class Spy:
+    def __init__(self) -> None:
+        self.plans = 0
+        self.runs = 0
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Spy]:
+    s = Spy()
+    attn_init = torch_backend._AttentionPlan.__init__
+    attn_run = torch_backend._AttentionPlan.run
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        s.plans += 1
+        attn_init(self, *args, **kwargs)
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> None:
+        s.runs += 1
+        attn_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch_backend._AttentionPlan, "__init__", init)
+    monkeypatch.setattr(torch_backend._AttentionPlan, "run", run)
+    gemm_init = torch_backend._GemmPlan.__init__
+
+    def gemm_plan_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        s.plans += 1
+        gemm_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch_backend._GemmPlan, "__init__", gemm_plan_init)
+    for name in ("_matmul", "_scaled_mm", "_dequant"):
+        original = getattr(torch_backend._GemmPlan, name)
+
+        def kernel(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> None:
+            s.runs += 1
+            _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch_backend._GemmPlan, name, kernel)
+    yield s
+
+
+def test_spy_sees_kernels(spy: Spy) -> None:
+    """The spy itself works: a valid call is counted (so a count of 0 below means something)."""
+    w = prefill()
+    w.plan(*prefill_args(), **prefill_kwargs())
+    w.run(*prefill_data())
+    g = tactix.Gemm(backend="torch", device="cpu")
+    g.plan(2, 4, 3, a_dtype=F32)
+    g.run(torch.randn(2, 3), torch.randn(4, 3).t())
+    assert spy.plans == 2 and spy.runs == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# A valid prefill / decode to break
+
+
+def prefill(layout: str = "NHD") -> tactix.PagedPrefill:
+    return tactix.PagedPrefill(kv_layout=layout, backend="torch", device="cpu")  # type: ignore[arg-type]
+
+
+def decode(layout: str = "NHD") -> tactix.PagedDecode:
+    return tactix.PagedDecode(kv_layout=layout, backend="torch", device="cpu")  # type: ignore[arg-type]
+
+
+def prefill_args(**changes: Any) -> list[Any]:
+    """qo_indptr, kv_indptr, kv_indices, last_page_len, heads, kv heads, head dim, page size."""
+    args = {
+        "qo_indptr": i32(0, 3, 5),
+        "paged_kv_indptr": i32(0, 2, 3),
+        "paged_kv_indices": i32(4, 1, 7),
+        "paged_kv_last_page_len": i32(3, 2),  # kv lengths 19 and 2
+        "num_qo_heads": HQ,
+        "num_kv_heads": HKV,
+        "head_dim_qk": D,
+        "page_size": PAGE,
+    }
+    args.update(changes)
+    return list(args.values())
+
+
+def prefill_kwargs(**changes: Any) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"q_data_type": F32, "causal": True}
+    kwargs.update(changes)
+    return kwargs
+
+
+def decode_args(**changes: Any) -> list[Any]:
+    args = {
+        "paged_kv_indptr": i32(0, 2, 3),
+        "paged_kv_indices": i32(4, 1, 7),
+        "paged_kv_last_page_len": i32(3, 2),
+        "num_qo_heads": HQ,
+        "num_kv_heads": HKV,
+        "head_dim_qk": D,
+        "page_size": PAGE,
+    }
+    args.update(changes)
+    return list(args.values())
+
+
+def kv(
+    layout: str = "NHD", pages: int = NUM_PAGES, dtype: torch.dtype = F32, page: int = PAGE, dim: int = D
+) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (pages, page, HKV, dim) if layout == "NHD" else (pages, HKV, page, dim)
+    return torch.randn(*shape).to(dtype), torch.randn(*shape).to(dtype)
+
+
+def prefill_data(rows: int = 5) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    return torch.randn(rows, HQ, D), kv()
+
+
+def planned_prefill(**kwargs: Any) -> tactix.PagedPrefill:
+    w = prefill()
+    w.plan(*prefill_args(), **prefill_kwargs(**kwargs))
+    return w
+
+
+def raises(cls: type[Exception], *fragments: object) -> Any:
+    """pytest.raises for ``cls`` whose message holds every fragment (checked by `check`)."""
+    return _Raises(cls, [str(f) for f in fragments])
+
+
+class _Raises:
+    def __init__(self, cls: type[Exception], fragments: list[str]) -> None:
+        self.cls = cls
+        self.fragments = fragments
+        self._ctx = pytest.raises(cls)
+
+    def __enter__(self) -> Any:
+        self.info = self._ctx.__enter__()
+        return self.info
+
+    def __exit__(self, *exc: Any) -> bool:
+        handled = self._ctx.__exit__(*exc)
+        if not handled:  # another exception type: let it propagate as the test's failure
+            return False
+        message = str(self.info.value)
+        assert isinstance(self.info.value, tactix.TactixError), f"not a TactixError: {self.info.value!r}"
+        for fragment in self.fragments:
+            assert fragment in message, f"{fragment!r} not in the message: {message}"
+        return bool(handled)
+
+
+# ----------------------------------------------------------------------------------------------
+# run(): tensors that do not match the plan
+
+
+def test_q_wrong_dtype(spy: Spy) -> None:
+    w = planned_prefill()
+    q, cache = prefill_data()
+    with raises(tactix.InvalidArgumentError, "'q'", "torch.float16"):
+        w.run(q.half(), cache)
+    assert spy.runs == 0
+
+
+def test_q_wrong_head_dim(spy: Spy) -> None:
+    w = planned_prefill()
+    _, cache = prefill_data()
+    with raises(tactix.InvalidArgumentError, "'q'", f"({5}, {HQ}, {D // 2})"):
+        w.run(torch.randn(5, HQ, D // 2), cache)
+    assert spy.runs == 0
+
+
+def test_q_wrong_number_of_rows(spy: Spy) -> None:
+    w = planned_prefill()
+    _, cache = prefill_data()
+    with raises(tactix.InvalidArgumentError, "'q'", "(6, 8, 32)"):
+        w.run(torch.randn(6, HQ, D), cache)
+    assert spy.runs == 0
+
+
+def test_decode_q_wrong_shape(spy: Spy) -> None:
+    w = decode()
+    w.plan(*decode_args(), q_data_type=F32)
+    with raises(tactix.InvalidArgumentError, "'q'", "(2, 1, 8, 32)"):
+        w.run(torch.randn(2, 1, HQ, D), kv())
+    assert spy.runs == 0
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_cache_wrong_dtype(spy: Spy, which: str) -> None:
+    w = planned_prefill()
+    q, (k, v) = prefill_data()
+    cache = (k.to(BF16), v) if which == "k" else (k, v.to(BF16))
+    with raises(tactix.InvalidArgumentError, "paged_kv_cache", which, "torch.bfloat16"):
+        w.run(q, cache)
+    assert spy.runs == 0
+
+
+def test_5d_cache_wrong_dtype(spy: Spy) -> None:
+    w = planned_prefill()
+    q, _ = prefill_data()
+    with raises(tactix.InvalidArgumentError, "paged_kv_cache", "torch.float16"):
+        w.run(q, torch.randn(NUM_PAGES, 2, PAGE, HKV, D, dtype=torch.float16))
+    assert spy.runs == 0
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_cache_head_dim_does_not_match_plan(spy: Spy, layout: str) -> None:
+    w = prefill(layout)
+    w.plan(*prefill_args(), **prefill_kwargs())
+    k, v = kv(layout, dim=D * 2)
+    with raises(tactix.InvalidArgumentError, "paged_kv_cache", "head_dim", str(D * 2)):
+        w.run(torch.randn(5, HQ, D), (k, v))
+    assert spy.runs == 0
+
+
+def test_v_head_dim_does_not_match_head_dim_vo(spy: Spy) -> None:
+    w = prefill()
+    w.plan(*prefill_args(), **prefill_kwargs(head_dim_vo=16))
+    k, _ = kv()
+    v = torch.randn(NUM_PAGES, PAGE, HKV, 24)
+    with raises(tactix.InvalidArgumentError, "paged_kv_cache (v)", "head_dim=16", "24"):
+        w.run(torch.randn(5, HQ, D), (k, v))
+    assert spy.runs == 0
+
+
+def test_cache_wrong_number_of_kv_heads(spy: Spy) -> None:
+    w = planned_prefill()
+    k = torch.randn(NUM_PAGES, PAGE, HKV * 2, D)
+    with raises(tactix.InvalidArgumentError, "paged_kv_cache", f"num_kv_heads={HKV}"):
+        w.run(torch.randn(5, HQ, D), (k, k))
+    assert spy.runs == 0
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("form", ["tuple", "5d"])
+def test_page_size_differs_from_cache(spy: Spy, layout: str, form: str) -> None:
+    w = prefill(layout)
+    w.plan(*prefill_args(), **prefill_kwargs())  # page_size 16
+    if form == "tuple":
+        cache: Any = kv(layout, page=8)
+    else:
+        shape = (NUM_PAGES, 2, 8, HKV, D) if layout == "NHD" else (NUM_PAGES, 2, HKV, 8, D)
+        cache = torch.randn(*shape)
+    with raises(tactix.InvalidArgumentError, "page_size", "16", "8"):
+        w.run(torch.randn(5, HQ, D), cache)
+    assert spy.runs == 0
+
+
+def test_5d_cache_wrong_dim_1(spy: Spy) -> None:
+    w = planned_prefill()
+    with raises(tactix.InvalidArgumentError, "paged_kv_cache", f"({NUM_PAGES}, 3, {PAGE}, {HKV}, {D})"):
+        w.run(torch.randn(5, HQ, D), torch.randn(NUM_PAGES, 3, PAGE, HKV, D))
+    assert spy.runs == 0
+
+
+def test_4d_single_tensor_cache(spy: Spy) -> None:
+    w = planned_prefill()
+    with raises(tactix.InvalidArgumentError, "paged_kv_cache", "5-D"):
+        w.run(torch.randn(5, HQ, D), torch.randn(NUM_PAGES, PAGE, HKV, D))
+    assert spy.runs == 0
+
+
+def test_cache_tuple_of_three(spy: Spy) -> None:
+    w = planned_prefill()
+    k, v = kv()
+    with raises(tactix.InvalidArgumentError, "paged_kv_cache"):
+        w.run(torch.randn(5, HQ, D), (k, v, v))  # type: ignore[arg-type]
+    assert spy.runs == 0
+
+
+def test_cache_tuple_of_non_tensors(spy: Spy) -> None:
+    w = planned_prefill()
+    with raises(tactix.InvalidArgumentError, "paged_kv_cache"):
+        w.run(torch.randn(5, HQ, D), ([1.0], [2.0]))  # type: ignore[arg-type]
+    assert spy.runs == 0
+
+
+def test_k_and_v_with_different_page_counts(spy: Spy) -> None:
+    w = planned_prefill()
+    k, v = kv()
+    with raises(tactix.InvalidArgumentError, "paged_kv_cache", str(NUM_PAGES - 1)):
+        w.run(torch.randn(5, HQ, D), (k, v[:-1]))
+    assert spy.runs == 0
+
+
+def test_k_and_v_with_different_page_counts_after_a_good_run(spy: Spy) -> None:
+    w = planned_prefill()
+    k, v = kv()
+    w.run(torch.randn(5, HQ, D), (k, v))
+    spy.runs = 0
+    short_v = v[:5].clone()  # page 7 is used by the batch but v has only 5 pages
+    with raises(tactix.InvalidArgumentError, "paged_kv_cache", "5"):
+        w.run(torch.randn(5, HQ, D), (k, short_v))
+    assert spy.runs == 0
+
+
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+def test_page_index_outside_cache_raises_at_run_before_reading(spy: Spy, op: str) -> None:
+    # index 8 == num_pages of the cache given at run
+    indices = i32(4, 1, NUM_PAGES)
+    if op == "prefill":
+        w: Any = prefill()
+        w.plan(*prefill_args(paged_kv_indices=indices), **prefill_kwargs())
+        q = torch.randn(5, HQ, D)
+    else:
+        w = decode()
+        w.plan(*decode_args(paged_kv_indices=indices), q_data_type=F32)
+        q = torch.randn(2, HQ, D)
+    out = torch.full((q.shape[0], HQ, D), 123.0)
+    with raises(tactix.InvalidArgumentError, "paged_kv_indices", str(NUM_PAGES)):
+        w.run(q, kv(), out=out)
+    assert spy.runs == 0, "the kernel ran although a page index is outside the cache"
+    assert bool((out == 123.0).all())
+    # the same plan with a big enough cache is fine
+    w.run(q, kv(pages=NUM_PAGES + 1))
+    assert spy.runs == 1
+
+
+def test_page_index_check_follows_the_cache_given(spy: Spy) -> None:
+    """A cache shrunk after a good run is checked again."""
+    w = planned_prefill()  # largest index 7
+    w.run(torch.randn(5, HQ, D), kv(pages=NUM_PAGES))
+    with raises(tactix.InvalidArgumentError, "paged_kv_indices", "7"):
+        w.run(torch.randn(5, HQ, D), kv(pages=7))
+    assert spy.runs == 1
+
+
+def test_return_lse_at_run_when_planned_without(spy: Spy) -> None:
+    w = planned_prefill()
+    q, cache = prefill_data()
+    with raises(tactix.InvalidArgumentError, "return_lse"):
+        w.run(q, cache, return_lse=True)
+    with raises(tactix.InvalidArgumentError, "return_lse"):
+        w.run(q, cache, lse=torch.empty(5, HQ))
+    assert spy.runs == 0
+
+
+@pytest.mark.parametrize(
+    ("out", "fragments"),
+    [
+        (torch.empty(5, HQ, D + 1), ["'out'", f"(5, {HQ}, {D + 1})"]),
+        (torch.empty(4, HQ, D), ["'out'", f"(4, {HQ}, {D})"]),
+        (torch.empty(5, HQ, D, dtype=BF16), ["'out'", "torch.bfloat16"]),
+        (torch.empty(HQ, 5, D).transpose(0, 1), ["'out'", "non-contiguous"]),
+    ],
+    ids=["wrong-dim", "wrong-rows", "wrong-dtype", "non-contiguous"],
+)
+def test_bad_out(spy: Spy, out: Any, fragments: list[str]) -> None:
+    w = planned_prefill()
+    q, cache = prefill_data()
+    with raises(tactix.InvalidArgumentError, *fragments):
+        w.run(q, cache, out=out)
+    assert spy.runs == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: PagedPrefill/PagedDecode.run read out.shape / lse.shape before checking the type, "
+    "so a non-tensor out= or lse= raises AttributeError instead of InvalidArgumentError",
+)
+@pytest.mark.parametrize("name", ["out", "lse"])
+def test_out_or_lse_not_a_tensor(spy: Spy, name: str) -> None:
+    w = planned_prefill(return_lse=True)
+    q, cache = prefill_data()
+    with raises(tactix.InvalidArgumentError, f"'{name}'", "list"):
+        w.run(q, cache, **{name: [0.0] * 5})
+    assert spy.runs == 0
+
+
+@pytest.mark.parametrize(
+    ("lse", "fragments"),
+    [
+        (torch.empty(5, HQ, dtype=BF16), ["'lse'", "torch.bfloat16"]),
+        (torch.empty(5, HQ + 1), ["'lse'", f"(5, {HQ + 1})"]),
+        (torch.empty(HQ, 5).t(), ["'lse'", "non-contiguous"]),
+    ],
+    ids=["wrong-dtype", "wrong-shape", "non-contiguous"],
+)
+def test_bad_lse(spy: Spy, lse: torch.Tensor, fragments: list[str]) -> None:
+    w = planned_prefill(return_lse=True)
+    q, cache = prefill_data()
+    with raises(tactix.InvalidArgumentError, *fragments):
+        w.run(q, cache, lse=lse)
+    assert spy.runs == 0
+
+
+@pytest.mark.parametrize("cls", [tactix.PagedPrefill, tactix.PagedDecode])
+def test_run_before_plan(spy: Spy, cls: type) -> None:
+    w = cls(kv_layout="NHD", backend="torch", device="cpu")
+    with raises(tactix.TactixError, "plan()"):
+        w.run(torch.randn(5, HQ, D), kv())
+    with raises(tactix.TactixError, "plan()"):
+        _ = w.problem
+    assert spy.runs == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# plan(): batch metadata
+
+
+def _plan_prefill(**changes: Any) -> None:
+    kwargs = {
+        k: changes.pop(k)
+        for k in list(changes)
+        if k in ("causal", "q_data_type", "tactic", "backend", "window_left", "sm_scale")
+    }
+    prefill().plan(*prefill_args(**changes), **prefill_kwargs(**kwargs))
+
+
+@pytest.mark.parametrize(
+    "argument", ["paged_kv_indices", "paged_kv_indptr", "paged_kv_last_page_len", "qo_indptr"]
+)
+def test_index_array_of_float_dtype(spy: Spy, argument: str) -> None:
+    valid = dict(
+        zip(
+            ["qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"],
+            prefill_args()[:4],
+            strict=True,
+        )
+    )
+    with raises(tactix.InvalidArgumentError, f"'{argument}'", "torch.float32"):
+        _plan_prefill(**{argument: valid[argument].float()})
+    assert spy.plans == 0
+
+
+def test_index_array_2d(spy: Spy) -> None:
+    with raises(tactix.InvalidArgumentError, "'paged_kv_indices'", "1-D", "(3, 1)"):
+        _plan_prefill(paged_kv_indices=i32(4, 1, 7).view(3, 1))
+    assert spy.plans == 0
+
+
+@pytest.mark.parametrize(
+    "argument", ["qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"]
+)
+def test_index_array_not_a_tensor(spy: Spy, argument: str) -> None:
+    valid = dict(
+        zip(
+            ["qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"],
+            prefill_args()[:4],
+            strict=True,
+        )
+    )
+    with raises(tactix.InvalidArgumentError, f"'{argument}'", "list"):
+        _plan_prefill(**{argument: valid[argument].tolist()})
+    assert spy.plans == 0
+
+
+def test_decode_indptr_not_a_tensor(spy: Spy) -> None:
+    with raises(tactix.InvalidArgumentError, "'paged_kv_indptr'", "list"):
+        decode().plan(*decode_args(paged_kv_indptr=[0, 2, 3]), q_data_type=F32)
+    assert spy.plans == 0
+
+
+def test_qo_indptr_not_monotonic(spy: Spy) -> None:
+    with raises(tactix.InvalidArgumentError, "'qo_indptr'", "non-decreasing", "qo_indptr[1] = 6", "= 5"):
+        _plan_prefill(qo_indptr=i32(0, 6, 5), causal=False)
+    assert spy.plans == 0
+
+
+def test_paged_kv_indptr_not_monotonic(spy: Spy) -> None:
+    with raises(tactix.InvalidArgumentError, "'paged_kv_indptr'", "non-decreasing", "paged_kv_indptr[1] = 3"):
+        _plan_prefill(paged_kv_indptr=i32(0, 3, 2), causal=False)
+    assert spy.plans == 0
+
+
+@pytest.mark.parametrize("argument", ["qo_indptr", "paged_kv_indptr"])
+def test_indptr_not_starting_at_zero(spy: Spy, argument: str) -> None:
+    bad = {"qo_indptr": i32(1, 3, 5), "paged_kv_indptr": i32(1, 2, 3)}[argument]
+    with raises(tactix.InvalidArgumentError, f"'{argument}'", "starting at 0", f"{argument}[0] = 1"):
+        _plan_prefill(**{argument: bad}, causal=False)
+    assert spy.plans == 0
+
+
+def test_qo_indptr_length_differs_from_kv_indptr(spy: Spy) -> None:
+    with raises(tactix.InvalidArgumentError, "'qo_indptr'", "length 4"):
+        _plan_prefill(qo_indptr=i32(0, 1, 3, 5))
+    assert spy.plans == 0
+
+
+def test_last_page_len_length_differs(spy: Spy) -> None:
+    with raises(tactix.InvalidArgumentError, "paged_kv_last_page_len", "length 3"):
+        _plan_prefill(paged_kv_last_page_len=i32(3, 2, 1))
+    assert spy.plans == 0
+
+
+def test_kv_indptr_end_beyond_indices(spy: Spy) -> None:
+    with raises(tactix.InvalidArgumentError, "'paged_kv_indices'", "paged_kv_indptr[-1] = 4", "3 entries"):
+        _plan_prefill(paged_kv_indptr=i32(0, 2, 4))
+    assert spy.plans == 0
+
+
+def test_request_with_zero_pages(spy: Spy) -> None:
+    with raises(tactix.InvalidArgumentError, "'paged_kv_indptr'", "request 1"):
+        _plan_prefill(paged_kv_indptr=i32(0, 3, 3), paged_kv_last_page_len=i32(3, 1), causal=False)
+    assert spy.plans == 0
+
+
+def test_decode_request_with_zero_pages(spy: Spy) -> None:
+    with raises(tactix.InvalidArgumentError, "'paged_kv_indptr'", "request 0"):
+        decode().plan(*decode_args(paged_kv_indptr=i32(0, 0, 3)), q_data_type=F32)
+    assert spy.plans == 0
+
+
+@pytest.mark.parametrize("value", [0, PAGE + 1])
+def test_last_page_len_out_of_range(spy: Spy, value: int) -> None:
+    with raises(tactix.InvalidArgumentError, "paged_kv_last_page_len", f"page_size={PAGE}", f"(got {value})"):
+        _plan_prefill(paged_kv_last_page_len=i32(3, value), causal=False)
+    assert spy.plans == 0
+
+
+def test_negative_page_index(spy: Spy) -> None:
+    with raises(tactix.InvalidArgumentError, "'paged_kv_indices'", "-1"):
+        _plan_prefill(paged_kv_indices=i32(4, -1, 7))
+    assert spy.plans == 0
+
+
+def test_causal_kv_shorter_than_q(spy: Spy) -> None:
+    # request 1 has 2 kv tokens and 4 query rows
+    with raises(tactix.InvalidArgumentError, "request 1", "kv length 2", "4 query tokens"):
+        _plan_prefill(qo_indptr=i32(0, 3, 7), causal=True)
+    assert spy.plans == 0
+    _plan_prefill(qo_indptr=i32(0, 3, 7), causal=False)  # fine without the causal mask
+    assert spy.plans == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# plan(): sizes, options
+
+
+def test_qo_heads_not_a_multiple_of_kv_heads(spy: Spy) -> None:
+    with raises(tactix.InvalidArgumentError, "'num_qo_heads'", "num_kv_heads = 4", "(got 6)"):
+        _plan_prefill(num_qo_heads=6, num_kv_heads=4)
+    assert spy.plans == 0
+
+
+@pytest.mark.parametrize("argument", ["num_qo_heads", "num_kv_heads", "head_dim_qk", "page_size"])
+@pytest.mark.parametrize("value", [0, -2])
+def test_sizes_must_be_positive(spy: Spy, argument: str, value: int) -> None:
+    with raises(tactix.InvalidArgumentError, f"'{argument}'", str(value)):
+        _plan_prefill(**{argument: value})
+    assert spy.plans == 0
+
+
+def test_window_left_below_minus_one(spy: Spy) -> None:
+    with raises(tactix.InvalidArgumentError, "'window_left'", "-2"):
+        _plan_prefill(window_left=-2)
+    assert spy.plans == 0
+
+
+def test_unknown_q_dtype(spy: Spy) -> None:
+    with raises(tactix.InvalidArgumentError, "'q_data_type'", "int8"):
+        _plan_prefill(q_data_type=torch.int8)
+    assert spy.plans == 0
+
+
+def test_unknown_kv_layout() -> None:
+    with raises(tactix.InvalidArgumentError, "'kv_layout'", "NDH"):
+        tactix.PagedPrefill(kv_layout="NDH", backend="torch", device="cpu")  # type: ignore[arg-type]
+    with raises(tactix.InvalidArgumentError, "'kv_layout'", "nhd"):
+        tactix.PagedDecode(kv_layout="nhd", backend="torch", device="cpu")  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------------
+# Backends and tactics
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: tactix.PagedPrefill(backend="no_such_backend", device="cpu"),
+        lambda: tactix.PagedDecode(backend="no_such_backend", device="cpu"),
+        lambda: tactix.Gemm(backend="no_such_backend", device="cpu"),
+        lambda: tactix.gemm(torch.randn(2, 3), torch.randn(3, 4), backend="no_such_backend"),
+        lambda: _plan_prefill(backend="no_such_backend"),
+    ],
+    ids=["PagedPrefill", "PagedDecode", "Gemm", "gemm", "plan-override"],
+)
+def test_unknown_backend(spy: Spy, make: Any) -> None:
+    with raises(tactix.BackendNotFoundError, "'backend'", "no_such_backend", "'torch'"):
+        make()
+    assert spy.plans == 0 and spy.runs == 0
+
+
+def test_tactic_of_another_backend(spy: Spy) -> None:
+    with raises(tactix.TacticError, "'tactic'", "cudnn", "torch"):
+        _plan_prefill(tactic=tactix.Tactic(backend="cudnn", kernel="x"))
+    with raises(tactix.TacticError, "'tactic'", "cudnn", "torch"):
+        g = tactix.Gemm(backend="torch", device="cpu")
+        g.plan(2, 4, 3, a_dtype=F32, tactic=tactix.Tactic(backend="cudnn", kernel="x"))
+    assert spy.plans == 0
+
+
+@pytest.mark.parametrize("value", [3, 0, True], ids=["3", "0", "True"])
+def test_bare_integer_tactic(spy: Spy, value: Any) -> None:
+    with raises(tactix.TacticError, "'tactic'", "never accepted", repr(value)):
+        _plan_prefill(tactic=value)
+    with raises(tactix.TacticError, "'tactic'", "never accepted"):
+        tactix.gemm(torch.randn(2, 3), torch.randn(3, 4), backend="torch", tactic=value)
+    assert spy.plans == 0
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"backend": "torch", "kernel": ',
+        "not json",
+        '{"backend": "torch"}',
+        "[1, 2]",
+        '"torch:explicit"',
+        '{"backend": "torch", "kernel": "explicit", "schema_version": 99}',
+    ],
+    ids=["truncated", "not-json", "no-kernel", "list", "string", "future-schema"],
+)
+def test_malformed_tactic_json(spy: Spy, text: str) -> None:
+    with raises(tactix.TacticError, "'tactic'"):
+        _plan_prefill(tactic=text)
+    assert spy.plans == 0
+
+
+def test_tactic_json_that_is_valid_is_accepted(spy: Spy) -> None:
+    """Contrast to the malformed cases: the same path accepts good JSON."""
+    _plan_prefill(tactic='{"backend":"torch","kernel":"explicit","params":{}}')
+    assert spy.plans == 1
+
+
+def test_torch_tactic_unknown_kernel(spy: Spy) -> None:
+    with raises(tactix.UnsupportedProblemError, "no_such_kernel"):
+        _plan_prefill(tactic=tactix.Tactic(backend="torch", kernel="no_such_kernel"))
+    assert spy.plans == 0
+
+
+def test_tactic_model_rejects_integers() -> None:
+    for value in (5, 0, True, 2.0, None, [1]):
+        with pytest.raises(pydantic.ValidationError, match="never accepted"):
+            tactix.Tactic.model_validate(value)
+        with raises(tactix.TacticError, "'tactic'", "never accepted"):
+            parse_tactic(value)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMM
+
+
+def _gemm_planned(**kwargs: Any) -> tactix.Gemm:
+    g = tactix.Gemm(backend="torch", device="cpu")
+    plan = {"a_dtype": F32}
+    plan.update(kwargs)
+    g.plan(4, 6, 8, **plan)
+    return g
+
+
+def test_gemm_mismatched_k(spy: Spy) -> None:
+    with raises(tactix.InvalidArgumentError, "'b'", "k=8", "(7, 6)"):
+        tactix.gemm(torch.randn(4, 8), torch.randn(7, 6), backend="torch")
+    g = _gemm_planned()
+    with raises(tactix.InvalidArgumentError, "'b'", "(7, 6)"):
+        g.run(torch.randn(4, 8), torch.randn(6, 7).t())
+    with raises(tactix.InvalidArgumentError, "'a'", "(4, 7)"):
+        g.run(torch.randn(4, 7), torch.randn(6, 8).t())
+    assert spy.runs == 0
+
+
+def test_gemm_mismatched_batch_and_rank(spy: Spy) -> None:
+    with raises(tactix.InvalidArgumentError, "'b'", "batch 2", "3"):
+        tactix.gemm(torch.randn(2, 4, 8), torch.randn(3, 8, 6), backend="torch")
+    with raises(tactix.InvalidArgumentError, "'b'", "3-D like a", "2-D"):
+        tactix.gemm(torch.randn(2, 4, 8), torch.randn(8, 6), backend="torch")
+    with raises(tactix.InvalidArgumentError, "'a'", "2-D or 3-D"):
+        tactix.gemm(torch.randn(8), torch.randn(8, 6), backend="torch")
+    assert spy.runs == 0
+
+
+def test_gemm_wrong_dtype(spy: Spy) -> None:
+    g = _gemm_planned()
+    with raises(tactix.InvalidArgumentError, "'a'", "torch.bfloat16"):
+        g.run(torch.randn(4, 8, dtype=BF16), torch.randn(6, 8).t())
+    with raises(tactix.InvalidArgumentError, "'b'", "torch.float16"):
+        g.run(torch.randn(4, 8), torch.randn(6, 8, dtype=torch.float16).t())
+    with raises(tactix.InvalidArgumentError, "'a_dtype'", "int32"):
+        _gemm_planned(a_dtype=torch.int32)
+    with raises(tactix.InvalidArgumentError, "'b_dtype'", "bfloat16"):
+        _gemm_planned(a_dtype=E4M3, b_dtype=BF16)
+    assert spy.runs == 0
+
+
+def test_gemm_mixed_operand_dtypes_one_shot(spy: Spy) -> None:
+    with raises(tactix.TactixError):
+        tactix.gemm(torch.randn(4, 8), torch.randn(6, 8, dtype=BF16).t(), backend="torch")
+    assert spy.runs == 0
+
+
+def _fp8_operands() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 16).to(E4M3), torch.randn(16, 16).to(E4M3).t()
+
+
+@pytest.mark.parametrize(
+    ("scales", "missing"),
+    [
+        ({}, "scale_a"),
+        ({"scale_a": torch.tensor([1.0])}, "scale_b"),
+        ({"scale_b": torch.tensor([1.0])}, "scale_a"),
+        ({"scale_a": torch.tensor([1.0], dtype=BF16), "scale_b": torch.tensor([1.0])}, "scale_a"),
+        ({"scale_a": torch.tensor([1.0]), "scale_b": torch.ones(2)}, "scale_b"),
+        ({"scale_a": 1.0, "scale_b": torch.tensor([1.0])}, "scale_a"),
+    ],
+    ids=["none", "no-scale_b", "no-scale_a", "bf16-scale", "two-element-scale", "python-float"],
+)
+def test_gemm_fp8_without_proper_scales(spy: Spy, scales: dict[str, Any], missing: str) -> None:
+    a, b = _fp8_operands()
+    with raises(tactix.InvalidArgumentError, f"'{missing}'", "per-tensor"):
+        tactix.gemm(a, b, backend="torch", **scales)
+    g = tactix.Gemm(backend="torch", device="cpu")
+    g.plan(4, 16, 16, a_dtype=E4M3)
+    with raises(tactix.InvalidArgumentError, f"'{missing}'"):
+        g.run(a, b, **scales)
+    assert spy.runs == 0
+
+
+def test_gemm_scales_for_non_fp8(spy: Spy) -> None:
+    g = _gemm_planned()
+    with raises(tactix.InvalidArgumentError, "scale_a", "non-fp8"):
+        g.run(
+            torch.randn(4, 8), torch.randn(6, 8).t(), scale_a=torch.tensor([1.0]), scale_b=torch.tensor([1.0])
+        )
+    assert spy.runs == 0
+
+
+def test_gemm_bias_given_when_planned_without(spy: Spy) -> None:
+    g = _gemm_planned()
+    with raises(tactix.InvalidArgumentError, "'bias'", "planned without bias"):
+        g.run(torch.randn(4, 8), torch.randn(6, 8).t(), bias=torch.randn(6))
+    g = _gemm_planned(bias_dtype=F32)
+    with raises(tactix.InvalidArgumentError, "'bias'", "None"):
+        g.run(torch.randn(4, 8), torch.randn(6, 8).t())
+    with raises(tactix.InvalidArgumentError, "'bias'", "(7,)"):
+        g.run(torch.randn(4, 8), torch.randn(6, 8).t(), bias=torch.randn(7))
+    assert spy.runs == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: a bias whose dtype differs from the output dtype is accepted by plan and fails in "
+    "torch.addmm at run with a bare RuntimeError",
+)
+def test_gemm_bias_of_wrong_dtype(spy: Spy) -> None:
+    a, b = torch.randn(4, 8, dtype=BF16), torch.randn(6, 8, dtype=BF16).t()
+    with raises(tactix.TactixError, "bias", "float32"):
+        tactix.gemm(a, b, bias=torch.randn(6, dtype=F32), backend="torch")
+    assert spy.runs == 0
+
+
+def test_gemm_wrong_layout_for_planned(spy: Spy) -> None:
+    k_major_a, m_major_a = torch.randn(4, 8), torch.randn(8, 4).t()
+    k_major_b, n_major_b = torch.randn(6, 8).t(), torch.randn(8, 6)
+    g = _gemm_planned()  # both k-major
+    with raises(tactix.InvalidArgumentError, "'a'", "k-major", "strides (1, 4)"):
+        g.run(m_major_a, k_major_b)
+    with raises(tactix.InvalidArgumentError, "'b'", "k-major", "strides (6, 1)"):
+        g.run(k_major_a, n_major_b)
+    g = _gemm_planned(a_k_major=False, b_k_major=False)
+    with raises(tactix.InvalidArgumentError, "'a'", "m-major"):
+        g.run(k_major_a, n_major_b)
+    with raises(tactix.InvalidArgumentError, "'b'", "n-major"):
+        g.run(m_major_a, k_major_b)
+    assert spy.runs == 0
+
+
+def test_gemm_operand_dense_in_neither_layout(spy: Spy) -> None:
+    a = torch.randn(4, 16)[:, ::2]  # strides (16, 2)
+    with raises(tactix.InvalidArgumentError, "'a'", "strides (16, 2)"):
+        tactix.gemm(a, torch.randn(6, 8).t(), backend="torch")
+    assert spy.runs == 0
+
+
+@pytest.mark.parametrize(("argument", "value"), [("m", -1), ("m", 0), ("n", -3), ("k", 0), ("batch", 0)])
+def test_gemm_non_positive_sizes(spy: Spy, argument: str, value: int) -> None:
+    sizes: dict[str, Any] = {"m": 4, "n": 6, "k": 8}
+    batch = None
+    if argument == "batch":
+        batch = value
+    else:
+        sizes[argument] = value
+    with raises(tactix.InvalidArgumentError, f"'{argument}'", str(value)):
+        tactix.Gemm(backend="torch", device="cpu").plan(
+            sizes["m"], sizes["n"], sizes["k"], batch=batch, a_dtype=F32
+        )
+    assert spy.plans == 0
+
+
+@pytest.mark.parametrize(
+    ("out", "fragments"),
+    [
+        (torch.empty(4, 7), ["'out'", "(4, 7)"]),
+        (torch.empty(4, 6, dtype=BF16), ["'out'", "torch.bfloat16"]),
+        (torch.empty(6, 4).t(), ["'out'", "non-contiguous"]),
+    ],
+    ids=["wrong-shape", "wrong-dtype", "non-contiguous"],
+)
+def test_gemm_bad_out(spy: Spy, out: torch.Tensor, fragments: list[str]) -> None:
+    g = _gemm_planned()
+    with raises(tactix.InvalidArgumentError, *fragments):
+        g.run(torch.randn(4, 8), torch.randn(6, 8).t(), out=out)
+    assert spy.runs == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: Gemm.run reads out.shape / bias.shape before checking the type, so a non-tensor "
+    "out= or bias= raises AttributeError instead of InvalidArgumentError",
+)
+@pytest.mark.parametrize("name", ["out", "bias"])
+def test_gemm_out_or_bias_not_a_tensor(spy: Spy, name: str) -> None:
+    g = _gemm_planned(bias_dtype=F32)
+    kwargs: dict[str, Any] = {"bias": torch.randn(6)}
+    kwargs[name] = [0.0] * 6
+    with raises(tactix.InvalidArgumentError, f"'{name}'", "list"):
+        g.run(torch.randn(4, 8), torch.randn(6, 8).t(), **kwargs)
+    assert spy.runs == 0
+
+
+def test_gemm_run_before_plan(spy: Spy) -> None:
+    with raises(tactix.TactixError, "plan()"):
+        tactix.Gemm(backend="torch", device="cpu").run(torch.randn(4, 8), torch.randn(6, 8).t())
+    assert spy.runs == 0
