@@ -14,7 +14,8 @@ if ! "$py" -c "import torch" >/dev/null 2>&1; then
   "$py" -m pip install -q "${TACTIX_TORCH:-torch==2.13.0}"
 fi
 # numpy only silences torch's import-time warning; tactix itself does not use it.
-"$py" -m pip install -q numpy -e "./core[testing]"
+# ruff and mypy are the repository's lint and type gates (tests/test_static_checks.py runs them).
+"$py" -m pip install -q numpy ruff mypy -e "./core[testing]"
 for plugin in plugins/* examples/*; do
   if [ -f "$plugin/pyproject.toml" ]; then
     "$py" -m pip install -q -e "./$plugin"

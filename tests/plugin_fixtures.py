@@ -15,8 +15,9 @@ from pathlib import Path
 from tactix.registry import set_registry
 
 
-def write_distribution(root: Path, dist: str, version: str, entry_points: dict[str, str],
-                       modules: dict[str, str]) -> None:
+def write_distribution(
+    root: Path, dist: str, version: str, entry_points: dict[str, str], modules: dict[str, str]
+) -> None:
     info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
@@ -78,8 +79,9 @@ def tactix_plan_prefil(backend, problem, batch, tactic, options):
 """
 
 
-def delegating_plugin(name: str, preference: int, plan_raises: str | None = None,
-                      check_reason: str | None = None) -> str:
+def delegating_plugin(
+    name: str, preference: int, plan_raises: str | None = None, check_reason: str | None = None
+) -> str:
     """A plugin that serves decode by delegating to the torch backend's decode plan.
 
     ``plan_raises``: its plan raises RuntimeError with this message instead.

@@ -221,9 +221,7 @@ def test_fp8_every_listed_tactic(
         assert g.backend == "torch" and g.tactic.backend == "torch"
         if not tactic.is_default:
             assert g.tactic == tactic
-        assert_close(
-            g.run(a, b, bias=bias, scale_a=scale_a, scale_b=scale_b), ref, out_dtype, "Gemm " + label
-        )
+        assert_close(g.run(a, b, bias=bias, scale_a=scale_a, scale_b=scale_b), ref, out_dtype, "Gemm " + label)
 
 
 def test_fp8_scales_actually_scale() -> None:
@@ -310,9 +308,7 @@ def test_gemm_plan_reuse_with_new_data(
     ],
     ids=["bf16-bias", "f32-batched", "fp8-scaled_mm-bias", "fp8-dequant", "fp8-dequant-batched-bias"],
 )
-def test_out_buffer_fully_written(
-    dtype: torch.dtype, tactic: str | None, batch: int | None, with_bias: bool
-) -> None:
+def test_out_buffer_fully_written(dtype: torch.dtype, tactic: str | None, batch: int | None, with_bias: bool) -> None:
     m, n, k = 9, 32, 16
     gen = torch.Generator().manual_seed(500)
     fp8 = dtype == E4M3

@@ -378,11 +378,6 @@ def test_bad_out(spy: Spy, out: Any, fragments: list[str]) -> None:
     assert spy.runs == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: PagedPrefill/PagedDecode.run read out.shape / lse.shape before checking the type, "
-    "so a non-tensor out= or lse= raises AttributeError instead of InvalidArgumentError",
-)
 @pytest.mark.parametrize("name", ["out", "lse"])
 def test_out_or_lse_not_a_tensor(spy: Spy, name: str) -> None:
     w = planned_prefill(return_lse=True)
@@ -432,9 +427,7 @@ def _plan_prefill(**changes: Any) -> None:
     prefill().plan(*prefill_args(**changes), **prefill_kwargs(**kwargs))
 
 
-@pytest.mark.parametrize(
-    "argument", ["paged_kv_indices", "paged_kv_indptr", "paged_kv_last_page_len", "qo_indptr"]
-)
+@pytest.mark.parametrize("argument", ["paged_kv_indices", "paged_kv_indptr", "paged_kv_last_page_len", "qo_indptr"])
 def test_index_array_of_float_dtype(spy: Spy, argument: str) -> None:
     valid = dict(
         zip(
@@ -454,9 +447,7 @@ def test_index_array_2d(spy: Spy) -> None:
     assert spy.plans == 0
 
 
-@pytest.mark.parametrize(
-    "argument", ["qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"]
-)
+@pytest.mark.parametrize("argument", ["qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"])
 def test_index_array_not_a_tensor(spy: Spy, argument: str) -> None:
     valid = dict(
         zip(
@@ -744,9 +735,7 @@ def test_gemm_fp8_without_proper_scales(spy: Spy, scales: dict[str, Any], missin
 def test_gemm_scales_for_non_fp8(spy: Spy) -> None:
     g = _gemm_planned()
     with raises(tactix.InvalidArgumentError, "scale_a", "non-fp8"):
-        g.run(
-            torch.randn(4, 8), torch.randn(6, 8).t(), scale_a=torch.tensor([1.0]), scale_b=torch.tensor([1.0])
-        )
+        g.run(torch.randn(4, 8), torch.randn(6, 8).t(), scale_a=torch.tensor([1.0]), scale_b=torch.tensor([1.0]))
     assert spy.runs == 0
 
 
@@ -762,11 +751,6 @@ def test_gemm_bias_given_when_planned_without(spy: Spy) -> None:
     assert spy.runs == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a bias whose dtype differs from the output dtype is accepted by plan and fails in "
-    "torch.addmm at run with a bare RuntimeError",
-)
 def test_gemm_bias_of_wrong_dtype(spy: Spy) -> None:
     a, b = torch.randn(4, 8, dtype=BF16), torch.randn(6, 8, dtype=BF16).t()
     with raises(tactix.TactixError, "bias", "float32"):
@@ -806,9 +790,7 @@ def test_gemm_non_positive_sizes(spy: Spy, argument: str, value: int) -> None:
     else:
         sizes[argument] = value
     with raises(tactix.InvalidArgumentError, f"'{argument}'", str(value)):
-        tactix.Gemm(backend="torch", device="cpu").plan(
-            sizes["m"], sizes["n"], sizes["k"], batch=batch, a_dtype=F32
-        )
+        tactix.Gemm(backend="torch", device="cpu").plan(sizes["m"], sizes["n"], sizes["k"], batch=batch, a_dtype=F32)
     assert spy.plans == 0
 
 
@@ -828,11 +810,6 @@ def test_gemm_bad_out(spy: Spy, out: torch.Tensor, fragments: list[str]) -> None
     assert spy.runs == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Gemm.run reads out.shape / bias.shape before checking the type, so a non-tensor "
-    "out= or bias= raises AttributeError instead of InvalidArgumentError",
-)
 @pytest.mark.parametrize("name", ["out", "bias"])
 def test_gemm_out_or_bias_not_a_tensor(spy: Spy, name: str) -> None:
     g = _gemm_planned(bias_dtype=F32)

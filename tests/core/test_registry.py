@@ -36,14 +36,26 @@ def _decode_runs_on(backend: str = "auto") -> str:
 
 @pytest.fixture
 def broken_plugins(tmp_path: Path) -> Path:
-    write_distribution(tmp_path, "tactix-broken", "0.3.1", {"broken": "tx_broken_mod"},
-                       {"tx_broken_mod": BROKEN_IMPORT})
-    write_distribution(tmp_path, "tactix-raiser", "1.0", {"raiser": "tx_raiser_mod"},
-                       {"tx_raiser_mod": RAISING_REGISTRATION})
-    write_distribution(tmp_path, "tactix-wrongname", "1.0", {"wrongname": "tx_wrongname_mod"},
-                       {"tx_wrongname_mod": WRONG_NAME})
-    write_distribution(tmp_path, "tactix-misspelt", "1.0", {"misspelt": "tx_misspelt_mod"},
-                       {"tx_misspelt_mod": MISSPELT_HOOK})
+    write_distribution(
+        tmp_path, "tactix-broken", "0.3.1", {"broken": "tx_broken_mod"}, {"tx_broken_mod": BROKEN_IMPORT}
+    )
+    write_distribution(
+        tmp_path, "tactix-raiser", "1.0", {"raiser": "tx_raiser_mod"}, {"tx_raiser_mod": RAISING_REGISTRATION}
+    )
+    write_distribution(
+        tmp_path,
+        "tactix-wrongname",
+        "1.0",
+        {"wrongname": "tx_wrongname_mod"},
+        {"tx_wrongname_mod": WRONG_NAME},
+    )
+    write_distribution(
+        tmp_path,
+        "tactix-misspelt",
+        "1.0",
+        {"misspelt": "tx_misspelt_mod"},
+        {"tx_misspelt_mod": MISSPELT_HOOK},
+    )
     return tmp_path
 
 
@@ -75,13 +87,20 @@ def test_broken_plugins_are_recorded_and_skipped(broken_plugins: Path) -> None:
 
 
 def test_cli_lists_failed_plugin_with_its_error(broken_plugins: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(broken_plugins))
-    plain = subprocess.run([sys.executable, "-m", "tactix", "backends"], env=env,
-                           capture_output=True, text=True, check=True)
+    path = os.pathsep.join(p for p in (str(broken_plugins), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path)
+    plain = subprocess.run(
+        [sys.executable, "-m", "tactix", "backends"], env=env, capture_output=True, text=True, check=True
+    )
     assert "torch" in plain.stdout and "active" in plain.stdout
     assert "broken: failed to import: ImportError: libmissing.so.1" in plain.stdout
-    as_json = subprocess.run([sys.executable, "-m", "tactix", "backends", "--json"], env=env,
-                             capture_output=True, text=True, check=True)
+    as_json = subprocess.run(
+        [sys.executable, "-m", "tactix", "backends", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     rows = {r["name"]: r for r in json.loads(as_json.stdout)}
     assert rows["broken"]["status"] == "failed" and rows["broken"]["runs_here"] is False
     assert rows["torch"]["status"] == "active" and rows["torch"]["runs_here"] is True

@@ -14,22 +14,68 @@ from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, make_pro
 from tactix.tactics import SCHEMA_VERSION, Tactic, parse_tactic
 
 PREFILL: dict[str, Any] = dict(
-    device_type="cuda", num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, head_dim_vo=128, page_size=16,
-    kv_layout="HND", q_dtype="bfloat16", kv_dtype="bfloat16", out_dtype="bfloat16", sm_scale=0.088,
-    window_left=-1, logits_soft_cap=0.0, return_lse=False, batch_size=8, max_kv_len=2048, causal=True,
-    num_qo_tokens=16384, max_qo_len=2048,
+    device_type="cuda",
+    num_qo_heads=32,
+    num_kv_heads=8,
+    head_dim_qk=128,
+    head_dim_vo=128,
+    page_size=16,
+    kv_layout="HND",
+    q_dtype="bfloat16",
+    kv_dtype="bfloat16",
+    out_dtype="bfloat16",
+    sm_scale=0.088,
+    window_left=-1,
+    logits_soft_cap=0.0,
+    return_lse=False,
+    batch_size=8,
+    max_kv_len=2048,
+    causal=True,
+    num_qo_tokens=16384,
+    max_qo_len=2048,
 )
 GEMM: dict[str, Any] = dict(
-    device_type="cuda", m=64, n=4096, k=4096, batch=1, batched=False, a_dtype="bfloat16", b_dtype="bfloat16",
-    out_dtype="bfloat16", a_k_major=True, b_k_major=True, scale_mode="none", bias_dtype=None,
+    device_type="cuda",
+    m=64,
+    n=4096,
+    k=4096,
+    batch=1,
+    batched=False,
+    a_dtype="bfloat16",
+    b_dtype="bfloat16",
+    out_dtype="bfloat16",
+    a_k_major=True,
+    b_k_major=True,
+    scale_mode="none",
+    bias_dtype=None,
 )
 # a different valid value for every field, to show each one reaches the key
 OTHER: dict[str, Any] = dict(
-    device_type="cpu", num_qo_heads=16, num_kv_heads=4, head_dim_qk=64, head_dim_vo=64, page_size=32,
-    kv_layout="NHD", q_dtype="float16", kv_dtype="float16", out_dtype="float32", sm_scale=0.125,
-    window_left=512, logits_soft_cap=30.0, return_lse=True, causal=False, n=4097, k=2048, batch=4,
-    batched=True, a_dtype="float16", b_dtype="float16", a_k_major=False, b_k_major=False,
-    scale_mode="per_tensor", bias_dtype="bfloat16",
+    device_type="cpu",
+    num_qo_heads=16,
+    num_kv_heads=4,
+    head_dim_qk=64,
+    head_dim_vo=64,
+    page_size=32,
+    kv_layout="NHD",
+    q_dtype="float16",
+    kv_dtype="float16",
+    out_dtype="float32",
+    sm_scale=0.125,
+    window_left=512,
+    logits_soft_cap=30.0,
+    return_lse=True,
+    causal=False,
+    n=4097,
+    k=2048,
+    batch=4,
+    batched=True,
+    a_dtype="float16",
+    b_dtype="float16",
+    a_k_major=False,
+    b_k_major=False,
+    scale_mode="per_tensor",
+    bias_dtype="bfloat16",
 )
 
 
@@ -45,10 +91,7 @@ def test_tactic_json_is_canonical_and_hash_ignores_insertion_order() -> None:
 
 def test_tactic_digest_is_the_same_in_a_fresh_process() -> None:
     tactic = Tactic(backend="torch", kernel="sdpa", params={"impl": "efficient", "x": 1.5})
-    code = (
-        "from tactix.tactics import Tactic\n"
-        f"print(Tactic.model_validate_json({tactic.to_json()!r}).digest())\n"
-    )
+    code = f"from tactix.tactics import Tactic\nprint(Tactic.model_validate_json({tactic.to_json()!r}).digest())\n"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert other.stdout.strip() == tactic.digest()
 
@@ -119,7 +162,8 @@ def test_problem_labels_read_like_test_ids() -> None:
 
 def test_all_lists_exactly_the_public_names() -> None:
     public = {
-        name for name, value in vars(tactix).items()
+        name
+        for name, value in vars(tactix).items()
         if not name.startswith("_") and not isinstance(value, types.ModuleType)
     }
     assert set(tactix.__all__) == public | {"__version__"}

@@ -20,10 +20,20 @@ i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
 
 @pytest.fixture
 def third_party(tmp_path: Path) -> Iterator[None]:
-    write_distribution(tmp_path, "tactix-fast", "1.0", {"fast": "tx_fast"},
-                       {"tx_fast": delegating_plugin("fast", 10, plan_raises="kernel exploded")})
-    write_distribution(tmp_path, "tactix-good", "1.0", {"good": "tx_good"},
-                       {"tx_good": delegating_plugin("good", 5, check_reason="needs sm_100")})
+    write_distribution(
+        tmp_path,
+        "tactix-fast",
+        "1.0",
+        {"fast": "tx_fast"},
+        {"tx_fast": delegating_plugin("fast", 10, plan_raises="kernel exploded")},
+    )
+    write_distribution(
+        tmp_path,
+        "tactix-good",
+        "1.0",
+        {"good": "tx_good"},
+        {"tx_good": delegating_plugin("good", 5, check_reason="needs sm_100")},
+    )
     with plugins_on_path(tmp_path):
         yield
     set_tactic_source(None)
@@ -31,8 +41,17 @@ def third_party(tmp_path: Path) -> Iterator[None]:
 
 def _plan_decode(wrapper: tactix.PagedDecode, batch: int = 2, **kwargs: object) -> None:
     indptr = torch.arange(batch + 1, dtype=torch.int32)
-    wrapper.plan(indptr, torch.arange(batch, dtype=torch.int32), torch.full((batch,), 3, dtype=torch.int32),
-                 4, 2, 16, 4, q_data_type=torch.float32, **kwargs)  # type: ignore[arg-type]
+    wrapper.plan(
+        indptr,
+        torch.arange(batch, dtype=torch.int32),
+        torch.full((batch,), 3, dtype=torch.int32),
+        4,
+        2,
+        16,
+        4,
+        q_data_type=torch.float32,
+        **kwargs,
+    )  # type: ignore[arg-type]
 
 
 def test_auto_prefers_higher_preference_and_falls_back_once_with_a_warning(third_party: None) -> None:
@@ -64,7 +83,9 @@ def test_explicit_tactic_that_fails_its_check_raises_with_the_reason(third_party
         _plan_decode(wrapper, tactic=tactix.Tactic(backend="good", kernel="special"))
 
 
-def test_stored_tactic_that_no_longer_validates_falls_back_to_that_backends_default(third_party: None) -> None:
+def test_stored_tactic_that_no_longer_validates_falls_back_to_that_backends_default(
+    third_party: None,
+) -> None:
     stored = tactix.Tactic(backend="good", kernel="special")
     set_tactic_source(lambda problem: stored)
     wrapper = tactix.PagedDecode(device="cpu", backend="good")
@@ -111,12 +132,27 @@ def test_cuda_graph_mode_rewrites_buffers_in_place_within_a_bucket() -> None:
     for indptr, indices, last in batches:
         wrapper.plan(indptr, indices, last, 4, 2, 16, 4, q_data_type=torch.float32)
         plan = wrapper.plan_object
-        now = [plan.page_table.data_ptr(), plan.q_index.data_ptr(), plan.out_index.data_ptr(), plan.mask.data_ptr()]
+        now = [
+            plan.page_table.data_ptr(),
+            plan.q_index.data_ptr(),
+            plan.out_index.data_ptr(),
+            plan.mask.data_ptr(),
+        ]
         addresses = addresses or now
         assert now == addresses
         q = torch.randn(2, 4, 16, generator=gen)
-        ref, _ = attention_reference(q, k, v, i32(0, 1, 2), indptr, indices, last, kv_layout="HND",
-                                     causal=False, sm_scale=1 / math.sqrt(16))
+        ref, _ = attention_reference(
+            q,
+            k,
+            v,
+            i32(0, 1, 2),
+            indptr,
+            indices,
+            last,
+            kv_layout="HND",
+            causal=False,
+            sm_scale=1 / math.sqrt(16),
+        )
         assert relative_error(wrapper.run(q, (k, v)), ref) < 1e-5
     with pytest.raises(tactix.UnsupportedProblemError, match="CUDA-graph mode"):
         wrapper.plan(i32(0, 1, 2, 3), i32(1, 2, 3), i32(1, 1, 1), 4, 2, 16, 4, q_data_type=torch.float32)

@@ -37,7 +37,10 @@ def _paged_batch(lens: list[int], q_lens: list[int], page: int, gen: torch.Gener
 
 def _cache(total: int, heads: int, page: int, dim: int, layout: str, dtype: torch.dtype, gen: torch.Generator):
     shape = (total, heads, page, dim) if layout == "HND" else (total, page, heads, dim)
-    return (torch.randn(shape, generator=gen).to(CUDA, dtype), torch.randn(shape, generator=gen).to(CUDA, dtype))
+    return (
+        torch.randn(shape, generator=gen).to(CUDA, dtype),
+        torch.randn(shape, generator=gen).to(CUDA, dtype),
+    )
 
 
 @pytest.mark.parametrize("uniform", [False, True], ids=["ragged", "uniform"])
@@ -51,8 +54,9 @@ def test_every_listed_tactic_matches_the_oracle(op: str, uniform: bool) -> None:
     k, v = _cache(total, hkv, page, dim, "HND", dtype, gen)
     q = torch.randn(sum(q_lens), hq, dim, generator=gen).to(CUDA, dtype)
     causal = op == "prefill"
-    ref, _ = attention_reference(q, k, v, qo, kv_indptr, kv_indices, last, kv_layout="HND",
-                                 causal=causal, sm_scale=1 / math.sqrt(dim))
+    ref, _ = attention_reference(
+        q, k, v, qo, kv_indptr, kv_indices, last, kv_layout="HND", causal=causal, sm_scale=1 / math.sqrt(dim)
+    )
     wrapper = tactix.PagedPrefill("HND", device=CUDA) if op == "prefill" else tactix.PagedDecode("HND", device=CUDA)
 
     def plan(**kw: object) -> None:
@@ -112,8 +116,18 @@ def test_decode_captures_in_a_cuda_graph_and_replays_fresh_data_and_new_batches(
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref, _ = attention_reference(q, k, v, qo, kv_indptr, kv_indices, last, kv_layout=layout,
-                                     causal=False, sm_scale=1 / math.sqrt(dim))
+        ref, _ = attention_reference(
+            q,
+            k,
+            v,
+            qo,
+            kv_indptr,
+            kv_indices,
+            last,
+            kv_layout=layout,
+            causal=False,
+            sm_scale=1 / math.sqrt(dim),
+        )
         err = relative_error(out, ref)
         assert err < tolerance_for(dtype), f"replay {step}: relative error {err:.2e}"
 
@@ -127,8 +141,19 @@ def test_run_with_out_makes_no_host_sync() -> None:
     lse = torch.empty(57, 8, device=CUDA, dtype=torch.float32)
     for return_lse in (False, True):
         wrapper = tactix.PagedPrefill("NHD", device=CUDA)
-        wrapper.plan(qo, kv_indptr, kv_indices, last, 8, 2, 64, 16, causal=True, q_data_type=torch.float16,
-                     return_lse=return_lse)
+        wrapper.plan(
+            qo,
+            kv_indptr,
+            kv_indices,
+            last,
+            8,
+            2,
+            64,
+            16,
+            causal=True,
+            q_data_type=torch.float16,
+            return_lse=return_lse,
+        )
         wrapper.run(q, (k, v), out=out, lse=lse if return_lse else None)  # first run checks page bounds
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -143,11 +168,22 @@ def test_device_resident_metadata_gives_the_same_result() -> None:
     total, qo, kv_indptr, kv_indices, last = _paged_batch([129, 16, 1], [5, 16, 1], 16, gen)
     k, v = _cache(total, 4, 16, 128, "HND", torch.bfloat16, gen)
     q = torch.randn(22, 16, 128, generator=gen).to(CUDA, torch.bfloat16)
-    ref, _ = attention_reference(q, k, v, qo, kv_indptr, kv_indices, last, kv_layout="HND", causal=True,
-                                 sm_scale=1 / math.sqrt(128))
+    ref, _ = attention_reference(
+        q, k, v, qo, kv_indptr, kv_indices, last, kv_layout="HND", causal=True, sm_scale=1 / math.sqrt(128)
+    )
     wrapper = tactix.PagedPrefill("HND")
-    wrapper.plan(qo.to(CUDA), kv_indptr.to(CUDA), kv_indices.to(CUDA), last.to(CUDA), 16, 4, 128, 16,
-                 causal=True, q_data_type=torch.bfloat16)
+    wrapper.plan(
+        qo.to(CUDA),
+        kv_indptr.to(CUDA),
+        kv_indices.to(CUDA),
+        last.to(CUDA),
+        16,
+        4,
+        128,
+        16,
+        causal=True,
+        q_data_type=torch.bfloat16,
+    )
     assert relative_error(wrapper.run(q, (k, v)), ref) < tolerance_for(torch.bfloat16)
 
 
@@ -185,15 +221,25 @@ def test_gemm_kernels_on_cuda(kernel: str) -> None:
         w = torch.randn(n, k, generator=gen).to(CUDA).to(torch.float8_e4m3fn)
         sa = torch.tensor(0.5, device=CUDA)
         sb = torch.tensor(0.02, device=CUDA)
-        out = tactix.gemm(a, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
-                          tactic=tactix.Tactic(backend="torch", kernel=kernel))
+        out = tactix.gemm(
+            a,
+            w.t(),
+            scale_a=sa,
+            scale_b=sb,
+            out_dtype=torch.bfloat16,
+            tactic=tactix.Tactic(backend="torch", kernel=kernel),
+        )
         ref = gemm_reference(a, w.t(), scale_a=sa, scale_b=sb)
     assert relative_error(out, ref) < tolerance_for(torch.bfloat16)
 
 
 def test_demo_runs_the_llama_layer_on_the_gpu() -> None:
-    done = subprocess.run([sys.executable, "-m", "tactix", "demo", "--device", "cuda"],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "tactix", "demo", "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     print(done.stdout)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ops within tolerance" in done.stdout

@@ -92,7 +92,9 @@ class _PagedAttention:
         self._selection: Selection | None = None
         self._problem: PrefillProblem | DecodeProblem | None = None
         self._batch: PagedBatch | None = None
-        self._run: Any = None
+        self._fast: tuple[Any, ...] | None = None  # what run() compares against, bound at plan
+        # caches run() has validated for the current plan, by id(k): (weakref k, weakref v)
+        self._accepted: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
         self._splits: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, torch.Tensor]] = {}
 
     # -- what was chosen ------------------------------------------------------------------
@@ -161,9 +163,7 @@ class _PagedAttention:
         num_qo_heads = _positive_int(num_qo_heads, "num_qo_heads")
         num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
         if num_qo_heads % num_kv_heads:
-            raise InvalidArgumentError(
-                "num_qo_heads", f"a multiple of num_kv_heads = {num_kv_heads}", num_qo_heads
-            )
+            raise InvalidArgumentError("num_qo_heads", f"a multiple of num_kv_heads = {num_kv_heads}", num_qo_heads)
         if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
             raise InvalidArgumentError("window_left", "-1 (no window) or an int >= 0", repr(window_left))
         q_dtype = parse_dtype(q_data_type, "q_data_type")
@@ -208,9 +208,7 @@ class _PagedAttention:
             "max_kv_len": batch.max_kv_len,
         }
         if self._op == "prefill":
-            fields.update(
-                causal=bool(causal), num_qo_tokens=batch.num_qo_tokens, max_qo_len=batch.max_qo_len
-            )
+            fields.update(causal=bool(causal), num_qo_tokens=batch.num_qo_tokens, max_qo_len=batch.max_qo_len)
         problem = make_problem(self._op, **fields)  # type: ignore[arg-type]
         options = PlanOptions(device=device, use_cuda_graph=self._use_cuda_graph, previous=None)
         if self._selection is not None:
@@ -242,9 +240,17 @@ class _PagedAttention:
             self._k_tail = torch.Size((num_kv_heads, page_size, head_dim_qk))
             self._v_tail = torch.Size((num_kv_heads, page_size, head_dim_vo))
         self._return_lse = bool(return_lse)
-        self._k_shape = self._v_shape = torch.Size()  # the last cache shape accepted by run()
+        self._accepted.clear()  # page bounds are per batch: caches are checked again
         self._device_index = device.index if device.type == "cuda" else -1
-        self._run = selection.plan.run
+        self._fast = (
+            selection.plan.run,
+            self._q_shape,
+            self._q_dtype,
+            self._device_index,
+            self._out_shape,
+            self._out_dtype,
+            self._return_lse,
+        )
 
     # -- run ------------------------------------------------------------------------------
 
@@ -258,56 +264,86 @@ class _PagedAttention:
         return_lse: bool | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention for the planned batch. Returns ``out``, or ``(out, lse)`` with the LSE."""
-        run = self._run
-        if run is None:
+        fast = self._fast
+        if fast is None:
             raise TactixError(f"{type(self).__name__}: call plan() before run()")
-        # The checks below are plain attribute comparisons (about 1 us in all); anything that
-        # fails them goes to a slow path that explains what was expected.
-        index = self._device_index
-        if type(q) is not torch.Tensor or q.shape != self._q_shape or q.dtype != self._q_dtype or q.get_device() != index:
-            self._reject("q", q, self._q_shape, self._q_dtype)
-        if type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2:
-            k, v = paged_kv_cache
-        else:
-            split = self._splits.get(id(paged_kv_cache))
-            if split is not None and split[0]() is paged_kv_cache:
-                k, v = split[1], split[2]
+        run, q_shape, q_dtype, index, out_shape, out_dtype, planned_lse = fast
+        # Plain attribute comparisons only (about 1 us in all); whatever fails them goes to a
+        # slow path that raises an error saying what was expected.
+        try:
+            if q.shape != q_shape or q.dtype != q_dtype or q.get_device() != index:
+                self._reject("q", q, q_shape, q_dtype)
+            if type(paged_kv_cache) is tuple:
+                k, v = paged_kv_cache
             else:
-                k, v = self._split(paged_kv_cache)
-        kv_dtype = self._kv_dtype
-        if (
-            type(k) is not torch.Tensor or type(v) is not torch.Tensor
-            or k.shape != self._k_shape or v.shape != self._v_shape
-            or k.dtype != kv_dtype or v.dtype != kv_dtype
-            or k.get_device() != index or v.get_device() != index
-        ):
-            self._accept_cache(k, v)
-        device = self._device_now
-        want_lse = (self._return_lse if return_lse is None else bool(return_lse)) or lse is not None
-        if want_lse and not self._return_lse:
+                split = self._splits.get(id(paged_kv_cache))
+                if split is not None and split[0]() is paged_kv_cache:
+                    k, v = split[1], split[2]
+                else:
+                    k, v = self._split(paged_kv_cache)
+            seen = self._accepted.get(id(k))
+            if seen is None or seen[0]() is not k or seen[1]() is not v:
+                self._accept_cache(k, v)
+            if out is None:
+                out = torch.empty(out_shape, dtype=out_dtype, device=self._device_now)
+            elif (
+                out.shape != out_shape or out.dtype != out_dtype or out.get_device() != index or not out.is_contiguous()
+            ):
+                self._reject("out", out, out_shape, out_dtype, contiguous=True)
+        except TactixError:
+            raise
+        except (AttributeError, TypeError, ValueError):
+            self._diagnose(q, paged_kv_cache, out)
+            raise
+        if planned_lse or lse is not None or return_lse:
+            return self._run_with_lse(run, q, k, v, out, lse, return_lse)
+        run(q, k, v, out, None)
+        return out
+
+    def _run_with_lse(
+        self,
+        run: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        return_lse: bool | None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        want = (self._return_lse if return_lse is None else bool(return_lse)) or lse is not None
+        if want and not self._return_lse:
             raise InvalidArgumentError(
                 "return_lse", "False as planned (pass return_lse=True to plan() for the LSE)", True
             )
-        if out is None:
-            out = torch.empty(self._out_shape, dtype=self._out_dtype, device=device)
-        elif out.shape != self._out_shape or out.dtype != self._out_dtype or out.get_device() != index or not out.is_contiguous():
-            self._reject("out", out, self._out_shape, self._out_dtype, contiguous=True)
-        if self._return_lse:
-            if lse is None:
-                lse = torch.empty(self._lse_shape, dtype=torch.float32, device=device)
-            elif lse.shape != self._lse_shape or lse.dtype != torch.float32 or lse.get_device() != index or not lse.is_contiguous():
-                self._reject("lse", lse, self._lse_shape, torch.float32, contiguous=True)
+        if lse is None:
+            lse = torch.empty(self._lse_shape, dtype=torch.float32, device=self._device_now)
+        elif (
+            not isinstance(lse, torch.Tensor)
+            or lse.shape != self._lse_shape
+            or lse.dtype != torch.float32
+            or lse.get_device() != self._device_index
+            or not lse.is_contiguous()
+        ):
+            self._reject("lse", lse, self._lse_shape, torch.float32, contiguous=True)
         run(q, k, v, out, lse)
-        if want_lse:
-            assert lse is not None
-            return out, lse
-        return out
+        return (out, lse) if want else out
+
+    def _diagnose(self, q: object, cache: object, out: object) -> None:
+        """Name the argument that is not a tensor (or a well-formed cache); called on a type error."""
+        if not isinstance(q, torch.Tensor):
+            self._reject("q", q, self._q_shape, self._q_dtype)
+        k, v = self._split(cache)
+        self._accept_cache(k, v)
+        if out is not None and not isinstance(out, torch.Tensor):
+            self._reject("out", out, self._out_shape, self._out_dtype, contiguous=True)
 
     def _split(self, cache: object) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(cache, (tuple, list)):
             if len(cache) != 2 or not all(isinstance(t, torch.Tensor) for t in cache):
                 raise InvalidArgumentError(
-                    "paged_kv_cache", "a (k, v) tuple of tensors or one 5-D tensor", f"a {type(cache).__name__} of {len(cache)}"
+                    "paged_kv_cache",
+                    "a (k, v) tuple of tensors or one 5-D tensor",
+                    f"a {type(cache).__name__} of {len(cache)}",
                 )
             return cache[0], cache[1]
         if not isinstance(cache, torch.Tensor):
@@ -326,7 +362,11 @@ class _PagedAttention:
         if len(splits) >= 256:
             splits.clear()
         key = id(cache)
-        splits[key] = (weakref.ref(cache, lambda _, key=key: splits.pop(key, None)), k, v)
+
+        def forget(_: object, key: int = key) -> None:
+            splits.pop(key, None)
+
+        splits[key] = (weakref.ref(cache, forget), k, v)
         return k, v
 
     def _layout_names(self) -> tuple[str, str, str]:
@@ -334,9 +374,7 @@ class _PagedAttention:
             return ("page_size", "num_kv_heads", "head_dim")
         return ("num_kv_heads", "page_size", "head_dim")
 
-    def _reject(
-        self, name: str, t: object, shape: torch.Size, dtype: torch.dtype, contiguous: bool = False
-    ) -> None:
+    def _reject(self, name: str, t: object, shape: torch.Size, dtype: torch.dtype, contiguous: bool = False) -> None:
         expected = f"a contiguous {dtype} tensor" if contiguous else f"a {dtype} tensor"
         expected += f" of shape {tuple(shape)} on {self._device_now}"
         if not isinstance(t, torch.Tensor):
@@ -363,22 +401,34 @@ class _PagedAttention:
         raise InvalidArgumentError(f"paged_kv_cache ({name})", expected, got)
 
     def _accept_cache(self, k: object, v: object) -> None:
-        """Validate a cache whose shape differs from the last one accepted, then remember it."""
+        """Validate a (k, v) pair run() has not seen under this plan, then remember it."""
         for name, t, tail in (("k", k, self._k_tail), ("v", v, self._v_tail)):
             if (
-                not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1:] != tail
-                or t.dtype != self._kv_dtype or t.device != self._device_now
+                not isinstance(t, torch.Tensor)
+                or t.dim() != 4
+                or t.shape[1:] != tail
+                or t.dtype != self._kv_dtype
+                or t.device != self._device_now
             ):
                 self._reject_cache(name, t, tail)
         assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
         pages = k.shape[0]
         if v.shape[0] != pages:
-            raise InvalidArgumentError(
-                "paged_kv_cache", f"k and v with the same number of pages ({pages})", v.shape[0]
-            )
+            raise InvalidArgumentError("paged_kv_cache", f"k and v with the same number of pages ({pages})", v.shape[0])
         assert self._batch is not None
         self._batch.check_page_bounds(pages)
-        self._k_shape, self._v_shape = k.shape, v.shape
+        # Remember the pair until either tensor dies, so later runs skip these checks: a cache
+        # is allocated once and reused, and its shape, dtype and device cannot change without
+        # it becoming a new tensor object (in-place resize_/set_ of a live cache is not supported).
+        accepted = self._accepted
+        if len(accepted) >= 1024:
+            accepted.clear()
+        key = id(k)
+
+        def forget(_: object, key: int = key) -> None:
+            accepted.pop(key, None)
+
+        accepted[key] = (weakref.ref(k, forget), weakref.ref(v, forget))
 
 
 class PagedPrefill(_PagedAttention):

@@ -104,9 +104,7 @@ class PagedBatch:
 
         batch_size = kv_indptr_h.numel() - 1
         if batch_size < 1:
-            raise InvalidArgumentError(
-                kv_indptr_name, "of length batch_size + 1 >= 2", f"length {kv_indptr_h.numel()}"
-            )
+            raise InvalidArgumentError(kv_indptr_name, "of length batch_size + 1 >= 2", f"length {kv_indptr_h.numel()}")
         if qo_t is None:
             qo_indptr_h = torch.arange(batch_size + 1, dtype=torch.int32)
         else:
@@ -141,9 +139,7 @@ class PagedBatch:
         bad_last = (last_h < 1) | (last_h > page_size)
         if bool(bad_last.any()):
             i = int(torch.nonzero(bad_last)[0])
-            raise InvalidArgumentError(
-                f"{last_page_len_name}[{i}]", f"in [1, page_size={page_size}]", int(last_h[i])
-            )
+            raise InvalidArgumentError(f"{last_page_len_name}[{i}]", f"in [1, page_size={page_size}]", int(last_h[i]))
         nnz = int(kv_indptr_h[-1])
         if nnz > indices_t.numel():
             raise InvalidArgumentError(
@@ -216,8 +212,12 @@ class PagedBatch:
         if got is None:
             if device.type == "cpu":
                 got = DeviceBatch(
-                    self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len,
-                    self.qo_lens, self.kv_lens,
+                    self.qo_indptr,
+                    self.kv_indptr,
+                    self.kv_indices,
+                    self.kv_last_page_len,
+                    self.qo_lens,
+                    self.kv_lens,
                 )
             else:
                 host = [self.qo_indptr, self.kv_indptr, self.kv_last_page_len, self.qo_lens, self.kv_lens]

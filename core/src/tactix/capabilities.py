@@ -61,17 +61,13 @@ class AttentionCapabilities(_CapabilitiesBase):
     kv_dtypes: frozenset[DTypeName]
     out_dtypes: frozenset[DTypeName]
     head_dims: frozenset[int] | None = Field(description="supported head dims; None: any")
-    different_vo_head_dim: bool = Field(
-        default=False, description="head_dim_vo may differ from head_dim_qk"
-    )
+    different_vo_head_dim: bool = Field(default=False, description="head_dim_vo may differ from head_dim_qk")
     page_sizes: frozenset[int] | None = Field(description="supported page sizes; None: any")
     kv_layouts: frozenset[KVLayout]
     max_gqa_ratio: int | None = Field(default=None, description="None: any ratio")
     causal: bool = True
     non_causal: bool = True
-    chunked: bool = Field(
-        default=True, description="prefill with kv longer than q (bottom-right causal alignment)"
-    )
+    chunked: bool = Field(default=True, description="prefill with kv longer than q (bottom-right causal alignment)")
     sliding_window: bool = False
     logits_soft_cap: bool = False
     lse: bool = False
@@ -139,9 +135,7 @@ class GemmCapabilities(_CapabilitiesBase):
 
     def reasons(self, problem: GemmProblem) -> list[str]:
         out = self._device_reasons(problem)
-        combo = GemmDTypes(
-            a=problem.a_dtype, b=problem.b_dtype, out=problem.out_dtype, scale_mode=problem.scale_mode
-        )
+        combo = GemmDTypes(a=problem.a_dtype, b=problem.b_dtype, out=problem.out_dtype, scale_mode=problem.scale_mode)
         if combo not in self.dtypes:
             out.append(f"dtype combination {combo} not among {_fmt(set(self.dtypes))}")
         if not problem.a_k_major and not self.a_m_major:

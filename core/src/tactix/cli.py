@@ -63,8 +63,11 @@ def cmd_backends(args: argparse.Namespace) -> int:
         for r in rows
     ]
     print(_table(("backend", "version", "distribution", "status", "ops", "runs here"), table))
-    notes = [(r["name"], r["error"] or "; ".join(r["not_here_because"])) for r in rows
-             if r["status"] != "active" or not r["runs_here"]]
+    notes = [
+        (r["name"], r["error"] or "; ".join(r["not_here_because"]))
+        for r in rows
+        if r["status"] != "active" or not r["runs_here"]
+    ]
     if notes:
         print()
         for name, why in notes:
@@ -83,7 +86,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "env": {k: v for k, v in os.environ.items() if k.startswith("TACTIX_")},
     }
     if torch.cuda.is_available():
-        info["cudnn"] = torch.backends.cudnn.version()
+        info["cudnn"] = torch.backends.cudnn.version()  # type: ignore[no-untyped-call]
         info["gpus"] = [
             {
                 "index": i,
@@ -102,8 +105,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if info["cuda_available"]:
         print(f"CUDA {info['torch_cuda']}  cuDNN {info['cudnn']}")
         for g in info["gpus"]:
-            print(f"  GPU {g['index']}: {g['name']}  sm_{g['compute_capability'].replace('.', '')}  "
-                  f"{g['memory_gib']} GiB  {g['multiprocessors']} SMs")
+            print(
+                f"  GPU {g['index']}: {g['name']}  sm_{g['compute_capability'].replace('.', '')}  "
+                f"{g['memory_gib']} GiB  {g['multiprocessors']} SMs"
+            )
     else:
         print(f"no CUDA GPU visible (torch built with CUDA {info['torch_cuda']}); GPU backends cannot run here")
     for k, v in info["env"].items():

@@ -104,8 +104,11 @@ class _PagedCache:
         indices = [i for p in self.pages for i in p]
         s = self.cfg.page_size
         last = [(n - 1) % s + 1 for n in self.lengths]
-        as_int = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-        return as_int(indptr), as_int(indices), as_int(last)
+        return (
+            torch.tensor(indptr, dtype=torch.int32),
+            torch.tensor(indices, dtype=torch.int32),
+            torch.tensor(last, dtype=torch.int32),
+        )
 
 
 def _time_us(fn: Any, device: torch.device) -> float:
@@ -139,30 +142,50 @@ def run_demo(device: torch.device, decode_steps: int = 3, seed: int = 0) -> list
         y = g.run(x, w.t())
         err = relative_error(y, gemm_reference(x, w.t()))
         t = _time_us(lambda: g.run(x, w.t(), out=y), device)
-        rows.append(DemoRow(step, f"gemm {name}", f"m{m} n{n} k{k}", g.backend, str(g.tactic), t, err,
-                            tolerance_for(cfg.dtype)))
+        rows.append(
+            DemoRow(
+                step,
+                f"gemm {name}",
+                f"m{m} n{n} k{k}",
+                g.backend,
+                str(g.tactic),
+                t,
+                err,
+                tolerance_for(cfg.dtype),
+            )
+        )
         return y
 
     def layer(step: str, x: torch.Tensor, attend: Any) -> None:
         qkv = linear(step, "qkv", x, w_qkv)
-        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = torch.split(qkv, [hq * d, hkv * d, hkv * d], dim=-1)
         attn = attend(q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, d))
         h = linear(step, "o", attn.reshape(-1, hq * d), w_o)
         gate, up = linear(step, "gate_up", h, w_gate_up).chunk(2, dim=-1)
         linear(step, "down", (torch.nn.functional.silu(gate.float()) * up.float()).to(cfg.dtype), w_down)
 
-    def check_attention(step: str, op: str, wrapper: Any, q: torch.Tensor, qo_indptr: torch.Tensor,
-                        causal: bool) -> torch.Tensor:
+    def check_attention(
+        step: str, op: str, wrapper: Any, q: torch.Tensor, qo_indptr: torch.Tensor, causal: bool
+    ) -> torch.Tensor:
         out = wrapper.run(q, (cache.k, cache.v))
         kv_indptr, kv_indices, last = cache.metadata()
         ref, _ = attention_reference(
-            q, cache.k, cache.v, qo_indptr, kv_indptr, kv_indices, last,
-            kv_layout=cfg.kv_layout, causal=causal, sm_scale=1 / math.sqrt(d),
+            q,
+            cache.k,
+            cache.v,
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            last,
+            kv_layout=cfg.kv_layout,
+            causal=causal,
+            sm_scale=1 / math.sqrt(d),
         )
         err = relative_error(out, ref)
         t = _time_us(lambda: wrapper.run(q, (cache.k, cache.v), out=out), device)
         shape = f"b{len(cache.lengths)} q{q.shape[0]} kv<={max(cache.lengths)} h{hq}/{hkv} d{d}"
         rows.append(DemoRow(step, op, shape, wrapper.backend, str(wrapper.tactic), t, err, tolerance_for(cfg.dtype)))
+        assert isinstance(out, torch.Tensor)
         return out
 
     # prefill: a ragged batch of fresh prompts
@@ -175,8 +198,18 @@ def run_demo(device: torch.device, decode_steps: int = 3, seed: int = 0) -> list
         for r, (lo, hi) in enumerate(zip(qo_indptr[:-1].tolist(), qo_indptr[1:].tolist(), strict=True)):
             cache.append(r, k[lo:hi], v[lo:hi])
         kv_indptr, kv_indices, last = cache.metadata()
-        prefill.plan(qo_indptr, kv_indptr, kv_indices, last, hq, hkv, d, cfg.page_size,
-                     causal=True, q_data_type=cfg.dtype)
+        prefill.plan(
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            last,
+            hq,
+            hkv,
+            d,
+            cfg.page_size,
+            causal=True,
+            q_data_type=cfg.dtype,
+        )
         return check_attention("prefill", "prefill attention", prefill, q, qo_indptr, causal=True)
 
     layer("prefill", x, prefill_attention)
@@ -186,13 +219,19 @@ def run_demo(device: torch.device, decode_steps: int = 3, seed: int = 0) -> list
     for step in range(decode_steps):
         x = torch.randn(batch, cfg.hidden, generator=gen).to(device, cfg.dtype)
 
-        def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: int = step) -> torch.Tensor:
             for r in range(batch):
                 cache.append(r, k[r : r + 1], v[r : r + 1])
             kv_indptr, kv_indices, last = cache.metadata()
             decode.plan(kv_indptr, kv_indices, last, hq, hkv, d, cfg.page_size, q_data_type=cfg.dtype)
-            return check_attention(f"decode {step + 1}", "decode attention", decode, q,
-                                   torch.arange(batch + 1, dtype=torch.int32), causal=False)
+            return check_attention(
+                f"decode {step + 1}",
+                "decode attention",
+                decode,
+                q,
+                torch.arange(batch + 1, dtype=torch.int32),
+                causal=False,
+            )
 
         layer(f"decode {step + 1}", x, decode_attention)
     assert max(cache.lengths) == max_len
@@ -202,8 +241,17 @@ def run_demo(device: torch.device, decode_steps: int = 3, seed: int = 0) -> list
 def format_rows(rows: list[DemoRow], device: torch.device) -> str:
     header = ("step", "op", "shape", "backend", "tactic", "time", "rel. error", "tolerance", "")
     table = [header] + [
-        (r.step, r.op, r.shape, r.backend, r.tactic, f"{r.time_us:,.1f} us", f"{r.error:.2e}",
-         f"{r.tolerance:.0e}", "ok" if r.ok else "FAIL")
+        (
+            r.step,
+            r.op,
+            r.shape,
+            r.backend,
+            r.tactic,
+            f"{r.time_us:,.1f} us",
+            f"{r.error:.2e}",
+            f"{r.tolerance:.0e}",
+            "ok" if r.ok else "FAIL",
+        )
         for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
@@ -220,6 +268,4 @@ def format_rows(rows: list[DemoRow], device: torch.device) -> str:
 
 
 def rows_json(rows: list[DemoRow], device: torch.device) -> str:
-    return json.dumps(
-        {"device": str(device), "rows": [asdict(r) | {"ok": r.ok} for r in rows]}, indent=2
-    )
+    return json.dumps({"device": str(device), "rows": [asdict(r) | {"ok": r.ok} for r in rows]}, indent=2)

@@ -1,17 +1,17 @@
 """The exception tree of tactix: every error the library raises on purpose is a `TactixError`.
 
-    TactixError
-    ├── InvalidArgumentError (also ValueError)   bad input: names the argument, what was expected, what was given
-    ├── TacticError (also ValueError)            a tactic that cannot be used (malformed, bare integer, wrong backend)
-    ├── UnsupportedProblemError                  the chosen backend cannot serve this problem (carries the reasons)
-    ├── BackendNotFoundError (also LookupError)  an unknown backend name (lists the valid ones)
-    ├── BackendUnavailableError                  a known backend that is disabled, failed to load, or cannot run here
-    │   └── DuplicateBackendError                two distributions register the same backend name
-    ├── PluginError                              a plugin broke its contract (wrong return type, wrong name, ...)
-    └── BackendError (also RuntimeError)         a backend's plan or run raised; the original error is the cause
+TactixError
+├── InvalidArgumentError (also ValueError)   bad input: names the argument, what was expected, what was given
+├── TacticError (also ValueError)            a tactic that cannot be used (malformed, bare integer, wrong backend)
+├── UnsupportedProblemError                  the chosen backend cannot serve this problem (carries the reasons)
+├── BackendNotFoundError (also LookupError)  an unknown backend name (lists the valid ones)
+├── BackendUnavailableError                  a known backend that is disabled, failed to load, or cannot run here
+│   └── DuplicateBackendError                two distributions register the same backend name
+├── PluginError                              a plugin broke its contract (wrong return type, wrong name, ...)
+└── BackendError (also RuntimeError)         a backend's plan or run raised; the original error is the cause
 
-    TactixWarning (UserWarning)
-    └── FallbackWarning                          a stored tactic or a backend failed and another served instead
+TactixWarning (UserWarning)
+└── FallbackWarning                          a stored tactic or a backend failed and another served instead
 """
 
 from __future__ import annotations

@@ -154,6 +154,8 @@ class Gemm:
         default_out = "bfloat16" if fp8 else a_name
         out_name = default_out if out_dtype is None else parse_dtype(out_dtype, "out_dtype")
         bias_name = None if bias_dtype is None else parse_dtype(bias_dtype, "bias_dtype")
+        if bias_name is not None and bias_name != out_name:
+            raise InvalidArgumentError("bias_dtype", f"the output dtype {out_name}", bias_name)
         device = self._device or (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         )
@@ -223,23 +225,36 @@ class Gemm:
             raise InvalidArgumentError("b", f"{want} as planned", f"strides {b.stride()}")
         if (bias is None) != (self._bias_dtype is None):
             raise InvalidArgumentError(
-                "bias", "given" if self._bias_dtype is not None else "None (planned without bias)",
+                "bias",
+                "given" if self._bias_dtype is not None else "None (planned without bias)",
                 "None" if bias is None else "a tensor",
             )
-        if bias is not None and (bias.shape != (p.n,) or bias.dtype != self._bias_dtype or bias.device != device):
+        if bias is not None and (
+            not isinstance(bias, torch.Tensor)
+            or bias.shape != (p.n,)
+            or bias.dtype != self._bias_dtype
+            or bias.device != device
+        ):
             _reject("bias", bias, torch.Size((p.n,)), self._bias_dtype, device)  # type: ignore[arg-type]
         if self._fp8:
             for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
                 if not isinstance(s, torch.Tensor) or s.numel() != 1 or s.dtype != torch.float32 or s.device != device:
                     raise InvalidArgumentError(
-                        name, f"a one-element float32 tensor on {device} (fp8 operands need per-tensor scales)",
+                        name,
+                        f"a one-element float32 tensor on {device} (fp8 operands need per-tensor scales)",
                         _describe(s),
                     )
         elif scale_a is not None or scale_b is not None:
             raise InvalidArgumentError("scale_a", "None for non-fp8 operands", "a scale")
         if out is None:
             out = torch.empty(self._out_shape, dtype=self._out_dtype, device=device)
-        elif out.shape != self._out_shape or out.dtype != self._out_dtype or out.device != device or not out.is_contiguous():
+        elif (
+            not isinstance(out, torch.Tensor)
+            or out.shape != self._out_shape
+            or out.dtype != self._out_dtype
+            or out.device != device
+            or not out.is_contiguous()
+        ):
             _reject("out", out, self._out_shape, self._out_dtype, device, contiguous=True)
         run(a, b, out, bias, scale_a, scale_b)
         return out
@@ -252,7 +267,12 @@ def _describe(t: object) -> str:
 
 
 def _reject(
-    name: str, t: object, shape: torch.Size, dtype: torch.dtype, device: torch.device, contiguous: bool = False
+    name: str,
+    t: object,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+    contiguous: bool = False,
 ) -> None:
     expected = f"a {'contiguous ' if contiguous else ''}{dtype} tensor of shape {tuple(shape)} on {device}"
     got = _describe(t)
@@ -293,6 +313,8 @@ def gemm(
         raise InvalidArgumentError("b", f"of shape [..., k={a.shape[-1]}, n] to match a", f"shape {tuple(b.shape)}")
     if a.dim() == 3 and a.shape[0] != b.shape[0]:
         raise InvalidArgumentError("b", f"batch {a.shape[0]} like a", b.shape[0])
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise InvalidArgumentError("bias", "None or a torch.Tensor [n]", _describe(bias))
     if a.device != b.device:
         raise InvalidArgumentError("b", f"on {a.device} like a", b.device)
     a_layout, b_layout = _a_layout(a), _b_layout(b)
@@ -306,14 +328,27 @@ def gemm(
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     tactic_key = None if tactic is None else parse_tactic(tactic).to_json()
     key = (
-        m, n, k, batch, a.dtype, b.dtype, out_dtype, a_layout, b_layout,
-        None if bias is None else bias.dtype, a.device, backend, tactic_key,
+        m,
+        n,
+        k,
+        batch,
+        a.dtype,
+        b.dtype,
+        out_dtype,
+        a_layout,
+        b_layout,
+        None if bias is None else bias.dtype,
+        a.device,
+        backend,
+        tactic_key,
     )
     plan = _PLANS.get(key)
     if plan is None:
         plan = Gemm(backend=backend, device=a.device)
         plan.plan(
-            m, n, k,
+            m,
+            n,
+            k,
             batch=batch,
             a_dtype=a.dtype,
             b_dtype=b.dtype,

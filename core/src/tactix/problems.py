@@ -104,8 +104,7 @@ class _AttentionProblem(_ProblemBase):
     def _heads_divide(self) -> Self:
         if self.num_qo_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_qo_heads ({self.num_qo_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})"
+                f"num_qo_heads ({self.num_qo_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
         return self
 

@@ -158,9 +158,7 @@ class Registry:
     def __init__(self, records: Sequence[BackendRecord], backends: Mapping[str, Backend]) -> None:
         self._records = list(records)
         self._backends = dict(backends)
-        self._by_preference = sorted(
-            self._backends.values(), key=lambda b: (-b.spec.preference, b.name)
-        )
+        self._by_preference = sorted(self._backends.values(), key=lambda b: (-b.spec.preference, b.name))
 
     @classmethod
     def discover(
@@ -186,8 +184,7 @@ class Registry:
             if len(group) > 1:
                 listed = " and ".join(f"'{d}'" for d in sorted(dists, key=str))
                 err = DuplicateBackendError(
-                    f"backend '{name}' is registered by more than one distribution ({listed}); "
-                    "uninstall one of them"
+                    f"backend '{name}' is registered by more than one distribution ({listed}); uninstall one of them"
                 )
                 records += [_record(ep, "failed", str(err)) for ep in group]
                 continue
@@ -223,9 +220,7 @@ class Registry:
             if record.name == name:
                 if record.error and record.status == "failed" and "more than one distribution" in record.error:
                     raise DuplicateBackendError(record.error)
-                raise BackendUnavailableError(
-                    f"backend '{name}' is {record.status}: {record.error}"
-                )
+                raise BackendUnavailableError(f"backend '{name}' is {record.status}: {record.error}")
         raise BackendNotFoundError(name, self._backends)
 
 
@@ -240,7 +235,9 @@ def _dist_name(ep: metadata.EntryPoint) -> str | None:
     return dist.name if dist is not None else None
 
 
-def _record(ep: metadata.EntryPoint, status: Status, error: str | None = None, spec: BackendSpec | None = None) -> BackendRecord:
+def _record(
+    ep: metadata.EntryPoint, status: Status, error: str | None = None, spec: BackendSpec | None = None
+) -> BackendRecord:
     dist = getattr(ep, "dist", None)
     return BackendRecord(
         name=ep.name,

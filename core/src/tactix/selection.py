@@ -91,7 +91,7 @@ def select_and_plan(
         # a captured graph reads the previous plan's buffers: the same backend and tactic must
         # rewrite them, so there is no fallback here (any error propagates).
         b, t = previous.backend, previous.plan.tactic
-        if tactic is not None and tactic != t or backend not in ("auto", b.name):
+        if (tactic is not None and tactic != t) or backend not in ("auto", b.name):
             raise TacticError(
                 "in CUDA-graph mode a wrapper keeps its backend and tactic across re-plans "
                 f"(planned with {t}); create a new wrapper to change them"

@@ -56,9 +56,7 @@ class Tactic(BaseModel):
     @model_validator(mode="after")
     def _known_version(self) -> Tactic:
         if self.schema_version != SCHEMA_VERSION:
-            raise ValueError(
-                f"tactic schema_version must be {SCHEMA_VERSION} (got {self.schema_version})"
-            )
+            raise ValueError(f"tactic schema_version must be {SCHEMA_VERSION} (got {self.schema_version})")
         return self
 
     @classmethod

@@ -127,9 +127,7 @@ def _reasons(problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> list
     return _attention_reasons(problem, tactic, batch)
 
 
-def _attention_reasons(
-    problem: PrefillProblem | DecodeProblem, tactic: Tactic, batch: PagedBatch | None
-) -> list[str]:
+def _attention_reasons(problem: PrefillProblem | DecodeProblem, tactic: Tactic, batch: PagedBatch | None) -> list[str]:
     out: list[str] = []
     if problem.kv_dtype != problem.q_dtype:
         out.append(f"kv dtype {problem.kv_dtype} must equal q dtype {problem.q_dtype}")
@@ -138,10 +136,10 @@ def _attention_reasons(
             out.append(f"kernel '{tactic.kernel}' takes no params (got {tactic.params})")
         return out
     if tactic.kernel != "sdpa":
-        return out + [f"unknown kernel '{tactic.kernel}' (known: default, explicit, sdpa)"]
+        return [*out, f"unknown kernel '{tactic.kernel}' (known: default, explicit, sdpa)"]
     impl = tactic.params.get("impl")
     if impl not in _SDPA_IMPLS or set(tactic.params) != {"impl"}:
-        return out + [f"sdpa params must be {{'impl': one of {list(_SDPA_IMPLS)}}} (got {tactic.params})"]
+        return [*out, f"sdpa params must be {{'impl': one of {list(_SDPA_IMPLS)}}} (got {tactic.params})"]
     if problem.logits_soft_cap > 0:
         out.append("SDPA has no logits soft-cap")
     if problem.return_lse:
@@ -194,8 +192,9 @@ def _gemm_reasons(problem: GemmProblem, tactic: Tactic) -> list[str]:
 
 def _needs_mask(problem: PrefillProblem | DecodeProblem, batch: PagedBatch) -> bool:
     """Whether the padded batch needs an explicit mask (ragged lengths, window, chunked causal)."""
-    if problem.window_left >= 0 or batch.batch_size > 1 and (
-        bool((batch.kv_lens != batch.max_kv_len).any()) or bool((batch.qo_lens != batch.max_qo_len).any())
+    if problem.window_left >= 0 or (
+        batch.batch_size > 1
+        and (bool((batch.kv_lens != batch.max_kv_len).any()) or bool((batch.qo_lens != batch.max_qo_len).any()))
     ):
         return True
     causal = isinstance(problem, PrefillProblem) and problem.causal
@@ -251,6 +250,12 @@ def _sdpa_backend(impl: str) -> Any:
 class _AttentionPlan:
     """Padded-gather attention over the paged cache. All index tensors live on the device."""
 
+    page_table: torch.Tensor  # [batch, pages] page of each request's slot
+    q_index: torch.Tensor  # [batch * q_len] q row gathered into each padded row
+    out_index: torch.Tensor  # [tokens] padded row that holds each output row
+    mask: torch.Tensor  # [batch, 1, q_len, pages * page_size] keys each padded row attends
+    key_valid: torch.Tensor  # [batch, 1, pages * page_size, 1] slots holding a key of the request
+
     def __init__(
         self,
         problem: PrefillProblem | DecodeProblem,
@@ -279,7 +284,7 @@ class _AttentionPlan:
             self._sdpa = _sdpa_backend(str(tactic.params["impl"]))
             self._gqa_native = tactic.params["impl"] in ("math", "flash")
 
-        page_table, q_index, out_index, mask = self._indices(batch, causal)
+        page_table, q_index, out_index, mask, key_valid = self._indices(batch, causal)
         previous = options["previous"]
         if options["use_cuda_graph"] and previous is not None:
             if not isinstance(previous, _AttentionPlan) or not previous.geometry.compatible(self.geometry):
@@ -298,17 +303,23 @@ class _AttentionPlan:
             previous.q_index.copy_(q_index)
             previous.out_index.copy_(out_index)
             previous.mask.copy_(mask)
-            page_table, q_index, out_index, mask = (
-                previous.page_table, previous.q_index, previous.out_index, previous.mask,
+            previous.key_valid.copy_(key_valid)
+            page_table, q_index, out_index, mask, key_valid = (
+                previous.page_table,
+                previous.q_index,
+                previous.out_index,
+                previous.mask,
+                previous.key_valid,
             )
-        self.page_table, self.q_index, self.out_index, self.mask = page_table, q_index, out_index, mask
+        self.page_table, self.q_index, self.out_index = page_table, q_index, out_index
+        self.mask, self.key_valid = mask, key_valid
         self._attn_mask = mask if self.mask_needed else None
         self._kv_len = batch.max_kv_len  # without a mask, keys past the longest request are cut
 
     def _indices(
         self, batch: PagedBatch, causal: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gather/scatter indices and the mask, built on the device with no host sync."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gather/scatter indices, the mask and the valid keys, built on the device with no host sync."""
         g = self.geometry
         dev = batch.on(self.device)
         device = self.device
@@ -345,21 +356,31 @@ class _AttentionPlan:
         padded_row = (i[None, :] >= q_lens[:, None])[:, :, None]
         # padding rows attend key 0 only, so no row is empty (their output is discarded).
         mask = torch.where(padded_row, j[None, None, :] == 0, mask)
-        return page_table, q_index, out_index, mask[:, None]
+        key_valid = (j[None, :] < kv_lens[:, None])[:, None, :, None]
+        return page_table, q_index, out_index, mask[:, None], key_valid
 
     def _gather(self, cache: torch.Tensor) -> torch.Tensor:
-        """Pages of every request as ``[batch, kv_heads, pages * page_size, dim]``."""
+        """Pages of every request as ``[batch, kv_heads, pages * page_size, dim]``.
+
+        Slots that hold no key of the request (padding pages, the tail of the last page) are
+        zeroed when a mask is in use: masking gives them probability 0, but 0 times a NaN left
+        in unused cache memory would still be NaN.
+        """
         g = self.geometry
         pages = cache.index_select(0, self.page_table.view(-1))
         if self.problem.kv_layout == "NHD":  # [B*P, S, H, D]
             s, h, d = pages.shape[1:]
-            return pages.view(g.batch_size, g.pages * s, h, d).transpose(1, 2)
-        h, s, d = pages.shape[1:]  # HND: [B*P, H, S, D]
-        return (
-            pages.view(g.batch_size, g.pages, h, s, d)
-            .permute(0, 2, 1, 3, 4)
-            .reshape(g.batch_size, h, g.pages * s, d)
-        )
+            out = pages.view(g.batch_size, g.pages * s, h, d).transpose(1, 2)
+        else:
+            h, s, d = pages.shape[1:]  # HND: [B*P, H, S, D]
+            out = (
+                pages.view(g.batch_size, g.pages, h, s, d)
+                .permute(0, 2, 1, 3, 4)
+                .reshape(g.batch_size, h, g.pages * s, d)
+            )
+        if self._attn_mask is None and self._sdpa is not None:
+            return out  # uniform lengths: keys past kv_len are cut, there is no padding page
+        return out.masked_fill(~self.key_valid, 0)
 
     def run(
         self,
@@ -414,6 +435,7 @@ class _AttentionPlan:
         if not self._gqa_native and p.gqa_ratio > 1:
             kp = kp.repeat_interleave(p.gqa_ratio, dim=1)
             vp = vp.repeat_interleave(p.gqa_ratio, dim=1)
+        assert self._sdpa is not None
         with sdpa_kernel(self._sdpa):
             return F.scaled_dot_product_attention(
                 qp,
@@ -483,8 +505,15 @@ class _GemmPlan:
     ) -> None:
         raise NotImplementedError
 
-    def _matmul(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
-                scale_a: torch.Tensor | None, scale_b: torch.Tensor | None) -> None:
+    def _matmul(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        out: torch.Tensor,
+        bias: torch.Tensor | None,
+        scale_a: torch.Tensor | None,
+        scale_b: torch.Tensor | None,
+    ) -> None:
         if a.dim() == 2:
             if bias is None:
                 torch.mm(a, b, out=out)
@@ -495,12 +524,27 @@ class _GemmPlan:
         else:
             torch.baddbmm(bias, a, b, out=out)
 
-    def _scaled_mm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
-                   scale_a: torch.Tensor | None, scale_b: torch.Tensor | None) -> None:
+    def _scaled_mm(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        out: torch.Tensor,
+        bias: torch.Tensor | None,
+        scale_a: torch.Tensor | None,
+        scale_b: torch.Tensor | None,
+    ) -> None:
+        assert scale_a is not None and scale_b is not None
         torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=self._out_dtype, out=out)
 
-    def _dequant(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
-                 scale_a: torch.Tensor | None, scale_b: torch.Tensor | None) -> None:
+    def _dequant(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        out: torch.Tensor,
+        bias: torch.Tensor | None,
+        scale_a: torch.Tensor | None,
+        scale_b: torch.Tensor | None,
+    ) -> None:
         assert scale_a is not None and scale_b is not None
         acc = torch.matmul(a.float(), b.float()) * (scale_a.float() * scale_b.float())
         if bias is not None:
@@ -509,9 +553,7 @@ class _GemmPlan:
 
 
 @hookimpl
-def tactix_plan_gemm(
-    backend: str, problem: GemmProblem, tactic: Tactic, options: PlanOptions
-) -> _GemmPlan | None:
+def tactix_plan_gemm(backend: str, problem: GemmProblem, tactic: Tactic, options: PlanOptions) -> _GemmPlan | None:
     if backend != NAME:
         return None
     concrete = _concrete(problem, tactic, None)
@@ -519,4 +561,3 @@ def tactix_plan_gemm(
     if reasons:
         raise UnsupportedProblemError(NAME, problem, reasons)
     return _GemmPlan(problem, concrete)
-

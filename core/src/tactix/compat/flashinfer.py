@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from tactix.attention import PagedDecode, PagedPrefill, _PagedAttention
+from tactix.attention import PagedDecode, PagedPrefill
 from tactix.errors import InvalidArgumentError, TactixError
+from tactix.problems import KVLayout
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"]
 
@@ -45,28 +46,34 @@ def _workspace_device(buffer: object) -> torch.device:
 class _Wrapper:
     """Plans without LSE; a run that asks for the LSE re-plans once with it (cached until the next plan)."""
 
-    _impl_type: type[_PagedAttention]
+    _impl_type: type[PagedPrefill] | type[PagedDecode]
 
     def __init__(self, device: torch.device, kv_layout: str, use_cuda_graph: bool, backend: str) -> None:
         self._args: dict[str, Any] = {}
-        self._kv_layout = kv_layout
+        if kv_layout not in ("NHD", "HND"):
+            raise InvalidArgumentError("kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+        self._kv_layout: KVLayout = kv_layout  # type: ignore[assignment]
         self._device = device
         self._use_cuda_graph = use_cuda_graph
         self._backend = backend
-        self._plain = self._impl_type(kv_layout, backend=backend, device=device, use_cuda_graph=use_cuda_graph)  # type: ignore[arg-type]
-        self._with_lse: _PagedAttention | None = None
+        self._plain = self._impl_type(self._kv_layout, backend=backend, device=device, use_cuda_graph=use_cuda_graph)
+        self._with_lse: PagedPrefill | PagedDecode | None = None
 
     def _plan(self, **args: Any) -> None:
         self._plain.plan(**args, return_lse=False)
         self._args = args
         self._with_lse = None
 
-    def _lse_wrapper(self) -> _PagedAttention:
+    def _lse_wrapper(self) -> PagedPrefill | PagedDecode:
         if self._with_lse is None:
             if not self._args:
                 raise TactixError(f"{type(self).__name__}: call plan() before run()")
-            wrapper = self._impl_type(self._kv_layout, backend=self._backend, device=self._device,  # type: ignore[arg-type]
-                                      use_cuda_graph=self._use_cuda_graph)
+            wrapper = self._impl_type(
+                self._kv_layout,
+                backend=self._backend,
+                device=self._device,
+                use_cuda_graph=self._use_cuda_graph,
+            )
             wrapper.plan(**self._args, return_lse=True)
             self._with_lse = wrapper
         return self._with_lse
@@ -86,7 +93,9 @@ class _Wrapper:
         sinks: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if args:
-            raise InvalidArgumentError("*args", "empty (pass k_scale/v_scale by keyword)", f"{len(args)} extra arguments")
+            raise InvalidArgumentError(
+                "*args", "empty (pass k_scale/v_scale by keyword)", f"{len(args)} extra arguments"
+            )
         _unsupported("q_scale", q_scale)
         _unsupported("k_scale", k_scale)
         _unsupported("v_scale", v_scale)

@@ -1,0 +1,31 @@
+"""The repository's own lint and type gates (ruff, mypy --strict), run with the tests."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed (scripts/setup.sh installs it)")
+    return path
+
+
+def test_ruff_finds_nothing() -> None:
+    done = subprocess.run(
+        [_tool("ruff"), "check", "core", "tests", "benchmarks"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_mypy_strict_passes() -> None:
+    done = subprocess.run([_tool("mypy")], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
