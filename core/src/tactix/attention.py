@@ -38,9 +38,9 @@ from tactix.batch import PagedBatch
 from tactix.dtypes import parse_dtype, to_torch_dtype
 from tactix.errors import InvalidArgumentError, TactixError
 from tactix.hookspecs import PlanOptions
-from tactix.problems import DecodeProblem, KVLayout, PrefillProblem, make_problem
+from tactix.problems import KVLayout, make_problem
 from tactix.registry import get_registry
-from tactix.selection import Selection, select_and_plan
+from tactix.selection import Planned, Selection, select_and_plan
 from tactix.tactics import Tactic, parse_tactic
 
 __all__ = ["PagedDecode", "PagedPrefill"]
@@ -67,7 +67,7 @@ def _positive_int(value: object, argument: str) -> int:
     return value
 
 
-class _PagedAttention:
+class _PagedAttention(Planned):
     _op: ClassVar[str]
     _rows_name: ClassVar[str]
 
@@ -90,46 +90,11 @@ class _PagedAttention:
         self._device = torch.device(device) if device is not None else None
         self._use_cuda_graph = bool(use_cuda_graph)
         self._selection: Selection | None = None
-        self._problem: PrefillProblem | DecodeProblem | None = None
         self._batch: PagedBatch | None = None
         self._fast: tuple[Any, ...] | None = None  # what run() compares against, bound at plan
         # caches run() has validated for the current plan, by id(k): (weakref k, weakref v)
         self._accepted: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
         self._splits: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, torch.Tensor]] = {}
-
-    # -- what was chosen ------------------------------------------------------------------
-
-    @property
-    def problem(self) -> PrefillProblem | DecodeProblem:
-        if self._problem is None:
-            raise TactixError(f"{type(self).__name__}: call plan() first")
-        return self._problem
-
-    @property
-    def backend(self) -> str:
-        """Name of the backend that serves the current plan."""
-        return self._chosen().backend.name
-
-    @property
-    def tactic(self) -> Tactic:
-        """The concrete tactic of the current plan."""
-        tactic: Tactic = self._chosen().plan.tactic
-        return tactic
-
-    @property
-    def selection_source(self) -> str:
-        """How the tactic was chosen: 'explicit', 'store', 'default' or 'fallback'."""
-        return self._chosen().source
-
-    @property
-    def plan_object(self) -> Any:
-        """The backend's plan; ``plan_object.run(q, k, v, out, lse)`` is what ``run`` calls."""
-        return self._chosen().plan
-
-    def _chosen(self) -> Selection:
-        if self._selection is None:
-            raise TactixError(f"{type(self).__name__}: call plan() first")
-        return self._selection
 
     # -- plan -----------------------------------------------------------------------------
 
@@ -224,7 +189,6 @@ class _PagedAttention:
 
         rows = batch.num_qo_tokens
         self._selection = selection
-        self._problem = problem  # type: ignore[assignment]
         self._batch = batch
         self._device_now = device
         self._q_shape = torch.Size((rows, num_qo_heads, head_dim_qk))

@@ -27,7 +27,7 @@ from tactix.errors import InvalidArgumentError, TactixError
 from tactix.hookspecs import PlanOptions
 from tactix.problems import GemmProblem, make_problem
 from tactix.registry import get_registry
-from tactix.selection import Selection, select_and_plan
+from tactix.selection import Planned, Selection, select_and_plan
 from tactix.tactics import Tactic, parse_tactic
 
 __all__ = ["Gemm", "gemm"]
@@ -73,7 +73,7 @@ def _layout_matches(t: torch.Tensor, k_major: bool, is_a: bool) -> bool:
     return _b_layout(t) == ("k" if k_major else "n")
 
 
-class Gemm:
+class Gemm(Planned):
     """A planned GEMM, reusable across calls of the same shape.
 
     Examples
@@ -95,36 +95,6 @@ class Gemm:
         self._device = torch.device(device) if device is not None else None
         self._selection: Selection | None = None
         self._run: Any = None
-
-    @property
-    def problem(self) -> GemmProblem:
-        return self._problem_checked()
-
-    @property
-    def backend(self) -> str:
-        return self._chosen().backend.name
-
-    @property
-    def tactic(self) -> Tactic:
-        tactic: Tactic = self._chosen().plan.tactic
-        return tactic
-
-    @property
-    def selection_source(self) -> str:
-        return self._chosen().source
-
-    @property
-    def plan_object(self) -> Any:
-        return self._chosen().plan
-
-    def _chosen(self) -> Selection:
-        if self._selection is None:
-            raise TactixError("Gemm: call plan() first")
-        return self._selection
-
-    def _problem_checked(self) -> GemmProblem:
-        self._chosen()
-        return self._problem
 
     def plan(
         self,

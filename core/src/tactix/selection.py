@@ -29,7 +29,7 @@ from tactix.problems import Problem
 from tactix.registry import Backend, get_registry
 from tactix.tactics import Tactic
 
-__all__ = ["Selection", "select_and_plan", "set_tactic_source"]
+__all__ = ["Planned", "Selection", "select_and_plan", "set_tactic_source"]
 
 TacticSource = Callable[[Problem], Tactic | None]
 """Given a problem, the stored tactic for its bucket, or None (the autotuner installs one)."""
@@ -49,13 +49,52 @@ def set_tactic_source(source: TacticSource | None) -> TacticSource | None:
 class Selection:
     """The outcome of planning: which backend serves, with which plan."""
 
-    __slots__ = ("backend", "plan", "source")
+    __slots__ = ("backend", "plan", "problem", "source")
 
-    def __init__(self, backend: Backend, plan: Any, source: str) -> None:
+    def __init__(self, backend: Backend, plan: Any, source: str, problem: Problem | None = None) -> None:
         self.backend = backend
         self.plan = plan
-        self.source = source
+        self.problem = problem
         """How the tactic was chosen: 'explicit', 'store', 'default' or 'fallback'."""
+        self.source = source
+
+
+class Planned:
+    """What a planned wrapper reports about its current plan (shared by attention and GEMM)."""
+
+    _selection: Selection | None = None
+
+    @property
+    def problem(self) -> Any:
+        """The problem of the current plan (real sizes; ``problem.bucketed()`` is its store key)."""
+        return self._chosen().problem
+
+    @property
+    def backend(self) -> str:
+        """Name of the backend that serves the current plan."""
+        name: str = self._chosen().backend.name
+        return name
+
+    @property
+    def tactic(self) -> Tactic:
+        """The concrete tactic of the current plan."""
+        tactic: Tactic = self._chosen().plan.tactic
+        return tactic
+
+    @property
+    def selection_source(self) -> str:
+        """How the tactic was chosen: 'explicit', 'store', 'default' or 'fallback'."""
+        return self._chosen().source
+
+    @property
+    def plan_object(self) -> Any:
+        """The backend's plan: its ``run`` is what the wrapper's ``run`` calls."""
+        return self._chosen().plan
+
+    def _chosen(self) -> Selection:
+        if self._selection is None:
+            raise TactixError(f"{type(self).__name__}: call plan() first")
+        return self._selection
 
 
 def warn_fallback(problem: Problem, tactic: Tactic, cause: str, instead: str) -> None:
@@ -96,7 +135,7 @@ def select_and_plan(
                 "in CUDA-graph mode a wrapper keeps its backend and tactic across re-plans "
                 f"(planned with {t}); create a new wrapper to change them"
             )
-        return Selection(b, _plan_or_raise(b, t, problem, batch, plan), previous.source)
+        return Selection(b, _plan_or_raise(b, t, problem, batch, plan), previous.source, problem)
 
     if tactic is not None:
         if backend != "auto" and tactic.backend != backend:
@@ -105,7 +144,7 @@ def select_and_plan(
             )
         b = registry.get(tactic.backend)
         _require(b, problem, tactic, batch)
-        return Selection(b, _plan_or_raise(b, tactic, problem, batch, plan), "explicit")
+        return Selection(b, _plan_or_raise(b, tactic, problem, batch, plan), "explicit", problem)
 
     candidates: list[tuple[Backend, Tactic, str]] = []
     if backend != "auto":
@@ -146,7 +185,7 @@ def select_and_plan(
                     raise
                 raise BackendError(b.name, f"plan {problem} with {t}", exc) from exc
             continue
-        return Selection(b, chosen, source if failure is None else "fallback")
+        return Selection(b, chosen, source if failure is None else "fallback", problem)
     if failure is not None:
         raise BackendError(failure[0].backend, f"plan {problem} with {failure[0]}", failure[1]) from failure[1]
     raise UnsupportedProblemError(backend, problem, unsupported or ["no backend is active"])
