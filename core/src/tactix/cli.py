@@ -121,7 +121,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from tactix.demo import format_rows, rows_json, run_demo
 
     if args.device:
-        device = torch.device(args.device)
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as exc:
+            raise tactix.InvalidArgumentError("--device", "'cpu' or 'cuda[:N]'", repr(args.device)) from exc
+        if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+            available = "'cpu' or 'cuda[:N]'" if torch.cuda.is_available() else "'cpu' (no CUDA GPU is visible)"
+            raise tactix.InvalidArgumentError("--device", available, repr(args.device))
     else:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda" and device.index is None:
