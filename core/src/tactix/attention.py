@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -38,12 +38,12 @@ from tactix.batch import PagedBatch
 from tactix.dtypes import parse_dtype, to_torch_dtype
 from tactix.errors import InvalidArgumentError, TactixError
 from tactix.hookspecs import PlanOptions
-from tactix.problems import KVLayout, make_problem
+from tactix.problems import DecodeProblem, KVLayout, PrefillProblem, make_problem
 from tactix.registry import get_registry
 from tactix.selection import Planned, Selection, select_and_plan
 from tactix.tactics import Tactic, parse_tactic
 
-__all__ = ["PagedDecode", "PagedPrefill"]
+__all__ = ["PagedDecode", "PagedPrefill", "attention_problem"]
 
 _LAYOUTS = ("NHD", "HND")
 
@@ -65,6 +65,87 @@ def _positive_int(value: object, argument: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidArgumentError(argument, "a positive int", repr(value))
     return value
+
+
+def attention_problem(
+    op: Literal["prefill", "decode"],
+    *,
+    device: torch.device,
+    kv_layout: KVLayout,
+    qo_indptr: torch.Tensor | None,
+    paged_kv_indptr: torch.Tensor,
+    paged_kv_indices: torch.Tensor,
+    paged_kv_last_page_len: torch.Tensor,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim_qk: int,
+    head_dim_vo: int | None,
+    page_size: int,
+    causal: bool,
+    sm_scale: float | None,
+    window_left: int,
+    logits_soft_cap: float | None,
+    q_data_type: torch.dtype | str,
+    kv_data_type: torch.dtype | str | None,
+    o_data_type: torch.dtype | str | None,
+    return_lse: bool,
+) -> tuple[PrefillProblem | DecodeProblem, PagedBatch]:
+    """Validate plan arguments and batch metadata; the problem and batch that ``plan()`` hands a backend.
+
+    ``qo_indptr=None`` means decode. Used by the wrappers, and by the conformance kit to ask a
+    backend's ``check`` about a case before planning it.
+    """
+    page_size = _positive_int(page_size, "page_size")
+    head_dim_qk = _positive_int(head_dim_qk, "head_dim_qk")
+    head_dim_vo = head_dim_qk if head_dim_vo is None else _positive_int(head_dim_vo, "head_dim_vo")
+    num_qo_heads = _positive_int(num_qo_heads, "num_qo_heads")
+    num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
+    if num_qo_heads % num_kv_heads:
+        raise InvalidArgumentError("num_qo_heads", f"a multiple of num_kv_heads = {num_kv_heads}", num_qo_heads)
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+        raise InvalidArgumentError("window_left", "-1 (no window) or an int >= 0", repr(window_left))
+    q_dtype = parse_dtype(q_data_type, "q_data_type")
+    kv_dtype = q_dtype if kv_data_type is None else parse_dtype(kv_data_type, "kv_data_type")
+    out_dtype = q_dtype if o_data_type is None else parse_dtype(o_data_type, "o_data_type")
+    scale = 1.0 / math.sqrt(head_dim_qk) if sm_scale is None else float(sm_scale)
+    if not scale > 0 or not math.isfinite(scale):
+        raise InvalidArgumentError("sm_scale", "a finite float > 0", sm_scale)
+    cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
+    if not cap >= 0 or not math.isfinite(cap):
+        raise InvalidArgumentError("logits_soft_cap", "None, 0 or a finite float > 0", logits_soft_cap)
+
+    batch = PagedBatch.build(
+        qo_indptr=qo_indptr,
+        kv_indptr=paged_kv_indptr,
+        kv_indices=paged_kv_indices,
+        kv_last_page_len=paged_kv_last_page_len,
+        page_size=page_size,
+        device=device,
+        causal=causal,
+    )
+    fields: dict[str, Any] = {
+        "device_type": device.type,
+        "num_qo_heads": num_qo_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim_qk": head_dim_qk,
+        "head_dim_vo": head_dim_vo,
+        "page_size": page_size,
+        "kv_layout": kv_layout,
+        "q_dtype": q_dtype,
+        "kv_dtype": kv_dtype,
+        "out_dtype": out_dtype,
+        "sm_scale": scale,
+        "window_left": window_left,
+        "logits_soft_cap": cap,
+        "return_lse": bool(return_lse),
+        "batch_size": batch.batch_size,
+        "max_kv_len": batch.max_kv_len,
+    }
+    if op == "prefill":
+        fields.update(causal=bool(causal), num_qo_tokens=batch.num_qo_tokens, max_qo_len=batch.max_qo_len)
+    problem = make_problem(op, **fields)
+    assert isinstance(problem, (PrefillProblem, DecodeProblem))
+    return problem, batch
 
 
 class _PagedAttention(Planned):
@@ -122,59 +203,35 @@ class _PagedAttention(Planned):
         tactic: Tactic | dict[str, Any] | str | None,
     ) -> None:
         device = _resolve_device(self._device, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
-        page_size = _positive_int(page_size, "page_size")
-        head_dim_qk = _positive_int(head_dim_qk, "head_dim_qk")
-        head_dim_vo = head_dim_qk if head_dim_vo is None else _positive_int(head_dim_vo, "head_dim_vo")
-        num_qo_heads = _positive_int(num_qo_heads, "num_qo_heads")
-        num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
-        if num_qo_heads % num_kv_heads:
-            raise InvalidArgumentError("num_qo_heads", f"a multiple of num_kv_heads = {num_kv_heads}", num_qo_heads)
-        if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
-            raise InvalidArgumentError("window_left", "-1 (no window) or an int >= 0", repr(window_left))
-        q_dtype = parse_dtype(q_data_type, "q_data_type")
-        kv_dtype = q_dtype if kv_data_type is None else parse_dtype(kv_data_type, "kv_data_type")
-        out_dtype = q_dtype if o_data_type is None else parse_dtype(o_data_type, "o_data_type")
-        scale = 1.0 / math.sqrt(head_dim_qk) if sm_scale is None else float(sm_scale)
-        if not scale > 0 or not math.isfinite(scale):
-            raise InvalidArgumentError("sm_scale", "a finite float > 0", sm_scale)
-        cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
-        if not cap >= 0 or not math.isfinite(cap):
-            raise InvalidArgumentError("logits_soft_cap", "None, 0 or a finite float > 0", logits_soft_cap)
         chosen_backend = self._backend if backend is None else backend
         if not isinstance(chosen_backend, str):
             raise InvalidArgumentError("backend", "'auto' or a backend name", repr(chosen_backend))
         chosen_tactic = None if tactic is None else parse_tactic(tactic)
-
-        batch = PagedBatch.build(
-            qo_indptr=qo_indptr,
-            kv_indptr=paged_kv_indptr,
-            kv_indices=paged_kv_indices,
-            kv_last_page_len=paged_kv_last_page_len,
-            page_size=page_size,
+        problem, batch = attention_problem(
+            self._op,  # type: ignore[arg-type]
             device=device,
+            kv_layout=self.kv_layout,
+            qo_indptr=qo_indptr,
+            paged_kv_indptr=paged_kv_indptr,
+            paged_kv_indices=paged_kv_indices,
+            paged_kv_last_page_len=paged_kv_last_page_len,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim_qk=head_dim_qk,
+            head_dim_vo=head_dim_vo,
+            page_size=page_size,
             causal=causal,
+            sm_scale=sm_scale,
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            q_data_type=q_data_type,
+            kv_data_type=kv_data_type,
+            o_data_type=o_data_type,
+            return_lse=return_lse,
         )
-        fields: dict[str, Any] = {
-            "device_type": device.type,
-            "num_qo_heads": num_qo_heads,
-            "num_kv_heads": num_kv_heads,
-            "head_dim_qk": head_dim_qk,
-            "head_dim_vo": head_dim_vo,
-            "page_size": page_size,
-            "kv_layout": self.kv_layout,
-            "q_dtype": q_dtype,
-            "kv_dtype": kv_dtype,
-            "out_dtype": out_dtype,
-            "sm_scale": scale,
-            "window_left": window_left,
-            "logits_soft_cap": cap,
-            "return_lse": bool(return_lse),
-            "batch_size": batch.batch_size,
-            "max_kv_len": batch.max_kv_len,
-        }
-        if self._op == "prefill":
-            fields.update(causal=bool(causal), num_qo_tokens=batch.num_qo_tokens, max_qo_len=batch.max_qo_len)
-        problem = make_problem(self._op, **fields)  # type: ignore[arg-type]
+        num_qo_heads, num_kv_heads = problem.num_qo_heads, problem.num_kv_heads
+        head_dim_qk, head_dim_vo, page_size = problem.head_dim_qk, problem.head_dim_vo, problem.page_size
+        q_dtype, kv_dtype, out_dtype = problem.q_dtype, problem.kv_dtype, problem.out_dtype
         options = PlanOptions(device=device, use_cuda_graph=self._use_cuda_graph, previous=None)
         if self._selection is not None:
             options["previous"] = self._selection.plan
