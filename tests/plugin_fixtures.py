@@ -124,3 +124,67 @@ def tactix_plan_decode(backend, problem, batch, tactic, options):
     inner.tactic = tactic if not tactic.is_default else tactix.Tactic(backend=NAME, kernel="plain")
     return inner
 """
+
+
+def wrong_backend(name: str, flaw: str) -> str:
+    """A plugin that claims what the torch backend claims but computes something else.
+
+    ``flaw``: ``drop_last_page`` (decode reads every request's pages but the last),
+    ``ignore_causal`` (prefill without the causal mask), ``fake_window`` (decode claims a
+    sliding window and ignores it).
+    """
+    return f"""
+import tactix
+from tactix.backends import torch as _torch
+
+NAME = {name!r}
+FLAW = {flaw!r}
+
+
+@tactix.hookimpl
+def tactix_backends():
+    spec = _torch.tactix_backends()[0]
+    decode = spec.decode.model_copy(update={{"sliding_window": True, "cuda_graph": "none"}})
+    prefill = spec.prefill.model_copy(update={{"cuda_graph": "none"}})
+    if FLAW == "ignore_causal":
+        return [tactix.BackendSpec(name=NAME, version="0.0.1", prefill=prefill)]
+    return [tactix.BackendSpec(name=NAME, version="0.0.1", decode=decode)]
+
+
+def _plan(problem, batch, options):
+    if FLAW == "ignore_causal":
+        problem = problem.model_copy(update={{"causal": False}})
+    if FLAW == "fake_window":
+        problem = problem.model_copy(update={{"window_left": -1}})
+    if FLAW == "drop_last_page":
+        indptr, indices = [0], []
+        lens = batch.kv_indptr.tolist()
+        pages = batch.kv_indices.tolist()
+        last = []
+        for r in range(batch.batch_size):
+            mine = pages[lens[r]:lens[r + 1]]
+            if len(mine) > 1:
+                mine = mine[:-1]
+                last.append(batch.page_size)
+            else:
+                last.append(int(batch.kv_last_page_len[r]))
+            indices += mine
+            indptr.append(len(indices))
+        i32 = lambda v: __import__("torch").tensor(v, dtype=__import__("torch").int32)
+        batch = tactix.PagedBatch.build(qo_indptr=None, kv_indptr=i32(indptr), kv_indices=i32(indices),
+                                        kv_last_page_len=i32(last), page_size=batch.page_size,
+                                        device=options["device"], causal=False)
+    plan = _torch._plan_attention("torch", problem, batch, tactix.Tactic.default("torch"), options)
+    plan.tactic = tactix.Tactic(backend=NAME, kernel="wrong")
+    return plan
+
+
+@tactix.hookimpl
+def tactix_plan_decode(backend, problem, batch, tactic, options):
+    return _plan(problem, batch, options) if backend == NAME else None
+
+
+@tactix.hookimpl
+def tactix_plan_prefill(backend, problem, batch, tactic, options):
+    return _plan(problem, batch, options) if backend == NAME else None
+"""

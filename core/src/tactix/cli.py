@@ -1,4 +1,4 @@
-"""The ``tactix`` command: ``backends``, ``doctor`` and ``demo``."""
+"""The ``tactix`` command: ``backends``, ``doctor``, ``demo``, ``conformance`` and ``support-matrix``."""
 
 from __future__ import annotations
 
@@ -140,6 +140,36 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
+def cmd_conformance(args: argparse.Namespace, extra: list[str]) -> int:
+    try:
+        import pytest
+    except ImportError:
+        print("tactix conformance needs pytest: pip install 'tactix[testing]'", file=sys.stderr)
+        return 2
+    get_registry().get(args.backend) if args.backend != "all" else None  # unknown names fail here
+    argv = ["--pyargs", "tactix.testing.suite", f"--tactix-backend={args.backend}", "-p", "no:cacheprovider",
+            "-o", "addopts=", "-W", "ignore::pytest.PytestAssertRewriteWarning", "-rfEsx" if args.verbose_skips else "-rfE"]  # fmt: skip
+    if args.json:
+        argv.append(f"--tactix-report={args.json}")
+    if args.device:
+        argv.append(f"--tactix-device={args.device}")
+    if args.all_tactics:
+        argv.append("--tactix-all-tactics")
+    return int(pytest.main(argv + extra))
+
+
+def cmd_support_matrix(args: argparse.Namespace) -> int:
+    from tactix.testing.matrix import load_reports, render
+
+    text = render(load_reports(args.reports))
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    else:
+        print(text, end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tactix", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tactix {tactix.__version__}")
@@ -159,13 +189,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser(
+        "conformance",
+        help="run the conformance kit against a backend (extra arguments go to pytest)",
+        description="Run the conformance kit (tactix.testing.suite) against a backend; "
+        "arguments after the known options are passed to pytest (e.g. -k decode, -x).",
+    )
+    p.add_argument("backend", help="backend name, or 'all' for every active backend")
+    p.add_argument("--json", metavar="PATH", help="write the JSON report (input of 'tactix support-matrix')")
+    p.add_argument("--device", help="device for the cases (default: cuda if available, else cpu)")
+    p.add_argument("--all-tactics", action="store_true", help="check every tactic, not a sample of three")
+    p.add_argument("--verbose-skips", action="store_true", help="list every skipped case with its reason")
+    p.set_defaults(func=cmd_conformance, passthrough=True)
+
+    p = sub.add_parser("support-matrix", help="render conformance reports as docs/support-matrix.md")
+    p.add_argument("reports", nargs="+", help="JSON reports written by 'tactix conformance --json'")
+    p.add_argument("-o", "--output", help="write here instead of standard output")
+    p.set_defaults(func=cmd_support_matrix)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra and not getattr(args, "passthrough", False):
+        build_parser().parse_args(argv)  # reports the unknown arguments and exits 2
     try:
-        code: int = args.func(args)
+        code: int = args.func(args, extra) if getattr(args, "passthrough", False) else args.func(args)
     except tactix.TactixError as exc:
         print(f"tactix: error: {exc}", file=sys.stderr)
         return 2

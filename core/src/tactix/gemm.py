@@ -30,7 +30,7 @@ from tactix.registry import get_registry
 from tactix.selection import Planned, Selection, select_and_plan
 from tactix.tactics import Tactic, parse_tactic
 
-__all__ = ["Gemm", "gemm"]
+__all__ = ["Gemm", "gemm", "gemm_problem"]
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 
@@ -73,6 +73,54 @@ def _layout_matches(t: torch.Tensor, k_major: bool, is_a: bool) -> bool:
     return _b_layout(t) == ("k" if k_major else "n")
 
 
+def gemm_problem(
+    m: int,
+    n: int,
+    k: int,
+    *,
+    batch: int | None,
+    a_dtype: torch.dtype | str,
+    b_dtype: torch.dtype | str | None,
+    out_dtype: torch.dtype | str | None,
+    a_k_major: bool,
+    b_k_major: bool,
+    bias_dtype: torch.dtype | str | None,
+    device: torch.device,
+) -> GemmProblem:
+    """Validate `Gemm.plan` arguments into the problem a backend is asked about (also used by the kit)."""
+    m, n, k = _positive(m, "m"), _positive(n, "n"), _positive(k, "k")
+    if batch is not None:
+        batch = _positive(batch, "batch")
+    a_name = parse_dtype(a_dtype, "a_dtype")
+    b_name = a_name if b_dtype is None else parse_dtype(b_dtype, "b_dtype")
+    if (a_name in _FP8) != (b_name in _FP8):
+        raise InvalidArgumentError("b_dtype", f"fp8 exactly when a is ({a_name})", b_name)
+    fp8 = a_name in _FP8
+    default_out = "bfloat16" if fp8 else a_name
+    out_name = default_out if out_dtype is None else parse_dtype(out_dtype, "out_dtype")
+    bias_name = None if bias_dtype is None else parse_dtype(bias_dtype, "bias_dtype")
+    if bias_name is not None and bias_name != out_name:
+        raise InvalidArgumentError("bias_dtype", f"the output dtype {out_name}", bias_name)
+    problem = make_problem(
+        "gemm",
+        device_type=device.type,
+        m=m,
+        n=n,
+        k=k,
+        batch=batch or 1,
+        batched=batch is not None,
+        a_dtype=a_name,
+        b_dtype=b_name,
+        out_dtype=out_name,
+        a_k_major=bool(a_k_major),
+        b_k_major=bool(b_k_major),
+        scale_mode="per_tensor" if fp8 else "none",
+        bias_dtype=bias_name,
+    )
+    assert isinstance(problem, GemmProblem)
+    return problem
+
+
 class Gemm(Planned):
     """A planned GEMM, reusable across calls of the same shape.
 
@@ -113,40 +161,16 @@ class Gemm(Planned):
         tactic: Tactic | dict[str, Any] | str | None = None,
     ) -> None:
         """Plan ``[batch,] m x n x k``. fp8 operands imply per-tensor scales."""
-        m, n, k = _positive(m, "m"), _positive(n, "n"), _positive(k, "k")
-        if batch is not None:
-            batch = _positive(batch, "batch")
-        a_name = parse_dtype(a_dtype, "a_dtype")
-        b_name = a_name if b_dtype is None else parse_dtype(b_dtype, "b_dtype")
-        if (a_name in _FP8) != (b_name in _FP8):
-            raise InvalidArgumentError("b_dtype", f"fp8 exactly when a is ({a_name})", b_name)
-        fp8 = a_name in _FP8
-        default_out = "bfloat16" if fp8 else a_name
-        out_name = default_out if out_dtype is None else parse_dtype(out_dtype, "out_dtype")
-        bias_name = None if bias_dtype is None else parse_dtype(bias_dtype, "bias_dtype")
-        if bias_name is not None and bias_name != out_name:
-            raise InvalidArgumentError("bias_dtype", f"the output dtype {out_name}", bias_name)
         device = self._device or (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         )
         chosen_backend = self._backend if backend is None else backend
-        problem = make_problem(
-            "gemm",
-            device_type=device.type,
-            m=m,
-            n=n,
-            k=k,
-            batch=batch or 1,
-            batched=batch is not None,
-            a_dtype=a_name,
-            b_dtype=b_name,
-            out_dtype=out_name,
-            a_k_major=bool(a_k_major),
-            b_k_major=bool(b_k_major),
-            scale_mode="per_tensor" if fp8 else "none",
-            bias_dtype=bias_name,
-        )
-        assert isinstance(problem, GemmProblem)
+        problem = gemm_problem(
+            m, n, k, batch=batch, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype,
+            a_k_major=a_k_major, b_k_major=b_k_major, bias_dtype=bias_dtype, device=device,
+        )  # fmt: skip
+        a_name, b_name, out_name, bias_name = problem.a_dtype, problem.b_dtype, problem.out_dtype, problem.bias_dtype
+        fp8 = problem.scale_mode == "per_tensor"
         selection = select_and_plan(
             problem,
             None,

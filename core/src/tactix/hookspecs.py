@@ -105,6 +105,14 @@ def tactix_environment(backend: str) -> list[str] | None:  # type: ignore[empty-
 
 
 @hookspec(firstresult=True)
+def tactix_known_failures(backend: str) -> dict[str, str] | None:  # type: ignore[empty-body]
+    """Conformance cases this backend is known to fail: case-id glob -> reason.
+
+    The conformance kit runs them as strict expected failures, so a fix is noticed.
+    """
+
+
+@hookspec(firstresult=True)
 def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:  # type: ignore[empty-body]
     """The tactic space of ``backend`` for ``problem`` (the default tactic need not be listed)."""
 

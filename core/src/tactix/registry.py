@@ -113,6 +113,17 @@ class Backend:
             self._environment = list(reasons or [])
         return self._environment
 
+    def known_failures(self) -> dict[str, str]:
+        """Conformance case-id globs this backend declares it fails, with the reason."""
+        declared = self._call("tactix_known_failures")
+        if declared is None:
+            return {}
+        if not isinstance(declared, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in declared.items()
+        ):
+            raise PluginError(f"plugin '{self.name}' must return dict[str, str] from tactix_known_failures")
+        return dict(declared)
+
     def tactics(self, problem: Problem) -> list[Tactic]:
         """The backend's tactic space for ``problem``, default first, without duplicates."""
         listed = self._call("tactix_tactics", problem=problem) or []

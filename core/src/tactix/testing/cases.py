@@ -1,0 +1,468 @@
+"""Conformance cases generated from a backend's declared capabilities, and their inputs.
+
+Cases vary one thing at a time from a base case (the Llama-3-8B-like shape the benchmarks use:
+32 query heads, 8 KV heads, head dim 128, page size 16, HND, bf16), over the union of what the
+backend declares and a standard set of values, so a feature the backend does not declare shows
+up as a skip with its reason instead of silently not being asked about. Batches cover ragged
+lengths, the edges of a page (1, page size - 1, page size, page size + 1, 2 page sizes), a long
+32k-token request, a batch of one and a large batch.
+
+Every case builds its inputs from its own seed: the cache holds the batch's pages in shuffled
+order among unused pages, and every slot outside the batch (unused pages, the tail of each
+request's last page) holds values far larger than real ones, so reading one changes the result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+
+from tactix.capabilities import AttentionCapabilities, GemmCapabilities, GemmDTypes
+from tactix.dtypes import to_torch_dtype
+
+__all__ = [
+    "AttentionCase",
+    "AttentionInputs",
+    "GemmCase",
+    "GemmInputs",
+    "attention_cases",
+    "gemm_cases",
+]
+
+_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+_STANDARD_DTYPES = ("bfloat16", "float16", "float32")
+_STANDARD_HEAD_DIMS = (64, 128, 256)
+_STANDARD_PAGE_SIZES = (1, 16, 64)
+OUTSIDE = 1000.0
+"""Magnitude written to every cache slot that belongs to no request of the batch."""
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    """One prefill or decode conformance case."""
+
+    op: Literal["prefill", "decode"]
+    q_dtype: str = "bfloat16"
+    kv_dtype: str = "bfloat16"
+    out_dtype: str = "bfloat16"
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim_qk: int = 128
+    head_dim_vo: int = 128
+    page_size: int = 16
+    kv_layout: Literal["NHD", "HND"] = "HND"
+    causal: bool = False
+    window_left: int = -1
+    logits_soft_cap: float = 0.0
+    return_lse: bool = False
+    batch: str = "ragged"
+    kv_lens: tuple[int, ...] = (37, 100, 16, 300)
+    q_lens: tuple[int, ...] = (1, 1, 1, 1)
+    cache_form: Literal["tuple", "tensor"] = "tuple"
+    seed: int = 0
+
+    @property
+    def chunked(self) -> bool:
+        return self.op == "prefill" and any(k > q for k, q in zip(self.kv_lens, self.q_lens, strict=True))
+
+    @property
+    def id(self) -> str:
+        dtype = _SHORT[self.q_dtype]
+        if self.kv_dtype != self.q_dtype:
+            dtype += f"/{_SHORT[self.kv_dtype]}"
+        if self.out_dtype != self.q_dtype:
+            dtype += f"->{_SHORT[self.out_dtype]}"
+        dims = (
+            f"d{self.head_dim_qk}"
+            if self.head_dim_qk == self.head_dim_vo
+            else f"d{self.head_dim_qk}x{self.head_dim_vo}"
+        )
+        parts = [dtype, f"h{self.num_qo_heads}/{self.num_kv_heads}", dims, f"p{self.page_size}", self.kv_layout]
+        if self.causal:
+            parts.append("causal")
+        if self.window_left >= 0:
+            parts.append(f"win{self.window_left}")
+        if self.logits_soft_cap > 0:
+            parts.append(f"cap{self.logits_soft_cap:g}")
+        if self.return_lse:
+            parts.append("lse")
+        if self.cache_form == "tensor":
+            parts.append("5d")
+        if self.batch != "ragged":
+            parts.append(self.batch)
+        return f"{self.op}[{'-'.join(parts)}]"
+
+    def features(self) -> list[str]:
+        """Tags for the support matrix: each names one thing this case exercises."""
+        tags = [
+            f"dtype {_SHORT[self.q_dtype]}" + (f"/{_SHORT[self.kv_dtype]}" if self.kv_dtype != self.q_dtype else ""),
+            f"head dim {self.head_dim_qk}" + (f"x{self.head_dim_vo}" if self.head_dim_vo != self.head_dim_qk else ""),
+            f"page size {self.page_size}",
+            f"layout {self.kv_layout}",
+            f"GQA {self.num_qo_heads // self.num_kv_heads}",
+            f"batch {self.batch}",
+        ]
+        if self.op == "prefill":
+            tags.append("causal" if self.causal else "non-causal")
+            if self.chunked:
+                tags.append("chunked prefill")
+        if self.window_left >= 0:
+            tags.append("sliding window")
+        if self.logits_soft_cap > 0:
+            tags.append("soft-cap")
+        if self.return_lse:
+            tags.append("LSE")
+        if self.cache_form == "tensor":
+            tags.append("5-D cache tensor")
+        return tags
+
+    def plan_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = dict(
+            num_qo_heads=self.num_qo_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim_qk=self.head_dim_qk,
+            head_dim_vo=self.head_dim_vo,
+            page_size=self.page_size,
+            window_left=self.window_left,
+            logits_soft_cap=self.logits_soft_cap or None,
+            q_data_type=to_torch_dtype(self.q_dtype),
+            kv_data_type=to_torch_dtype(self.kv_dtype),
+            o_data_type=to_torch_dtype(self.out_dtype),
+            return_lse=self.return_lse,
+        )
+        if self.op == "prefill":
+            kw["causal"] = self.causal
+        return kw
+
+    @property
+    def sm_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim_qk)
+
+
+@dataclass
+class AttentionInputs:
+    """Metadata (host), tensors (on the device) and the poisoned output buffers of a case."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cache: Any  # what run() receives: (k, v) or the 5-D tensor whose views k_cache and v_cache are
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    outside: torch.Tensor = field(repr=False)  # bool [pages, page_size]: slots that belong to no request
+
+    def plan_args(self, op: str) -> tuple[torch.Tensor, ...]:
+        meta = (self.kv_indptr, self.kv_indices, self.kv_last_page_len)
+        return ((self.qo_indptr, *meta)) if op == "prefill" else meta
+
+    def refill(self, case: AttentionCase, generator: torch.Generator) -> None:
+        """New random q and cache contents (same metadata), poisoned outputs again."""
+        dtype_q, dtype_kv = to_torch_dtype(case.q_dtype), to_torch_dtype(case.kv_dtype)
+        self.q.copy_(_randn(self.q.shape, generator).to(self.q.device, dtype_q))
+        for cache in (self.k_cache, self.v_cache):
+            fresh = _randn(cache.shape, generator)
+            fresh = _poison_outside(fresh, self.outside, case.kv_layout)
+            cache.copy_(fresh.to(cache.device, dtype_kv))
+        self.poison()
+
+    def poison(self) -> None:
+        self.out.fill_(float("nan"))
+        if self.lse is not None:
+            self.lse.fill_(float("nan"))
+
+
+def _randn(shape: Iterable[int], generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(tuple(shape), generator=generator)
+
+
+def _poison_outside(cache: torch.Tensor, outside: torch.Tensor, layout: str) -> torch.Tensor:
+    mask = outside[:, :, None, None] if layout == "NHD" else outside[:, None, :, None]
+    signs = torch.where(cache >= 0, OUTSIDE, -OUTSIDE)
+    return torch.where(mask, signs, cache)
+
+
+def build_attention_inputs(case: AttentionCase, device: torch.device) -> AttentionInputs:
+    gen = torch.Generator().manual_seed(case.seed)
+    page = case.page_size
+    pages_per = [-(-n // page) for n in case.kv_lens]
+    spare = max(3, sum(pages_per) // 4)
+    total = sum(pages_per) + spare
+    order = torch.randperm(total, generator=gen).tolist()
+    indptr, indices = [0], []
+    outside = torch.ones(total, page, dtype=torch.bool)
+    for n, count in zip(case.kv_lens, pages_per, strict=True):
+        mine = [order.pop() for _ in range(count)]
+        for i, p in enumerate(mine):
+            used = min(page, n - i * page)
+            outside[p, :used] = False
+        indices += mine
+        indptr.append(len(indices))
+    last = [(n - 1) % page + 1 for n in case.kv_lens]
+    qo = [0]
+    for n in case.q_lens:
+        qo.append(qo[-1] + n)
+
+    hkv = case.num_kv_heads
+    shape_k = (total, page, hkv, case.head_dim_qk) if case.kv_layout == "NHD" else (total, hkv, page, case.head_dim_qk)
+    shape_v = (*shape_k[:-1], case.head_dim_vo)
+    dtype_q, dtype_kv, dtype_out = (to_torch_dtype(case.q_dtype), to_torch_dtype(case.kv_dtype),
+                                    to_torch_dtype(case.out_dtype))  # fmt: skip
+    k = _poison_outside(_randn(shape_k, gen), outside, case.kv_layout).to(device, dtype_kv)
+    v = _poison_outside(_randn(shape_v, gen), outside, case.kv_layout).to(device, dtype_kv)
+    if case.cache_form == "tensor":
+        cache: Any = torch.stack([k, v], dim=1)
+        k, v = cache[:, 0], cache[:, 1]
+    else:
+        cache = (k, v)
+    rows = qo[-1]
+    q = _randn((rows, case.num_qo_heads, case.head_dim_qk), gen).to(device, dtype_q)
+    out = torch.full((rows, case.num_qo_heads, case.head_dim_vo), float("nan"), device=device, dtype=dtype_out)
+    lse = (
+        torch.full((rows, case.num_qo_heads), float("nan"), device=device, dtype=torch.float32)
+        if case.return_lse
+        else None
+    )
+    return AttentionInputs(_i32(qo), _i32(indptr), _i32(indices), _i32(last), q, k, v, cache, out, lse, outside)
+
+
+def _i32(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _values(declared: Iterable[Any] | None, standard: Iterable[Any]) -> list[Any]:
+    merged = set(standard) | set(declared or ())
+    return sorted(merged, key=lambda x: (str(type(x)), x))
+
+
+def _base(op: Literal["prefill", "decode"], caps: AttentionCapabilities) -> AttentionCase:
+    dtype = "bfloat16" if "bfloat16" in caps.q_dtypes else sorted(caps.q_dtypes)[0]
+    kv = dtype if dtype in caps.kv_dtypes else sorted(caps.kv_dtypes)[0]
+    out = dtype if dtype in caps.out_dtypes else sorted(caps.out_dtypes)[0]
+    head = 128 if caps.head_dims is None or 128 in caps.head_dims else sorted(caps.head_dims)[0]
+    page = 16 if caps.page_sizes is None or 16 in caps.page_sizes else sorted(caps.page_sizes)[0]
+    layout: Literal["NHD", "HND"] = "HND" if "HND" in caps.kv_layouts else "NHD"
+    if op == "prefill":
+        return AttentionCase(
+            op,
+            dtype,
+            kv,
+            out,
+            head_dim_qk=head,
+            head_dim_vo=head,
+            page_size=page,
+            kv_layout=layout,
+            causal=True,
+            kv_lens=(37, 100, 16, 300),
+            q_lens=(37, 100, 16, 300),
+        )
+    return AttentionCase(op, dtype, kv, out, head_dim_qk=head, head_dim_vo=head, page_size=page, kv_layout=layout)
+
+
+def _batches(op: str, page: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Named batch shapes: name -> (kv lengths, q lengths)."""
+    edge_kv = tuple(sorted({1, max(page - 1, 1), page, page + 1, 2 * page, 3 * page + 1}))
+    if op == "decode":
+        return {
+            "edge": (edge_kv, (1,) * len(edge_kv)),
+            "long": ((32768, 5), (1, 1)),
+            "one": ((513,), (1,)),
+            "large": (tuple(16 + 9 * i for i in range(64)), (1,) * 64),
+        }
+    q_pattern = (1, max(page - 1, 1), page, page + 1, 2, 1)
+    edge_q = tuple(min(n, q_pattern[i % len(q_pattern)]) for i, n in enumerate(edge_kv))
+    return {
+        # q length 1, page - 1, page and page + 1 over kv lengths at the edges of a page
+        "edge": (edge_kv, edge_q),
+        "long": ((32768,), (64,)),
+        "one": ((700,), (700,)),
+        "large": (tuple(16 + 9 * i for i in range(24)), tuple(16 + 9 * i for i in range(24))),
+    }
+
+
+def attention_cases(op: Literal["prefill", "decode"], caps: AttentionCapabilities) -> list[AttentionCase]:
+    """The cases for ``op`` (one factor at a time from the base case, plus combinations that matter)."""
+    base = _base(op, caps)
+    cases: list[AttentionCase] = [base]
+
+    def add(**changes: Any) -> None:
+        cases.append(replace(base, **changes))
+
+    for dtype in _values(caps.q_dtypes, _STANDARD_DTYPES):
+        if dtype != base.q_dtype:
+            add(q_dtype=dtype, kv_dtype=dtype, out_dtype="bfloat16" if dtype.startswith("float8") else dtype)
+    for kv_dtype in sorted(caps.kv_dtypes - {base.q_dtype}):
+        if kv_dtype not in _STANDARD_DTYPES:  # e.g. an fp8 cache under 16-bit queries
+            add(kv_dtype=kv_dtype)
+    for out in sorted(caps.out_dtypes - {base.out_dtype}):
+        add(out_dtype=out)
+    for head in _values(caps.head_dims, _STANDARD_HEAD_DIMS):
+        if head != base.head_dim_qk:
+            add(head_dim_qk=head, head_dim_vo=head)
+    add(head_dim_qk=base.head_dim_qk, head_dim_vo=base.head_dim_qk // 2)
+    for page in _values(caps.page_sizes, _STANDARD_PAGE_SIZES):
+        if page != base.page_size:
+            edge_kv, edge_q = _batches(op, page)["edge"]
+            add(page_size=page, batch="edge", kv_lens=edge_kv, q_lens=edge_q)
+    other_layout: Literal["NHD", "HND"] = "NHD" if base.kv_layout == "HND" else "HND"
+    add(kv_layout=other_layout)
+    add(cache_form="tensor")
+    add(kv_layout=other_layout, cache_form="tensor")
+    for qo_heads, kv_heads in ((8, 8), (32, 4), (8, 1)):
+        add(num_qo_heads=qo_heads, num_kv_heads=kv_heads)
+    for name, (kv_lens, q_lens) in _batches(op, base.page_size).items():
+        add(batch=name, kv_lens=kv_lens, q_lens=q_lens)
+    if op == "prefill":
+        add(causal=False)
+        add(causal=False, batch="q-longer", kv_lens=(40, 8), q_lens=(64, 16))
+        chunked_kv, chunked_q = (1061, 530, 48), (37, 530, 17)
+        add(batch="chunked", kv_lens=chunked_kv, q_lens=chunked_q)
+        add(batch="chunked", kv_lens=chunked_kv, q_lens=chunked_q, window_left=100)
+        add(window_left=64)
+        add(causal=False, window_left=64)
+    else:
+        add(window_left=64)
+    add(logits_soft_cap=30.0)
+    add(return_lse=True)
+    add(return_lse=True, logits_soft_cap=30.0, kv_layout=other_layout)
+    seen: set[str] = set()
+    unique = []
+    for index, case in enumerate(cases):
+        if case.id not in seen:
+            seen.add(case.id)
+            unique.append(replace(case, seed=1000 * (op == "prefill") + index))
+    return unique
+
+
+# --------------------------------------------------------------------------------------------
+# GEMM
+
+
+@dataclass(frozen=True)
+class GemmCase:
+    a_dtype: str
+    b_dtype: str
+    out_dtype: str
+    m: int = 64
+    n: int = 256
+    k: int = 128
+    batch: int | None = None
+    a_k_major: bool = True
+    b_k_major: bool = True
+    bias: bool = False
+    label: str = ""
+    seed: int = 0
+
+    @property
+    def fp8(self) -> bool:
+        return self.a_dtype.startswith("float8")
+
+    @property
+    def id(self) -> str:
+        dtype = _SHORT[self.a_dtype] + ("" if self.b_dtype == self.a_dtype else f"x{_SHORT[self.b_dtype]}")
+        parts = [f"{dtype}->{_SHORT[self.out_dtype]}", f"m{self.m}n{self.n}k{self.k}",
+                 ("A-k" if self.a_k_major else "A-m") + ("B-k" if self.b_k_major else "B-n")]  # fmt: skip
+        if self.batch is not None:
+            parts.append(f"batch{self.batch}")
+        if self.bias:
+            parts.append("bias")
+        return f"gemm[{'-'.join(parts)}]"
+
+    def features(self) -> list[str]:
+        tags = [f"dtype {_SHORT[self.a_dtype]}->{_SHORT[self.out_dtype]}"]
+        tags.append("A " + ("k-major" if self.a_k_major else "m-major"))
+        tags.append("B " + ("k-major" if self.b_k_major else "n-major"))
+        tags.append("m = 1" if self.m == 1 else ("m <= 64" if self.m <= 64 else "m > 64"))
+        if self.n % 16 or self.k % 16:
+            tags.append("odd n/k")
+        if self.batch is not None:
+            tags.append("batched")
+        if self.bias:
+            tags.append("bias")
+        if self.fp8:
+            tags.append("fp8 per-tensor scales")
+        return tags
+
+
+@dataclass
+class GemmInputs:
+    a: torch.Tensor
+    b: torch.Tensor
+    bias: torch.Tensor | None
+    scale_a: torch.Tensor | None
+    scale_b: torch.Tensor | None
+    out: torch.Tensor
+
+    def run_kwargs(self) -> dict[str, Any]:
+        return dict(bias=self.bias, scale_a=self.scale_a, scale_b=self.scale_b)
+
+
+def _operand(
+    rows: int,
+    cols: int,
+    lead: tuple[int, ...],
+    contiguous_in_cols: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    gen: torch.Generator,
+    scale: float,
+) -> torch.Tensor:
+    """A logical ``[*lead, rows, cols]`` operand stored dense along cols (or along rows)."""
+    if contiguous_in_cols:
+        data = _randn((*lead, rows, cols), gen) * scale
+        return data.to(device).to(dtype)
+    data = _randn((*lead, cols, rows), gen) * scale
+    return data.to(device).to(dtype).transpose(-1, -2)
+
+
+def build_gemm_inputs(case: GemmCase, device: torch.device) -> GemmInputs:
+    gen = torch.Generator().manual_seed(case.seed)
+    lead = () if case.batch is None else (case.batch,)
+    a_dtype, b_dtype, out_dtype = (to_torch_dtype(case.a_dtype), to_torch_dtype(case.b_dtype),
+                                   to_torch_dtype(case.out_dtype))  # fmt: skip
+    a = _operand(case.m, case.k, lead, case.a_k_major, a_dtype, device, gen, 1.0)
+    # b is [k, n]: k-major means dense along k, i.e. along rows of the logical [k, n]
+    b = _operand(case.k, case.n, lead, not case.b_k_major, b_dtype, device, gen, 1.0 / math.sqrt(case.k))
+    bias = _randn((case.n,), gen).to(device, out_dtype) if case.bias else None
+    scale_a = torch.tensor(0.75, device=device) if case.fp8 else None
+    scale_b = torch.tensor(1.5, device=device) if case.fp8 else None
+    out = torch.full((*lead, case.m, case.n), float("nan"), device=device, dtype=out_dtype)
+    return GemmInputs(a, b, bias, scale_a, scale_b, out)
+
+
+def gemm_cases(caps: GemmCapabilities) -> list[GemmCase]:
+    combos = set(caps.dtypes) | {GemmDTypes(a=t, b=t, out=t) for t in _STANDARD_DTYPES}
+    combos.add(GemmDTypes(a="float8_e4m3fn", b="float8_e4m3fn", out="bfloat16", scale_mode="per_tensor"))
+    cases: list[GemmCase] = []
+    for combo in sorted(combos, key=str):
+        base = GemmCase(combo.a, combo.b, combo.out)
+        cases.append(base)
+        if combo.a == combo.b == combo.out == "bfloat16" or (combo.a.startswith("float8") and combo.out == "bfloat16"):
+            # the full set of shapes and layouts for the main 16-bit and fp8 combinations
+            for m in (1, 16, 127):
+                cases.append(replace(base, m=m))
+            cases.append(replace(base, m=5, n=33, k=17, label="odd"))
+            cases.append(replace(base, m=256, n=512, k=384))
+            cases.append(replace(base, a_k_major=False))
+            cases.append(replace(base, b_k_major=False))
+            cases.append(replace(base, a_k_major=False, b_k_major=False, m=1))
+            cases.append(replace(base, bias=True))
+            cases.append(replace(base, batch=3))
+            cases.append(replace(base, batch=2, bias=True, b_k_major=False))
+        else:
+            cases.append(replace(base, m=1, bias=True))
+            cases.append(replace(base, b_k_major=False))
+    seen: set[str] = set()
+    unique = []
+    for index, case in enumerate(cases):
+        if case.id not in seen:
+            seen.add(case.id)
+            unique.append(replace(case, seed=2000 + index))
+    return unique

@@ -1,0 +1,110 @@
+"""The support matrix: conformance reports (JSON from ``--tactix-report``) rendered as Markdown.
+
+tactix support-matrix benchmarks/results/conformance-*.json -o docs/support-matrix.md
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["load_reports", "render"]
+
+OUTCOMES = ("passed", "skipped", "xfailed", "failed")
+REGENERATE = "tactix support-matrix benchmarks/results/conformance-*.json -o docs/support-matrix.md"
+
+
+def load_reports(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+    return [json.loads(Path(p).read_text()) for p in sorted(str(p) for p in paths)]
+
+
+def _cell(counts: Counter[str], outcome: str) -> str:
+    return str(counts[outcome]) if counts[outcome] else "·"
+
+
+def _reason_summary(reasons: Counter[str]) -> str:
+    if not reasons:
+        return ""
+    text, _ = reasons.most_common(1)[0]
+    text = text.removeprefix("not claimed: ").replace("|", "/")
+    more = len(reasons) - 1
+    return (text[:90] + ("…" if len(text) > 90 else "")) + (f" (+{more} more)" if more else "")
+
+
+def render(reports: list[dict[str, Any]]) -> str:
+    lines = [
+        "# Support matrix",
+        "",
+        "Generated from conformance-kit reports; do not edit by hand. Regenerate with",
+        "",
+        f"    {REGENERATE}",
+        "",
+        "Counts are conformance tests (numerics, tactics, re-plan, bad input, CUDA graph) per",
+        "feature; a skip means the backend does not claim the case (its reason is shown), an",
+        "xfail is a known failure the backend declares. `·` is zero.",
+        "",
+        "| backend | version | device | op | passed | skipped | xfailed | failed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    sections: list[str] = []
+    for report in reports:
+        device = report.get("device_name") or report["device"]
+        for backend in report["backends"]:
+            name = backend["name"]
+            results = [r for r in report["results"] if r["backend"] == name]
+            by_op: dict[str, list[dict[str, Any]]] = defaultdict(list)
+            for r in results:
+                by_op[r["op"]].append(r)
+            for op in ("prefill", "decode", "gemm"):
+                counts = Counter(r["outcome"] for r in by_op.get(op, []))
+                if not by_op.get(op):
+                    lines.append(f"| {name} | {backend['version']} | {device} | {op} | not implemented | | | |")
+                    continue
+                lines.append(
+                    f"| {name} | {backend['version']} | {device} | {op} | "
+                    + " | ".join(_cell(counts, o) for o in OUTCOMES)
+                    + " |"
+                )
+            sections += _backend_section(report, backend, by_op, device)
+    return "\n".join([*lines, "", *sections]).rstrip() + "\n"
+
+
+def _backend_section(
+    report: dict[str, Any], backend: dict[str, Any], by_op: dict[str, list[dict[str, Any]]], device: str
+) -> list[str]:
+    dist = backend.get("distribution") or "?"
+    out = [
+        f"## {backend['name']} {backend['version']} on {device}",
+        "",
+        f"Distribution `{dist}` {backend.get('distribution_version') or ''}; torch {report['torch']}, "
+        f"Python {report['python']}, kit {report['kit']}.",
+        "",
+    ]
+    if backend.get("environment"):
+        out += [f"Cannot run on this machine: {'; '.join(backend['environment'])}.", ""]
+    for op, results in by_op.items():
+        features: dict[str, Counter[str]] = defaultdict(Counter)
+        reasons: dict[str, Counter[str]] = defaultdict(Counter)
+        for r in results:
+            for tag in r["features"]:
+                features[tag][r["outcome"]] += 1
+                if r["outcome"] in ("skipped", "xfailed", "failed") and r["detail"]:
+                    reasons[tag][r["detail"]] += 1
+        out += [f"### {op}", "", "| feature | passed | skipped | xfailed | failed | why not passed |",
+                "|---|---|---|---|---|---|"]  # fmt: skip
+        for tag in sorted(features, key=_feature_order):
+            counts = features[tag]
+            out.append(f"| {tag} | " + " | ".join(_cell(counts, o) for o in OUTCOMES)
+                       + f" | {_reason_summary(reasons[tag])} |")  # fmt: skip
+        out.append("")
+    return out
+
+
+def _feature_order(tag: str) -> tuple[str, int, str]:
+    head, _, rest = tag.rpartition(" ")
+    if rest.isdigit():
+        return (head, int(rest), "")
+    return (tag, 0, "")

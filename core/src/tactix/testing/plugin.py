@@ -1,0 +1,254 @@
+"""The conformance kit's pytest plugin (registered under ``pytest11``; inert unless asked).
+
+Without ``--tactix-backend`` it only adds its options: no test of any other suite changes. With
+``--tactix-backend=NAME`` (or ``all``) the kit's tests in `tactix.testing.suite` are
+parametrised with cases generated from the backend's capabilities, a header names the backend,
+its version, distribution and capabilities, cases the backend lists as known failures run as
+strict xfails, and ``--tactix-report=PATH`` writes a JSON report (the input of
+``tactix support-matrix``).
+
+    pytest --pyargs tactix.testing.suite --tactix-backend=mybackend [--tactix-report=report.json]
+    tactix conformance mybackend --json report.json          # the same, as a command
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tactix
+from tactix.registry import Backend, get_registry
+from tactix.testing.cases import AttentionCase, GemmCase, attention_cases, gemm_cases
+
+_RESULTS = pytest.StashKey[dict[str, dict[str, Any]]]()
+_BACKENDS = pytest.StashKey[list[Backend]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("tactix", "tactix conformance kit")
+    group.addoption(
+        "--tactix-backend",
+        default=None,
+        metavar="NAME",
+        help="run the tactix conformance kit against backend NAME (or 'all' active backends)",
+    )
+    group.addoption(
+        "--tactix-device",
+        default=None,
+        metavar="DEVICE",
+        help="device for the kit's cases (default: cuda if available, else cpu)",
+    )
+    group.addoption(
+        "--tactix-all-tactics",
+        action="store_true",
+        default=False,
+        help="check every enumerated tactic, not a seeded sample of three per case",
+    )
+    group.addoption("--tactix-report", default=None, metavar="PATH", help="write the kit's JSON report here")
+
+
+def selected_backends(config: pytest.Config) -> list[Backend]:
+    cached = config.stash.get(_BACKENDS, None)
+    if cached is not None:
+        return cached
+    name = config.getoption("--tactix-backend")
+    registry = get_registry()
+    backends = [] if name is None else registry.active() if name == "all" else [registry.get(name)]
+    config.stash[_BACKENDS] = backends
+    return backends
+
+
+def kit_device(config: pytest.Config) -> torch.device:
+    name = config.getoption("--tactix-device")
+    if name:
+        return torch.device(name)
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _caps_summary(backend: Backend) -> list[str]:
+    lines = []
+    for op in backend.spec.ops:
+        caps = backend.spec.capabilities(op)
+        assert caps is not None
+        data = caps.model_dump(mode="json")
+        flags = [k for k, v in data.items() if v is True]
+        values = {k: v for k, v in data.items() if not isinstance(v, bool)}
+        shown = "; ".join(f"{k}={_short(v)}" for k, v in values.items())
+        lines.append(f"  {op}: {shown}; features: {', '.join(flags) or 'none'}")
+    return lines
+
+
+def _short(value: Any) -> str:
+    if value is None:
+        return "any"
+    if isinstance(value, list):
+        if value and isinstance(value[0], dict):
+            return "{" + ", ".join("x".join(str(x) for x in v.values() if x != "none") for v in value) + "}"
+        return "{" + ", ".join(str(v) for v in sorted(value, key=str)) + "}"
+    return str(value)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
+    if config.getoption("--tactix-backend") is None:
+        return None
+    lines = [f"tactix conformance kit {tactix.__version__} on {kit_device(config)} (torch {torch.__version__})"]
+    for backend in selected_backends(config):
+        rec = backend.record
+        lines.append(
+            f"backend {backend.name} {backend.spec.version} from distribution "
+            f"{rec.distribution or '?'} {rec.distribution_version or ''}".rstrip()
+        )
+        env = backend.environment()
+        if env:
+            lines.append(f"  cannot run here: {'; '.join(env)}")
+        lines += _caps_summary(backend)
+    return lines
+
+
+def _known_failure(backend: Backend, case_id: str) -> str | None:
+    for pattern, reason in backend.known_failures().items():
+        if fnmatch.fnmatchcase(case_id, pattern):
+            return reason
+    return None
+
+
+def _param(backend: Backend, case: AttentionCase | GemmCase, many: bool) -> Any:
+    marks = []
+    reason = _known_failure(backend, case.id)
+    if reason is not None:
+        marks.append(pytest.mark.xfail(strict=True, reason=f"known failure declared by {backend.name}: {reason}"))
+    case_id = f"{backend.name}:{case.id}" if many else case.id
+    return pytest.param(backend, case, id=case_id, marks=marks)
+
+
+TACTIC_BATCHES = ("ragged", "chunked", "edge")
+"""Batches whose cases also check every (or a sample of every) enumerated tactic."""
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    names = set(metafunc.fixturenames)
+    wanted = names & {"attention_case", "gemm_case", "tactic_case", "graph_case"}
+    if not wanted:
+        return
+    backends = selected_backends(metafunc.config)
+    many = len(backends) > 1
+    params = []
+    for backend in backends:
+        if "gemm_case" in names:
+            if backend.spec.gemm is not None:
+                params += [_param(backend, c, many) for c in gemm_cases(backend.spec.gemm)]
+            continue
+        for op in ("prefill", "decode"):
+            caps = backend.spec.capabilities(op)  # type: ignore[arg-type]
+            if caps is None:
+                continue
+            cases = attention_cases(op, caps)  # type: ignore[arg-type]
+            if "tactic_case" in names:
+                cases = [c for c in cases if c.batch in TACTIC_BATCHES and c.head_dim_qk == c.head_dim_vo]
+            if "graph_case" in names:
+                cases = [c for c in cases if c.batch == "ragged"][:4]
+            params += [_param(backend, c, many) for c in cases]
+    argnames = ["backend", sorted(wanted)[0]]
+    if not params:
+        metafunc.parametrize(
+            argnames,
+            [
+                pytest.param(
+                    None,
+                    None,
+                    marks=pytest.mark.skip(
+                        reason="no backend under test implements this op (pass --tactix-backend=NAME)"
+                    ),
+                    id="none",
+                )
+            ],
+        )
+        return
+    metafunc.parametrize(argnames, params)
+
+
+# -- the JSON report ------------------------------------------------------------------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_RESULTS] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or item.config.getoption("--tactix-backend") is None:
+        return
+    backend = callspec.params.get("backend")
+    case = next((callspec.params[k] for k in ("attention_case", "gemm_case", "tactic_case", "graph_case")
+                 if k in callspec.params), None)  # fmt: skip
+    if backend is None or case is None:
+        return
+    results = item.config.stash[_RESULTS]
+    entry = results.setdefault(item.nodeid, {
+        "backend": backend.name,
+        "test": item.originalname if isinstance(item, pytest.Function) else item.name,
+        "case": case.id,
+        "op": "gemm" if isinstance(case, GemmCase) else case.op,
+        "features": case.features(),
+        "outcome": "passed",
+        "detail": "",
+    })  # fmt: skip
+    if report.when == "call" or report.outcome != "passed":
+        if hasattr(report, "wasxfail"):
+            entry["outcome"] = "xfailed" if report.skipped else "failed"
+            entry["detail"] = str(report.wasxfail)
+        elif report.skipped:
+            entry["outcome"] = "skipped"
+            longrepr = report.longrepr
+            entry["detail"] = longrepr[2].removeprefix("Skipped: ") if isinstance(longrepr, tuple) else str(longrepr)
+        elif report.failed:
+            entry["outcome"] = "failed"
+            entry["detail"] = _first_line(report)
+
+
+def _first_line(report: pytest.TestReport) -> str:
+    text = report.longreprtext or ""
+    for line in text.splitlines():
+        if line.startswith("E "):
+            return line[2:].strip()[:500]
+    return text.strip().splitlines()[-1][:500] if text.strip() else ""
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    path = config.getoption("--tactix-report")
+    if path is None or config.getoption("--tactix-backend") is None:
+        return
+    results = list(config.stash[_RESULTS].values())
+    backends = selected_backends(config)
+    device = kit_device(config)
+    report = {
+        "kit": tactix.__version__,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "backends": [
+            {
+                "name": b.name,
+                "version": b.spec.version,
+                "distribution": b.record.distribution,
+                "distribution_version": b.record.distribution_version,
+                "environment": b.environment(),
+                "capabilities": {op: b.spec.capabilities(op).model_dump(mode="json") for op in b.spec.ops},  # type: ignore[union-attr]
+            }
+            for b in backends
+        ],
+        "totals": {o: sum(r["outcome"] == o for r in results) for o in ("passed", "skipped", "xfailed", "failed")},
+        "results": results,
+    }
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")

@@ -1,0 +1,356 @@
+"""The conformance kit's tests. Run them against a backend with
+
+    pytest --pyargs tactix.testing.suite --tactix-backend=NAME      (or: tactix conformance NAME)
+
+Each case goes through the public API with ``backend=NAME`` and is compared with the float64
+oracle. A case the backend does not claim (its capabilities or its ``check`` refuse it) is
+skipped with that reason; a claimed case must pass: run on the claimed path (a fallback warning
+fails it), write every output element (outputs are poisoned with NaN first), stay within the
+tolerance, give bit-identical output when repeated, stay right with new data under the same
+plan, and on a GPU make no host sync in ``run()`` and replay inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from tactix.attention import PagedDecode, PagedPrefill, attention_problem
+from tactix.batch import PagedBatch
+from tactix.errors import FallbackWarning, InvalidArgumentError, TactixError
+from tactix.gemm import Gemm, gemm_problem
+from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem
+from tactix.registry import Backend
+from tactix.tactics import Tactic
+from tactix.testing.cases import (
+    AttentionCase,
+    AttentionInputs,
+    GemmCase,
+    GemmInputs,
+    build_attention_inputs,
+    build_gemm_inputs,
+)
+from tactix.testing.oracle import (
+    LSE_TOLERANCE,
+    attention_reference,
+    gemm_reference,
+    lse_error,
+    relative_error,
+    tolerance_for,
+)
+from tactix.testing.plugin import kit_device
+
+SAMPLED_TACTICS = 3
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest) -> torch.device:
+    return kit_device(request.config)
+
+
+@pytest.fixture
+def all_tactics(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--tactix-all-tactics"))
+
+
+@contextmanager
+def claimed_path() -> Iterator[None]:
+    """A fallback during a claimed case means the kit would test some other code: fail it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        yield
+
+
+def _require(backend: Backend | None) -> Backend:
+    if backend is None:
+        pytest.skip("pass --tactix-backend=NAME to run the conformance kit")
+    return backend
+
+
+# -- attention -------------------------------------------------------------------------------
+
+
+def _problem(
+    case: AttentionCase, inputs: AttentionInputs, device: torch.device
+) -> tuple[PrefillProblem | DecodeProblem, PagedBatch]:
+    kwargs = case.plan_kwargs()
+    return attention_problem(
+        case.op,
+        device=device,
+        kv_layout=case.kv_layout,
+        qo_indptr=inputs.qo_indptr if case.op == "prefill" else None,
+        paged_kv_indptr=inputs.kv_indptr,
+        paged_kv_indices=inputs.kv_indices,
+        paged_kv_last_page_len=inputs.kv_last_page_len,
+        causal=kwargs.pop("causal", False),
+        sm_scale=None,
+        **kwargs,
+    )
+
+
+def _skip_unless_claimed(
+    backend: Backend, problem: Any, batch: PagedBatch | None, tactic: Tactic | None = None
+) -> None:
+    reasons = backend.check(problem, tactic or Tactic.default(backend.name), batch)
+    if reasons:
+        pytest.skip("not claimed: " + "; ".join(reasons))
+
+
+def _wrapper(case: AttentionCase, backend: Backend, device: torch.device, graph: bool = False) -> Any:
+    cls = PagedPrefill if case.op == "prefill" else PagedDecode
+    return cls(case.kv_layout, backend=backend.name, device=device, use_cuda_graph=graph)
+
+
+def _plan(wrapper: Any, case: AttentionCase, inputs: AttentionInputs, tactic: Tactic | None = None) -> None:
+    with claimed_path():
+        wrapper.plan(*inputs.plan_args(case.op), **case.plan_kwargs(), tactic=tactic)
+
+
+def _run(wrapper: Any, case: AttentionCase, inputs: AttentionInputs) -> None:
+    result = wrapper.run(inputs.q, inputs.cache, out=inputs.out, lse=inputs.lse)
+    out = result[0] if case.return_lse else result
+    assert out is inputs.out, "run(out=...) must return the given out tensor"
+
+
+def _reference(case: AttentionCase, inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = inputs.q.shape[0]
+    qo = inputs.qo_indptr if case.op == "prefill" else torch.arange(rows + 1, dtype=torch.int32)
+    return attention_reference(
+        inputs.q, inputs.k_cache, inputs.v_cache, qo, inputs.kv_indptr, inputs.kv_indices, inputs.kv_last_page_len,
+        kv_layout=case.kv_layout, causal=case.causal, sm_scale=case.sm_scale, window_left=case.window_left,
+        logits_soft_cap=case.logits_soft_cap,
+    )  # fmt: skip
+
+
+def _check_attention(case: AttentionCase, inputs: AttentionInputs, what: str) -> None:
+    ref, ref_lse = _reference(case, inputs)
+    unwritten = int(torch.isnan(inputs.out).sum())
+    assert unwritten == 0, f"{what}: {unwritten} of {inputs.out.numel()} output elements were never written"
+    err = relative_error(inputs.out, ref)
+    tol = tolerance_for(case.out_dtype, case.q_dtype, case.kv_dtype)
+    assert err <= tol, f"{what}: relative error {err:.3e} above {tol:.0e} ({case.q_dtype} in, {case.out_dtype} out)"
+    if case.return_lse:
+        assert inputs.lse is not None
+        unwritten = int(torch.isnan(inputs.lse).sum())
+        assert unwritten == 0, f"{what}: {unwritten} of {inputs.lse.numel()} LSE elements were never written"
+        lse_err = lse_error(inputs.lse, ref_lse)
+        lse_tol = LSE_TOLERANCE[case.q_dtype]
+        assert lse_err <= lse_tol, f"{what}: LSE error {lse_err:.3e} above {lse_tol:.0e} (natural log expected)"
+
+
+def _snapshot(inputs: AttentionInputs) -> list[torch.Tensor]:
+    return [inputs.out.clone()] + ([inputs.lse.clone()] if inputs.lse is not None else [])
+
+
+def test_attention(backend: Backend | None, attention_case: AttentionCase, device: torch.device) -> None:
+    """Numerics, full writes, determinism and plan reuse for one case, on the claimed path."""
+    backend = _require(backend)
+    case = attention_case
+    inputs = build_attention_inputs(case, device)
+    problem, batch = _problem(case, inputs, device)
+    _skip_unless_claimed(backend, problem, batch)
+
+    wrapper = _wrapper(case, backend, device)
+    _plan(wrapper, case, inputs)
+    assert wrapper.backend == backend.name, f"served by '{wrapper.backend}', not '{backend.name}'"
+    what = f"{case.id} with tactic {wrapper.tactic}"
+    _run(wrapper, case, inputs)
+    _check_attention(case, inputs, what)
+
+    first = _snapshot(inputs)
+    inputs.poison()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")  # run() must not wait for the device
+        try:
+            _run(wrapper, case, inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    else:
+        _run(wrapper, case, inputs)
+    for before, now in zip(first, _snapshot(inputs), strict=True):
+        differ = int((before != now).sum())
+        assert differ == 0, f"{what}: the same inputs gave different output in {differ} elements"
+
+    inputs.refill(case, torch.Generator().manual_seed(case.seed + 1))
+    _run(wrapper, case, inputs)
+    _check_attention(case, inputs, f"{what}, same plan with new q and cache data")
+
+
+def test_attention_tactics(
+    backend: Backend | None, tactic_case: AttentionCase, device: torch.device, all_tactics: bool
+) -> None:
+    """Every tactic the backend enumerates and accepts for the case computes the right thing."""
+    backend = _require(backend)
+    case = tactic_case
+    inputs = build_attention_inputs(case, device)
+    problem, batch = _problem(case, inputs, device)
+    _skip_unless_claimed(backend, problem, batch)
+    tactics = [t for t in backend.tactics(problem) if not t.is_default and not backend.check(problem, t, batch)]
+    if not tactics:
+        pytest.skip(f"{backend.name} enumerates no tactic besides its default for {case.id}")
+    if not all_tactics and len(tactics) > SAMPLED_TACTICS:
+        tactics = random.Random(case.seed).sample(tactics, SAMPLED_TACTICS)
+    failures = []
+    for tactic in tactics:
+        wrapper = _wrapper(case, backend, device)
+        inputs.poison()
+        try:
+            _plan(wrapper, case, inputs, tactic)
+            assert wrapper.tactic == tactic, f"planned {tactic} but the plan runs {wrapper.tactic}"
+            _run(wrapper, case, inputs)
+            _check_attention(case, inputs, f"{case.id} with tactic {tactic}")
+        except (AssertionError, TactixError, FallbackWarning) as exc:
+            failures.append(f"{tactic}: {exc}")
+    assert not failures, "\n".join(failures)
+
+
+def test_attention_replan(backend: Backend | None, graph_case: AttentionCase, device: torch.device) -> None:
+    """One wrapper re-planned for a different batch, then for the first batch again."""
+    backend = _require(backend)
+    first = graph_case
+    q_lens = (5, 1, 3, 64, 1, 17) if first.op == "prefill" else (1,) * 6
+    second = replace(first, kv_lens=(5, 1, 1030, 64, 200, 17), q_lens=q_lens, seed=first.seed + 77)
+    wrapper = _wrapper(first, backend, device)
+    for case in (first, second, first):
+        inputs = build_attention_inputs(case, device)
+        problem, batch = _problem(case, inputs, device)
+        _skip_unless_claimed(backend, problem, batch)
+        _plan(wrapper, case, inputs)
+        _run(wrapper, case, inputs)
+        _check_attention(case, inputs, f"{case.id} re-planned on a used wrapper (batch {case.kv_lens})")
+
+
+def test_attention_rejects_bad_input(backend: Backend | None, graph_case: AttentionCase, device: torch.device) -> None:
+    """Out-of-range pages and mistyped tensors raise TactixError before the backend reads anything."""
+    backend = _require(backend)
+    case = graph_case
+    inputs = build_attention_inputs(case, device)
+    problem, batch = _problem(case, inputs, device)
+    _skip_unless_claimed(backend, problem, batch)
+    num_pages = inputs.k_cache.shape[0]
+    bad = replace(inputs, kv_indices=inputs.kv_indices.clone())
+    bad.kv_indices[-1] = num_pages  # one past the cache: another request's memory, or none
+    wrapper = _wrapper(case, backend, device)
+    _plan(wrapper, case, bad)
+    inputs.poison()
+    with pytest.raises(InvalidArgumentError, match="paged_kv_indices"):
+        _run(wrapper, case, bad)
+    assert bool(torch.isnan(inputs.out).all()), "an out-of-range page was refused only after output was written"
+    _plan(wrapper, case, inputs)
+    wrong = inputs.q.to(torch.float32 if inputs.q.dtype != torch.float32 else torch.float16)
+    with pytest.raises(TactixError, match="'q'"):
+        wrapper.run(wrong, inputs.cache, out=inputs.out, lse=inputs.lse)
+
+
+def test_attention_cuda_graph(backend: Backend | None, graph_case: AttentionCase, device: torch.device) -> None:
+    """run() captures in a CUDA graph and the graph replays fresh data correctly."""
+    backend = _require(backend)
+    case = graph_case
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    caps = backend.spec.capabilities(case.op)
+    if caps is None or caps.cuda_graph != "fixed_buffers":
+        pytest.skip(f"{backend.name} declares no CUDA-graph support for {case.op}")
+    inputs = build_attention_inputs(case, device)
+    problem, batch = _problem(case, inputs, device)
+    _skip_unless_claimed(backend, problem, batch)
+    wrapper = _wrapper(case, backend, device, graph=True)
+    _plan(wrapper, case, inputs)
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        _run(wrapper, case, inputs)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _run(wrapper, case, inputs)
+    for round_ in range(2):
+        inputs.refill(case, torch.Generator().manual_seed(case.seed + 10 + round_))
+        graph.replay()
+        torch.cuda.synchronize(device)
+        _check_attention(case, inputs, f"{case.id} replayed from a CUDA graph with new data")
+
+
+# -- GEMM ------------------------------------------------------------------------------------
+
+
+def _gemm_problem(case: GemmCase, device: torch.device) -> GemmProblem:
+    return gemm_problem(
+        case.m, case.n, case.k, batch=case.batch, a_dtype=case.a_dtype, b_dtype=case.b_dtype,
+        out_dtype=case.out_dtype, a_k_major=case.a_k_major, b_k_major=case.b_k_major,
+        bias_dtype=case.out_dtype if case.bias else None, device=device,
+    )  # fmt: skip
+
+
+def _plan_gemm(case: GemmCase, backend: Backend, device: torch.device, tactic: Tactic | None = None) -> Gemm:
+    g = Gemm(backend=backend.name, device=device)
+    with claimed_path():
+        g.plan(case.m, case.n, case.k, batch=case.batch, a_dtype=case.a_dtype, b_dtype=case.b_dtype,
+               out_dtype=case.out_dtype, a_k_major=case.a_k_major, b_k_major=case.b_k_major,
+               bias_dtype=case.out_dtype if case.bias else None, tactic=tactic)  # fmt: skip
+    return g
+
+
+def _check_gemm(case: GemmCase, inputs: GemmInputs, what: str) -> None:
+    ref = gemm_reference(inputs.a, inputs.b, bias=inputs.bias, scale_a=inputs.scale_a, scale_b=inputs.scale_b)
+    unwritten = int(torch.isnan(inputs.out).sum())
+    assert unwritten == 0, f"{what}: {unwritten} of {inputs.out.numel()} output elements were never written"
+    err = relative_error(inputs.out, ref)
+    tol = tolerance_for(case.out_dtype, case.a_dtype, case.b_dtype)
+    assert err <= tol, f"{what}: relative error {err:.3e} above {tol:.0e} ({case.a_dtype} in, {case.out_dtype} out)"
+
+
+def test_gemm(backend: Backend | None, gemm_case: GemmCase, device: torch.device) -> None:
+    backend = _require(backend)
+    case = gemm_case
+    _skip_unless_claimed(backend, _gemm_problem(case, device), None)
+    inputs = build_gemm_inputs(case, device)
+    g = _plan_gemm(case, backend, device)
+    assert g.backend == backend.name, f"served by '{g.backend}', not '{backend.name}'"
+    what = f"{case.id} with tactic {g.tactic}"
+    result = g.run(inputs.a, inputs.b, out=inputs.out, **inputs.run_kwargs())
+    assert result is inputs.out, "run(out=...) must return the given out tensor"
+    _check_gemm(case, inputs, what)
+    first = inputs.out.clone()
+    inputs.out.fill_(float("nan"))
+    g.run(inputs.a, inputs.b, out=inputs.out, **inputs.run_kwargs())
+    differ = int((first != inputs.out).sum())
+    assert differ == 0, f"{what}: the same inputs gave different output in {differ} elements"
+    fresh = build_gemm_inputs(replace(case, seed=case.seed + 1), device)
+    inputs.a.copy_(fresh.a)
+    inputs.b.copy_(fresh.b)
+    inputs.out.fill_(float("nan"))
+    g.run(inputs.a, inputs.b, out=inputs.out, **inputs.run_kwargs())
+    _check_gemm(case, inputs, f"{what}, same plan with new operands")
+
+
+def test_gemm_tactics(backend: Backend | None, gemm_case: GemmCase, device: torch.device, all_tactics: bool) -> None:
+    backend = _require(backend)
+    case = gemm_case
+    problem = _gemm_problem(case, device)
+    _skip_unless_claimed(backend, problem, None)
+    tactics = [t for t in backend.tactics(problem) if not t.is_default and not backend.check(problem, t)]
+    if not tactics:
+        pytest.skip(f"{backend.name} enumerates no tactic besides its default for {case.id}")
+    if not all_tactics and len(tactics) > SAMPLED_TACTICS:
+        tactics = random.Random(case.seed).sample(tactics, SAMPLED_TACTICS)
+    failures = []
+    inputs = build_gemm_inputs(case, device)
+    for tactic in tactics:
+        inputs.out.fill_(float("nan"))
+        try:
+            g = _plan_gemm(case, backend, device, tactic)
+            assert g.tactic == tactic, f"planned {tactic} but the plan runs {g.tactic}"
+            g.run(inputs.a, inputs.b, out=inputs.out, **inputs.run_kwargs())
+            _check_gemm(case, inputs, f"{case.id} with tactic {tactic}")
+        except (AssertionError, TactixError, FallbackWarning) as exc:
+            failures.append(f"{tactic}: {exc}")
+    assert not failures, "\n".join(failures)

@@ -1,0 +1,102 @@
+"""The conformance kit, run the way a backend author runs it: on real backends and on wrong ones.
+
+The torch backend and the example third-party plugin must pass; deliberately wrong backends must
+fail, with messages that name the case and the error, and a backend that claims a feature it
+does not implement must fail those cases rather than skip them.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.plugin_fixtures import write_distribution, wrong_backend
+
+
+def run_kit(
+    backend: str, report: Path, *extra: str, plugin_dir: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if plugin_dir is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin_dir), env.get("PYTHONPATH")) if p)
+    return subprocess.run(
+        [sys.executable, "-m", "tactix", "conformance", backend, "--json", str(report), "--device", "cpu", *extra],
+        capture_output=True, text=True, env=env, timeout=1800,
+    )  # fmt: skip
+
+
+def outcomes(report: Path) -> dict[str, list[dict[str, Any]]]:
+    data = json.loads(report.read_text())
+    grouped: dict[str, list[dict[str, Any]]] = {"passed": [], "skipped": [], "xfailed": [], "failed": []}
+    for result in data["results"]:
+        grouped[result["outcome"]].append(result)
+    return grouped
+
+
+@pytest.mark.slow
+def test_torch_backend_passes_the_kit(tmp_path: Path) -> None:
+    done = run_kit("torch", tmp_path / "torch.json")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    header = done.stdout.split("\n", 12)
+    assert any(line.startswith("backend torch ") and "distribution tactix" in line for line in header), header
+    got = outcomes(tmp_path / "torch.json")
+    assert not got["failed"] and len(got["passed"]) > 150
+    ops = {r["op"] for r in got["passed"]}
+    assert ops == {"prefill", "decode", "gemm"}
+
+
+def test_example_plugin_passes_the_kit_and_skips_what_it_does_not_claim(tmp_path: Path) -> None:
+    try:
+        importlib.metadata.distribution("tactix-example-naive")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("examples/naive-decode is not installed (scripts/setup.sh installs it)")
+    done = run_kit("naive", tmp_path / "naive.json")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    got = outcomes(tmp_path / "naive.json")
+    assert not got["failed"] and got["passed"]
+    assert {r["op"] for r in got["passed"]} == {"decode"}
+    skipped = {r["case"]: r["detail"] for r in got["skipped"]}
+    assert (
+        skipped["decode[bf16-h32/8-d128-p16-HND-win64]"]
+        == "not claimed: sliding window (window_left >= 0) not supported"
+    )
+    assert "logits soft-cap not supported" in skipped["decode[bf16-h32/8-d128-p16-HND-cap30]"]
+
+
+@pytest.mark.parametrize(
+    ("flaw", "selection", "must_fail", "must_pass"),
+    [
+        ("drop_last_page", "decode and not tactics and not long and not large", "decode[bf16-h32/8-d128-p16-HND]",
+         None),  # every case has a request of several pages
+        ("ignore_causal", "test_attention and not tactics and not long and not large",
+         "prefill[bf16-h32/8-d128-p16-HND-causal]", "prefill[bf16-h32/8-d128-p16-HND]"),
+        ("fake_window", "test_attention and not tactics and not long and not large",
+         "decode[bf16-h32/8-d128-p16-HND-win64]", "decode[bf16-h32/8-d128-p16-HND]"),
+    ],
+)  # fmt: skip
+def test_wrong_backends_fail_the_kit_naming_the_case(
+    tmp_path: Path, flaw: str, selection: str, must_fail: str, must_pass: str | None
+) -> None:
+    name = flaw.replace("_", "")
+    write_distribution(tmp_path / "site", f"tactix-{name}", "0.0.1", {name: f"tx_{name}"},
+                       {f"tx_{name}": wrong_backend(name, flaw)})  # fmt: skip
+    done = run_kit(name, tmp_path / "report.json", "-k", selection, plugin_dir=tmp_path / "site")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    got = outcomes(tmp_path / "report.json")
+    failed = {r["case"]: r["detail"] for r in got["failed"] if r["test"] == "test_attention"}
+    # the flaw is caught as a failure of the claimed case, with the case and the error named
+    assert must_fail in failed, sorted(failed)
+    assert "relative error" in failed[must_fail] and must_fail in failed[must_fail]
+    assert "FAILED " in done.stdout and f"::test_attention[{must_fail}]" in done.stdout
+    assert f"AssertionError: {must_fail} with tactic {name}:wrong: relative error" in done.stdout
+    # and cases the flaw does not touch still pass: the kit blames the right thing
+    passed = {r["case"] for r in got["passed"] if r["test"] == "test_attention"}
+    assert must_pass is None or must_pass in passed, sorted(passed)
+    assert not any(must_fail == r["case"] and r["test"] == "test_attention" for r in got["skipped"])
