@@ -243,3 +243,19 @@ def test_demo_runs_the_llama_layer_on_the_gpu() -> None:
     print(done.stdout)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ops within tolerance" in done.stdout
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_wrappers_made_for_a_bare_cuda_device_accept_its_tensors(device: str) -> None:
+    """'cuda' means the current GPU: tensors on cuda:0 must be accepted (regression)."""
+    g = tactix.Gemm(device=device)
+    g.plan(8, 64, 32, a_dtype=torch.bfloat16)
+    a = torch.randn(8, 32, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+    assert relative_error(g.run(a, w.t()), gemm_reference(a, w.t())) < tolerance_for(torch.bfloat16)
+    wrapper = tactix.PagedDecode("NHD", device=device)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    wrapper.plan(i32(0, 1), i32(0), i32(5), 4, 4, 64, 16, q_data_type=torch.bfloat16)
+    k = torch.randn(1, 16, 4, 64, device="cuda", dtype=torch.bfloat16)
+    out = wrapper.run(torch.randn(1, 4, 64, device="cuda", dtype=torch.bfloat16), (k, k))
+    assert bool(torch.isfinite(out).all())

@@ -35,6 +35,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from tactix.batch import PagedBatch
+from tactix.devices import resolve_device
 from tactix.dtypes import parse_dtype, to_torch_dtype
 from tactix.errors import InvalidArgumentError, TactixError
 from tactix.hookspecs import PlanOptions
@@ -46,19 +47,6 @@ from tactix.tactics import Tactic, parse_tactic
 __all__ = ["PagedDecode", "PagedPrefill", "attention_problem"]
 
 _LAYOUTS = ("NHD", "HND")
-
-
-def _resolve_device(explicit: torch.device | None, *tensors: object) -> torch.device:
-    if explicit is not None:
-        if explicit.type == "cuda" and explicit.index is None:
-            return torch.device("cuda", torch.cuda.current_device())
-        return explicit
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-            return t.device
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _positive_int(value: object, argument: str) -> int:
@@ -202,7 +190,7 @@ class _PagedAttention(Planned):
         backend: str | None,
         tactic: Tactic | dict[str, Any] | str | None,
     ) -> None:
-        device = _resolve_device(self._device, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+        device = resolve_device(self._device, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         chosen_backend = self._backend if backend is None else backend
         if not isinstance(chosen_backend, str):
             raise InvalidArgumentError("backend", "'auto' or a backend name", repr(chosen_backend))

@@ -148,7 +148,8 @@ def cmd_conformance(args: argparse.Namespace, extra: list[str]) -> int:
         return 2
     get_registry().get(args.backend) if args.backend != "all" else None  # unknown names fail here
     argv = ["--pyargs", "tactix.testing.suite", f"--tactix-backend={args.backend}", "-p", "no:cacheprovider",
-            "-o", "addopts=", "-W", "ignore::pytest.PytestAssertRewriteWarning", "-rfEsx" if args.verbose_skips else "-rfE"]  # fmt: skip
+            "-o", "addopts=", "-W", "ignore::pytest.PytestAssertRewriteWarning",
+            "-rfEsx" if args.verbose_skips else "-rfE"]  # fmt: skip
     if args.json:
         argv.append(f"--tactix-report={args.json}")
     if args.device:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 
+from tactix.devices import resolve_device
 from tactix.dtypes import parse_dtype, to_torch_dtype
 from tactix.errors import InvalidArgumentError, TactixError
 from tactix.hookspecs import PlanOptions
@@ -161,9 +162,7 @@ class Gemm(Planned):
         tactic: Tactic | dict[str, Any] | str | None = None,
     ) -> None:
         """Plan ``[batch,] m x n x k``. fp8 operands imply per-tensor scales."""
-        device = self._device or (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        )
+        device = resolve_device(self._device)
         chosen_backend = self._backend if backend is None else backend
         problem = gemm_problem(
             m, n, k, batch=batch, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype,

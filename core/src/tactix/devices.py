@@ -1,0 +1,26 @@
+"""Which device a plan runs on: always a concrete device (``cuda:0``, never a bare ``cuda``)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["resolve_device"]
+
+
+def resolve_device(explicit: torch.device | str | None, *tensors: object) -> torch.device:
+    """The explicit device, else the first non-CPU tensor's, else the current GPU, else the CPU.
+
+    A bare ``cuda`` becomes ``cuda:<current device>``, so comparing it with a tensor's device
+    (which always carries an index) is meaningful.
+    """
+    if explicit is not None:
+        device = torch.device(explicit)
+        if device.type == "cuda" and device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            return t.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
