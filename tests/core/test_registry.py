@@ -136,6 +136,7 @@ def test_allow_and_deny_lists_do_not_import_excluded_plugins(
 
 
 def test_deny_list_can_disable_the_builtin_backend(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TACTIX_BACKENDS", "torch")  # whatever else is installed stays out
     monkeypatch.setenv("TACTIX_DISABLE_BACKENDS", "torch")
     with plugins_on_path(tmp_path):
         with pytest.raises(tactix.BackendUnavailableError, match="TACTIX_DISABLE_BACKENDS"):
