@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import tactix
+from tactix.capabilities import GemmDTypes
 from tactix.registry import Backend, get_registry
 from tactix.testing.cases import AttentionCase, GemmCase, attention_cases, gemm_cases
 
@@ -88,8 +89,8 @@ def _short(value: Any) -> str:
     if value is None:
         return "any"
     if isinstance(value, list):
-        if value and isinstance(value[0], dict):
-            return "{" + ", ".join("x".join(str(x) for x in v.values() if x != "none") for v in value) + "}"
+        if value and isinstance(value[0], dict):  # GEMM dtype combinations
+            return "{" + ", ".join(sorted(str(GemmDTypes.model_validate(v)) for v in value)) + "}"
         return "{" + ", ".join(str(v) for v in sorted(value, key=str)) + "}"
     return str(value)
 
