@@ -126,12 +126,12 @@ def tactix_plan_decode(backend, problem, batch, tactic, options):
 """
 
 
-def wrong_backend(name: str, flaw: str) -> str:
+def wrong_backend(name: str, flaw: str, known_failures: dict[str, str] | None = None) -> str:
     """A plugin that claims what the torch backend claims but computes something else.
 
     ``flaw``: ``drop_last_page`` (decode reads every request's pages but the last),
     ``ignore_causal`` (prefill without the causal mask), ``fake_window`` (decode claims a
-    sliding window and ignores it).
+    sliding window and ignores it). ``known_failures``: what its tactix_known_failures returns.
     """
     return f"""
 import tactix
@@ -139,6 +139,12 @@ from tactix.backends import torch as _torch
 
 NAME = {name!r}
 FLAW = {flaw!r}
+KNOWN = {known_failures!r}
+
+
+@tactix.hookimpl
+def tactix_known_failures(backend):
+    return KNOWN if backend == NAME else None
 
 
 @tactix.hookimpl

@@ -100,3 +100,22 @@ def test_wrong_backends_fail_the_kit_naming_the_case(
     passed = {r["case"] for r in got["passed"] if r["test"] == "test_attention"}
     assert must_pass is None or must_pass in passed, sorted(passed)
     assert not any(must_fail == r["case"] and r["test"] == "test_attention" for r in got["skipped"])
+
+
+def test_declared_known_failures_run_as_strict_xfails(tmp_path: Path) -> None:
+    """A declared failure that fails is an xfail; one that passes fails the run (strict)."""
+    known = {
+        "decode[bf16-h32/8-d128-p16-HND-win64]": "window not implemented yet",  # really fails
+        "decode[bf16-h32/8-d128-p16-HND]": "thought broken",  # actually passes
+    }
+    write_distribution(tmp_path / "site", "tactix-knownfail", "0.0.1", {"knownfail": "tx_knownfail"},
+                       {"tx_knownfail": wrong_backend("knownfail", "fake_window", known)})  # fmt: skip
+    done = run_kit("knownfail", tmp_path / "report.json", "-k", "test_attention and HND and not long and not large "
+                   "and not tactics and not 5d and not edge", plugin_dir=tmp_path / "site")  # fmt: skip
+    assert done.returncode == 1, done.stdout[-3000:]
+    results = {(r["test"], r["case"]): r for r in json.loads((tmp_path / "report.json").read_text())["results"]}
+    window = results[("test_attention", "decode[bf16-h32/8-d128-p16-HND-win64]")]
+    assert window["outcome"] == "xfailed" and "window not implemented yet" in window["detail"]
+    passing = results[("test_attention", "decode[bf16-h32/8-d128-p16-HND]")]
+    assert passing["outcome"] == "failed"  # XPASS(strict): the declaration is stale
+    assert "XPASS(strict)" in done.stdout

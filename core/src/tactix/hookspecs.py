@@ -108,6 +108,8 @@ def tactix_environment(backend: str) -> list[str] | None:  # type: ignore[empty-
 def tactix_known_failures(backend: str) -> dict[str, str] | None:  # type: ignore[empty-body]
     """Conformance cases this backend is known to fail: case-id glob -> reason.
 
+    In a glob ``*`` and ``?`` are wildcards and brackets are literal: ``"decode[*-p1-*]"``.
+
     The conformance kit runs them as strict expected failures, so a fix is noticed.
     """
 

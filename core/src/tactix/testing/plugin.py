@@ -13,9 +13,9 @@ strict xfails, and ``--tactix-report=PATH`` writes a JSON report (the input of
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import platform
+import re
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +112,14 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     return lines
 
 
+def id_pattern(pattern: str) -> re.Pattern[str]:
+    """A case-id glob: ``*`` and ``?`` are wildcards; brackets are literal (ids contain them)."""
+    return re.compile(re.escape(pattern).replace(r"\*", ".*").replace(r"\?", "."))
+
+
 def _known_failure(backend: Backend, case_id: str) -> str | None:
     for pattern, reason in backend.known_failures().items():
-        if fnmatch.fnmatchcase(case_id, pattern):
+        if id_pattern(pattern).fullmatch(case_id):
             return reason
     return None
 
@@ -181,7 +186,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_RESULTS] = {}
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outermost: sees the report after xfail handling
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
