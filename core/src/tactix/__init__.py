@@ -4,8 +4,11 @@ One API (`PagedPrefill`, `PagedDecode`, `Gemm`) over backends discovered through
 ``tactix.backends`` entry-point group; see ``tactix backends`` for what is installed.
 """
 
+from tactix import autotune  # callable: `with tactix.autotune(mode="tune"): ...`
 from tactix._version import __version__
 from tactix.attention import PagedDecode, PagedPrefill
+from tactix.autotune.policy import MeasurementPolicy
+from tactix.autotune.stats import reset_stats, stats
 from tactix.batch import PagedBatch
 from tactix.capabilities import AttentionCapabilities, BackendSpec, GemmCapabilities, GemmDTypes
 from tactix.errors import (
@@ -44,6 +47,7 @@ __all__ = [
     "GemmPlan",
     "GemmProblem",
     "InvalidArgumentError",
+    "MeasurementPolicy",
     "PagedBatch",
     "PagedDecode",
     "PagedPrefill",
@@ -57,8 +61,11 @@ __all__ = [
     "TactixWarning",
     "UnsupportedProblemError",
     "__version__",
+    "autotune",
     "bucket_size",
     "gemm",
     "get_registry",
     "hookimpl",
+    "reset_stats",
+    "stats",
 ]

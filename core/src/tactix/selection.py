@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from tactix.autotune.stats import bump
 from tactix.batch import PagedBatch
 from tactix.errors import (
     BackendError,
@@ -98,6 +99,7 @@ class Planned:
 
 
 def warn_fallback(problem: Problem, tactic: Tactic, cause: str, instead: str) -> None:
+    bump("fallbacks")
     key = (problem.key_json(), tactic.to_json(), cause)
     with _warned_lock:
         if key in _warned:
@@ -124,7 +126,11 @@ def select_and_plan(
         opts = dict(options)
         if previous is None or previous.backend is not b:
             opts["previous"] = None
-        return b.plan(problem, t, opts, batch)  # type: ignore[arg-type]
+        made = b.plan(problem, t, opts, batch)  # type: ignore[arg-type]
+        bump("plans")
+        if getattr(made, "built", False):
+            bump("builds")
+        return made
 
     if options["use_cuda_graph"] and previous is not None:
         # a captured graph reads the previous plan's buffers: the same backend and tactic must
@@ -149,12 +155,12 @@ def select_and_plan(
     candidates: list[tuple[Backend, Tactic, str]] = []
     if backend != "auto":
         b = registry.get(backend)
-        stored = _stored(problem)
+        stored = _stored(problem, batch, backend)
         if stored is not None and stored.backend == b.name:
             candidates.append((b, stored, "store"))
         candidates.append((b, Tactic.default(b.name), "default"))
     else:
-        stored = _stored(problem)
+        stored = _stored(problem, batch, backend)
         if stored is not None:
             try:
                 candidates.append((registry.get(stored.backend), stored, "store"))
@@ -195,8 +201,12 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _stored(problem: Problem) -> Tactic | None:
-    return _source(problem) if _source is not None else None
+def _stored(problem: Problem, batch: PagedBatch | None, backend: str) -> Tactic | None:
+    if _source is not None:
+        return _source(problem)
+    from tactix.autotune.context import stored_tactic  # the tuner plans through the registry, not here
+
+    return stored_tactic(problem, batch, backend)
 
 
 def _require(b: Backend, problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> None:

@@ -1,0 +1,41 @@
+"""How candidates are measured. The policy is part of the tactic store's environment identity:
+times taken one way are never compared with, or replayed as, times taken another way."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["MeasurementPolicy"]
+
+
+class MeasurementPolicy(BaseModel):
+    """Timer settings for the tuner and ``tactix bench``.
+
+    ``execution``: ``cuda_graph`` times kernel work replayed from a captured CUDA graph (what a
+    graph-captured server pays; used where the plan supports capture, else the call is timed
+    eagerly and the entry says so); ``eager`` times each call as enqueued, host cost included
+    where it stalls the device (what an eager server pays).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    warmup: int = Field(default=3, ge=0, description="untimed calls before measuring")
+    repeat: int = Field(default=20, ge=1, description="timed calls; the median is kept")
+    statistic: Literal["median"] = "median"
+    cold_l2: bool = Field(default=True, description="overwrite a buffer larger than L2 before each timed call")
+    l2_flush_bytes: int = Field(default=256 * 2**20, ge=0)
+    execution: Literal["cuda_graph", "eager"] = "cuda_graph"
+    min_speedup: float = Field(
+        default=1.01,
+        ge=1.0,
+        description="a tuned winner must beat the untuned choice by this factor, else the untuned choice is kept",
+    )
+    max_candidates: int = Field(default=64, ge=1, description="at most this many tactics measured per problem")
+    max_seconds: float = Field(default=60.0, gt=0, description="time budget for measuring one problem")
+
+    def identity(self) -> dict[str, object]:
+        """What enters the store's environment hash: everything that changes a measured time."""
+        return self.model_dump(mode="json", include={"warmup", "repeat", "statistic", "cold_l2", "l2_flush_bytes",
+                                                      "execution"})  # fmt: skip

@@ -1,0 +1,291 @@
+"""The tactic store: tuned choices on disk, versioned, crash-safe and shared by processes.
+
+Layout::
+
+    <root>/v<schema>/<env_hash>/manifest.json          the environment this directory is valid for
+    <root>/v<schema>/<env_hash>/entries/<op>/<key_hash>.json   one tuned problem (bucketed key)
+
+Every write goes to a temporary file in the same directory, is flushed and fsynced, then
+renamed over the target (``os.replace``), so a reader sees the old entry or the new one, never
+part of one, and a writer killed mid-write leaves only a temporary file (removed at the next
+attach once its process is gone). Only JSON is read back. An entry that is missing, truncated,
+oversized, malformed, of another schema, keyed differently from its name, or holding a bare
+integer instead of a tactic is a miss with one warning, never a crash. If the directory cannot
+be written (read-only, full disk), the store keeps new entries in memory and warns once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import logging
+import os
+import tempfile
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tactix.autotune.environment import environment_hash
+from tactix.errors import TactixWarning
+from tactix.problems import Op, Problem, problem_from_key
+from tactix.tactics import SCHEMA_VERSION, Tactic
+
+__all__ = ["CandidateResult", "StoreEntry", "StoreWarning", "TacticStore", "default_root"]
+
+log = logging.getLogger("tactix.store")
+
+MAX_ENTRY_BYTES: Final = 1 << 20
+OPS: Final = ("prefill", "decode", "gemm")
+
+
+class StoreWarning(TactixWarning):
+    """A store entry could not be used, or the store could not be written."""
+
+
+def default_root() -> Path:
+    """``$TACTIX_CACHE_DIR``, else ``$XDG_CACHE_HOME/tactix``, else ``~/.cache/tactix``."""
+    explicit = os.environ.get("TACTIX_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tactix"
+
+
+class CandidateResult(BaseModel):
+    """How one tactic fared when a problem was tuned."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tactic: Tactic
+    ran: Tactic | None = Field(default=None, description="the concrete tactic a default resolved to")
+    status: Literal["ok", "failed", "skipped"]
+    median_s: float | None = None
+    samples: int = 0
+    timed_as: Literal["cuda_graph", "eager"] | None = None
+    reason: str | None = None
+
+
+class StoreEntry(BaseModel):
+    """One tuned problem: its full key, the chosen tactic, and every candidate's result."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    op: Op
+    key: dict[str, Any]
+    key_hash: str
+    tactic: Tactic
+    baseline: Tactic = Field(description="the untuned choice the winner had to beat")
+    candidates: list[CandidateResult] = Field(default_factory=list)
+    env_hash: str
+    created: str = Field(default_factory=lambda: dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=1) + "\n"
+
+    def speedup(self) -> float | None:
+        """Untuned time over tuned time, from the recorded candidates."""
+        times = {c.tactic: c.median_s for c in self.candidates if c.status == "ok" and c.median_s}
+        base, best = times.get(self.baseline), times.get(self.tactic)
+        return base / best if base and best else None
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old or the new file, never a part."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{os.getpid()}-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class TacticStore:
+    """The entries of one environment under ``root``; lookups are served from memory."""
+
+    def __init__(self, root: Path | str, env: dict[str, Any]) -> None:
+        self.root = Path(root)
+        self.env = env
+        self.env_hash = environment_hash(env)
+        self.path = self.root / f"v{SCHEMA_VERSION}" / self.env_hash
+        self._entries: dict[tuple[str, str], StoreEntry] = {}
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+        self.writable = True
+        self._attached = False
+        self._disk_lookups = True  # off once the view is another rank's (see adopt)
+
+    # -- attach ---------------------------------------------------------------------------
+
+    def attach(self) -> TacticStore:
+        """Create the directory and manifest if needed, clear dead writers' leftovers, load entries."""
+        if self._attached:
+            return self
+        try:
+            for op in OPS:
+                (self.path / "entries" / op).mkdir(parents=True, exist_ok=True)
+            manifest = self.path / "manifest.json"
+            if not manifest.exists():
+                write_atomically(manifest, json.dumps(
+                    {"schema_version": SCHEMA_VERSION, "env_hash": self.env_hash, "env": self.env}, indent=1,
+                    sort_keys=True) + "\n")  # fmt: skip
+        except OSError as exc:
+            self._degrade(exc)
+        self._remove_stale_temporaries()
+        loaded = 0
+        for op, key_hash, path in self._entry_files():
+            entry = self._read(path, op, key_hash)
+            if entry is not None:
+                self._entries[(op, key_hash)] = entry
+                loaded += 1
+        self._attached = True
+        log.info("tactic store %s (environment %s): %d entries%s", self.path, self.env_hash, loaded,
+                 "" if self.writable else ", read-only: new entries stay in memory")  # fmt: skip
+        return self
+
+    def _entry_files(self) -> Iterator[tuple[str, str, Path]]:
+        for op in OPS:
+            folder = self.path / "entries" / op
+            try:
+                names = os.listdir(folder)
+            except OSError:
+                continue
+            for name in names:
+                if name.endswith(".json") and not name.startswith("."):
+                    yield op, name[: -len(".json")], folder / name
+
+    def _remove_stale_temporaries(self) -> None:
+        for folder in [self.path] + [self.path / "entries" / op for op in OPS]:
+            try:
+                names = os.listdir(folder)
+            except OSError:
+                continue
+            for name in names:
+                if not name.startswith(".tmp-"):
+                    continue
+                try:
+                    pid = int(name.split("-")[1])
+                except (IndexError, ValueError):
+                    continue
+                if not _pid_alive(pid):
+                    with contextlib.suppress(OSError):
+                        os.unlink(folder / name)
+
+    # -- reading --------------------------------------------------------------------------
+
+    def _warn(self, what: str, why: str) -> None:
+        if what in self._warned:
+            return
+        self._warned.add(what)
+        warnings.warn(StoreWarning(f"tactic store: ignoring {what}: {why}"), stacklevel=3)
+
+    def _read(self, path: Path, op: str, key_hash: str) -> StoreEntry | None:
+        """Parse and validate one entry file; any defect is a miss with one warning."""
+        try:
+            size = path.stat().st_size
+            if size > MAX_ENTRY_BYTES:
+                self._warn(str(path), f"{size} bytes is larger than an entry can be ({MAX_ENTRY_BYTES})")
+                return None
+            data = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            self._warn(str(path), f"unreadable or not JSON ({type(exc).__name__}: {exc})")
+            return None
+        if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+            got = data.get("schema_version") if isinstance(data, dict) else type(data).__name__
+            self._warn(str(path), f"schema version {got!r}, this tactix reads {SCHEMA_VERSION}")
+            return None
+        try:
+            entry = StoreEntry.model_validate(data)
+            problem = problem_from_key(entry.key)
+        except (ValidationError, ValueError) as exc:
+            first = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+            self._warn(str(path), f"malformed entry ({first})")
+            return None
+        if entry.op != op or problem.op != op or entry.key_hash != key_hash or problem.key_hash() != key_hash:
+            self._warn(str(path), "its key does not match its name (a stale or hand-edited entry)")
+            return None
+        if entry.env_hash != self.env_hash:
+            self._warn(str(path), f"it was tuned in environment {entry.env_hash}, not {self.env_hash}")
+            return None
+        return entry
+
+    def lookup(self, problem: Problem) -> StoreEntry | None:
+        """The entry for ``problem``'s bucket, or None. Checks the disk for entries other
+        processes wrote since this store was attached."""
+        key_hash = problem.key_hash()
+        entry = self._entries.get((problem.op, key_hash))
+        if entry is not None or not self._disk_lookups:
+            return entry
+        entry = self._read(self.path / "entries" / problem.op / f"{key_hash}.json", problem.op, key_hash)
+        if entry is not None:
+            with self._lock:
+                self._entries[(problem.op, key_hash)] = entry
+        return entry
+
+    def entries(self) -> list[StoreEntry]:
+        return list(self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- writing --------------------------------------------------------------------------
+
+    def _degrade(self, exc: OSError) -> None:
+        if self.writable:
+            self.writable = False
+            warnings.warn(StoreWarning(
+                f"tactic store {self.path} cannot be written ({exc.strerror or exc}); "
+                "tuned tactics are kept in memory for this process only"), stacklevel=3)  # fmt: skip
+
+    def put(self, entry: StoreEntry) -> None:
+        """Record an entry in memory and, if the store is writable, on disk (atomically)."""
+        if entry.env_hash != self.env_hash:
+            raise ValueError(f"entry of environment {entry.env_hash} put into store of {self.env_hash}")
+        with self._lock:
+            self._entries[(entry.op, entry.key_hash)] = entry
+        if not self.writable:
+            return
+        try:
+            write_atomically(self.path / "entries" / entry.op / f"{entry.key_hash}.json", entry.to_json())
+        except OSError as exc:
+            self._degrade(exc)
+
+    def adopt(self, entries: list[StoreEntry]) -> None:
+        """Replace this process's view with ``entries`` (another rank's), writing them through."""
+        with self._lock:
+            self._entries = {(e.op, e.key_hash): e for e in entries}
+            self._disk_lookups = False  # what this rank reads must stay what every rank reads
+        for e in entries:
+            if self.writable:
+                try:
+                    write_atomically(self.path / "entries" / e.op / f"{e.key_hash}.json", e.to_json())
+                except OSError as exc:
+                    self._degrade(exc)

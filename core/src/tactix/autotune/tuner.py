@@ -1,0 +1,260 @@
+"""Candidate search: measure every tactic that may serve a problem and pick the fastest correct one.
+
+Inputs are synthetic but real-sized: random (never zero) tensors of the problem's shapes and
+dtypes, and a compact cache holding exactly the batch's pages. The untuned choice (what
+``auto`` or the named backend would run without a store) is measured first; its output is the
+reference every other candidate must reproduce within the dtype tolerance. A candidate that
+raises, runs a different tactic than the one asked for, emits a fallback warning, or computes a
+different result is recorded as failed with the reason and is never timed. A winner must beat
+the untuned choice by the policy's ``min_speedup``, so tuning never makes a shape slower.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tactix.autotune.policy import MeasurementPolicy
+from tactix.autotune.stats import bump
+from tactix.autotune.store import CandidateResult, StoreEntry
+from tactix.autotune.timing import measure_with_policy
+from tactix.batch import PagedBatch
+from tactix.dtypes import to_torch_dtype
+from tactix.errors import FallbackWarning, UnsupportedProblemError
+from tactix.hookspecs import PlanOptions
+from tactix.problems import GemmProblem, Problem
+from tactix.registry import Backend, Registry
+from tactix.tactics import Tactic
+from tactix.testing.oracle import relative_error, tolerance_for
+
+__all__ = ["tune"]
+
+
+@dataclass
+class _Inputs:
+    batch: PagedBatch | None
+    args: tuple[Any, ...]  # what plan.run takes, outputs included
+    out: torch.Tensor
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, gen: torch.Generator,
+            scale: float = 1.0) -> torch.Tensor:  # fmt: skip
+    data = torch.randn(shape, generator=gen, device="cpu") * scale
+    return data.to(device).to(dtype)
+
+
+def _attention_inputs(problem: Any, batch: PagedBatch, device: torch.device, gen: torch.Generator) -> _Inputs:
+    indices = batch.kv_indices.cpu().long()
+    pages, compact = torch.unique(indices, return_inverse=True)
+    small = PagedBatch.build(
+        qo_indptr=None if problem.op == "decode" else batch.qo_indptr,
+        kv_indptr=batch.kv_indptr,
+        kv_indices=compact.to(torch.int32),
+        kv_last_page_len=batch.kv_last_page_len,
+        page_size=problem.page_size,
+        device=device,
+        causal=getattr(problem, "causal", False),
+    )
+    n = max(int(pages.numel()), 1)
+    hkv, s = problem.num_kv_heads, problem.page_size
+    k_shape = (n, s, hkv, problem.head_dim_qk) if problem.kv_layout == "NHD" else (n, hkv, s, problem.head_dim_qk)
+    v_shape = (*k_shape[:-1], problem.head_dim_vo)
+    kv_dtype = to_torch_dtype(problem.kv_dtype)
+    rows = batch.num_qo_tokens
+    q = _random((rows, problem.num_qo_heads, problem.head_dim_qk), to_torch_dtype(problem.q_dtype), device, gen)
+    k, v = _random(k_shape, kv_dtype, device, gen), _random(v_shape, kv_dtype, device, gen)
+    out = torch.empty(rows, problem.num_qo_heads, problem.head_dim_vo, dtype=to_torch_dtype(problem.out_dtype),
+                      device=device)  # fmt: skip
+    lse = torch.empty(rows, problem.num_qo_heads, dtype=torch.float32, device=device) if problem.return_lse else None
+    return _Inputs(small, (q, k, v, out, lse), out)
+
+
+def _gemm_inputs(problem: GemmProblem, device: torch.device, gen: torch.Generator) -> _Inputs:
+    lead = (problem.batch,) if problem.batched else ()
+    a_dtype, b_dtype = to_torch_dtype(problem.a_dtype), to_torch_dtype(problem.b_dtype)
+    if problem.a_k_major:
+        a = _random((*lead, problem.m, problem.k), a_dtype, device, gen)
+    else:
+        a = _random((*lead, problem.k, problem.m), a_dtype, device, gen).transpose(-1, -2)
+    scale = problem.k**-0.5
+    if problem.b_k_major:
+        b = _random((*lead, problem.n, problem.k), b_dtype, device, gen, scale).transpose(-1, -2)
+    else:
+        b = _random((*lead, problem.k, problem.n), b_dtype, device, gen, scale)
+    out_dtype = to_torch_dtype(problem.out_dtype)
+    bias = _random((problem.n,), out_dtype, device, gen) if problem.bias_dtype is not None else None
+    fp8 = problem.scale_mode == "per_tensor"
+    scale_a = torch.tensor(1.0, device=device) if fp8 else None
+    scale_b = torch.tensor(1.0, device=device) if fp8 else None
+    out = torch.empty(*lead, problem.m, problem.n, dtype=out_dtype, device=device)
+    return _Inputs(None, (a, b, out, bias, scale_a, scale_b), out)
+
+
+def _tolerance(problem: Problem) -> float:
+    if isinstance(problem, GemmProblem):
+        return tolerance_for(problem.out_dtype, problem.a_dtype, problem.b_dtype)
+    return tolerance_for(problem.out_dtype, problem.q_dtype, problem.kv_dtype)
+
+
+class _Progress:
+    """One stderr line per problem, rewritten in place, for tuning that takes a while."""
+
+    def __init__(self, problem: Problem, total: int) -> None:
+        self.problem, self.total, self.start = problem, total, time.monotonic()
+        self.shown = False
+
+    def update(self, done: int, tactic: Tactic) -> None:
+        if time.monotonic() - self.start < 2.0 and not self.shown:
+            return  # quick problems print nothing
+        self.shown = True
+        sys.stderr.write(f"\rtactix: tuning {self.problem} [{done}/{self.total}] {tactic}\033[K")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+
+
+def tune(
+    problem: Problem,
+    batch: PagedBatch | None,
+    *,
+    registry: Registry,
+    backend: str,
+    policy: MeasurementPolicy,
+    device: torch.device,
+    env_hash: str,
+    seed: int = 0,
+) -> StoreEntry:
+    """Measure the candidates for ``problem`` and return the store entry for its bucket.
+
+    ``backend``: ``"auto"`` (every active backend competes) or a name (only its tactics).
+    Raises `UnsupportedProblemError` when no candidate can serve the problem at all.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    inputs = (
+        _gemm_inputs(problem, device, gen)
+        if isinstance(problem, GemmProblem)
+        else _attention_inputs(problem, batch, device, gen)  # type: ignore[arg-type]
+    )
+    competitors = registry.active() if backend == "auto" else [registry.get(backend)]
+    candidates: list[tuple[Backend, Tactic]] = []
+    refused: list[str] = []
+    for b in competitors:
+        default = Tactic.default(b.name)
+        reasons = b.check(problem, default, inputs.batch)
+        if reasons:  # a backend that cannot serve the problem offers no candidate
+            refused.append(f"{b.name}: {'; '.join(reasons)}")
+            continue
+        candidates += [(b, t) for t in b.tactics(problem) if t.is_default or not b.check(problem, t, inputs.batch)]
+    if not candidates:
+        raise UnsupportedProblemError(backend, problem, refused or ["no backend is active"])
+
+    results: list[CandidateResult] = []
+    reference: torch.Tensor | None = None
+    baseline: Tactic | None = None
+    ran_already: set[Tactic] = set()
+    started = time.monotonic()
+    progress = _Progress(problem, min(len(candidates), policy.max_candidates))
+    tolerance = _tolerance(problem)
+    for index, (b, tactic) in enumerate(candidates):
+        if index >= policy.max_candidates or time.monotonic() - started > policy.max_seconds:
+            why = "candidate limit" if index >= policy.max_candidates else "time budget"
+            results.append(CandidateResult(tactic=tactic, status="skipped", reason=f"{why} reached"))
+            continue
+        progress.update(index + 1, tactic)
+        outcome = _measure_one(b, tactic, problem, inputs, device, policy, reference, tolerance, ran_already)
+        results.append(outcome.result)
+        if outcome.result.status == "ok":
+            bump("candidates_measured")
+            if baseline is None and tactic.is_default:
+                baseline, reference = tactic, outcome.output  # the untuned choice: first default that works
+        elif outcome.result.status == "failed":
+            bump("candidates_failed")
+    progress.close()
+    bump("tuned_problems")
+
+    ok = [r for r in results if r.status == "ok" and r.median_s is not None]
+    if baseline is None or not ok:
+        failures = "; ".join(f"{r.tactic}: {r.reason}" for r in results if r.status == "failed")
+        raise UnsupportedProblemError(backend, problem, [f"no candidate ran correctly ({failures})"])
+    base_time = next(r.median_s for r in ok if r.tactic == baseline)
+    best = min(ok, key=lambda r: r.median_s or float("inf"))
+    assert base_time is not None and best.median_s is not None
+    winner = best.tactic if best.median_s * policy.min_speedup < base_time else baseline
+    return StoreEntry(
+        op=problem.op,
+        key=problem.key(),
+        key_hash=problem.key_hash(),
+        tactic=winner,
+        baseline=baseline,
+        candidates=results,
+        env_hash=env_hash,
+    )
+
+
+@dataclass
+class _Outcome:
+    result: CandidateResult
+    output: torch.Tensor | None = None
+
+
+def _measure_one(
+    b: Backend,
+    tactic: Tactic,
+    problem: Problem,
+    inputs: _Inputs,
+    device: torch.device,
+    policy: MeasurementPolicy,
+    reference: torch.Tensor | None,
+    tolerance: float,
+    ran_already: set[Tactic],
+) -> _Outcome:
+    def failed(reason: str) -> _Outcome:
+        return _Outcome(CandidateResult(tactic=tactic, status="failed", reason=reason))
+
+    options = PlanOptions(device=device, use_cuda_graph=False, previous=None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FallbackWarning)
+            plan = b.plan(problem, tactic, options, inputs.batch)
+    except Exception as exc:  # recorded as this candidate's failure; tuning goes on
+        return failed(f"plan raised {type(exc).__name__}: {exc}")
+    ran: Tactic = plan.tactic
+    if ran.backend != b.name or (not tactic.is_default and ran != tactic):
+        return failed(f"asked for {tactic}, the plan runs {ran}: timing it would time something else")
+    if ran in ran_already and not tactic.is_default:
+        return _Outcome(CandidateResult(tactic=tactic, status="skipped", reason=f"same kernel as an earlier {ran}"))
+    ran_already.add(ran)
+    run: Callable[..., None] = plan.run
+    try:
+        inputs.out.fill_(float("nan"))
+        run(*inputs.args)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as exc:
+        return failed(f"run raised {type(exc).__name__}: {exc}")
+    output = inputs.out.clone()
+    if reference is not None:
+        err = relative_error(output, reference.double())
+        if not err <= tolerance:
+            return failed(
+                f"wrong result: relative error {err:.2e} against the untuned choice (tolerance {tolerance:.0e})"
+            )
+    elif not bool(torch.isfinite(output).all()):
+        return failed("output has NaN or infinite values")
+    try:
+        timing = measure_with_policy(lambda: run(*inputs.args), device, policy)
+    except Exception as exc:
+        return failed(f"run raised while timed {type(exc).__name__}: {exc}")
+    return _Outcome(
+        CandidateResult(tactic=tactic, ran=ran, status="ok", median_s=timing.median, samples=len(timing.samples),
+                        timed_as=timing.timed_as),
+        output,
+    )  # fmt: skip
