@@ -194,3 +194,63 @@ def tactix_plan_decode(backend, problem, batch, tactic, options):
 def tactix_plan_prefill(backend, problem, batch, tactic, options):
     return _plan(problem, batch, options) if backend == NAME else None
 """
+
+
+def tuning_plugin(name: str, default_fails: bool = False) -> str:
+    """A decode plugin with tactics that must never win: one raises, one runs another kernel than
+    asked, one is fast but wrong; ``good`` delegates to the torch backend.
+    """
+    return f"""
+import torch as _t
+import tactix
+from tactix.backends import torch as _torch
+
+NAME = {name!r}
+DEFAULT_FAILS = {default_fails!r}
+
+
+@tactix.hookimpl
+def tactix_backends():
+    spec = _torch.tactix_backends()[0]
+    return [tactix.BackendSpec(name=NAME, version="1.0", decode=spec.decode, preference=50)]
+
+
+@tactix.hookimpl
+def tactix_tactics(backend, problem):
+    if backend != NAME:
+        return None
+    return [tactix.Tactic(backend=NAME, kernel=k) for k in ("boom", "liar", "wrong", "good")]
+
+
+class _Zeros:
+    built = False
+
+    def __init__(self, tactic):
+        self.tactic = tactic
+
+    def run(self, q, k, v, out, lse):
+        out.zero_()  # fast, and wrong
+
+
+class _Boom(_Zeros):
+    def run(self, q, k, v, out, lse):
+        raise RuntimeError("illegal instruction in kernel boom")
+
+
+@tactix.hookimpl
+def tactix_plan_decode(backend, problem, batch, tactic, options):
+    if backend != NAME:
+        return None
+    if tactic.kernel == "default" and DEFAULT_FAILS:
+        raise RuntimeError("default kernel unavailable on this GPU")
+    if tactic.kernel == "boom":
+        return _Boom(tactic)
+    if tactic.kernel == "wrong":
+        return _Zeros(tactic)
+    plan = _torch.tactix_plan_decode("torch", problem, batch, tactix.Tactic.default("torch"), options)
+    if tactic.kernel == "liar":
+        plan.tactic = tactix.Tactic(backend=NAME, kernel="good")  # says it runs something else
+    else:
+        plan.tactic = tactic if not tactic.is_default else tactix.Tactic(backend=NAME, kernel="good")
+    return plan
+"""

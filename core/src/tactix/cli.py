@@ -171,6 +171,100 @@ def cmd_support_matrix(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stores(args: argparse.Namespace) -> list[Any]:
+    from pathlib import Path
+
+    from tactix.autotune.store import TacticStore, default_root
+
+    root = Path(args.root) if args.root else default_root()
+    envs = TacticStore.environments(root)
+    if args.env:
+        envs = [e for e in envs if e.name.startswith(args.env)]
+        if not envs:
+            raise tactix.InvalidArgumentError("--env", f"an environment hash under {root}", args.env)
+    return [TacticStore.open(e) for e in envs]
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    import shutil
+    import warnings
+    from pathlib import Path
+
+    from tactix.autotune.store import StoreEntry, StoreWarning, TacticStore, default_root
+    from tactix.problems import problem_from_key
+
+    root = Path(args.root) if args.root else default_root()
+    if args.action == "import":
+        from pydantic import ValidationError
+
+        try:
+            bundle = json.loads(Path(args.path).read_text())
+            entries = [StoreEntry.model_validate(e) for e in bundle["entries"]]
+            for entry in entries:
+                problem_from_key(entry.key)  # refuse a malformed key before anything is written
+            store = TacticStore(root, bundle["env"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            why = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else f"{type(exc).__name__}: {exc}"
+            raise tactix.InvalidArgumentError("path", "a bundle written by 'tactix cache export'", why) from None
+        mismatched = [e.key_hash for e in entries if e.env_hash != store.env_hash]
+        if mismatched:
+            raise tactix.InvalidArgumentError("path", "entries of the bundle's own environment", mismatched[:3])
+        store.attach()
+        for entry in entries:
+            store.put(entry)
+        print(f"imported {len(entries)} entries into {store.path}")
+        return 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StoreWarning)  # verify reports defects itself
+        stores = [s.attach() for s in _stores(args)]
+    if args.action == "ls":
+        if not stores:
+            print(f"no tactic store under {root}")
+        for s in stores:
+            env = s.env
+            device = env.get("device", {})
+            backends = ", ".join(f"{k} {v['version']}" for k, v in env.get("backends", {}).items())
+            print(f"{s.env_hash}  {len(s)} entries  {device.get('name')}  torch {env.get('torch')}  "
+                  f"backends {backends}  {s.path}")  # fmt: skip
+            if args.entries:
+                for e in sorted(s.entries(), key=lambda e: (e.op, e.key_hash)):
+                    speed = e.speedup()
+                    shown = f"{speed:.2f}x over {e.baseline}" if speed else "untimed"
+                    print(f"  {e.key_hash[:12]}  {problem_from_key(e.key)}  {e.tactic}  ({shown})")
+        return 0
+    if args.action == "show":
+        found = [e for s in stores for e in s.entries() if e.key_hash.startswith(args.key)]
+        if not found:
+            raise tactix.InvalidArgumentError("key", "the prefix of a stored entry's key hash", args.key)
+        for e in found:
+            print(e.to_json(), end="")
+        return 0
+    if args.action == "verify":
+        bad = [(path, why) for s in stores for path, why in s.verify()]
+        for path, why in bad:
+            print(f"BAD {path}: {why}")
+            if args.delete:
+                path.unlink()
+        total = sum(len(s) for s in stores)
+        print(f"{total} valid entries, {len(bad)} bad{' (deleted)' if bad and args.delete else ''}")
+        return 1 if bad and not args.delete else 0
+    if args.action == "clear":
+        for s in stores:
+            shutil.rmtree(s.path)
+            print(f"removed {s.path} ({len(s)} entries)")
+        return 0
+    if args.action == "export":
+        if len(stores) != 1:
+            raise tactix.InvalidArgumentError("--env", "one environment to export", f"{len(stores)} environments")
+        s = stores[0]
+        bundle = {"env": s.env, "env_hash": s.env_hash,
+                  "entries": [json.loads(e.to_json()) for e in s.entries()]}  # fmt: skip
+        Path(args.path).write_text(json.dumps(bundle, indent=1, sort_keys=True) + "\n")
+        print(f"exported {len(s)} entries of {s.env_hash} to {args.path}")
+        return 0
+    raise AssertionError(args.action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tactix", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tactix {tactix.__version__}")
@@ -203,6 +297,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all-tactics", action="store_true", help="check every tactic, not a sample of three")
     p.add_argument("--verbose-skips", action="store_true", help="list every skipped case with its reason")
     p.set_defaults(func=cmd_conformance, passthrough=True)
+
+    p = sub.add_parser("cache", help="inspect and manage the tactic store")
+    p.add_argument("--root", help="store root (default: $TACTIX_CACHE_DIR or the user cache directory)")
+    p.add_argument("--env", help="only the environment whose hash starts with this")
+    actions = p.add_subparsers(dest="action", required=True)
+    q = actions.add_parser("ls", help="environments and their entry counts")
+    q.add_argument("--entries", action="store_true", help="list every entry too")
+    q = actions.add_parser("show", help="print the entries whose key hash starts with KEY")
+    q.add_argument("key")
+    q = actions.add_parser("verify", help="check every entry file; exit 1 if any is bad")
+    q.add_argument("--delete", action="store_true", help="delete bad entries")
+    actions.add_parser("clear", help="delete environments (all, or --env)")
+    q = actions.add_parser("export", help="write one environment's entries to a JSON bundle")
+    q.add_argument("path")
+    q = actions.add_parser("import", help="add a bundle's entries to the store")
+    q.add_argument("path")
+    p.set_defaults(func=cmd_cache)
 
     p = sub.add_parser("support-matrix", help="render conformance reports as docs/support-matrix.md")
     p.add_argument("reports", nargs="+", help="JSON reports written by 'tactix conformance --json'")

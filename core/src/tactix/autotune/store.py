@@ -141,6 +141,34 @@ class TacticStore:
         self._attached = False
         self._disk_lookups = True  # off once the view is another rank's (see adopt)
 
+    @classmethod
+    def open(cls, env_dir: Path | str) -> TacticStore:
+        """The store of an existing environment directory (``<root>/v<schema>/<env_hash>``)."""
+        env_dir = Path(env_dir)
+        manifest = json.loads((env_dir / "manifest.json").read_text())
+        store = cls(env_dir.parent.parent, manifest["env"])
+        if store.path.resolve() != env_dir.resolve():
+            raise ValueError(f"{env_dir}: its manifest describes environment {store.env_hash}")
+        return store
+
+    @staticmethod
+    def environments(root: Path | str) -> list[Path]:
+        """Environment directories of this schema under ``root``."""
+        base = Path(root) / f"v{SCHEMA_VERSION}"
+        return sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+
+    def verify(self) -> list[tuple[Path, str]]:
+        """Every entry file that would be ignored, with the reason (reads the disk afresh)."""
+        bad: list[tuple[Path, str]] = []
+        for op, key_hash, path in self._entry_files():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", StoreWarning)
+                self._warned.discard(str(path))
+                entry = self._read(path, op, key_hash)
+            if entry is None:
+                bad.append((path, str(caught[0].message) if caught else "unreadable"))
+        return bad
+
     # -- attach ---------------------------------------------------------------------------
 
     def attach(self) -> TacticStore:

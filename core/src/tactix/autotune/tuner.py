@@ -160,6 +160,7 @@ def tune(
     reference: torch.Tensor | None = None
     baseline: Tactic | None = None
     ran_already: set[Tactic] = set()
+    broken: dict[str, str] = {}  # backends whose default failed: their other tactics are not tried
     started = time.monotonic()
     progress = _Progress(problem, min(len(candidates), policy.max_candidates))
     tolerance = _tolerance(problem)
@@ -167,6 +168,9 @@ def tune(
         if index >= policy.max_candidates or time.monotonic() - started > policy.max_seconds:
             why = "candidate limit" if index >= policy.max_candidates else "time budget"
             results.append(CandidateResult(tactic=tactic, status="skipped", reason=f"{why} reached"))
+            continue
+        if b.name in broken:
+            results.append(CandidateResult(tactic=tactic, status="skipped", reason=broken[b.name]))
             continue
         progress.update(index + 1, tactic)
         outcome = _measure_one(b, tactic, problem, inputs, device, policy, reference, tolerance, ran_already)
@@ -177,6 +181,8 @@ def tune(
                 baseline, reference = tactic, outcome.output  # the untuned choice: first default that works
         elif outcome.result.status == "failed":
             bump("candidates_failed")
+            if tactic.is_default:
+                broken[b.name] = f"skipped: {b.name}'s default failed ({outcome.result.reason})"
     progress.close()
     bump("tuned_problems")
 

@@ -1,0 +1,164 @@
+"""Tuning: broken tactics never win, tuning never slows a shape down, replay never measures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import tactix
+from tactix.autotune.store import StoreEntry, TacticStore
+from tests.plugin_fixtures import plugins_on_path, tuning_plugin, write_distribution
+
+i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+QUICK = tactix.MeasurementPolicy(warmup=1, repeat=3)
+
+
+def plan_decode(wrapper: tactix.PagedDecode) -> None:
+    wrapper.plan(i32(0, 2, 5), i32(0, 1, 2, 3, 4), i32(5, 16), 8, 2, 64, 16, q_data_type=torch.float32)
+
+
+def stored_entries(root: Path) -> list[StoreEntry]:
+    [env_dir] = TacticStore.environments(root)
+    return TacticStore.open(env_dir).attach().entries()
+
+
+@pytest.fixture
+def plugin_dir(tmp_path: Path) -> Iterator[Path]:
+    site = tmp_path / "site"
+    write_distribution(site, "tactix-tuner", "1.0", {"tuner": "tx_tuner"}, {"tx_tuner": tuning_plugin("tuner")})
+    with plugins_on_path(site):
+        yield site
+
+
+def test_tactics_that_raise_lie_or_compute_wrong_results_never_win(tmp_path: Path, plugin_dir: Path) -> None:
+    tactix.reset_stats()
+    with tactix.autotune(mode="tune", cache_dir=tmp_path / "store", policy=QUICK):
+        wrapper = tactix.PagedDecode("HND", device="cpu")
+        plan_decode(wrapper)
+    [entry] = stored_entries(tmp_path / "store")
+    by_kernel = {(c.tactic.backend, c.tactic.kernel): c for c in entry.candidates}
+    assert by_kernel[("tuner", "boom")].status == "failed"
+    assert "illegal instruction in kernel boom" in (by_kernel[("tuner", "boom")].reason or "")
+    assert by_kernel[("tuner", "liar")].status == "failed"
+    assert "the plan runs tuner:good" in (by_kernel[("tuner", "liar")].reason or "")
+    assert by_kernel[("tuner", "wrong")].status == "failed"
+    assert "wrong result" in (by_kernel[("tuner", "wrong")].reason or "")
+    assert all(c.median_s is None for c in entry.candidates if c.status == "failed")  # never timed
+    assert entry.tactic.kernel not in ("boom", "liar", "wrong")
+    assert entry.baseline == tactix.Tactic.default("tuner")  # the untuned choice: highest preference
+    assert tactix.stats()["candidates_failed"] >= 3
+    # the wrapper runs the winner, and the result is right
+    assert wrapper.tactic.kernel not in ("boom", "liar", "wrong")
+
+
+def test_a_backend_whose_default_fails_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    write_distribution(site, "tactix-broken-default", "1.0", {"brokendefault": "tx_bd"},
+                       {"tx_bd": tuning_plugin("brokendefault", default_fails=True)})  # fmt: skip
+    with plugins_on_path(site), tactix.autotune(mode="tune", cache_dir=tmp_path / "store", policy=QUICK):
+        wrapper = tactix.PagedDecode("HND", device="cpu")
+        plan_decode(wrapper)
+        assert wrapper.backend == "torch"
+    [entry] = stored_entries(tmp_path / "store")
+    results = [c for c in entry.candidates if c.tactic.backend == "brokendefault"]
+    assert results[0].status == "failed" and "default kernel unavailable" in (results[0].reason or "")
+    assert all(c.status == "skipped" and "default failed" in (c.reason or "") for c in results[1:])
+    assert entry.baseline == tactix.Tactic.default("torch") and entry.tactic.backend == "torch"
+
+
+def test_a_winner_must_beat_the_untuned_choice(tmp_path: Path) -> None:
+    policy = tactix.MeasurementPolicy(warmup=1, repeat=3, min_speedup=1e6)
+    with tactix.autotune(mode="tune", cache_dir=tmp_path, policy=policy):
+        plan_decode(tactix.PagedDecode("HND", device="cpu"))
+    [entry] = stored_entries(tmp_path)
+    assert entry.tactic == entry.baseline
+    assert sum(c.status == "ok" for c in entry.candidates) >= 2  # there were rivals; none was 1e6x faster
+
+
+def test_a_stored_tactic_that_no_longer_validates_falls_back_once(tmp_path: Path) -> None:
+    with tactix.autotune(mode="tune", cache_dir=tmp_path, policy=QUICK) as state:
+        plan_decode(tactix.PagedDecode("HND", device="cpu"))
+        assert state.store is not None
+        [entry] = state.store.entries()
+        # SDPA flash takes no mask, so it cannot serve this ragged batch
+        flash = tactix.Tactic(backend="torch", kernel="sdpa", params={"impl": "flash"})
+        state.store.put(entry.model_copy(update={"tactic": flash}))
+    with tactix.autotune(mode="replay", cache_dir=tmp_path, policy=QUICK):
+        wrapper = tactix.PagedDecode("HND", device="cpu")
+        with pytest.warns(tactix.FallbackWarning, match=r"torch:sdpa\(impl=flash\).*takes no mask.*torch's default"):
+            plan_decode(wrapper)
+        assert wrapper.tactic.kernel == "explicit"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tactix.FallbackWarning)
+            plan_decode(wrapper)  # the same cause is not announced twice
+
+
+SERVE = textwrap.dedent(
+    """
+    import json, sys, torch, tactix
+    mode, root = sys.argv[1], sys.argv[2]
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
+    policy = tactix.MeasurementPolicy(warmup=1, repeat=3)
+    chosen = {}
+    with tactix.autotune(mode=mode, cache_dir=root, policy=policy):
+        for lens in ((5, 16), (16, 16, 3)):
+            n = len(lens)
+            indptr = i32(*range(0, 2 * n + 1, 2))
+            d = tactix.PagedDecode("HND", device="cpu")
+            d.plan(indptr, i32(*range(2 * n)), i32(*lens), 8, 2, 64, 16, q_data_type=torch.float32)
+            chosen[str(d.problem)] = d.tactic.to_json()
+        p = tactix.PagedPrefill("NHD", device="cpu")
+        p.plan(i32(0, 7, 9), i32(0, 1, 2), i32(0, 1), i32(7, 8), 4, 4, 32, 8, causal=True, q_data_type=torch.bfloat16)
+        chosen[str(p.problem)] = p.tactic.to_json()
+        g = tactix.Gemm(device="cpu")
+        g.plan(12, 96, 64, a_dtype=torch.bfloat16)
+        chosen[str(g.problem)] = g.tactic.to_json()
+    print(json.dumps({"chosen": chosen, "stats": tactix.stats()}))
+    """
+)
+
+
+def test_replay_in_a_fresh_process_serves_the_same_choices_without_measuring(tmp_path: Path) -> None:
+    script = tmp_path / "serve.py"
+    script.write_text(SERVE)
+
+    def serve(mode: str) -> dict[str, dict[str, object]]:
+        done = subprocess.run([sys.executable, str(script), mode, str(tmp_path / "store")], capture_output=True,
+                              text=True, check=True)  # fmt: skip
+        return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+    tuned = serve("tune")
+    assert tuned["stats"]["tuned_problems"] == 4 and tuned["stats"]["timer_calls"] > 0
+    replayed = serve("replay")
+    assert replayed["chosen"] == tuned["chosen"]
+    assert replayed["stats"]["timer_calls"] == 0 and replayed["stats"]["tuned_problems"] == 0
+    assert replayed["stats"]["store_hits"] == 4 and replayed["stats"]["store_misses"] == 0
+
+
+def test_outside_a_block_serving_uses_the_default_store_and_never_measures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TACTIX_CACHE_DIR", str(tmp_path))
+    with tactix.autotune(mode="tune", policy=tactix.MeasurementPolicy(warmup=1, repeat=3, cold_l2=True)):
+        pass  # a block with another policy lives in another environment: not used below
+    with tactix.autotune(mode="tune"):
+        plan_decode(tactix.PagedDecode("HND", device="cpu"))
+    tactix.reset_stats()
+    wrapper = tactix.PagedDecode("HND", device="cpu")
+    plan_decode(wrapper)
+    assert wrapper.selection_source == "store"
+    counts = tactix.stats()
+    assert counts["timer_calls"] == 0 and counts["store_hits"] == 1
+    other = tactix.PagedDecode("HND", device="cpu")
+    other.plan(i32(0, 1), i32(0), i32(3), 8, 2, 64, 16, q_data_type=torch.float32)  # a bucket never tuned
+    assert other.selection_source == "default" and tactix.stats()["timer_calls"] == 0
+    assert os.environ["TACTIX_CACHE_DIR"] == str(tmp_path)
