@@ -126,6 +126,7 @@ def test_every_static_field_reaches_the_key(cls: type, base: dict[str, Any]) -> 
         if name == "scale_mode":  # scales come with fp8 operands
             changed.update(a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn")
         assert cls(**changed).key_hash() != problem.key_hash(), f"{name} does not change the key"
+        assert cls(**changed).bucket_key() != problem.bucket_key(), f"{name} does not change the bucket key"
 
 
 @pytest.mark.parametrize(("cls", "base"), [(PrefillProblem, PREFILL), (GemmProblem, GEMM)])
@@ -136,8 +137,10 @@ def test_dynamic_sizes_share_a_key_within_their_bucket_only(cls: type, base: dic
         same = dict(base, **{name: value // 2 + 1}) if value > 2 else None
         if same is not None and tactix.bucket_size(same[name]) == tactix.bucket_size(value):
             assert cls(**same).key_hash() == problem.key_hash(), name
+            assert cls(**same).bucket_key() == problem.bucket_key(), name
         bigger = dict(base, **{name: value * 2 + 1})
         assert cls(**bigger).key_hash() != problem.key_hash(), name
+        assert cls(**bigger).bucket_key() != problem.bucket_key(), name
 
 
 def test_problem_key_round_trips() -> None:

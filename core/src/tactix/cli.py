@@ -186,7 +186,6 @@ def _stores(args: argparse.Namespace) -> list[Any]:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    import shutil
     import warnings
     from pathlib import Path
 
@@ -215,8 +214,16 @@ def cmd_cache(args: argparse.Namespace) -> int:
         print(f"imported {len(entries)} entries into {store.path}")
         return 0
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", StoreWarning)  # verify reports defects itself
-        stores = [s.attach() for s in _stores(args)]
+        warnings.simplefilter("ignore", StoreWarning)  # verify reports defects; the others skip them
+        return _cache_action(args, root, [s.attach() for s in _stores(args)])
+
+
+def _cache_action(args: argparse.Namespace, root: Any, stores: list[Any]) -> int:
+    import shutil
+    from pathlib import Path
+
+    from tactix.problems import problem_from_key
+
     if args.action == "ls":
         if not stores:
             print(f"no tactic store under {root}")
@@ -245,7 +252,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
             print(f"BAD {path}: {why}")
             if args.delete:
                 path.unlink()
-        total = sum(len(s) for s in stores)
+        total = sum(len(s.entries()) for s in stores)
         print(f"{total} valid entries, {len(bad)} bad{' (deleted)' if bad and args.delete else ''}")
         return 1 if bad and not args.delete else 0
     if args.action == "clear":

@@ -70,6 +70,12 @@ class _ProblemBase(BaseModel):
         changes = {name: bucket_size(getattr(self, name)) for name in self._dynamic}
         return self.model_copy(update=changes)
 
+    def bucket_key(self) -> tuple[Any, ...]:
+        """A hashable identity of this problem's bucket, cheap to compute (in-memory lookups);
+        equal exactly when :meth:`key_hash` is equal."""
+        dynamic = self._dynamic
+        return (self.op, *(bucket_size(v) if n in dynamic else v for n, v in self.__dict__.items()))
+
     def key(self) -> dict[str, Any]:
         """The JSON object identifying this problem's bucket (includes the op)."""
         return {"op": self.op, **self.bucketed().model_dump(mode="json")}

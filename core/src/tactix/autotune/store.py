@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import hashlib
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tactix.autotune.environment import environment_hash
 from tactix.errors import TactixWarning
@@ -85,6 +86,13 @@ class StoreEntry(BaseModel):
     env_hash: str
     created: str = Field(default_factory=lambda: dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
 
+    @field_validator("schema_version")
+    @classmethod
+    def _this_schema(cls, value: int) -> int:
+        if value != SCHEMA_VERSION:
+            raise ValueError(f"schema version {value}, this tactix reads {SCHEMA_VERSION}")
+        return value
+
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=1) + "\n"
 
@@ -134,12 +142,13 @@ class TacticStore:
         self.env = env
         self.env_hash = environment_hash(env)
         self.path = self.root / f"v{SCHEMA_VERSION}" / self.env_hash
-        self._entries: dict[tuple[str, str], StoreEntry] = {}
+        self._entries: dict[tuple[Any, ...], StoreEntry] = {}  # by Problem.bucket_key()
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self.writable = True
         self._attached = False
         self._disk_lookups = True  # off once the view is another rank's (see adopt)
+        self._listed: set[tuple[str, str]] = set()
 
     @classmethod
     def open(cls, env_dir: Path | str) -> TacticStore:
@@ -164,15 +173,19 @@ class TacticStore:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", StoreWarning)
                 self._warned.discard(str(path))
-                entry = self._read(path, op, key_hash)
-            if entry is None:
+                found = self._read(path, op, key_hash)
+            if found is None:
                 bad.append((path, str(caught[0].message) if caught else "unreadable"))
         return bad
 
     # -- attach ---------------------------------------------------------------------------
 
     def attach(self) -> TacticStore:
-        """Create the directory and manifest if needed, clear dead writers' leftovers, load entries."""
+        """Create the directory and manifest if needed, clear dead writers' leftovers, list entries.
+
+        Entries are parsed on first use (a lookup of their bucket, or `entries()`), so attaching
+        costs a directory listing however large the store is.
+        """
         if self._attached:
             return self
         try:
@@ -186,14 +199,9 @@ class TacticStore:
         except OSError as exc:
             self._degrade(exc)
         self._remove_stale_temporaries()
-        loaded = 0
-        for op, key_hash, path in self._entry_files():
-            entry = self._read(path, op, key_hash)
-            if entry is not None:
-                self._entries[(op, key_hash)] = entry
-                loaded += 1
+        self._listed = {(op, key_hash) for op, key_hash, _ in self._entry_files()}
         self._attached = True
-        log.info("tactic store %s (environment %s): %d entries%s", self.path, self.env_hash, loaded,
+        log.info("tactic store %s (environment %s): %d entries%s", self.path, self.env_hash, len(self._listed),
                  "" if self.writable else ", read-only: new entries stay in memory")  # fmt: skip
         return self
 
@@ -233,56 +241,80 @@ class TacticStore:
         self._warned.add(what)
         warnings.warn(StoreWarning(f"tactic store: ignoring {what}: {why}"), stacklevel=3)
 
-    def _read(self, path: Path, op: str, key_hash: str) -> StoreEntry | None:
+    def _read(self, path: Path, op: str, key_hash: str) -> tuple[StoreEntry, Problem] | None:
         """Parse and validate one entry file; any defect is a miss with one warning."""
         try:
-            size = path.stat().st_size
-            if size > MAX_ENTRY_BYTES:
-                self._warn(str(path), f"{size} bytes is larger than an entry can be ({MAX_ENTRY_BYTES})")
-                return None
-            data = json.loads(path.read_bytes())
+            raw = path.read_bytes()
         except FileNotFoundError:
             return None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            self._warn(str(path), f"unreadable or not JSON ({type(exc).__name__}: {exc})")
+        except OSError as exc:
+            self._warn(str(path), f"unreadable ({exc})")
             return None
-        if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
-            got = data.get("schema_version") if isinstance(data, dict) else type(data).__name__
-            self._warn(str(path), f"schema version {got!r}, this tactix reads {SCHEMA_VERSION}")
+        if len(raw) > MAX_ENTRY_BYTES:
+            self._warn(str(path), f"{len(raw)} bytes is larger than an entry can be ({MAX_ENTRY_BYTES})")
             return None
         try:
-            entry = StoreEntry.model_validate(data)
+            entry = StoreEntry.model_validate_json(raw)  # one pass, JSON only
             problem = problem_from_key(entry.key)
-        except (ValidationError, ValueError) as exc:
-            first = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
-            self._warn(str(path), f"malformed entry ({first})")
+        except ValidationError as exc:
+            self._warn(str(path), self._diagnose(raw, exc))
             return None
-        if entry.op != op or problem.op != op or entry.key_hash != key_hash or problem.key_hash() != key_hash:
+        canonical = json.dumps(entry.key, sort_keys=True, separators=(",", ":"))
+        if (
+            entry.op != op
+            or problem.op != op
+            or entry.key_hash != key_hash
+            or hashlib.sha256(canonical.encode()).hexdigest()[:32] != key_hash
+        ):
             self._warn(str(path), "its key does not match its name (a stale or hand-edited entry)")
             return None
         if entry.env_hash != self.env_hash:
             self._warn(str(path), f"it was tuned in environment {entry.env_hash}, not {self.env_hash}")
             return None
-        return entry
+        return entry, problem
+
+    @staticmethod
+    def _diagnose(raw: bytes, exc: ValidationError) -> str:
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as bad:
+            return f"not JSON ({type(bad).__name__}: {bad})"
+        if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+            got = data.get("schema_version") if isinstance(data, dict) else type(data).__name__
+            return f"schema version {got!r}, this tactix reads {SCHEMA_VERSION}"
+        return f"malformed entry ({exc.errors()[0]['msg']})"
 
     def lookup(self, problem: Problem) -> StoreEntry | None:
         """The entry for ``problem``'s bucket, or None. Checks the disk for entries other
         processes wrote since this store was attached."""
-        key_hash = problem.key_hash()
-        entry = self._entries.get((problem.op, key_hash))
+        index = problem.bucket_key()
+        entry = self._entries.get(index)
         if entry is not None or not self._disk_lookups:
             return entry
-        entry = self._read(self.path / "entries" / problem.op / f"{key_hash}.json", problem.op, key_hash)
-        if entry is not None:
-            with self._lock:
-                self._entries[(problem.op, key_hash)] = entry
-        return entry
+        key_hash = problem.key_hash()
+        found = self._read(self.path / "entries" / problem.op / f"{key_hash}.json", problem.op, key_hash)
+        if found is None:
+            return None
+        with self._lock:
+            self._entries[index] = found[0]
+            self._listed.add((problem.op, key_hash))
+        return found[0]
 
     def entries(self) -> list[StoreEntry]:
+        """Every valid entry (parsing those not used yet); defective files are skipped with a warning."""
+        if self._disk_lookups:
+            known = {(e.op, e.key_hash) for e in self._entries.values()}
+            for op, key_hash, path in self._entry_files():
+                if (op, key_hash) not in known:
+                    found = self._read(path, op, key_hash)
+                    if found is not None:
+                        with self._lock:
+                            self._entries.setdefault(found[1].bucket_key(), found[0])
         return list(self._entries.values())
 
     def __len__(self) -> int:
-        return len(self._entries)
+        """Entry files listed at attach plus entries recorded since (defective files included)."""
+        return len(self._listed | {(e.op, e.key_hash) for e in self._entries.values()})
 
     # -- writing --------------------------------------------------------------------------
 
@@ -298,7 +330,7 @@ class TacticStore:
         if entry.env_hash != self.env_hash:
             raise ValueError(f"entry of environment {entry.env_hash} put into store of {self.env_hash}")
         with self._lock:
-            self._entries[(entry.op, entry.key_hash)] = entry
+            self._entries[problem_from_key(entry.key).bucket_key()] = entry
         if not self.writable:
             return
         try:
@@ -309,7 +341,8 @@ class TacticStore:
     def adopt(self, entries: list[StoreEntry]) -> None:
         """Replace this process's view with ``entries`` (another rank's), writing them through."""
         with self._lock:
-            self._entries = {(e.op, e.key_hash): e for e in entries}
+            self._entries = {problem_from_key(e.key).bucket_key(): e for e in entries}
+            self._listed = set()
             self._disk_lookups = False  # what this rank reads must stay what every rank reads
         for e in entries:
             if self.writable:
