@@ -50,8 +50,15 @@ def main() -> None:
         todo = problems(args.entries)
         t0 = time.perf_counter()
         for p in todo:
-            entry = StoreEntry(op="gemm", key=p.key(), key_hash=p.key_hash(), tactic=tactic,
-                               baseline=Tactic.default("torch"), candidates=candidates, env_hash=store.env_hash)  # fmt: skip
+            entry = StoreEntry(
+                op="gemm",
+                key=p.key(),
+                key_hash=p.key_hash(),
+                tactic=tactic,
+                baseline=Tactic.default("torch"),
+                candidates=candidates,
+                env_hash=store.env_hash,
+            )
             store.put(entry)
         write_s = time.perf_counter() - t0
         attach = []

@@ -1,4 +1,4 @@
-"""The ``tactix`` command: ``backends``, ``doctor``, ``demo``, ``conformance`` and ``support-matrix``."""
+"""The ``tactix`` command: backends, doctor, demo, bench, cache, conformance, support-matrix."""
 
 from __future__ import annotations
 
@@ -147,9 +147,18 @@ def cmd_conformance(args: argparse.Namespace, extra: list[str]) -> int:
         print("tactix conformance needs pytest: pip install 'tactix[testing]'", file=sys.stderr)
         return 2
     get_registry().get(args.backend) if args.backend != "all" else None  # unknown names fail here
-    argv = ["--pyargs", "tactix.testing.suite", f"--tactix-backend={args.backend}", "-p", "no:cacheprovider",
-            "-o", "addopts=", "-W", "ignore::pytest.PytestAssertRewriteWarning",
-            "-rfEsx" if args.verbose_skips else "-rfE"]  # fmt: skip
+    argv = [
+        "--pyargs",
+        "tactix.testing.suite",
+        f"--tactix-backend={args.backend}",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "-W",
+        "ignore::pytest.PytestAssertRewriteWarning",
+        "-rfEsx" if args.verbose_skips else "-rfE",
+    ]
     if args.json:
         argv.append(f"--tactix-report={args.json}")
     if args.device:
@@ -169,6 +178,32 @@ def cmd_support_matrix(args: argparse.Namespace) -> int:
     else:
         print(text, end="")
     return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tactix.autotune.policy import MeasurementPolicy
+    from tactix.bench import markdown, run_bench, write_outputs
+
+    device = (
+        torch.device(args.device)
+        if args.device
+        else (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    )
+    suite = args.suite or ("gpu" if device.type == "cuda" else "cpu")
+    policy = MeasurementPolicy(warmup=args.warmup, repeat=args.repeat, execution=args.execution)
+    report = run_bench(
+        suite,
+        device,
+        cases=args.cases.split(",") if args.cases else None,
+        backends=args.backends.split(",") if args.backends else None,
+        tune=not args.no_tune,
+        policy=policy,
+        progress=lambda text: print(f"  {text}", file=sys.stderr, flush=True),
+    )
+    write_outputs(report, args.json, args.markdown, args.png)
+    print(markdown(report), end="")
+    wrong = [r for r in report["rows"] if r["status"] == "wrong"]
+    return 1 if wrong else 0
 
 
 def _stores(args: argparse.Namespace) -> list[Any]:
@@ -231,8 +266,10 @@ def _cache_action(args: argparse.Namespace, root: Any, stores: list[Any]) -> int
             env = s.env
             device = env.get("device", {})
             backends = ", ".join(f"{k} {v['version']}" for k, v in env.get("backends", {}).items())
-            print(f"{s.env_hash}  {len(s)} entries  {device.get('name')}  torch {env.get('torch')}  "
-                  f"backends {backends}  {s.path}")  # fmt: skip
+            print(
+                f"{s.env_hash}  {len(s)} entries  {device.get('name')}  torch {env.get('torch')}  "
+                f"backends {backends}  {s.path}"
+            )
             if args.entries:
                 for e in sorted(s.entries(), key=lambda e: (e.op, e.key_hash)):
                     speed = e.speedup()
@@ -264,8 +301,7 @@ def _cache_action(args: argparse.Namespace, root: Any, stores: list[Any]) -> int
         if len(stores) != 1:
             raise tactix.InvalidArgumentError("--env", "one environment to export", f"{len(stores)} environments")
         s = stores[0]
-        bundle = {"env": s.env, "env_hash": s.env_hash,
-                  "entries": [json.loads(e.to_json()) for e in s.entries()]}  # fmt: skip
+        bundle = {"env": s.env, "env_hash": s.env_hash, "entries": [json.loads(e.to_json()) for e in s.entries()]}
         Path(args.path).write_text(json.dumps(bundle, indent=1, sort_keys=True) + "\n")
         print(f"exported {len(s)} entries of {s.env_hash} to {args.path}")
         return 0
@@ -304,6 +340,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all-tactics", action="store_true", help="check every tactic, not a sample of three")
     p.add_argument("--verbose-skips", action="store_true", help="list every skipped case with its reason")
     p.set_defaults(func=cmd_conformance, passthrough=True)
+
+    p = sub.add_parser("bench", help="time the benchmark suite for every backend and tuned 'auto'")
+    p.add_argument("--suite", choices=["gpu", "cpu"], help="default: gpu on a GPU, cpu otherwise")
+    p.add_argument("--device")
+    p.add_argument("--cases", help="comma-separated case ids (default: all of the suite)")
+    p.add_argument("--backends", help="comma-separated backends (default: every active one)")
+    p.add_argument("--no-tune", action="store_true", help="leave out the tuned 'auto' rows")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--execution", choices=["cuda_graph", "eager"], default="cuda_graph")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--markdown", metavar="PATH")
+    p.add_argument("--png", metavar="PATH", help="bar chart of ratios to the best (needs matplotlib)")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("cache", help="inspect and manage the tactic store")
     p.add_argument("--root", help="store root (default: $TACTIX_CACHE_DIR or the user cache directory)")

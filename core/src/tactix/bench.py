@@ -1,0 +1,426 @@
+"""``tactix bench``: the shape suite of ../shared/BENCHMARKS.md for every backend and for tuned ``auto``.
+
+Every implementation gets the same inputs (one paged cache, pages in random order), is checked
+against the float64 oracle, and is timed by the tuner's timer under one policy (L2 flushed
+before each timed call, CUDA-event medians, CUDA-graph replay where the plan captures). Decode
+is reported in TB/s (bytes of K and V actually read, plus q and out), prefill and GEMM in
+TFLOP/s (4·h·d per attended (q, k) pair; 2·m·n·k), each with its ratio to the best row of the
+case. A quick CPU suite runs the same code on small shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import tactix
+from tactix.attention import PagedDecode, PagedPrefill
+from tactix.autotune.context import autotune
+from tactix.autotune.policy import MeasurementPolicy
+from tactix.autotune.timing import measure_with_policy
+from tactix.errors import TactixError
+from tactix.gemm import Gemm
+from tactix.registry import get_registry
+from tactix.testing.oracle import attention_reference, gemm_reference, relative_error, tolerance_for
+
+__all__ = ["BenchCase", "BenchRow", "run_bench", "suite"]
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    id: str
+    op: str  # prefill | decode | gemm
+    description: str
+    kv_lens: tuple[int, ...] = ()
+    q_lens: tuple[int, ...] = ()
+    m: int = 0
+    n: int = 0
+    k: int = 0
+    fp8: bool = False
+    heads: tuple[int, int] = (32, 8)
+    head_dim: int = 128
+    page_size: int = 16
+
+
+@dataclass
+class BenchRow:
+    case: str
+    description: str
+    implementation: str
+    tactic: str
+    status: str  # ok | wrong | failed | unsupported
+    time_us: float | None = None
+    rate: float | None = None
+    unit: str = ""
+    ratio_to_best: float | None = None
+    error: float | None = None
+    timed_as: str | None = None
+    detail: str = ""
+    samples_us: list[float] = field(default_factory=list)
+
+
+def _randint(low: int, high: int, count: int, seed: int) -> tuple[int, ...]:
+    torch.manual_seed(seed)
+    return tuple(int(x) for x in torch.randint(low, high, (count,)))
+
+
+def suite(name: str) -> list[BenchCase]:
+    """``gpu``: the standard suite of ../shared/BENCHMARKS.md; ``cpu``: small shapes of the same kinds."""
+    if name == "cpu":
+        return [
+            BenchCase(
+                "d1", "decode", "decode b8, kv 64-512", kv_lens=_randint(64, 512, 8, 0), heads=(8, 2), head_dim=64
+            ),
+            BenchCase("d2", "decode", "decode b1, kv 1024", kv_lens=(1024,), heads=(8, 2), head_dim=64),
+            BenchCase(
+                "p1",
+                "prefill",
+                "prefill 4x128 causal",
+                kv_lens=(128,) * 4,
+                q_lens=(128,) * 4,
+                heads=(8, 2),
+                head_dim=64,
+            ),
+            BenchCase(
+                "p4",
+                "prefill",
+                "chunked 4x32 over 256",
+                kv_lens=(288,) * 4,
+                q_lens=(32,) * 4,
+                heads=(8, 2),
+                head_dim=64,
+            ),
+            BenchCase("g1", "gemm", "gemm f32 256^3", m=256, n=256, k=256),
+            BenchCase("g2", "gemm", "gemm f32 m=1, n=k=1024", m=1, n=1024, k=1024),
+        ]
+    p3 = _randint(64, 2048, 16, 3)
+    return [
+        BenchCase("D1", "decode", "decode b64, kv 1k-8k", kv_lens=_randint(1024, 8192, 64, 0)),
+        BenchCase("D2", "decode", "decode b1, kv 8192", kv_lens=(8192,)),
+        BenchCase("D3", "decode", "decode b256, kv 2048", kv_lens=(2048,) * 256),
+        BenchCase("P1", "prefill", "prefill 8x2048 causal", kv_lens=(2048,) * 8, q_lens=(2048,) * 8),
+        BenchCase("P2", "prefill", "prefill 1x8192 causal", kv_lens=(8192,), q_lens=(8192,)),
+        BenchCase("P3", "prefill", "prefill ragged 16 req causal", kv_lens=p3, q_lens=p3),
+        BenchCase("P4", "prefill", "chunked 512 over 4096", kv_lens=(4608,) * 8, q_lens=(512,) * 8),
+        BenchCase("G1", "gemm", "gemm bf16 8192^3", m=8192, n=8192, k=8192),
+        *[BenchCase(f"G2-m{m}", "gemm", f"gemm bf16 m={m}, n=k=4096", m=m, n=4096, k=4096) for m in (1, 16, 64, 256)],
+        BenchCase("G3-n14336", "gemm", "gemm bf16 4096x14336x4096", m=4096, n=14336, k=4096),
+        BenchCase("G3-k14336", "gemm", "gemm bf16 4096x4096x14336", m=4096, n=4096, k=14336),
+        BenchCase("G4", "gemm", "gemm fp8 e4m3 4096^3, bf16 out", m=4096, n=4096, k=4096, fp8=True),
+    ]
+
+
+@dataclass
+class _Attention:
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    last: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+
+
+def _attention_inputs(case: BenchCase, device: torch.device, dtype: torch.dtype) -> _Attention:
+    gen = torch.Generator().manual_seed(1)
+    page = case.page_size
+    pages = [-(-n // page) for n in case.kv_lens]
+    order = torch.randperm(sum(pages), generator=gen).tolist()
+    indptr, indices = [0], []
+    for n in pages:
+        indices += [order.pop() for _ in range(n)]
+        indptr.append(len(indices))
+    last = [(n - 1) % page + 1 for n in case.kv_lens]
+    q_lens = case.q_lens or (1,) * len(case.kv_lens)
+    qo = [0]
+    for n in q_lens:
+        qo.append(qo[-1] + n)
+    hq, hkv = case.heads
+    shape = (sum(pages), hkv, page, case.head_dim)  # HND
+    k = torch.randn(shape, device=device, dtype=dtype)
+    v = torch.randn(shape, device=device, dtype=dtype)
+    q = torch.randn(qo[-1], hq, case.head_dim, device=device, dtype=dtype)
+    out = torch.empty_like(q)
+    i32 = torch.int32
+    return _Attention(
+        torch.tensor(qo, dtype=i32),
+        torch.tensor(indptr, dtype=i32),
+        torch.tensor(indices, dtype=i32),
+        torch.tensor(last, dtype=i32),
+        q,
+        k,
+        v,
+        out,
+    )
+
+
+def _attention_work(case: BenchCase, dtype: torch.dtype) -> tuple[float, str]:
+    hq, hkv = case.heads
+    d = case.head_dim
+    size = torch.tensor([], dtype=dtype).element_size()
+    if case.op == "decode":
+        kv_bytes = 2 * sum(case.kv_lens) * hkv * d * size
+        return kv_bytes + 2 * len(case.kv_lens) * hq * d * size, "TB/s"
+    pairs = sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in zip(case.q_lens, case.kv_lens, strict=True))
+    return 4.0 * hq * d * pairs, "TFLOP/s"
+
+
+def _measure_attention(
+    case: BenchCase,
+    inputs: _Attention,
+    device: torch.device,
+    policy: MeasurementPolicy,
+    dtype: torch.dtype,
+    backend: str,
+    reference: torch.Tensor,
+) -> BenchRow:
+    name = "auto (tuned)" if backend == "auto" else backend
+    wrapper: Any = (
+        PagedPrefill("HND", backend=backend, device=device)
+        if case.op == "prefill"
+        else PagedDecode("HND", backend=backend, device=device)
+    )
+    meta = (inputs.kv_indptr, inputs.kv_indices, inputs.last)
+    args = (inputs.qo_indptr, *meta) if case.op == "prefill" else meta
+    hq, hkv = case.heads
+    kw: dict[str, Any] = {"q_data_type": dtype, **({"causal": True} if case.op == "prefill" else {})}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tactix.FallbackWarning)
+            wrapper.plan(*args, hq, hkv, case.head_dim, case.page_size, **kw)
+    except TactixError as exc:
+        status = "unsupported" if isinstance(exc, tactix.UnsupportedProblemError) else "failed"
+        return BenchRow(case.id, case.description, name, "-", status, detail=str(exc)[:300])
+    cache = (inputs.k, inputs.v)
+    inputs.out.fill_(float("nan"))
+    wrapper.run(inputs.q, cache, out=inputs.out)
+    err = relative_error(inputs.out, reference)
+    tactic = str(wrapper.tactic)
+    if not err <= tolerance_for(dtype):
+        return BenchRow(case.id, case.description, name, tactic, "wrong", error=err, detail="wrong result")
+    timing = measure_with_policy(lambda: wrapper.run(inputs.q, cache, out=inputs.out), device, policy)
+    work, unit = _attention_work(case, dtype)
+    rate = work / timing.median / 1e12
+    return BenchRow(
+        case.id,
+        case.description,
+        name,
+        tactic,
+        "ok",
+        timing.median * 1e6,
+        rate,
+        unit,
+        error=err,
+        timed_as=timing.timed_as,
+        samples_us=[s * 1e6 for s in timing.samples],
+    )
+
+
+def _gemm_inputs(case: BenchCase, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    a = torch.randn(case.m, case.k, device=device)
+    w = torch.randn(case.n, case.k, device=device) / math.sqrt(case.k)
+    if case.fp8:
+        return {
+            "a": a.to(torch.float8_e4m3fn),
+            "b": (w * 16).to(torch.float8_e4m3fn).t(),
+            "scale_a": torch.tensor(1.0, device=device),
+            "scale_b": torch.tensor(1 / 16, device=device),
+        }
+    return {"a": a.to(dtype), "b": w.to(dtype).t()}
+
+
+def _measure_gemm(
+    case: BenchCase,
+    inputs: dict[str, Any],
+    device: torch.device,
+    policy: MeasurementPolicy,
+    dtype: torch.dtype,
+    backend: str,
+    reference: torch.Tensor,
+) -> BenchRow:
+    name = "auto (tuned)" if backend == "auto" else backend
+    g = Gemm(backend=backend, device=device)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tactix.FallbackWarning)
+            g.plan(case.m, case.n, case.k, a_dtype=inputs["a"].dtype, out_dtype=torch.bfloat16 if case.fp8 else None)
+    except TactixError as exc:
+        status = "unsupported" if isinstance(exc, tactix.UnsupportedProblemError) else "failed"
+        return BenchRow(case.id, case.description, name, "-", status, detail=str(exc)[:300])
+    scales = {k: inputs[k] for k in ("scale_a", "scale_b") if k in inputs}
+    out = g.run(inputs["a"], inputs["b"], **scales)
+    out_dtype = torch.bfloat16 if case.fp8 else dtype
+    err = relative_error(out, reference)
+    if not err <= tolerance_for(out_dtype, inputs["a"].dtype):
+        return BenchRow(case.id, case.description, name, str(g.tactic), "wrong", error=err, detail="wrong result")
+    timing = measure_with_policy(lambda: g.run(inputs["a"], inputs["b"], out=out, **scales), device, policy)
+    flops = 2.0 * case.m * case.n * case.k
+    if case.m <= 64:  # memory-bound: report the bytes of the weight (and activations) moved
+        size = inputs["a"].element_size()
+        work, unit = (case.n * case.k + case.m * case.k) * size + case.m * case.n * 2, "TB/s"
+    else:
+        work, unit = flops, "TFLOP/s"
+    return BenchRow(
+        case.id,
+        case.description,
+        name,
+        str(g.tactic),
+        "ok",
+        timing.median * 1e6,
+        work / timing.median / 1e12,
+        unit,
+        error=err,
+        timed_as=timing.timed_as,
+        samples_us=[s * 1e6 for s in timing.samples],
+    )
+
+
+def run_bench(
+    suite_name: str,
+    device: torch.device,
+    *,
+    cases: list[str] | None = None,
+    backends: list[str] | None = None,
+    tune: bool = True,
+    policy: MeasurementPolicy | None = None,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Run the suite; returns the JSON-ready report (rows per case, best first)."""
+    policy = policy or MeasurementPolicy(warmup=3, repeat=20)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    chosen = [c for c in suite(suite_name) if cases is None or c.id in cases]
+    names = backends or [b.name for b in get_registry().active()]
+    rows: list[BenchRow] = []
+    store = tempfile.mkdtemp(prefix="tactix-bench-store-")
+    for case in chosen:
+        if progress:
+            progress(f"{case.id}: {case.description}")
+        if case.op == "gemm":
+            inputs_g = _gemm_inputs(case, device, dtype)
+            ref = gemm_reference(
+                inputs_g["a"], inputs_g["b"], scale_a=inputs_g.get("scale_a"), scale_b=inputs_g.get("scale_b")
+            )
+
+            def measure_one(
+                backend: str, inputs: Any = inputs_g, ref: torch.Tensor = ref, c: BenchCase = case
+            ) -> BenchRow:
+                return _measure_gemm(c, inputs, device, policy, dtype, backend, ref)
+        else:
+            inputs_a = _attention_inputs(case, device, dtype)
+            qo = inputs_a.qo_indptr
+            ref, _ = attention_reference(
+                inputs_a.q,
+                inputs_a.k,
+                inputs_a.v,
+                qo,
+                inputs_a.kv_indptr,
+                inputs_a.kv_indices,
+                inputs_a.last,
+                kv_layout="HND",
+                causal=case.op == "prefill",
+                sm_scale=1 / math.sqrt(case.head_dim),
+            )
+
+            def measure_one(
+                backend: str, inputs: Any = inputs_a, ref: torch.Tensor = ref, c: BenchCase = case
+            ) -> BenchRow:
+                return _measure_attention(c, inputs, device, policy, dtype, backend, ref)
+
+        registry = get_registry()
+        serving = [n for n in names if registry.get(n).spec.capabilities(case.op) is not None]  # type: ignore[arg-type]
+        case_rows = [measure_one(name) for name in serving]
+        if tune:
+            with autotune(mode="tune", cache_dir=store, policy=policy):
+                case_rows.append(measure_one("auto"))
+        del ref
+        ok = [r for r in case_rows if r.status == "ok" and r.rate]
+        best = max((r.rate for r in ok if r.rate), default=None)
+        for r in case_rows:
+            if r.rate and best:
+                r.ratio_to_best = r.rate / best
+        rows += sorted(case_rows, key=lambda r: -(r.rate or 0))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    env = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "tactix": tactix.__version__,
+        "backends": {b.name: b.spec.version for b in get_registry().active()},
+        "policy": policy.model_dump(mode="json"),
+        "suite": suite_name,
+    }
+    return {"environment": env, "rows": [asdict(r) for r in rows]}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    lines = [
+        f"# tactix bench: {env['suite']} suite on {env['device']}",
+        "",
+        f"torch {env['torch']} (CUDA {env['cuda']}), tactix {env['tactix']}, backends "
+        + ", ".join(f"{k} {v}" for k, v in env["backends"].items())
+        + f". Policy: {env['policy']}.",
+        "",
+        "| case | shape | implementation | tactic | time (us) | rate | vs best | rel. error | status |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        time_s = f"{r['time_us']:,.1f}" if r["time_us"] else "-"
+        rate = f"{r['rate']:.3g} {r['unit']}" if r["rate"] else "-"
+        ratio = f"{r['ratio_to_best']:.2f}" if r["ratio_to_best"] else "-"
+        err = f"{r['error']:.1e}" if r["error"] is not None else "-"
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['detail'][:80]}"
+        lines.append(
+            f"| {r['case']} | {r['description']} | {r['implementation']} | `{r['tactic']}` | {time_s} | "
+            f"{rate} | {ratio} | {err} | {status} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def chart(report: dict[str, Any], path: str) -> bool:
+    """A bar chart of each case's ratio to its best row (needs matplotlib; returns False without it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in report["rows"] if r["ratio_to_best"]]
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    impls = list(dict.fromkeys(r["implementation"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, len(cases) * 0.9), 4))
+    width = 0.8 / max(len(impls), 1)
+    for i, impl in enumerate(impls):
+        values = [
+            next((r["ratio_to_best"] for r in rows if r["case"] == c and r["implementation"] == impl), 0) for c in cases
+        ]
+        ax.bar([x + i * width for x in range(len(cases))], values, width, label=impl)
+    ax.set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(cases))], cases, rotation=45, ha="right")
+    ax.set_ylabel("rate / best rate of the case")
+    ax.set_title(f"tactix bench on {report['environment']['device']}")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_outputs(report: dict[str, Any], json_path: str | None, md_path: str | None, png_path: str | None) -> None:
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1) + "\n")
+    if md_path:
+        Path(md_path).write_text(markdown(report))
+    if png_path and not chart(report, png_path):
+        warnings.warn("matplotlib is not installed: no chart written (pip install 'tactix[bench]')", stacklevel=2)
