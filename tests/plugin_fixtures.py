@@ -252,5 +252,6 @@ def tactix_plan_decode(backend, problem, batch, tactic, options):
         plan.tactic = tactix.Tactic(backend=NAME, kernel="good")  # says it runs something else
     else:
         plan.tactic = tactic if not tactic.is_default else tactix.Tactic(backend=NAME, kernel="good")
+    plan.built = True  # as if it had compiled a kernel
     return plan
 """

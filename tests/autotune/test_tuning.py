@@ -162,3 +162,35 @@ def test_outside_a_block_serving_uses_the_default_store_and_never_measures(
     other.plan(i32(0, 1), i32(0), i32(3), 8, 2, 64, 16, q_data_type=torch.float32)  # a bucket never tuned
     assert other.selection_source == "default" and tactix.stats()["timer_calls"] == 0
     assert os.environ["TACTIX_CACHE_DIR"] == str(tmp_path)
+
+
+def test_stats_count_plans_builds_hits_misses_and_fallbacks(tmp_path: Path, plugin_dir: Path) -> None:
+    tactix.reset_stats()
+    wrapper = tactix.PagedDecode("HND", device="cpu", backend="tuner")
+    plan_decode(wrapper)  # this plugin's plans report a build (a JIT compile, say)
+    plan_decode(wrapper)
+    counts = tactix.stats()
+    assert counts["plans"] == 2 and counts["builds"] == 2
+    with tactix.autotune(mode="replay", cache_dir=tmp_path, policy=QUICK) as state:
+        plan_decode(tactix.PagedDecode("HND", device="cpu", backend="torch"))
+        counts = tactix.stats()
+        assert counts["store_misses"] == 1 and counts["store_hits"] == 0 and counts["timer_calls"] == 0
+        assert state.store is not None
+        problem = tactix.PagedDecode("HND", device="cpu", backend="torch")
+        plan_decode(problem)
+        flash = tactix.Tactic(backend="torch", kernel="sdpa", params={"impl": "flash"})  # refused: ragged batch
+        state.store.put(
+            StoreEntry(
+                op="decode",
+                key=problem.problem.key(),
+                key_hash=problem.problem.key_hash(),
+                tactic=flash,
+                baseline=tactix.Tactic.default("torch"),
+                env_hash=state.store.env_hash,
+            )
+        )
+        with warnings.catch_warnings():  # announced once per process; another test may have seen it
+            warnings.simplefilter("ignore", tactix.FallbackWarning)
+            plan_decode(tactix.PagedDecode("HND", device="cpu", backend="torch"))
+    counts = tactix.stats()
+    assert counts["store_hits"] == 1 and counts["fallbacks"] == 1

@@ -65,9 +65,7 @@ class NaiveDecodePlan:
         self.tactic = tactix.Tactic(backend=NAME, kernel="loop")
         indptr = batch.kv_indptr.tolist()
         indices = batch.kv_indices.to(device=device, dtype=torch.long)  # a copy once per plan
-        self.requests = [
-            (indices[indptr[r] : indptr[r + 1]], int(batch.kv_lens[r])) for r in range(batch.batch_size)
-        ]
+        self.requests = [(indices[indptr[r] : indptr[r + 1]], int(batch.kv_lens[r])) for r in range(batch.batch_size)]
 
     def run(self, q, k_cache, v_cache, out, lse) -> None:  # type: ignore[no-untyped-def]
         p = self.problem
