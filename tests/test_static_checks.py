@@ -21,7 +21,17 @@ def _tool(name: str) -> str:
 
 def test_ruff_finds_nothing() -> None:
     done = subprocess.run(
-        [_tool("ruff"), "check", "core", "tests", "benchmarks"], cwd=ROOT, capture_output=True, text=True
+        [_tool("ruff"), "check", "core", "tests", "benchmarks", "examples"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_code_is_formatted() -> None:
+    done = subprocess.run(
+        [_tool("ruff"), "format", "--check", "core", "tests", "benchmarks", "examples"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stdout + done.stderr
 

@@ -1,0 +1,48 @@
+"""Tuning on a GPU: candidates timed from CUDA-graph replays, the winner correct, replay without timing."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import tactix
+from tactix.autotune.store import TacticStore
+from tactix.testing import attention_reference, relative_error, tolerance_for
+
+pytestmark = pytest.mark.gpu
+
+
+def test_tune_on_the_gpu_times_graph_replays_and_serves_a_correct_winner(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(0)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    lens = [700, 1500, 64, 2048]
+    pages = [-(-n // 16) for n in lens]
+    order = torch.randperm(sum(pages), generator=gen).tolist()
+    indptr, indices = [0], []
+    for n in pages:
+        indices += [order.pop() for _ in range(n)]
+        indptr.append(len(indices))
+    last = [(n - 1) % 16 + 1 for n in lens]
+    k = torch.randn(sum(pages), 8, 16, 128, generator=gen).cuda().bfloat16()
+    v = torch.randn(sum(pages), 8, 16, 128, generator=gen).cuda().bfloat16()
+    q = torch.randn(4, 32, 128, generator=gen).cuda().bfloat16()
+    policy = tactix.MeasurementPolicy(warmup=1, repeat=5)
+    tactix.reset_stats()
+    with tactix.autotune(mode="tune", cache_dir=tmp_path, policy=policy):
+        wrapper = tactix.PagedDecode("HND", device="cuda")
+        wrapper.plan(i32(*indptr), i32(*indices), i32(*last), 32, 8, 128, 16, q_data_type=torch.bfloat16)
+    [env_dir] = TacticStore.environments(tmp_path)
+    [entry] = TacticStore.open(env_dir).attach().entries()
+    timed = [c for c in entry.candidates if c.status == "ok"]
+    assert len(timed) >= 2 and all(c.timed_as == "cuda_graph" for c in timed)
+    ref, _ = attention_reference(q, k, v, i32(0, 1, 2, 3, 4), i32(*indptr), i32(*indices), i32(*last),
+                                 kv_layout="HND", causal=False, sm_scale=1 / math.sqrt(128))  # fmt: skip
+    assert relative_error(wrapper.run(q, (k, v)), ref) < tolerance_for(torch.bfloat16)
+    tactix.reset_stats()
+    with tactix.autotune(mode="replay", cache_dir=tmp_path, policy=policy):
+        again = tactix.PagedDecode("HND", device="cuda")
+        again.plan(i32(*indptr), i32(*indices), i32(*last), 32, 8, 128, 16, q_data_type=torch.bfloat16)
+    assert again.tactic == wrapper.tactic and tactix.stats()["timer_calls"] == 0
