@@ -1,0 +1,206 @@
+"""cuDNN frontend graphs for paged attention, and the bounded cache that keeps them.
+
+One graph serves prefill and decode: ragged (packed) queries ``[tokens, heads, dim]`` with
+per-request offsets, K/V read through page tables, a padding mask from per-request lengths,
+bottom-right causal alignment, optional sliding window, and softmax stats (natural-log LSE)
+written packed ``[tokens, heads]``. What a built graph bakes in — batch size, maximum query and
+kv lengths, page-table width, container page count, strides, dtypes, masks, the scale — is the
+graph key. Dynamic sizes enter it bucketed (next power of two): a new batch of the same bucket
+reuses the graph; requests past the real batch get length 0 and are skipped. (cuDNN's shape
+override, which would avoid buckets, needs library 9.21 or newer for graphs; see
+`library.FEATURES`.)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+
+from tactix_cudnn.library import frontend
+
+__all__ = ["AttentionGraph", "GraphKey", "build_attention_graph", "graph_cache"]
+
+_CACHE_SIZE: Final = 64
+
+UID_Q, UID_K, UID_V, UID_O, UID_STATS = 1, 2, 3, 4, 5
+UID_SEQ_Q, UID_SEQ_KV, UID_TABLE, UID_Q_OFF, UID_O_OFF, UID_STATS_OFF = 6, 7, 8, 9, 10, 11
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """Everything a built attention graph depends on."""
+
+    dtype: str  # q / kv / out (one dtype: the plugin declares no mixed precision)
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim_qk: int
+    head_dim_vo: int
+    page_size: int
+    k_strides: tuple[int, int, int, int]  # of the logical [pages, heads, page, dim] container
+    v_strides: tuple[int, int, int, int]
+    container_pages: int
+    batch: int
+    max_q: int
+    max_kv: int
+    table_width: int
+    causal: bool
+    window: int  # window_left, -1: none
+    scale: float
+    lse: bool
+    engine: int | None  # None: cuDNN's heuristic choice
+    knobs: tuple[tuple[str, int], ...]
+
+
+def _cudnn_dtype(cudnn: Any, name: str) -> Any:
+    return {"float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16}[name]
+
+
+class AttentionGraph:
+    """A built graph with its workspace size and the (engine, knobs) of the plan it runs."""
+
+    def __init__(self, key: GraphKey, graph: Any, engine: int, knobs: dict[str, int], workspace: int) -> None:
+        self.key = key
+        self.graph = graph
+        self.engine = engine
+        self.knobs = knobs
+        self.workspace_size = workspace
+
+
+def _operation_graph(key: GraphKey, handle: Any) -> Any:
+    cudnn = frontend()
+    io = _cudnn_dtype(cudnn, key.dtype)
+    g = cudnn.pygraph(
+        io_data_type=io,
+        intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT,
+        handle=handle,
+    )
+    b, hq, hkv = key.batch, key.num_qo_heads, key.num_kv_heads
+    dq, dv, sq = key.head_dim_qk, key.head_dim_vo, key.max_q
+
+    def tensor(uid: int, name: str, dims: tuple[int, ...], strides: tuple[int, ...], dtype: Any) -> Any:
+        t = g.tensor(name=name, dim=list(dims), stride=list(strides), data_type=dtype)
+        t.set_uid(uid)
+        return t
+
+    def i32(uid: int, name: str, dims: tuple[int, ...]) -> Any:
+        strides = tuple(int(x) for x in torch.empty(dims, device="meta").stride())
+        return tensor(uid, name, dims, strides, cudnn.data_type.INT32)
+
+    # packed queries: token t of request r at offset q_off[r] + t * hq * dq
+    q = tensor(UID_Q, "q", (b, hq, sq, dq), (sq * hq * dq, dq, hq * dq, 1), io)
+    q.set_ragged_offset(i32(UID_Q_OFF, "q_offsets", (b + 1, 1, 1, 1)))
+    k = tensor(UID_K, "k", (key.container_pages, hkv, key.page_size, dq), key.k_strides, io)
+    v = tensor(UID_V, "v", (key.container_pages, hkv, key.page_size, dv), key.v_strides, io)
+    table = i32(UID_TABLE, "page_table", (b, 1, key.table_width, 1))
+    seq_q = i32(UID_SEQ_Q, "seq_len_q", (b, 1, 1, 1))
+    seq_kv = i32(UID_SEQ_KV, "seq_len_kv", (b, 1, 1, 1))
+    kwargs: dict[str, Any] = dict(
+        name="sdpa",
+        q=q,
+        k=k,
+        v=v,
+        attn_scale=key.scale,
+        generate_stats=key.lse,
+        use_padding_mask=True,
+        seq_len_q=seq_q,
+        seq_len_kv=seq_kv,
+        paged_attention_k_table=table,
+        paged_attention_v_table=table,
+        paged_attention_max_seq_len_kv=key.max_kv,
+        compute_data_type=cudnn.data_type.FLOAT,
+    )
+    if key.causal or key.window >= 0:
+        kwargs["diagonal_alignment"] = cudnn.diagonal_alignment.BOTTOM_RIGHT
+    if key.causal:
+        kwargs["diagonal_band_right_bound"] = 0
+    if key.window >= 0:
+        kwargs["diagonal_band_left_bound"] = key.window + 1  # cuDNN counts the diagonal itself
+    o, stats = g.sdpa(**kwargs)
+    o.set_uid(UID_O).set_output(True).set_dim([b, hq, sq, dv]).set_stride([sq * hq * dv, dv, hq * dv, 1])
+    o.set_ragged_offset(i32(UID_O_OFF, "o_offsets", (b + 1, 1, 1, 1)))
+    if key.lse:
+        stats.set_uid(UID_STATS).set_output(True).set_data_type(cudnn.data_type.FLOAT)
+        stats.set_dim([b, hq, sq, 1]).set_stride([sq * hq, 1, hq, 1])
+        stats.set_ragged_offset(i32(UID_STATS_OFF, "stats_offsets", (b + 1, 1, 1, 1)))
+    g.validate()
+    g.build_operation_graph()
+    return g
+
+
+def _knob_type(cudnn: Any, name: str) -> Any:
+    return getattr(cudnn.knob_type, name)
+
+
+def _knob_name(knob: Any) -> str:
+    text = str(knob)
+    return text.split(".")[-1]
+
+
+def enumerate_plans(key: GraphKey, handle: Any) -> list[tuple[int, dict[str, int]]]:
+    """The (engine, knobs) of every plan cuDNN's heuristics offer for ``key`` (nothing is built)."""
+    cudnn = frontend()
+    g = _operation_graph(key, handle)
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    out = []
+    for i in range(g.get_execution_plan_count()):
+        engine, knobs = g.get_engine_and_knobs_at_index(i)
+        out.append((int(engine), {_knob_name(k): int(v) for k, v in knobs.items()}))
+    return out
+
+
+def build_attention_graph(key: GraphKey, handle: Any) -> AttentionGraph:
+    """Build the graph for ``key`` with the plan its (engine, knobs) name, or cuDNN's first choice."""
+    cudnn = frontend()
+    g = _operation_graph(key, handle)
+    if key.engine is None:
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plan_at_index(0)
+        engine, knobs = g.get_engine_and_knobs_at_index(0)
+        chosen = {_knob_name(k): int(v) for k, v in knobs.items()}
+        index = 0
+    else:
+        wanted = {_knob_type(cudnn, name): value for name, value in key.knobs}
+        g.create_execution_plan(key.engine, wanted)
+        g.check_support()
+        index = g.get_execution_plan_count() - 1
+        g.build_plan_at_index(index)
+        engine, chosen = key.engine, dict(key.knobs)
+    workspace = int(g.get_workspace_size_plan_at_index(index))
+    return AttentionGraph(key, g, int(engine), chosen, workspace)
+
+
+class GraphCache:
+    """At most ``size`` built graphs, least recently used evicted; ``builds`` counts builds."""
+
+    def __init__(self, size: int = _CACHE_SIZE) -> None:
+        self.size = size
+        self._graphs: OrderedDict[GraphKey, AttentionGraph] = OrderedDict()
+        self._lock = threading.Lock()
+        self.builds = 0
+
+    def get(self, key: GraphKey, handle: Any) -> tuple[AttentionGraph, bool]:
+        """The graph for ``key`` and whether it had to be built now."""
+        with self._lock:
+            found = self._graphs.get(key)
+            if found is not None:
+                self._graphs.move_to_end(key)
+                return found, False
+        built = build_attention_graph(key, handle)
+        with self._lock:
+            self._graphs[key] = built
+            self.builds += 1
+            while len(self._graphs) > self.size:
+                self._graphs.popitem(last=False)
+        return built, True
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+
+graph_cache = GraphCache()

@@ -1,0 +1,344 @@
+"""tactix hooks for the ``cudnn`` backend: paged prefill and decode through cuDNN frontend graphs.
+
+Tactics are cuDNN execution plans named by engine id and knob settings
+(``Tactic(backend="cudnn", kernel="sdpa", params={"engine": 8, "knobs": {"KERNEL_CFG": 35}})``);
+the default tactic is cuDNN's heuristic first choice. A tactic is mapped back to a plan by its
+engine and knobs, never by a plan index. GEMM is not implemented yet (declared absent).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Final
+
+import torch
+
+import tactix
+from tactix import PagedBatch, PlanOptions, Tactic, UnsupportedProblemError
+from tactix.problems import DecodeProblem, PrefillProblem, Problem, bucket_size
+from tactix_cudnn import __version__
+from tactix_cudnn.graphs import (
+    UID_K,
+    UID_O,
+    UID_O_OFF,
+    UID_Q,
+    UID_Q_OFF,
+    UID_SEQ_KV,
+    UID_SEQ_Q,
+    UID_STATS,
+    UID_STATS_OFF,
+    UID_TABLE,
+    UID_V,
+    AttentionGraph,
+    GraphKey,
+    enumerate_plans,
+    graph_cache,
+)
+from tactix_cudnn.library import feature_reasons, frontend, status
+
+NAME: Final = "cudnn"
+_DTYPES: Final = frozenset({"float16", "bfloat16"})
+
+_ATTENTION = tactix.AttentionCapabilities(
+    devices=frozenset({"cuda"}),
+    q_dtypes=_DTYPES,
+    kv_dtypes=_DTYPES,
+    out_dtypes=_DTYPES,
+    head_dims=None,  # any multiple of 8 up to 256 (checked)
+    page_sizes=None,  # any power of two (checked)
+    kv_layouts=frozenset({"NHD", "HND"}),
+    causal=True,
+    non_causal=True,
+    chunked=True,
+    sliding_window=True,
+    logits_soft_cap=False,
+    lse=True,
+    cuda_graph="fixed_buffers",
+)
+
+
+@tactix.hookimpl
+def tactix_backends() -> list[tactix.BackendSpec]:
+    return [
+        tactix.BackendSpec(
+            name=NAME,
+            version=__version__,
+            description="cuDNN frontend graphs (paged SDPA); tactics are cuDNN engines and knobs",
+            prefill=_ATTENTION,
+            decode=_ATTENTION,
+            preference=10,
+        )
+    ]
+
+
+@tactix.hookimpl
+def tactix_environment(backend: str) -> list[str] | None:
+    if backend != NAME:
+        return None
+    reasons = []
+    if not torch.cuda.is_available():
+        reasons.append("no CUDA GPU is visible")
+    st = status()
+    if not st.usable:
+        reasons.append(st.error or "cuDNN is not usable")
+    return reasons
+
+
+def _params_reasons(tactic: Tactic) -> list[str]:
+    if tactic.is_default:
+        return [] if not tactic.params else [f"the default tactic takes no params (got {tactic.params})"]
+    if tactic.kernel != "sdpa":
+        return [f"unknown kernel '{tactic.kernel}' (known: default, sdpa)"]
+    engine, knobs = tactic.params.get("engine"), tactic.params.get("knobs", {})
+    if not isinstance(engine, int) or isinstance(engine, bool) or engine < 0:
+        return [f"params.engine must be a cuDNN engine id (got {engine!r})"]
+    if not isinstance(knobs, dict) or not all(isinstance(k, str) and isinstance(v, int) for k, v in knobs.items()):
+        return [f"params.knobs must map knob names to ints (got {knobs!r})"]
+    if set(tactic.params) - {"engine", "knobs"}:
+        return [f"unknown params {sorted(set(tactic.params) - {'engine', 'knobs'})}"]
+    return []
+
+
+def _attention_reasons(problem: PrefillProblem | DecodeProblem) -> list[str]:
+    out = []
+    if problem.kv_dtype != problem.q_dtype or problem.out_dtype != problem.q_dtype:
+        out.append("q, kv and out dtypes must be the same")
+    for name in ("head_dim_qk", "head_dim_vo"):
+        d = getattr(problem, name)
+        if d % 8 or d > 256:
+            out.append(f"{name} {d} must be a multiple of 8 up to 256")
+    if problem.head_dim_qk != problem.head_dim_vo:
+        out.append("head_dim_vo must equal head_dim_qk")
+    if problem.page_size & (problem.page_size - 1):
+        out.append(f"page size {problem.page_size} must be a power of two")
+    features = ["sdpa", "paged_kv", "ragged_paged"]
+    if getattr(problem, "causal", False) or problem.window_left >= 0:
+        features.append("bottom_right_causal")
+    if problem.window_left >= 0:
+        features.append("sliding_window")
+    out += feature_reasons(*features)
+    st = status()
+    if st.library_version in (91000, 91001):
+        out.append("cuDNN 9.10.0 and 9.10.1 disable fp16/bf16 SDPA; use 9.10.2 or newer")
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
+        out.append("cuDNN paged SDPA needs compute capability 8.0 or newer")
+    return out
+
+
+@tactix.hookimpl
+def tactix_check(backend: str, problem: Problem, tactic: Tactic) -> list[str] | None:
+    if backend != NAME:
+        return None
+    if not isinstance(problem, (PrefillProblem, DecodeProblem)):
+        return ["cudnn implements no GEMM yet"]
+    return _params_reasons(tactic) + _attention_reasons(problem)
+
+
+# -- handles and keys --------------------------------------------------------------------------
+
+_handles: dict[int, Any] = {}
+_bound_stream: dict[int, int] = {}  # id(handle) -> the stream it is bound to
+_handles_lock = threading.Lock()
+
+
+def handle_for(device: torch.device) -> Any:
+    """One cuDNN handle per device (bound to torch's current stream before each execution)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _handles_lock:
+        h = _handles.get(index)
+        if h is None:
+            with torch.cuda.device(index):
+                h = _handles[index] = frontend().create_handle()
+    return h
+
+
+def _container_strides(t_stride: tuple[int, ...], layout: str) -> tuple[int, int, int, int]:
+    """Strides of the logical [pages, heads, page, dim] container of a cache tensor."""
+    if layout == "NHD":  # [pages, page, heads, dim]
+        return (t_stride[0], t_stride[2], t_stride[1], t_stride[3])
+    return (t_stride[0], t_stride[1], t_stride[2], t_stride[3])
+
+
+def _contiguous_strides(problem: PrefillProblem | DecodeProblem, dim: int) -> tuple[int, int, int, int]:
+    h, s = problem.num_kv_heads, problem.page_size
+    shape = (1, s, h, dim) if problem.kv_layout == "NHD" else (1, h, s, dim)
+    strides = torch.empty(shape, device="meta").stride()
+    return _container_strides(tuple(strides), problem.kv_layout)
+
+
+Strides = tuple[int, int, int, int]
+
+
+def _key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: int, max_kv: int, pages: int,
+         k_strides: Strides, v_strides: Strides, tactic: Tactic) -> GraphKey:  # fmt: skip
+    max_kv_b = bucket_size(max_kv)
+    return GraphKey(
+        dtype=problem.q_dtype,
+        num_qo_heads=problem.num_qo_heads,
+        num_kv_heads=problem.num_kv_heads,
+        head_dim_qk=problem.head_dim_qk,
+        head_dim_vo=problem.head_dim_vo,
+        page_size=problem.page_size,
+        k_strides=k_strides,
+        v_strides=v_strides,
+        container_pages=bucket_size(pages),
+        batch=bucket_size(batch_size),
+        max_q=bucket_size(max(max_q, 1)),
+        max_kv=max_kv_b,
+        table_width=-(-max_kv_b // problem.page_size),
+        causal=bool(getattr(problem, "causal", False)),
+        window=problem.window_left,
+        scale=problem.sm_scale,
+        lse=problem.return_lse,
+        engine=None if tactic.is_default else int(tactic.params["engine"]),  # type: ignore[arg-type]
+        knobs=() if tactic.is_default else tuple(sorted(tactic.params.get("knobs", {}).items())),  # type: ignore[union-attr]
+    )
+
+
+@tactix.hookimpl
+def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
+    if backend != NAME or not isinstance(problem, (PrefillProblem, DecodeProblem)):
+        return None
+    if tactix_environment(NAME) or _attention_reasons(problem):
+        return []
+    max_q = getattr(problem, "max_qo_len", 1)
+    key = _key(problem, problem.batch_size, max_q, problem.max_kv_len,
+               problem.batch_size * -(-problem.max_kv_len // problem.page_size),
+               _contiguous_strides(problem, problem.head_dim_qk), _contiguous_strides(problem, problem.head_dim_vo),
+               Tactic.default(NAME))  # fmt: skip
+    plans = enumerate_plans(key, handle_for(torch.device("cuda", torch.cuda.current_device())))
+    out = []
+    for engine, knobs in plans:
+        t = Tactic(backend=NAME, kernel="sdpa", params={"engine": engine, "knobs": knobs})
+        if t not in out:
+            out.append(t)
+    return out
+
+
+# -- plans -----------------------------------------------------------------------------------
+
+
+class CudnnAttentionPlan:
+    """Device metadata for one batch plus the graph(s) that read it.
+
+    The graph for contiguous (k, v) caches is built in plan; a cache with other strides (one
+    5-D tensor whose k and v interleave) gets its graph at its first run, outside any capture.
+    """
+
+    def __init__(self, problem: PrefillProblem | DecodeProblem, batch: PagedBatch, tactic: Tactic,
+                 options: PlanOptions) -> None:  # fmt: skip
+        self.problem = problem
+        self.device = options["device"]
+        self.handle = handle_for(self.device)
+        max_page = batch.max_page_index
+        if max_page is None:  # device-resident indices: one read to size the container
+            max_page = int(batch.kv_indices.max()) if batch.num_page_entries else 0
+        self._shape = (batch.batch_size, batch.max_qo_len, batch.max_kv_len, max_page + 1)
+        self._requested = tactic
+        base = self._key(_contiguous_strides(problem, problem.head_dim_qk),
+                         _contiguous_strides(problem, problem.head_dim_vo))  # fmt: skip
+        self._fill_metadata(batch, base, options)
+        graph, self.built = graph_cache.get(base, self.handle)
+        self._graphs: dict[tuple[tuple[int, ...], tuple[int, ...]], AttentionGraph] = {}
+        self._graphs[(base.k_strides, base.v_strides)] = graph
+        self.tactic = Tactic(backend=NAME, kernel="sdpa", params={"engine": graph.engine, "knobs": graph.knobs})
+        self._workspace = torch.empty(max(graph.workspace_size, 1), dtype=torch.uint8, device=self.device)
+
+    def _key(self, k_strides: tuple[int, int, int, int], v_strides: tuple[int, int, int, int]) -> GraphKey:
+        b, q, kv, pages = self._shape
+        return _key(self.problem, b, q, kv, pages, k_strides, v_strides, self._requested)
+
+    def _fill_metadata(self, batch: PagedBatch, key: GraphKey, options: PlanOptions) -> None:
+        p = self.problem
+        b = key.batch
+        q_lens = torch.zeros(b, dtype=torch.int32)
+        kv_lens = torch.zeros(b, dtype=torch.int32)
+        q_lens[: batch.batch_size] = batch.qo_lens
+        kv_lens[: batch.batch_size] = batch.kv_lens
+        table = torch.zeros(b, key.table_width, dtype=torch.int32)
+        pages = (batch.kv_indptr[1:] - batch.kv_indptr[:-1]).long()
+        request = torch.repeat_interleave(torch.arange(batch.batch_size), pages)
+        slot = torch.arange(batch.num_page_entries) - batch.kv_indptr[:-1].long()[request]
+        table[request, slot] = batch.kv_indices.cpu()
+        starts = torch.zeros(b + 1, dtype=torch.int64)
+        starts[1:] = torch.cumsum(q_lens, 0)
+        host = {
+            "seq_q": q_lens,
+            "seq_kv": kv_lens,
+            "table": table.reshape(-1),
+            "q_off": (starts * p.num_qo_heads * p.head_dim_qk).to(torch.int32),
+            "o_off": (starts * p.num_qo_heads * p.head_dim_vo).to(torch.int32),
+            "stats_off": (starts * p.num_qo_heads).to(torch.int32),
+        }
+        previous = options["previous"]
+        if options["use_cuda_graph"] and isinstance(previous, CudnnAttentionPlan):
+            if previous._graph_key_base() != key:
+                raise UnsupportedProblemError(NAME, p, [
+                    "in CUDA-graph mode a re-plan must keep the graph's buckets (batch, lengths, pages)"])  # fmt: skip
+            for name, tensor in host.items():
+                previous._meta[name].copy_(tensor, non_blocking=True)
+            self._meta = previous._meta
+        else:
+            self._meta = {name: t.pin_memory().to(self.device, non_blocking=True) for name, t in host.items()}
+        self._fixed = {
+            UID_SEQ_Q: self._meta["seq_q"].data_ptr(),
+            UID_SEQ_KV: self._meta["seq_kv"].data_ptr(),
+            UID_TABLE: self._meta["table"].data_ptr(),
+            UID_Q_OFF: self._meta["q_off"].data_ptr(),
+            UID_O_OFF: self._meta["o_off"].data_ptr(),
+        }
+        if p.return_lse:
+            self._fixed[UID_STATS_OFF] = self._meta["stats_off"].data_ptr()
+        self._base_key = key
+
+    def _graph_key_base(self) -> GraphKey:
+        return self._base_key
+
+    def _graph_for(self, k: torch.Tensor, v: torch.Tensor) -> AttentionGraph:
+        strides = (_container_strides(k.stride(), self.problem.kv_layout),
+                   _container_strides(v.stride(), self.problem.kv_layout))  # fmt: skip
+        graph = self._graphs.get(strides)
+        if graph is None:
+            graph, _ = graph_cache.get(self._key(*strides), self.handle)
+            if graph.workspace_size > self._workspace.numel():
+                self._workspace = torch.empty(graph.workspace_size, dtype=torch.uint8, device=self.device)
+            self._graphs[strides] = graph
+        return graph
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor | None) -> None:  # fmt: skip
+        graph = self._graph_for(k_cache, v_cache)
+        pack = dict(self._fixed)
+        pack[UID_Q] = q.data_ptr()
+        pack[UID_K] = k_cache.data_ptr()
+        pack[UID_V] = v_cache.data_ptr()
+        pack[UID_O] = out.data_ptr()
+        if lse is not None:
+            pack[UID_STATS] = lse.data_ptr()
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        if _bound_stream.get(id(self.handle)) != stream:  # the handle follows torch's current stream
+            frontend().set_stream(self.handle, stream)
+            _bound_stream[id(self.handle)] = stream
+        graph.graph.execute(pack, self._workspace, handle=self.handle)
+
+
+def _plan(backend: str, problem: PrefillProblem | DecodeProblem, batch: PagedBatch, tactic: Tactic,
+          options: PlanOptions) -> CudnnAttentionPlan | None:  # fmt: skip
+    if backend != NAME:
+        return None
+    reasons = _params_reasons(tactic) + _attention_reasons(problem)
+    if reasons:
+        raise UnsupportedProblemError(NAME, problem, reasons)
+    return CudnnAttentionPlan(problem, batch, tactic, options)
+
+
+@tactix.hookimpl
+def tactix_plan_prefill(backend: str, problem: PrefillProblem, batch: PagedBatch, tactic: Tactic,
+                        options: PlanOptions) -> CudnnAttentionPlan | None:  # fmt: skip
+    return _plan(backend, problem, batch, tactic, options)
+
+
+@tactix.hookimpl
+def tactix_plan_decode(backend: str, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic,
+                       options: PlanOptions) -> CudnnAttentionPlan | None:  # fmt: skip
+    return _plan(backend, problem, batch, tactic, options)
