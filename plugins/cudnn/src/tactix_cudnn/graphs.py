@@ -53,6 +53,7 @@ class GraphKey:
     lse: bool
     engine: int | None  # None: cuDNN's heuristic choice
     knobs: tuple[tuple[str, int], ...]
+    ragged_q: bool = True  # decode reads q [batch, heads, dim] directly (exact batch, no offsets)
 
 
 def _cudnn_dtype(cudnn: Any, name: str) -> Any:
@@ -93,7 +94,8 @@ def _operation_graph(key: GraphKey, handle: Any) -> Any:
 
     # packed queries: token t of request r at offset q_off[r] + t * hq * dq
     q = tensor(UID_Q, "q", (b, hq, sq, dq), (sq * hq * dq, dq, hq * dq, 1), io)
-    q.set_ragged_offset(i32(UID_Q_OFF, "q_offsets", (b + 1, 1, 1, 1)))
+    if key.ragged_q:
+        q.set_ragged_offset(i32(UID_Q_OFF, "q_offsets", (b + 1, 1, 1, 1)))
     k = tensor(UID_K, "k", (key.container_pages, hkv, key.page_size, dq), key.k_strides, io)
     v = tensor(UID_V, "v", (key.container_pages, hkv, key.page_size, dv), key.v_strides, io)
     table = i32(UID_TABLE, "page_table", (b, 1, key.table_width, 1))
@@ -122,14 +124,28 @@ def _operation_graph(key: GraphKey, handle: Any) -> Any:
         kwargs["diagonal_band_left_bound"] = key.window + 1  # cuDNN counts the diagonal itself
     o, stats = g.sdpa(**kwargs)
     o.set_uid(UID_O).set_output(True).set_dim([b, hq, sq, dv]).set_stride([sq * hq * dv, dv, hq * dv, 1])
-    o.set_ragged_offset(i32(UID_O_OFF, "o_offsets", (b + 1, 1, 1, 1)))
+    if key.ragged_q:
+        o.set_ragged_offset(i32(UID_O_OFF, "o_offsets", (b + 1, 1, 1, 1)))
     if key.lse:
         stats.set_uid(UID_STATS).set_output(True).set_data_type(cudnn.data_type.FLOAT)
         stats.set_dim([b, hq, sq, 1]).set_stride([sq * hq, 1, hq, 1])
-        stats.set_ragged_offset(i32(UID_STATS_OFF, "stats_offsets", (b + 1, 1, 1, 1)))
+        if key.ragged_q:
+            stats.set_ragged_offset(i32(UID_STATS_OFF, "stats_offsets", (b + 1, 1, 1, 1)))
     g.validate()
     g.build_operation_graph()
     return g
+
+
+def excluded_engines(key: GraphKey) -> dict[int, str]:
+    """Engines known to compute something else for this key, with the reason.
+
+    Seen on an H200 with cuDNN 9.19 by the conformance kit: engine 8 (cuDNN's decode kernel)
+    writes the softmax stats of only one query head per KV head group when GQA is used, leaving
+    the others unwritten; its attention output is right.
+    """
+    if key.lse and key.num_qo_heads != key.num_kv_heads:
+        return {8: "engine 8 writes the LSE of one query head per GQA group only"}
+    return {}
 
 
 def _knob_type(cudnn: Any, name: str) -> Any:
@@ -147,9 +163,11 @@ def enumerate_plans(key: GraphKey, handle: Any) -> list[tuple[int, dict[str, int
     g = _operation_graph(key, handle)
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     out = []
+    excluded = excluded_engines(key)
     for i in range(g.get_execution_plan_count()):
         engine, knobs = g.get_engine_and_knobs_at_index(i)
-        out.append((int(engine), {_knob_name(k): int(v) for k, v in knobs.items()}))
+        if int(engine) not in excluded:
+            out.append((int(engine), {_knob_name(k): int(v) for k, v in knobs.items()}))
     return out
 
 
@@ -157,14 +175,21 @@ def build_attention_graph(key: GraphKey, handle: Any) -> AttentionGraph:
     """Build the graph for ``key`` with the plan its (engine, knobs) name, or cuDNN's first choice."""
     cudnn = frontend()
     g = _operation_graph(key, handle)
+    excluded = excluded_engines(key)
     if key.engine is None:
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         g.check_support()
-        g.build_plan_at_index(0)
-        engine, knobs = g.get_engine_and_knobs_at_index(0)
+        candidates = [i for i in range(g.get_execution_plan_count())
+                      if int(g.get_engine_and_knobs_at_index(i)[0]) not in excluded]  # fmt: skip
+        if not candidates:
+            raise RuntimeError(f"cuDNN offers no plan for this graph except excluded engines {excluded}")
+        index = candidates[0]
+        g.build_plan_at_index(index)
+        engine, knobs = g.get_engine_and_knobs_at_index(index)
         chosen = {_knob_name(k): int(v) for k, v in knobs.items()}
-        index = 0
     else:
+        if key.engine in excluded:
+            raise ValueError(excluded[key.engine])
         wanted = {_knob_type(cudnn, name): value for name, value in key.knobs}
         g.create_execution_plan(key.engine, wanted)
         g.check_support()

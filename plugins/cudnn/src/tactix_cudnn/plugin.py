@@ -32,6 +32,7 @@ from tactix_cudnn.graphs import (
     AttentionGraph,
     GraphKey,
     enumerate_plans,
+    excluded_engines,
     graph_cache,
 )
 from tactix_cudnn.library import feature_reasons, frontend, status
@@ -111,6 +112,10 @@ def _attention_reasons(problem: PrefillProblem | DecodeProblem) -> list[str]:
         out.append("head_dim_vo must equal head_dim_qk")
     if problem.page_size & (problem.page_size - 1):
         out.append(f"page size {problem.page_size} must be a power of two")
+    if isinstance(problem, DecodeProblem) and problem.return_lse and problem.gqa_ratio > 1:
+        # seen on an H200 with cuDNN 9.19 (conformance kit): its only decode engine (8) leaves the
+        # LSE of all but one query head per GQA group unwritten
+        out.append("LSE from GQA decode: cuDNN's decode engine writes it for one query head per group only")
     features = ["sdpa", "paged_kv", "ragged_paged"]
     if getattr(problem, "causal", False) or problem.window_left >= 0:
         features.append("bottom_right_causal")
@@ -131,7 +136,15 @@ def tactix_check(backend: str, problem: Problem, tactic: Tactic) -> list[str] | 
         return None
     if not isinstance(problem, (PrefillProblem, DecodeProblem)):
         return ["cudnn implements no GEMM yet"]
-    return _params_reasons(tactic) + _attention_reasons(problem)
+    reasons = _params_reasons(tactic) + _attention_reasons(problem)
+    if not reasons and not tactic.is_default:
+        probe = GraphKey(problem.q_dtype, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim_qk,
+                         problem.head_dim_vo, problem.page_size, (0, 0, 0, 0), (0, 0, 0, 0), 0, 0, 0, 0, 0, False,
+                         -1, 1.0, problem.return_lse, None, ())  # fmt: skip
+        why = excluded_engines(probe).get(int(tactic.params["engine"]))  # type: ignore[arg-type]
+        if why:
+            reasons.append(why)
+    return reasons
 
 
 # -- handles and keys --------------------------------------------------------------------------
@@ -172,6 +185,7 @@ Strides = tuple[int, int, int, int]
 def _key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: int, max_kv: int, pages: int,
          k_strides: Strides, v_strides: Strides, tactic: Tactic) -> GraphKey:  # fmt: skip
     max_kv_b = bucket_size(max_kv)
+    decode = isinstance(problem, DecodeProblem)
     return GraphKey(
         dtype=problem.q_dtype,
         num_qo_heads=problem.num_qo_heads,
@@ -182,8 +196,9 @@ def _key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: int, m
         k_strides=k_strides,
         v_strides=v_strides,
         container_pages=bucket_size(pages),
-        batch=bucket_size(batch_size),
-        max_q=bucket_size(max(max_q, 1)),
+        # decode reads q in place, one row per request: its batch is exact, not bucketed
+        batch=batch_size if decode else bucket_size(batch_size),
+        max_q=1 if decode else bucket_size(max(max_q, 1)),
         max_kv=max_kv_b,
         table_width=-(-max_kv_b // problem.page_size),
         causal=bool(getattr(problem, "causal", False)),
@@ -192,6 +207,7 @@ def _key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: int, m
         lse=problem.return_lse,
         engine=None if tactic.is_default else int(tactic.params["engine"]),  # type: ignore[arg-type]
         knobs=() if tactic.is_default else tuple(sorted(tactic.params.get("knobs", {}).items())),  # type: ignore[union-attr]
+        ragged_q=not decode,
     )
 
 
@@ -284,11 +300,12 @@ class CudnnAttentionPlan:
             UID_SEQ_Q: self._meta["seq_q"].data_ptr(),
             UID_SEQ_KV: self._meta["seq_kv"].data_ptr(),
             UID_TABLE: self._meta["table"].data_ptr(),
-            UID_Q_OFF: self._meta["q_off"].data_ptr(),
-            UID_O_OFF: self._meta["o_off"].data_ptr(),
         }
-        if p.return_lse:
-            self._fixed[UID_STATS_OFF] = self._meta["stats_off"].data_ptr()
+        if key.ragged_q:
+            self._fixed[UID_Q_OFF] = self._meta["q_off"].data_ptr()
+            self._fixed[UID_O_OFF] = self._meta["o_off"].data_ptr()
+            if p.return_lse:
+                self._fixed[UID_STATS_OFF] = self._meta["stats_off"].data_ptr()
         self._base_key = key
 
     def _graph_key_base(self) -> GraphKey:
