@@ -1,0 +1,106 @@
+"""The cudnn plugin's CPU-side contract: tactics, version gates, graph keys, import without a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("tactix_cudnn", reason="plugins/cudnn is not installed (scripts/setup.sh installs it)")
+
+from tactix_cudnn import plugin
+from tactix_cudnn.graphs import GraphKey, excluded_engines
+from tactix_cudnn.library import FEATURES, feature_reasons
+
+import tactix
+from tactix.problems import DecodeProblem, PrefillProblem
+
+BASE = dict(
+    device_type="cuda", num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, head_dim_vo=128, page_size=16,
+    kv_layout="HND", q_dtype="bfloat16", kv_dtype="bfloat16", out_dtype="bfloat16", sm_scale=0.088,
+    window_left=-1, logits_soft_cap=0.0, return_lse=False, batch_size=8, max_kv_len=2048,
+)  # fmt: skip
+
+
+def prefill(**changes: object) -> PrefillProblem:
+    fields = dict(BASE, causal=True, num_qo_tokens=4000, max_qo_len=1000)
+    fields.update(changes)
+    return PrefillProblem(**fields)  # type: ignore[arg-type]
+
+
+def key_of(problem: PrefillProblem | DecodeProblem, **sizes: int) -> GraphKey:
+    batch = sizes.get("batch", problem.batch_size)
+    max_q = sizes.get("max_q", getattr(problem, "max_qo_len", 1))
+    max_kv = sizes.get("max_kv", problem.max_kv_len)
+    strides = plugin._contiguous_strides(problem, problem.head_dim_qk)
+    return plugin._key(problem, batch, max_q, max_kv, 100, strides, strides, tactix.Tactic.default("cudnn"))
+
+
+def test_engine_and_knob_tactics_round_trip_and_are_validated() -> None:
+    tactic = tactix.Tactic(backend="cudnn", kernel="sdpa", params={"engine": 8, "knobs": {"KERNEL_CFG": 35}})
+    again = tactix.tactics.parse_tactic(tactic.to_json())
+    assert again == tactic and again.digest() == tactic.digest()
+    assert plugin._params_reasons(tactic) == []
+    for bad in ({"engine": "8"}, {"engine": -1}, {"engine": 8, "knobs": {"KERNEL_CFG": "35"}},
+                {"engine": 8, "plan_index": 3}):  # fmt: skip
+        reasons = plugin._params_reasons(tactix.Tactic(backend="cudnn", kernel="sdpa", params=bad))
+        assert reasons, bad
+    with pytest.raises(tactix.TacticError, match="bare plan indices"):
+        tactix.tactics.parse_tactic(3)
+
+
+def test_version_gates() -> None:
+    assert feature_reasons("sdpa", "paged_kv", "ragged_paged", library=91900) == []
+    old = feature_reasons("paged_kv", "sliding_window", library=90400)
+    assert old == ["paged kv needs cuDNN >= 9.5.0 (this library is 9.4.0)",
+                   "sliding window needs cuDNN >= 9.6.0 (this library is 9.4.0)"]  # fmt: skip
+    assert all(isinstance(v, int) and v >= 90000 for v in FEATURES.values())
+
+
+def test_every_baked_in_property_reaches_the_graph_key() -> None:
+    base = key_of(prefill())
+    changes = {
+        "q_dtype": dict(q_dtype="float16", kv_dtype="float16", out_dtype="float16"),
+        "num_qo_heads": dict(num_qo_heads=16),
+        "num_kv_heads": dict(num_kv_heads=4),
+        "head_dim": dict(head_dim_qk=64, head_dim_vo=64),
+        "page_size": dict(page_size=32),
+        "kv_layout": dict(kv_layout="NHD"),
+        "causal": dict(causal=False),
+        "window": dict(window_left=127),
+        "scale": dict(sm_scale=0.1),
+        "lse": dict(return_lse=True),
+    }
+    for name, change in changes.items():
+        assert key_of(prefill(**change)) != base, f"{name} does not reach the graph key"
+    # sizes inside one bucket share a graph; the next bucket does not
+    assert key_of(prefill(), batch=7, max_q=600, max_kv=1100) == base
+    assert key_of(prefill(), max_kv=2049) != base
+    assert key_of(prefill(), batch=9) != base
+    # decode reads q in place: its batch is exact
+    decode = DecodeProblem(**BASE)  # type: ignore[arg-type]
+    assert key_of(decode, batch=7) != key_of(decode)
+    assert dataclasses.replace(base, engine=8, knobs=(("KERNEL_CFG", 35),)) != base
+
+
+def test_known_bad_engine_is_excluded_only_where_it_is_wrong() -> None:
+    gqa_lse = dataclasses.replace(key_of(prefill()), lse=True)
+    assert 8 in excluded_engines(gqa_lse)
+    assert excluded_engines(key_of(prefill())) == {}
+    assert excluded_engines(dataclasses.replace(gqa_lse, num_kv_heads=32)) == {}
+
+
+def test_imports_cleanly_and_says_why_it_cannot_run_here() -> None:
+    code = (
+        "import torch, tactix\n"
+        "import tactix_cudnn.plugin as p\n"
+        "b = tactix.get_registry().get('cudnn')\n"
+        "print(b.environment() if not torch.cuda.is_available() else 'gpu')\n"
+        "assert not torch.cuda.is_initialized()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    if done.stdout.strip() != "gpu":
+        assert "no CUDA GPU is visible" in done.stdout
