@@ -1,0 +1,83 @@
+"""Host time of plan() for a new batch of an already-seen shape bucket (a warm graph cache).
+
+    python benchmarks/plan_time.py [--backends cudnn,torch] [--json PATH]
+
+Plans D1-like decode batches (64 requests, kv lengths re-drawn each time inside one bucket) and
+P3-like ragged prefill batches; reports the median host time per plan and how many graph builds
+the timed plans caused (target: under 50 us, and no builds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import tactix
+
+
+def batch(seed: int, count: int, low: int, high: int, page: int = 16) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(low, high, (count,), generator=gen)
+    pages = (lens + page - 1) // page
+    indptr = torch.zeros(count + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(pages, 0)
+    indices = torch.randperm(int(indptr[-1]), generator=gen).to(torch.int32)
+    last = ((lens - 1) % page + 1).to(torch.int32)
+    return indptr, indices, last, lens.to(torch.int32)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", default="cudnn,torch")
+    parser.add_argument("--plans", type=int, default=50)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    results = {}
+    for name in args.backends.split(","):
+        for op in ("decode", "prefill"):
+            wrapper = (
+                tactix.PagedDecode("HND", backend=name) if op == "decode" else tactix.PagedPrefill("HND", backend=name)
+            )
+            times = []
+            tactix.reset_stats()
+            for i in range(args.plans + 5):
+                indptr, indices, last, _ = batch(
+                    i, 64 if op == "decode" else 16, 4100, 8000 if op == "decode" else 4200
+                )
+                extra = {}
+                if op == "prefill":
+                    qo = torch.zeros(17, dtype=torch.int32)
+                    qo[1:] = torch.cumsum(torch.full((16,), 64), 0)
+                    extra = {"causal": True}
+                    t0 = time.perf_counter()
+                    wrapper.plan(qo, indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16, **extra)
+                else:
+                    t0 = time.perf_counter()
+                    wrapper.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
+                elapsed = time.perf_counter() - t0
+                if i == 4:
+                    tactix.reset_stats()  # the first plans may build; the timed ones must not
+                if i >= 5:
+                    times.append(elapsed)
+            counts = tactix.stats()
+            results[f"{name}/{op}"] = {
+                "plan_us_median": statistics.median(times) * 1e6,
+                "plans": counts["plans"],
+                "builds": counts["builds"],
+                "tactic": str(wrapper.tactic),
+            }
+            r = results[f"{name}/{op}"]
+            print(
+                f"{name:8} {op:8} plan {r['plan_us_median']:8.1f} us  builds {r['builds']}/{r['plans']}  {r['tactic']}"
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
