@@ -63,6 +63,7 @@ class AttentionCase:
     kv_lens: tuple[int, ...] = (37, 100, 16, 300)
     q_lens: tuple[int, ...] = (1, 1, 1, 1)
     cache_form: Literal["tuple", "tensor"] = "tuple"
+    q_form: Literal["contiguous", "strided"] = "contiguous"  # strided: q is a view of a fused QKV output
     seed: int = 0
 
     @property
@@ -92,6 +93,8 @@ class AttentionCase:
             parts.append("lse")
         if self.cache_form == "tensor":
             parts.append("5d")
+        if self.q_form == "strided":
+            parts.append("qview")
         if self.batch != "ragged":
             parts.append(self.batch)
         return f"{self.op}[{'-'.join(parts)}]"
@@ -118,6 +121,8 @@ class AttentionCase:
             tags.append("LSE")
         if self.cache_form == "tensor":
             tags.append("5-D cache tensor")
+        if self.q_form == "strided":
+            tags.append("strided q (QKV view)")
         return tags
 
     def plan_kwargs(self) -> dict[str, Any]:
@@ -224,6 +229,11 @@ def build_attention_inputs(case: AttentionCase, device: torch.device) -> Attenti
         cache = (k, v)
     rows = qo[-1]
     q = _randn((rows, case.num_qo_heads, case.head_dim_qk), gen).to(device, dtype_q)
+    if case.q_form == "strided":  # q as a slice of a fused [rows, (hq + 2 hkv) * d] projection
+        fused = torch.zeros(rows, (case.num_qo_heads + 2 * hkv) * case.head_dim_qk, device=device, dtype=dtype_q)
+        view = fused[:, : case.num_qo_heads * case.head_dim_qk].view(rows, case.num_qo_heads, case.head_dim_qk)
+        view.copy_(q)
+        q = view
     out = torch.full((rows, case.num_qo_heads, case.head_dim_vo), float("nan"), device=device, dtype=dtype_out)
     lse = (
         torch.full((rows, case.num_qo_heads), float("nan"), device=device, dtype=torch.float32)
@@ -315,6 +325,7 @@ def attention_cases(op: Literal["prefill", "decode"], caps: AttentionCapabilitie
     add(kv_layout=other_layout)
     add(cache_form="tensor")
     add(kv_layout=other_layout, cache_form="tensor")
+    add(q_form="strided")
     for qo_heads, kv_heads in ((8, 8), (32, 4), (8, 1)):
         add(num_qo_heads=qo_heads, num_kv_heads=kv_heads)
     for name, (kv_lens, q_lens) in _batches(op, base.page_size).items():

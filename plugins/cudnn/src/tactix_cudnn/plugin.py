@@ -249,7 +249,11 @@ class CudnnAttentionPlan:
         max_page = batch.max_page_index
         if max_page is None:  # device-resident indices: one read to size the container
             max_page = int(batch.kv_indices.max()) if batch.num_page_entries else 0
-        self._shape = (batch.batch_size, batch.max_qo_len, batch.max_kv_len, max_page + 1)
+        pages = max_page + 1
+        previous = options["previous"]
+        if options["use_cuda_graph"] and isinstance(previous, CudnnAttentionPlan) and pages <= previous._shape[3]:
+            pages = previous._shape[3]  # keep the captured graph's container size
+        self._shape = (batch.batch_size, batch.max_qo_len, batch.max_kv_len, pages)
         self._requested = tactic
         base = self._key(_contiguous_strides(problem, problem.head_dim_qk),
                          _contiguous_strides(problem, problem.head_dim_vo))  # fmt: skip
@@ -259,6 +263,7 @@ class CudnnAttentionPlan:
         self._graphs[(base.k_strides, base.v_strides)] = graph
         self.tactic = Tactic(backend=NAME, kernel="sdpa", params={"engine": graph.engine, "knobs": graph.knobs})
         self._workspace = torch.empty(max(graph.workspace_size, 1), dtype=torch.uint8, device=self.device)
+        self._q_packed: torch.Tensor | None = None  # for a strided q (a view of a fused QKV projection)
 
     def _key(self, k_strides: tuple[int, int, int, int], v_strides: tuple[int, int, int, int]) -> GraphKey:
         b, q, kv, pages = self._shape
@@ -325,6 +330,11 @@ class CudnnAttentionPlan:
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor | None) -> None:  # fmt: skip
         graph = self._graph_for(k_cache, v_cache)
+        if not q.is_contiguous():  # the graph reads packed rows: copy a strided view once per call
+            if self._q_packed is None or self._q_packed.shape != q.shape:
+                self._q_packed = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            self._q_packed.copy_(q)
+            q = self._q_packed
         pack = dict(self._fixed)
         pack[UID_Q] = q.data_ptr()
         pack[UID_K] = k_cache.data_ptr()
