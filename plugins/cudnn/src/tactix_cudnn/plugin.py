@@ -8,6 +8,7 @@ engine and knobs, never by a plan index. GEMM is not implemented yet (declared a
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any, Final
 
@@ -293,7 +294,9 @@ class CudnnAttentionPlan:
         }
         previous = options["previous"]
         if options["use_cuda_graph"] and isinstance(previous, CudnnAttentionPlan):
-            if previous._graph_key_base() != key:
+            # the re-plan names the concrete plan the first one chose: compare shapes, not tactics
+            shape = dataclasses.replace(key, engine=None, knobs=())
+            if dataclasses.replace(previous._graph_key_base(), engine=None, knobs=()) != shape:
                 raise UnsupportedProblemError(NAME, p, [
                     "in CUDA-graph mode a re-plan must keep the graph's buckets (batch, lengths, pages)"])  # fmt: skip
             for name, tensor in host.items():
