@@ -235,6 +235,27 @@ def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
 # -- plans -----------------------------------------------------------------------------------
 
 
+_ALIGN: Final = 32  # int32 elements: 128 bytes
+
+
+def _pack(host: dict[str, torch.Tensor]) -> torch.Tensor:
+    parts = []
+    for t in host.values():
+        parts.append(t.to(torch.int32))
+        pad = -t.numel() % _ALIGN
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.int32))
+    return torch.cat(parts)
+
+
+def _unpack(packed: torch.Tensor, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out, start = {}, 0
+    for name, t in host.items():
+        out[name] = packed[start : start + t.numel()]
+        start += t.numel() + (-t.numel() % _ALIGN)
+    return out
+
+
 class CudnnAttentionPlan:
     """Device metadata for one batch plus the graph(s) that read it.
 
@@ -299,11 +320,12 @@ class CudnnAttentionPlan:
             if dataclasses.replace(previous._graph_key_base(), engine=None, knobs=()) != shape:
                 raise UnsupportedProblemError(NAME, p, [
                     "in CUDA-graph mode a re-plan must keep the graph's buckets (batch, lengths, pages)"])  # fmt: skip
-            for name, tensor in host.items():
-                previous._meta[name].copy_(tensor, non_blocking=True)
-            self._meta = previous._meta
+            previous._packed.copy_(_pack(host))  # same addresses: a captured graph reads the new batch
+            self._packed, self._meta = previous._packed, previous._meta
         else:
-            self._meta = {name: t.pin_memory().to(self.device, non_blocking=True) for name, t in host.items()}
+            # one pinned buffer and one transfer for all of it (each piece 128-byte aligned)
+            self._packed = _pack(host).pin_memory().to(self.device, non_blocking=True)
+            self._meta = _unpack(self._packed, host)
         self._fixed = {
             UID_SEQ_Q: self._meta["seq_q"].data_ptr(),
             UID_SEQ_KV: self._meta["seq_kv"].data_ptr(),
