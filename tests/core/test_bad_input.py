@@ -824,3 +824,13 @@ def test_gemm_run_before_plan(spy: Spy) -> None:
     with raises(tactix.TactixError, "plan()"):
         tactix.Gemm(backend="torch", device="cpu").run(torch.randn(4, 8), torch.randn(6, 8).t())
     assert spy.runs == 0
+
+
+def test_int64_page_index_beyond_int32_is_refused_not_wrapped() -> None:
+    """2**32 + 1 would wrap to page 1 if narrowed blindly: another request's memory."""
+    wrapper = tactix.PagedDecode("NHD", device="cpu")
+    indices = torch.tensor([2**32 + 1], dtype=torch.int64)
+    with pytest.raises(tactix.InvalidArgumentError, match="paged_kv_indices") as info:
+        wrapper.plan(torch.tensor([0, 1], dtype=torch.int64), indices, torch.tensor([3]), 4, 4, 16, 8,
+                     q_data_type=torch.float32)  # fmt: skip
+    assert str(2**32 + 1) in str(info.value)

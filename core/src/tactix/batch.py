@@ -12,6 +12,7 @@ kernel that follows it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,7 @@ from tactix.errors import InvalidArgumentError
 __all__ = ["DeviceBatch", "PagedBatch"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_INT32_MAX = 2**31 - 1
 
 
 def _index_array(value: object, argument: str, device: torch.device) -> torch.Tensor:
@@ -97,79 +99,86 @@ class PagedBatch:
         small = [kv_indptr_t, last_t] + ([] if qo_t is None else [qo_t])
         if any(t.device.type != "cpu" for t in small):
             sizes = [t.numel() for t in small]
-            host = torch.cat([t.to(device, torch.int32) for t in small]).cpu()
+            host = torch.cat([t.to(device, torch.int64) for t in small]).cpu()
             small = list(torch.split(host, sizes))
-        kv_indptr_h = small[0].to(torch.int32)
-        last_h = small[1].to(torch.int32)
-
-        batch_size = kv_indptr_h.numel() - 1
+        # The small arrays are checked as Python lists: a few microseconds for hundreds of
+        # requests, where a chain of small torch ops costs tens.
+        kv_list: list[int] = small[0].tolist()
+        last_list: list[int] = small[1].tolist()
+        batch_size = len(kv_list) - 1
         if batch_size < 1:
-            raise InvalidArgumentError(kv_indptr_name, "of length batch_size + 1 >= 2", f"length {kv_indptr_h.numel()}")
+            raise InvalidArgumentError(kv_indptr_name, "of length batch_size + 1 >= 2", f"length {len(kv_list)}")
         if qo_t is None:
-            qo_indptr_h = torch.arange(batch_size + 1, dtype=torch.int32)
+            qo_list = list(range(batch_size + 1))
         else:
-            qo_indptr_h = small[2].to(torch.int32)
-            if qo_indptr_h.numel() != batch_size + 1:
+            qo_list = small[2].tolist()
+            if len(qo_list) != batch_size + 1:
                 raise InvalidArgumentError(
                     "qo_indptr",
                     f"of length batch_size + 1 = {batch_size + 1} like {kv_indptr_name}",
-                    f"length {qo_indptr_h.numel()}",
+                    f"length {len(qo_list)}",
                 )
-        if last_h.numel() != batch_size:
+        if len(last_list) != batch_size:
             raise InvalidArgumentError(
-                last_page_len_name, f"of length batch_size = {batch_size}", f"length {last_h.numel()}"
+                last_page_len_name, f"of length batch_size = {batch_size}", f"length {len(last_list)}"
             )
-        for name, indptr in (("qo_indptr", qo_indptr_h), (kv_indptr_name, kv_indptr_h)):
-            if int(indptr[0]) != 0:
-                raise InvalidArgumentError(name, "a CSR offset array starting at 0", f"{name}[0] = {int(indptr[0])}")
-            steps = indptr[1:] - indptr[:-1]
-            if bool((steps < 0).any()):
-                i = int(torch.nonzero(steps < 0)[0])
+        for name, indptr in (("qo_indptr", qo_list), (kv_indptr_name, kv_list)):
+            if indptr[0] != 0:
+                raise InvalidArgumentError(name, "a CSR offset array starting at 0", f"{name}[0] = {indptr[0]}")
+            for i in range(batch_size):
+                if indptr[i + 1] < indptr[i]:
+                    raise InvalidArgumentError(
+                        name, "non-decreasing", f"{name}[{i}] = {indptr[i]} > {name}[{i + 1}] = {indptr[i + 1]}"
+                    )
+        num_pages = [b - a for a, b in itertools.pairwise(kv_list)]
+        for i, n in enumerate(num_pages):
+            if n < 1:
                 raise InvalidArgumentError(
-                    name,
-                    "non-decreasing",
-                    f"{name}[{i}] = {int(indptr[i])} > {name}[{i + 1}] = {int(indptr[i + 1])}",
+                    kv_indptr_name, "to give every request at least one page", f"request {i} has none"
                 )
-        num_pages = kv_indptr_h[1:] - kv_indptr_h[:-1]
-        if bool((num_pages < 1).any()):
-            i = int(torch.nonzero(num_pages < 1)[0])
-            raise InvalidArgumentError(
-                kv_indptr_name, "to give every request at least one page", f"request {i} has none"
-            )
-        bad_last = (last_h < 1) | (last_h > page_size)
-        if bool(bad_last.any()):
-            i = int(torch.nonzero(bad_last)[0])
-            raise InvalidArgumentError(f"{last_page_len_name}[{i}]", f"in [1, page_size={page_size}]", int(last_h[i]))
-        nnz = int(kv_indptr_h[-1])
+        for i, n in enumerate(last_list):
+            if not 1 <= n <= page_size:
+                raise InvalidArgumentError(f"{last_page_len_name}[{i}]", f"in [1, page_size={page_size}]", n)
+        nnz = kv_list[-1]
         if nnz > indices_t.numel():
             raise InvalidArgumentError(
                 kv_indices_name,
                 f"at least {kv_indptr_name}[-1] = {nnz} entries long",
                 f"{indices_t.numel()} entries",
             )
-        qo_lens = qo_indptr_h[1:] - qo_indptr_h[:-1]
-        kv_lens = (num_pages - 1) * page_size + last_h
+        qo_lens_list = [b - a for a, b in itertools.pairwise(qo_list)]
+        kv_lens_list = [(n - 1) * page_size + last for n, last in zip(num_pages, last_list, strict=True)]
         if causal:
-            short = kv_lens < qo_lens
-            if bool(short.any()):
-                i = int(torch.nonzero(short)[0])
-                raise InvalidArgumentError(
-                    "paged_kv_last_page_len",
-                    f"to give request {i} at least as many kv tokens as query tokens "
-                    "(causal attention aligns q to the end of kv)",
-                    f"kv length {int(kv_lens[i])} for {int(qo_lens[i])} query tokens",
-                )
+            for i, (q, kv) in enumerate(zip(qo_lens_list, kv_lens_list, strict=True)):
+                if kv < q:
+                    raise InvalidArgumentError(
+                        "paged_kv_last_page_len",
+                        f"to give request {i} at least as many kv tokens as query tokens "
+                        "(causal attention aligns q to the end of kv)",
+                        f"kv length {kv} for {q} query tokens",
+                    )
+        as_int32 = torch.int32
+        kv_indptr_h = torch.tensor(kv_list, dtype=as_int32)
+        qo_indptr_h = torch.tensor(qo_list, dtype=as_int32)
+        last_h = torch.tensor(last_list, dtype=as_int32)
+        qo_lens = torch.tensor(qo_lens_list, dtype=as_int32)
+        kv_lens = torch.tensor(kv_lens_list, dtype=as_int32)
 
         indices_t = indices_t[:nnz]
         max_page_index: int | None = None
         if indices_t.device.type == "cpu":
-            indices_t = indices_t.to(torch.int32)
-            if nnz:
+            if nnz:  # checked before narrowing to int32, so a huge int64 index cannot wrap into range
                 lo, hi = int(indices_t.min()), int(indices_t.max())
                 if lo < 0:
                     raise InvalidArgumentError(kv_indices_name, "non-negative page indices", f"index {lo}")
+                if hi > _INT32_MAX:
+                    raise InvalidArgumentError(kv_indices_name, f"page indices up to {_INT32_MAX}", f"index {hi}")
                 max_page_index = hi
+            indices_t = indices_t.to(torch.int32)
         else:
+            if indices_t.dtype == torch.int64 and nnz:  # no wrap-around on the narrowing below
+                ok = (indices_t.min() >= 0) & (indices_t.max() <= _INT32_MAX)
+                torch._assert_async(ok, f"'{kv_indices_name}' must hold page indices in [0, {_INT32_MAX}]")
             indices_t = indices_t.to(torch.int32)
 
         return cls(
@@ -181,9 +190,9 @@ class PagedBatch:
             qo_lens=qo_lens,
             kv_lens=kv_lens,
             batch_size=batch_size,
-            num_qo_tokens=int(qo_indptr_h[-1]),
-            max_qo_len=int(qo_lens.max()),
-            max_kv_len=int(kv_lens.max()),
+            num_qo_tokens=qo_list[-1],
+            max_qo_len=max(qo_lens_list),
+            max_kv_len=max(kv_lens_list),
             num_page_entries=nnz,
             max_page_index=max_page_index,
         )
