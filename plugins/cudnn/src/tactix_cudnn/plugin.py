@@ -183,6 +183,12 @@ def _contiguous_strides(problem: PrefillProblem | DecodeProblem, dim: int) -> tu
 Strides = tuple[int, int, int, int]
 
 
+def _knob_items(tactic: Tactic) -> tuple[tuple[str, int], ...]:
+    knobs = tactic.params.get("knobs", {})
+    assert isinstance(knobs, dict)  # _params_reasons refused anything else before a plan is made
+    return tuple(sorted((str(k), int(v)) for k, v in knobs.items()))  # type: ignore[arg-type]
+
+
 def _key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: int, max_kv: int, pages: int,
          k_strides: Strides, v_strides: Strides, tactic: Tactic) -> GraphKey:  # fmt: skip
     max_kv_b = bucket_size(max_kv)
@@ -207,7 +213,7 @@ def _key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: int, m
         scale=problem.sm_scale,
         lse=problem.return_lse,
         engine=None if tactic.is_default else int(tactic.params["engine"]),  # type: ignore[arg-type]
-        knobs=() if tactic.is_default else tuple(sorted(tactic.params.get("knobs", {}).items())),  # type: ignore[union-attr]
+        knobs=() if tactic.is_default else _knob_items(tactic),
         ragged_q=not decode,
     )
 
@@ -262,6 +268,10 @@ class CudnnAttentionPlan:
     The graph for contiguous (k, v) caches is built in plan; a cache with other strides (one
     5-D tensor whose k and v interleave) gets its graph at its first run, outside any capture.
     """
+
+    _shape: tuple[int, int, int, int]  # batch size, longest q, longest kv, container pages
+    _packed: torch.Tensor  # all device metadata in one buffer
+    _meta: dict[str, torch.Tensor]  # named views of it
 
     def __init__(self, problem: PrefillProblem | DecodeProblem, batch: PagedBatch, tactic: Tactic,
                  options: PlanOptions) -> None:  # fmt: skip
