@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("tactix_cudnn", reason="plugins/cudnn is not installed (scripts/setup.sh installs it)")
 
@@ -104,3 +106,34 @@ def test_imports_cleanly_and_says_why_it_cannot_run_here() -> None:
     assert done.returncode == 0, done.stderr
     if done.stdout.strip() != "gpu":
         assert "no CUDA GPU is visible" in done.stdout
+
+
+def test_plan_metadata_and_page_table_match_the_batch() -> None:
+    """What cuDNN reads for a ragged batch, padded to its bucket: lengths, offsets, page rows."""
+    page = 16
+    kv_lens, q_lens = [1, 16, 17, 100, 33], [1, 5, 17, 2, 33]
+    pages = [-(-n // page) for n in kv_lens]
+    gen = torch.Generator().manual_seed(0)
+    indices = torch.randperm(sum(pages) + 7, generator=gen)[: sum(pages)].to(torch.int32)
+    kv_indptr = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32)
+    qo_indptr = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    last = torch.tensor([(n - 1) % page + 1 for n in kv_lens], dtype=torch.int32)
+    batch = tactix.PagedBatch.build(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=indices,
+                                    kv_last_page_len=last, page_size=page, device=torch.device("cpu"),
+                                    causal=True)  # fmt: skip
+    problem = prefill(batch_size=5, max_kv_len=100, num_qo_tokens=58, max_qo_len=33, return_lse=True)
+    key = key_of(problem)
+    assert key.batch == 8 and key.table_width == 128 // page  # bucketed: 5 -> 8 requests, 100 -> 128 kv
+    flat, offsets = plugin.host_metadata(problem, batch, key)
+    assert all(o % 32 == 0 for o in offsets)  # 128-byte aligned sections
+    section = lambda i, n: flat[offsets[i] : offsets[i] + n]  # noqa: E731
+    assert section(0, 8) == [*q_lens, 0, 0, 0] and section(1, 8) == [*kv_lens, 0, 0, 0]
+    starts = [*qo_indptr.tolist(), 58, 58, 58]
+    assert section(3, 9) == [s * 32 * 128 for s in starts]  # q element offsets, padded requests empty
+    assert section(4, 9) == [s * 32 * 128 for s in starts] and section(5, 9) == [s * 32 for s in starts]
+    ext = torch.cat([indices, torch.zeros(key.table_width, dtype=torch.int32)])
+    table = torch.full((key.batch, key.table_width), -1, dtype=torch.int32)
+    plugin.gather_table(ext, torch.tensor(section(2, 8), dtype=torch.int32), out=table)
+    for r, n in enumerate(pages):
+        assert table[r, :n].tolist() == indices[kv_indptr[r] : kv_indptr[r] + n].tolist()
+    assert int(table.min()) >= 0 and int(table.max()) < len(indices) + 7  # every entry a valid page

@@ -12,6 +12,7 @@ kernel that follows it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -51,16 +52,21 @@ class DeviceBatch:
 
 @dataclass(frozen=True, eq=False)
 class PagedBatch:
-    """A validated paged batch. Host arrays are int32 CPU tensors; lengths are per request."""
+    """A validated paged batch. Lengths are per request.
+
+    The small arrays are kept as Python lists (``*_list``) and turned into int32 CPU tensors
+    only when a backend asks for them (``qo_indptr``, ``kv_lens``, ...): a backend that packs its
+    own metadata from the lists pays for no tensor it does not use.
+    """
 
     page_size: int
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
+    qo_indptr_list: list[int]
+    kv_indptr_list: list[int]
     kv_indices: torch.Tensor
     """The page indices as given (int32), on the CPU or on the device."""
-    kv_last_page_len: torch.Tensor
-    qo_lens: torch.Tensor
-    kv_lens: torch.Tensor
+    kv_last_page_len_list: list[int]
+    qo_lens_list: list[int]
+    kv_lens_list: list[int]
     batch_size: int
     num_qo_tokens: int
     max_qo_len: int
@@ -69,6 +75,26 @@ class PagedBatch:
     max_page_index: int | None
     """Largest page index used, when the indices are on the host; None for device indices."""
     _device_copies: dict[torch.device, DeviceBatch] = field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def qo_indptr(self) -> torch.Tensor:
+        return torch.tensor(self.qo_indptr_list, dtype=torch.int32)
+
+    @functools.cached_property
+    def kv_indptr(self) -> torch.Tensor:
+        return torch.tensor(self.kv_indptr_list, dtype=torch.int32)
+
+    @functools.cached_property
+    def kv_last_page_len(self) -> torch.Tensor:
+        return torch.tensor(self.kv_last_page_len_list, dtype=torch.int32)
+
+    @functools.cached_property
+    def qo_lens(self) -> torch.Tensor:
+        return torch.tensor(self.qo_lens_list, dtype=torch.int32)
+
+    @functools.cached_property
+    def kv_lens(self) -> torch.Tensor:
+        return torch.tensor(self.kv_lens_list, dtype=torch.int32)
 
     @property
     def indices_on_host(self) -> bool:
@@ -157,18 +183,13 @@ class PagedBatch:
                         "(causal attention aligns q to the end of kv)",
                         f"kv length {kv} for {q} query tokens",
                     )
-        as_int32 = torch.int32
-        kv_indptr_h = torch.tensor(kv_list, dtype=as_int32)
-        qo_indptr_h = torch.tensor(qo_list, dtype=as_int32)
-        last_h = torch.tensor(last_list, dtype=as_int32)
-        qo_lens = torch.tensor(qo_lens_list, dtype=as_int32)
-        kv_lens = torch.tensor(kv_lens_list, dtype=as_int32)
-
-        indices_t = indices_t[:nnz]
+        if indices_t.numel() != nnz:
+            indices_t = indices_t[:nnz]
         max_page_index: int | None = None
         if indices_t.device.type == "cpu":
             if nnz:  # checked before narrowing to int32, so a huge int64 index cannot wrap into range
-                lo, hi = int(indices_t.min()), int(indices_t.max())
+                lo_t, hi_t = indices_t.aminmax()
+                lo, hi = int(lo_t), int(hi_t)
                 if lo < 0:
                     raise InvalidArgumentError(kv_indices_name, "non-negative page indices", f"index {lo}")
                 if hi > _INT32_MAX:
@@ -183,12 +204,12 @@ class PagedBatch:
 
         return cls(
             page_size=page_size,
-            qo_indptr=qo_indptr_h,
-            kv_indptr=kv_indptr_h,
+            qo_indptr_list=qo_list,
+            kv_indptr_list=kv_list,
             kv_indices=indices_t,
-            kv_last_page_len=last_h,
-            qo_lens=qo_lens,
-            kv_lens=kv_lens,
+            kv_last_page_len_list=last_list,
+            qo_lens_list=qo_lens_list,
+            kv_lens_list=kv_lens_list,
             batch_size=batch_size,
             num_qo_tokens=qo_list[-1],
             max_qo_len=max(qo_lens_list),

@@ -20,6 +20,7 @@ from typing import Any, Final
 
 import torch
 
+from tactix import Tactic
 from tactix_cudnn.library import frontend
 
 __all__ = ["AttentionGraph", "GraphKey", "build_attention_graph", "graph_cache"]
@@ -69,6 +70,7 @@ class AttentionGraph:
         self.engine = engine
         self.knobs = knobs
         self.workspace_size = workspace
+        self.tactic = Tactic(backend="cudnn", kernel="sdpa", params={"engine": engine, "knobs": knobs})
 
 
 def _operation_graph(key: GraphKey, handle: Any) -> Any:

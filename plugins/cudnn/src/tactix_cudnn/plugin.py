@@ -9,6 +9,7 @@ engine and knobs, never by a plan index. GEMM is not implemented yet (declared a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import Any, Final
 
@@ -174,10 +175,14 @@ def _container_strides(t_stride: tuple[int, ...], layout: str) -> tuple[int, int
 
 
 def _contiguous_strides(problem: PrefillProblem | DecodeProblem, dim: int) -> tuple[int, int, int, int]:
-    h, s = problem.num_kv_heads, problem.page_size
-    shape = (1, s, h, dim) if problem.kv_layout == "NHD" else (1, h, s, dim)
+    return _layout_strides(problem.kv_layout, problem.num_kv_heads, problem.page_size, dim)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_strides(layout: str, heads: int, page: int, dim: int) -> tuple[int, int, int, int]:
+    shape = (1, page, heads, dim) if layout == "NHD" else (1, heads, page, dim)
     strides = torch.empty(shape, device="meta").stride()
-    return _container_strides(tuple(strides), problem.kv_layout)
+    return _container_strides(tuple(strides), layout)
 
 
 Strides = tuple[int, int, int, int]
@@ -244,22 +249,47 @@ def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
 _ALIGN: Final = 32  # int32 elements: 128 bytes
 
 
-def _pack(host: dict[str, torch.Tensor]) -> torch.Tensor:
-    parts = []
-    for t in host.values():
-        parts.append(t.to(torch.int32))
-        pad = -t.numel() % _ALIGN
-        if pad:
-            parts.append(torch.zeros(pad, dtype=torch.int32))
-    return torch.cat(parts)
+@functools.lru_cache(maxsize=64)
+def _zeros(n: int, device: torch.device | None = None) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.int32, device=device)
 
 
-def _unpack(packed: torch.Tensor, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out, start = {}, 0
-    for name, t in host.items():
-        out[name] = packed[start : start + t.numel()]
-        start += t.numel() + (-t.numel() % _ALIGN)
-    return out
+def host_metadata(
+    problem: PrefillProblem | DecodeProblem, batch: PagedBatch, key: GraphKey
+) -> tuple[list[int], list[int]]:
+    """The small int32 metadata of a plan as one flat list, and where each section starts.
+
+    Sections (each 128-byte aligned; ``key.batch`` entries, requests past the real batch empty):
+    q lengths, kv lengths, each request's first entry in the page indices, and for ragged q the
+    element offsets of q, out and (with LSE) the stats rows (``key.batch + 1`` entries each).
+    """
+    b, real = key.batch, batch.batch_size
+    pad = [0] * (b - real)
+    qo = batch.qo_indptr_list
+    starts = qo + [qo[-1]] * (b - real)
+    sections: list[list[int]] = [batch.qo_lens_list + pad, batch.kv_lens_list + pad, batch.kv_indptr_list[:-1] + pad]
+    if key.ragged_q:
+        sections.append([s * (problem.num_qo_heads * problem.head_dim_qk) for s in starts])
+        sections.append([s * (problem.num_qo_heads * problem.head_dim_vo) for s in starts])
+        if key.lse:
+            sections.append([s * problem.num_qo_heads for s in starts])
+    flat: list[int] = []
+    offsets = []
+    for sec in sections:
+        offsets.append(len(flat))
+        flat += sec
+        flat += [0] * (-len(flat) % _ALIGN)
+    return flat, offsets
+
+
+def gather_table(ext: torch.Tensor, row_starts: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[r] = ext[row_starts[r] : row_starts[r] + width]``: the padded page table from CSR indices.
+
+    ``ext`` is the page indices followed by ``width`` valid filler entries, so every row is in
+    bounds; entries past a request's own pages hold other requests' pages and are never read.
+    """
+    width = out.shape[1]
+    torch.index_select(ext.unfold(0, width, 1), 0, row_starts, out=out)
 
 
 class CudnnAttentionPlan:
@@ -267,11 +297,18 @@ class CudnnAttentionPlan:
 
     The graph for contiguous (k, v) caches is built in plan; a cache with other strides (one
     5-D tensor whose k and v interleave) gets its graph at its first run, outside any capture.
+
+    Plan does little host work: the per-request lengths and offsets are packed from the batch's
+    Python lists into one int32 array; the page indices travel to the device as given (CSR) in
+    the same transfer, and the padded page table cuDNN reads is gathered from them on the
+    device by one ``index_select`` over a sliding-window view (row ``r`` = the ``width``
+    entries from ``kv_indptr[r]``; entries past a request's own pages are never read).
     """
 
     _shape: tuple[int, int, int, int]  # batch size, longest q, longest kv, container pages
-    _packed: torch.Tensor  # all device metadata in one buffer
-    _meta: dict[str, torch.Tensor]  # named views of it
+    _small: torch.Tensor  # device: lengths, offsets and row starts
+    _table: torch.Tensor  # device: the padded page table [batch, width]
+    _base_key: GraphKey
 
     def __init__(self, problem: PrefillProblem | DecodeProblem, batch: PagedBatch, tactic: Tactic,
                  options: PlanOptions) -> None:  # fmt: skip
@@ -283,73 +320,69 @@ class CudnnAttentionPlan:
             max_page = int(batch.kv_indices.max()) if batch.num_page_entries else 0
         pages = max_page + 1
         previous = options["previous"]
-        if options["use_cuda_graph"] and isinstance(previous, CudnnAttentionPlan) and pages <= previous._shape[3]:
-            pages = previous._shape[3]  # keep the captured graph's container size
+        graph_mode = options["use_cuda_graph"] and isinstance(previous, CudnnAttentionPlan)
+        if graph_mode:
+            assert isinstance(previous, CudnnAttentionPlan)
+            pages = max(pages, previous._shape[3])  # keep the captured graph's container size
         self._shape = (batch.batch_size, batch.max_qo_len, batch.max_kv_len, pages)
         self._requested = tactic
         base = self._key(_contiguous_strides(problem, problem.head_dim_qk),
                          _contiguous_strides(problem, problem.head_dim_vo))  # fmt: skip
-        self._fill_metadata(batch, base, options)
+        if graph_mode:
+            assert isinstance(previous, CudnnAttentionPlan)
+            # the re-plan names the concrete plan the first one chose: compare shapes, not tactics
+            if dataclasses.replace(previous._base_key, engine=None, knobs=()) != dataclasses.replace(
+                base, engine=None, knobs=()
+            ):
+                raise UnsupportedProblemError(NAME, problem, [
+                    "in CUDA-graph mode a re-plan must keep the graph's buckets (batch, lengths, pages)"])  # fmt: skip
+        self._base_key = base
+        self._fill_metadata(batch, base, previous if graph_mode else None)  # type: ignore[arg-type]
         graph, self.built = graph_cache.get(base, self.handle)
         self._graphs: dict[tuple[tuple[int, ...], tuple[int, ...]], AttentionGraph] = {}
         self._graphs[(base.k_strides, base.v_strides)] = graph
-        self.tactic = Tactic(backend=NAME, kernel="sdpa", params={"engine": graph.engine, "knobs": graph.knobs})
-        self._workspace = torch.empty(max(graph.workspace_size, 1), dtype=torch.uint8, device=self.device)
+        self.tactic = graph.tactic
+        workspace = getattr(previous, "_workspace", None)
+        if not isinstance(workspace, torch.Tensor) or workspace.numel() < graph.workspace_size:
+            workspace = torch.empty(max(graph.workspace_size, 1), dtype=torch.uint8, device=self.device)
+        self._workspace = workspace  # stream-ordered reuse: the previous plan is replaced by this one
         self._q_packed: torch.Tensor | None = None  # for a strided q (a view of a fused QKV projection)
 
     def _key(self, k_strides: tuple[int, int, int, int], v_strides: tuple[int, int, int, int]) -> GraphKey:
         b, q, kv, pages = self._shape
         return _key(self.problem, b, q, kv, pages, k_strides, v_strides, self._requested)
 
-    def _fill_metadata(self, batch: PagedBatch, key: GraphKey, options: PlanOptions) -> None:
-        p = self.problem
-        b = key.batch
-        q_lens = torch.zeros(b, dtype=torch.int32)
-        kv_lens = torch.zeros(b, dtype=torch.int32)
-        q_lens[: batch.batch_size] = batch.qo_lens
-        kv_lens[: batch.batch_size] = batch.kv_lens
-        table = torch.zeros(b, key.table_width, dtype=torch.int32)
-        pages = (batch.kv_indptr[1:] - batch.kv_indptr[:-1]).long()
-        request = torch.repeat_interleave(torch.arange(batch.batch_size), pages)
-        slot = torch.arange(batch.num_page_entries) - batch.kv_indptr[:-1].long()[request]
-        table[request, slot] = batch.kv_indices.cpu()
-        starts = torch.zeros(b + 1, dtype=torch.int64)
-        starts[1:] = torch.cumsum(q_lens, 0)
-        host = {
-            "seq_q": q_lens,
-            "seq_kv": kv_lens,
-            "table": table.reshape(-1),
-            "q_off": (starts * p.num_qo_heads * p.head_dim_qk).to(torch.int32),
-            "o_off": (starts * p.num_qo_heads * p.head_dim_vo).to(torch.int32),
-            "stats_off": (starts * p.num_qo_heads).to(torch.int32),
-        }
-        previous = options["previous"]
-        if options["use_cuda_graph"] and isinstance(previous, CudnnAttentionPlan):
-            # the re-plan names the concrete plan the first one chose: compare shapes, not tactics
-            shape = dataclasses.replace(key, engine=None, knobs=())
-            if dataclasses.replace(previous._graph_key_base(), engine=None, knobs=()) != shape:
-                raise UnsupportedProblemError(NAME, p, [
-                    "in CUDA-graph mode a re-plan must keep the graph's buckets (batch, lengths, pages)"])  # fmt: skip
-            previous._packed.copy_(_pack(host))  # same addresses: a captured graph reads the new batch
-            self._packed, self._meta = previous._packed, previous._meta
+    def _fill_metadata(self, batch: PagedBatch, key: GraphKey, previous: CudnnAttentionPlan | None) -> None:
+        flat, offsets = host_metadata(self.problem, batch, key)
+        b, width, nnz = key.batch, key.table_width, batch.num_page_entries
+        small_host = torch.tensor(flat, dtype=torch.int32)
+        indices = batch.kv_indices
+        if indices.device.type == "cpu":
+            # one pinned buffer and one transfer: [small | page indices | width zeros]
+            packed = torch.cat([small_host, indices, _zeros(width)]).pin_memory().to(self.device, non_blocking=True)
+            small, ext = packed[: len(flat)], packed[len(flat) :]
         else:
-            # one pinned buffer and one transfer for all of it (each piece 128-byte aligned)
-            self._packed = _pack(host).pin_memory().to(self.device, non_blocking=True)
-            self._meta = _unpack(self._packed, host)
+            small = small_host.pin_memory().to(self.device, non_blocking=True)
+            ext = torch.cat([indices, _zeros(width, self.device)])
+        n = len(flat)
+        if previous is not None:  # CUDA-graph mode: same addresses, new contents
+            previous._small[:n].copy_(small)
+            small, table = previous._small, previous._table
+        else:
+            table = torch.empty(b, width, dtype=torch.int32, device=self.device)
+        gather_table(ext[: nnz + width], small[offsets[2] : offsets[2] + b], out=table)
+        self._small, self._table = small, table
+        ptr = small.data_ptr()
         self._fixed = {
-            UID_SEQ_Q: self._meta["seq_q"].data_ptr(),
-            UID_SEQ_KV: self._meta["seq_kv"].data_ptr(),
-            UID_TABLE: self._meta["table"].data_ptr(),
+            UID_SEQ_Q: ptr + 4 * offsets[0],
+            UID_SEQ_KV: ptr + 4 * offsets[1],
+            UID_TABLE: table.data_ptr(),
         }
         if key.ragged_q:
-            self._fixed[UID_Q_OFF] = self._meta["q_off"].data_ptr()
-            self._fixed[UID_O_OFF] = self._meta["o_off"].data_ptr()
-            if p.return_lse:
-                self._fixed[UID_STATS_OFF] = self._meta["stats_off"].data_ptr()
-        self._base_key = key
-
-    def _graph_key_base(self) -> GraphKey:
-        return self._base_key
+            self._fixed[UID_Q_OFF] = ptr + 4 * offsets[3]
+            self._fixed[UID_O_OFF] = ptr + 4 * offsets[4]
+            if key.lse:
+                self._fixed[UID_STATS_OFF] = ptr + 4 * offsets[5]
 
     def _graph_for(self, k: torch.Tensor, v: torch.Tensor) -> AttentionGraph:
         strides = (_container_strides(k.stride(), self.problem.kv_layout),
