@@ -137,3 +137,58 @@ def test_plan_metadata_and_page_table_match_the_batch() -> None:
     for r, n in enumerate(pages):
         assert table[r, :n].tolist() == indices[kv_indptr[r] : kv_indptr[r] + n].tolist()
     assert int(table.min()) >= 0 and int(table.max()) < len(indices) + 7  # every entry a valid page
+
+
+def gemm(**changes: object) -> tactix.problems.GemmProblem:
+    fields: dict[str, object] = dict(device_type="cuda", m=64, n=256, k=128, a_dtype="bfloat16", b_dtype="bfloat16",
+                                     out_dtype="bfloat16")  # fmt: skip
+    fields.update(changes)
+    return tactix.problems.GemmProblem(**fields)  # type: ignore[arg-type]
+
+
+def gemm_key_of(problem: tactix.problems.GemmProblem, tactic: tactix.Tactic | None = None) -> object:
+    return plugin._gemm_key(problem, *plugin._gemm_strides(problem), tactic or tactix.Tactic.default("cudnn"))
+
+
+def test_every_gemm_property_reaches_the_graph_key() -> None:
+    base = gemm_key_of(gemm())
+    changes = {
+        "m": dict(m=65), "n": dict(n=264), "k": dict(k=136), "batch": dict(batch=3, batched=True),
+        "a layout": dict(a_k_major=False), "b layout": dict(b_k_major=False),
+        "dtype": dict(a_dtype="float16", b_dtype="float16", out_dtype="float16"),
+        "bias": dict(bias_dtype="bfloat16"),
+        "fp8 scales": dict(a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn", scale_mode="per_tensor"),
+    }  # fmt: skip
+    for name, change in changes.items():
+        assert gemm_key_of(gemm(**change)) != base, f"{name} does not reach the GEMM graph key"
+    tactic = tactix.Tactic(backend="cudnn", kernel="matmul", params={"engine": 0, "knobs": {"TILE_SIZE": 3}})
+    assert gemm_key_of(gemm(), tactic) != base
+
+
+def test_gemm_operand_strides_follow_the_layout_and_ignore_size_one_dims() -> None:
+    a_k, b_k = plugin._gemm_strides(gemm())
+    assert a_k == (64 * 128, 128, 1) and b_k == (128 * 256, 1, 128)
+    a_m, b_n = plugin._gemm_strides(gemm(a_k_major=False, b_k_major=False))
+    assert a_m == (64 * 128, 1, 64) and b_n == (128 * 256, 256, 1)
+    weight = torch.empty(256, 128)  # nn.Linear layout [n, k]; b is its transpose
+    assert plugin._normalised(weight.t(), b_k) == b_k
+    assert plugin._normalised(torch.empty(128, 256), b_n) == b_n
+    # a [1, k] row has no layout: whatever strides torch gives it, it is read k-major
+    row = torch.empty(128, 1).t()
+    one = gemm(m=1, a_k_major=False)
+    assert plugin._normalised(row, plugin._gemm_strides(one)[0]) == (128, 128, 1)
+    batched = torch.empty(3, 64, 128)
+    assert plugin._normalised(batched[:, :, :], a_k) == (64 * 128, 128, 1)
+    assert plugin._normalised(torch.empty(3, 2, 64, 128)[:, 0], a_k) == (2 * 64 * 128, 128, 1)
+
+
+def test_gemm_check_reasons() -> None:
+    odd = plugin._gemm_reasons(gemm(m=5, n=33, k=17))
+    assert any("a: k must be a multiple of 8 (got 17)" in r for r in odd)
+    assert any("out: n must be a multiple of 8 (got 33)" in r for r in odd)
+    fp8 = dict(a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn", scale_mode="per_tensor")
+    assert any("both operands k-major" in r for r in plugin._gemm_reasons(gemm(b_k_major=False, **fp8)))
+    assert any("multiple of 16 (got 136)" in r for r in plugin._gemm_reasons(gemm(k=136, **fp8)))
+    assert not any("k-major" in r for r in plugin._gemm_reasons(gemm(m=1, a_k_major=False, **fp8)))
+    sdpa = tactix.Tactic(backend="cudnn", kernel="sdpa", params={"engine": 8})
+    assert "not this op's" in plugin._params_reasons(sdpa, "matmul")[0]

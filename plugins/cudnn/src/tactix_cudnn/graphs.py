@@ -23,7 +23,16 @@ import torch
 from tactix import Tactic
 from tactix_cudnn.library import frontend
 
-__all__ = ["AttentionGraph", "GraphKey", "build_attention_graph", "graph_cache"]
+__all__ = [
+    "BuiltGraph",
+    "GemmKey",
+    "GraphKey",
+    "build_attention_graph",
+    "build_gemm_graph",
+    "enumerate_gemm_plans",
+    "enumerate_plans",
+    "graph_cache",
+]
 
 _CACHE_SIZE: Final = 64
 
@@ -61,16 +70,17 @@ def _cudnn_dtype(cudnn: Any, name: str) -> Any:
     return {"float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16}[name]
 
 
-class AttentionGraph:
+class BuiltGraph:
     """A built graph with its workspace size and the (engine, knobs) of the plan it runs."""
 
-    def __init__(self, key: GraphKey, graph: Any, engine: int, knobs: dict[str, int], workspace: int) -> None:
+    def __init__(self, key: GraphKey | GemmKey, graph: Any, engine: int, knobs: dict[str, int], workspace: int,
+                 kernel: str = "sdpa") -> None:  # fmt: skip
         self.key = key
         self.graph = graph
         self.engine = engine
         self.knobs = knobs
         self.workspace_size = workspace
-        self.tactic = Tactic(backend="cudnn", kernel="sdpa", params={"engine": engine, "knobs": knobs})
+        self.tactic = Tactic(backend="cudnn", kernel=kernel, params={"engine": engine, "knobs": knobs})
 
 
 def _operation_graph(key: GraphKey, handle: Any) -> Any:
@@ -173,12 +183,12 @@ def enumerate_plans(key: GraphKey, handle: Any) -> list[tuple[int, dict[str, int
     return out
 
 
-def build_attention_graph(key: GraphKey, handle: Any) -> AttentionGraph:
-    """Build the graph for ``key`` with the plan its (engine, knobs) name, or cuDNN's first choice."""
+def _choose_plan(g: Any, engine: int | None, knobs: tuple[tuple[str, int], ...],
+                 excluded: dict[int, str]) -> tuple[int, int, dict[str, int]]:  # fmt: skip
+    """Build the plan that (engine, knobs) name, or cuDNN's first heuristic choice not excluded;
+    returns its index, engine and knobs."""
     cudnn = frontend()
-    g = _operation_graph(key, handle)
-    excluded = excluded_engines(key)
-    if key.engine is None:
+    if engine is None:
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         g.check_support()
         candidates = [i for i in range(g.get_execution_plan_count())
@@ -187,19 +197,106 @@ def build_attention_graph(key: GraphKey, handle: Any) -> AttentionGraph:
             raise RuntimeError(f"cuDNN offers no plan for this graph except excluded engines {excluded}")
         index = candidates[0]
         g.build_plan_at_index(index)
-        engine, knobs = g.get_engine_and_knobs_at_index(index)
-        chosen = {_knob_name(k): int(v) for k, v in knobs.items()}
-    else:
-        if key.engine in excluded:
-            raise ValueError(excluded[key.engine])
-        wanted = {_knob_type(cudnn, name): value for name, value in key.knobs}
-        g.create_execution_plan(key.engine, wanted)
-        g.check_support()
-        index = g.get_execution_plan_count() - 1
-        g.build_plan_at_index(index)
-        engine, chosen = key.engine, dict(key.knobs)
+        chosen_engine, chosen_knobs = g.get_engine_and_knobs_at_index(index)
+        return index, int(chosen_engine), {_knob_name(k): int(v) for k, v in chosen_knobs.items()}
+    if engine in excluded:
+        raise ValueError(excluded[engine])
+    g.create_execution_plan(engine, {_knob_type(cudnn, name): value for name, value in knobs})
+    g.check_support()
+    index = g.get_execution_plan_count() - 1
+    g.build_plan_at_index(index)
+    return index, engine, dict(knobs)
+
+
+def build_attention_graph(key: GraphKey, handle: Any) -> BuiltGraph:
+    """Build the graph for ``key`` with the plan its (engine, knobs) name, or cuDNN's first choice."""
+    g = _operation_graph(key, handle)
+    index, engine, knobs = _choose_plan(g, key.engine, key.knobs, excluded_engines(key))
     workspace = int(g.get_workspace_size_plan_at_index(index))
-    return AttentionGraph(key, g, int(engine), chosen, workspace)
+    return BuiltGraph(key, g, engine, knobs, workspace)
+
+
+# -- GEMM --------------------------------------------------------------------------------------
+
+UID_A, UID_B, UID_C, UID_BIAS, UID_SCALE_A, UID_SCALE_B = 21, 22, 23, 24, 25, 26
+
+
+@dataclass(frozen=True)
+class GemmKey:
+    """Everything a built matmul graph depends on (all sizes exact: a GEMM plan is per shape)."""
+
+    a_dtype: str
+    b_dtype: str
+    out_dtype: str
+    batch: int
+    m: int
+    n: int
+    k: int
+    a_strides: tuple[int, int, int]  # of the logical [batch, m, k] operand
+    b_strides: tuple[int, int, int]  # of the logical [batch, k, n] operand
+    bias: bool
+    scaled: bool  # fp8 per-tensor scales: out = scale_a * scale_b * (a @ b) (+ bias)
+    engine: int | None
+    knobs: tuple[tuple[str, int], ...]
+
+
+_GEMM_DTYPES: Final = {"float16": "HALF", "bfloat16": "BFLOAT16", "float32": "FLOAT", "float8_e4m3fn": "FP8_E4M3"}
+
+
+def _gemm_graph(key: GemmKey, handle: Any) -> Any:
+    cudnn = frontend()
+
+    def dt(name: str) -> Any:
+        return getattr(cudnn.data_type, _GEMM_DTYPES[name])
+
+    g = cudnn.pygraph(
+        io_data_type=dt(key.out_dtype),
+        intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT,
+        handle=handle,
+    )
+
+    def tensor(uid: int, name: str, dims: tuple[int, ...], strides: tuple[int, ...], dtype: Any) -> Any:
+        t = g.tensor(name=name, dim=list(dims), stride=list(strides), data_type=dtype)
+        t.set_uid(uid)
+        return t
+
+    b, m, n, k = key.batch, key.m, key.n, key.k
+    a = tensor(UID_A, "a", (b, m, k), key.a_strides, dt(key.a_dtype))
+    w = tensor(UID_B, "b", (b, k, n), key.b_strides, dt(key.b_dtype))
+    acc = g.matmul(name="matmul", A=a, B=w, compute_data_type=cudnn.data_type.FLOAT)
+    if key.scaled:
+        for uid, name in ((UID_SCALE_A, "scale_a"), (UID_SCALE_B, "scale_b")):
+            scale = tensor(uid, name, (1, 1, 1), (1, 1, 1), cudnn.data_type.FLOAT)
+            acc.set_data_type(cudnn.data_type.FLOAT)
+            acc = g.mul(name=f"mul_{name}", a=acc, b=scale, compute_data_type=cudnn.data_type.FLOAT)
+    if key.bias:
+        bias = tensor(UID_BIAS, "bias", (1, 1, n), (n, n, 1), dt(key.out_dtype))
+        acc.set_data_type(cudnn.data_type.FLOAT)
+        acc = g.add(name="add_bias", a=acc, b=bias, compute_data_type=cudnn.data_type.FLOAT)
+    acc.set_uid(UID_C).set_output(True).set_data_type(dt(key.out_dtype))
+    acc.set_dim([b, m, n]).set_stride([m * n, n, 1])
+    g.validate()
+    g.build_operation_graph()
+    return g
+
+
+def build_gemm_graph(key: GemmKey, handle: Any) -> BuiltGraph:
+    g = _gemm_graph(key, handle)
+    index, engine, knobs = _choose_plan(g, key.engine, key.knobs, {})
+    workspace = int(g.get_workspace_size_plan_at_index(index))
+    return BuiltGraph(key, g, engine, knobs, workspace, kernel="matmul")
+
+
+def enumerate_gemm_plans(key: GemmKey, handle: Any) -> list[tuple[int, dict[str, int]]]:
+    cudnn = frontend()
+    g = _gemm_graph(key, handle)
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    out = []
+    for i in range(g.get_execution_plan_count()):
+        engine, knobs = g.get_engine_and_knobs_at_index(i)
+        out.append((int(engine), {_knob_name(kn): int(v) for kn, v in knobs.items()}))
+    return out
 
 
 class GraphCache:
@@ -207,18 +304,18 @@ class GraphCache:
 
     def __init__(self, size: int = _CACHE_SIZE) -> None:
         self.size = size
-        self._graphs: OrderedDict[GraphKey, AttentionGraph] = OrderedDict()
+        self._graphs: OrderedDict[GraphKey | GemmKey, BuiltGraph] = OrderedDict()
         self._lock = threading.Lock()
         self.builds = 0
 
-    def get(self, key: GraphKey, handle: Any) -> tuple[AttentionGraph, bool]:
+    def get(self, key: GraphKey | GemmKey, handle: Any) -> tuple[BuiltGraph, bool]:
         """The graph for ``key`` and whether it had to be built now."""
         with self._lock:
             found = self._graphs.get(key)
             if found is not None:
                 self._graphs.move_to_end(key)
                 return found, False
-        built = build_attention_graph(key, handle)
+        built = build_attention_graph(key, handle) if isinstance(key, GraphKey) else build_gemm_graph(key, handle)
         with self._lock:
             self._graphs[key] = built
             self.builds += 1

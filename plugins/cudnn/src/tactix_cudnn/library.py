@@ -20,6 +20,7 @@ FEATURES: Final[dict[str, int]] = {
     "ragged_paged": 90700,  # ragged (packed) Q together with paged K/V
     "bottom_right_causal": 90300,
     "sliding_window": 90600,
+    "matmul": 90000,
     "fp8_matmul": 90000,
 }
 """Library versions that introduced what the plugin relies on (from cuDNN's release notes)."""

@@ -3,7 +3,8 @@
 Tactics are cuDNN execution plans named by engine id and knob settings
 (``Tactic(backend="cudnn", kernel="sdpa", params={"engine": 8, "knobs": {"KERNEL_CFG": 35}})``);
 the default tactic is cuDNN's heuristic first choice. A tactic is mapped back to a plan by its
-engine and knobs, never by a plan index. GEMM is not implemented yet (declared absent).
+engine and knobs, never by a plan index. GEMM (``kernel="matmul"``) is a matmul graph with
+fp8 per-tensor scales and bias fused as pointwise nodes.
 """
 
 from __future__ import annotations
@@ -17,22 +18,30 @@ import torch
 
 import tactix
 from tactix import PagedBatch, PlanOptions, Tactic, UnsupportedProblemError
-from tactix.problems import DecodeProblem, PrefillProblem, Problem, bucket_size
+from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem, bucket_size
 from tactix_cudnn import __version__
 from tactix_cudnn.graphs import (
+    UID_A,
+    UID_B,
+    UID_BIAS,
+    UID_C,
     UID_K,
     UID_O,
     UID_O_OFF,
     UID_Q,
     UID_Q_OFF,
+    UID_SCALE_A,
+    UID_SCALE_B,
     UID_SEQ_KV,
     UID_SEQ_Q,
     UID_STATS,
     UID_STATS_OFF,
     UID_TABLE,
     UID_V,
-    AttentionGraph,
+    BuiltGraph,
+    GemmKey,
     GraphKey,
+    enumerate_gemm_plans,
     enumerate_plans,
     excluded_engines,
     graph_cache,
@@ -60,6 +69,23 @@ _ATTENTION = tactix.AttentionCapabilities(
 )
 
 
+_GEMM = tactix.GemmCapabilities(
+    devices=frozenset({"cuda"}),
+    dtypes=frozenset(
+        [tactix.GemmDTypes(a=t, b=t, out=t) for t in ("float16", "bfloat16")]
+        + [
+            tactix.GemmDTypes(a="float8_e4m3fn", b="float8_e4m3fn", out=o, scale_mode="per_tensor")
+            for o in ("float16", "bfloat16")
+        ]
+    ),
+    a_m_major=True,
+    b_n_major=True,
+    bias=True,
+    batched=True,
+    cuda_graph="fixed_buffers",
+)
+
+
 @tactix.hookimpl
 def tactix_backends() -> list[tactix.BackendSpec]:
     return [
@@ -69,6 +95,7 @@ def tactix_backends() -> list[tactix.BackendSpec]:
             description="cuDNN frontend graphs (paged SDPA); tactics are cuDNN engines and knobs",
             prefill=_ATTENTION,
             decode=_ATTENTION,
+            gemm=_GEMM,
             preference=10,
         )
     ]
@@ -87,11 +114,13 @@ def tactix_environment(backend: str) -> list[str] | None:
     return reasons
 
 
-def _params_reasons(tactic: Tactic) -> list[str]:
+def _params_reasons(tactic: Tactic, kernel: str = "sdpa") -> list[str]:
     if tactic.is_default:
         return [] if not tactic.params else [f"the default tactic takes no params (got {tactic.params})"]
-    if tactic.kernel != "sdpa":
-        return [f"unknown kernel '{tactic.kernel}' (known: default, sdpa)"]
+    if tactic.kernel != kernel:
+        if tactic.kernel in ("sdpa", "matmul"):
+            return [f"kernel '{tactic.kernel}' is not this op's (this op's: default, {kernel})"]
+        return [f"unknown kernel '{tactic.kernel}' (known: default, sdpa, matmul)"]
     engine, knobs = tactic.params.get("engine"), tactic.params.get("knobs", {})
     if not isinstance(engine, int) or isinstance(engine, bool) or engine < 0:
         return [f"params.engine must be a cuDNN engine id (got {engine!r})"]
@@ -136,8 +165,8 @@ def _attention_reasons(problem: PrefillProblem | DecodeProblem) -> list[str]:
 def tactix_check(backend: str, problem: Problem, tactic: Tactic) -> list[str] | None:
     if backend != NAME:
         return None
-    if not isinstance(problem, (PrefillProblem, DecodeProblem)):
-        return ["cudnn implements no GEMM yet"]
+    if isinstance(problem, GemmProblem):
+        return _params_reasons(tactic, "matmul") + _gemm_reasons(problem)
     reasons = _params_reasons(tactic) + _attention_reasons(problem)
     if not reasons and not tactic.is_default:
         probe = GraphKey(problem.q_dtype, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim_qk,
@@ -147,6 +176,33 @@ def tactix_check(backend: str, problem: Problem, tactic: Tactic) -> list[str] | 
         if why:
             reasons.append(why)
     return reasons
+
+
+_ALIGN_BYTES: Final = 16
+
+
+def _gemm_reasons(problem: GemmProblem) -> list[str]:
+    out = []
+    fp8 = problem.scale_mode == "per_tensor"
+    operand_bytes = 1 if fp8 else 2
+    a_dense = ("k", problem.k) if problem.a_k_major or problem.m == 1 else ("m", problem.m)
+    b_dense = ("k", problem.k) if problem.b_k_major or problem.n == 1 else ("n", problem.n)
+    # the rows cuDNN reads and writes must start 16-byte aligned
+    for what, (name, extent), size in (("a", a_dense, operand_bytes), ("b", b_dense, operand_bytes),
+                                       ("out", ("n", problem.n), 2)):  # fmt: skip
+        multiple = _ALIGN_BYTES // size
+        if extent % multiple:
+            out.append(f"cuDNN matmul needs 16-byte aligned rows of {what}: {name} must be a multiple of "
+                       f"{multiple} (got {extent})")  # fmt: skip
+    if fp8:
+        if a_dense[0] != "k" or b_dense[0] != "k":
+            out.append("fp8 matmul needs both operands k-major (a row-major [m, k], b a transposed [n, k])")
+        if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+            out.append("fp8 matmul needs compute capability 8.9 or newer")
+        out += feature_reasons("fp8_matmul")
+    else:
+        out += feature_reasons("matmul")
+    return out
 
 
 # -- handles and keys --------------------------------------------------------------------------
@@ -165,6 +221,14 @@ def handle_for(device: torch.device) -> Any:
             with torch.cuda.device(index):
                 h = _handles[index] = frontend().create_handle()
     return h
+
+
+def _bind_stream(handle: Any, device: torch.device) -> None:
+    """Point the handle at torch's current stream (a set_stream call only when it changed)."""
+    stream = torch.cuda.current_stream(device).cuda_stream
+    if _bound_stream.get(id(handle)) != stream:
+        frontend().set_stream(handle, stream)
+        _bound_stream[id(handle)] = stream
 
 
 def _container_strides(t_stride: tuple[int, ...], layout: str) -> tuple[int, int, int, int]:
@@ -225,8 +289,17 @@ def _key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: int, m
 
 @tactix.hookimpl
 def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
-    if backend != NAME or not isinstance(problem, (PrefillProblem, DecodeProblem)):
+    if backend != NAME:
         return None
+    if isinstance(problem, GemmProblem):
+        if tactix_environment(NAME) or _gemm_reasons(problem):
+            return []
+        a_strides, b_strides = _gemm_strides(problem)
+        gemm_key = _gemm_key(problem, a_strides, b_strides, Tactic.default(NAME))
+        device = torch.device("cuda", torch.cuda.current_device())
+        found = enumerate_gemm_plans(gemm_key, handle_for(device))
+        return list(dict.fromkeys(
+            Tactic(backend=NAME, kernel="matmul", params={"engine": e, "knobs": k}) for e, k in found))  # fmt: skip
     if tactix_environment(NAME) or _attention_reasons(problem):
         return []
     max_q = getattr(problem, "max_qo_len", 1)
@@ -339,7 +412,7 @@ class CudnnAttentionPlan:
         self._base_key = base
         self._fill_metadata(batch, base, previous if graph_mode else None)  # type: ignore[arg-type]
         graph, self.built = graph_cache.get(base, self.handle)
-        self._graphs: dict[tuple[tuple[int, ...], tuple[int, ...]], AttentionGraph] = {}
+        self._graphs: dict[tuple[tuple[int, ...], tuple[int, ...]], BuiltGraph] = {}
         self._graphs[(base.k_strides, base.v_strides)] = graph
         self.tactic = graph.tactic
         workspace = getattr(previous, "_workspace", None)
@@ -384,7 +457,7 @@ class CudnnAttentionPlan:
             if key.lse:
                 self._fixed[UID_STATS_OFF] = ptr + 4 * offsets[5]
 
-    def _graph_for(self, k: torch.Tensor, v: torch.Tensor) -> AttentionGraph:
+    def _graph_for(self, k: torch.Tensor, v: torch.Tensor) -> BuiltGraph:
         strides = (_container_strides(k.stride(), self.problem.kv_layout),
                    _container_strides(v.stride(), self.problem.kv_layout))  # fmt: skip
         graph = self._graphs.get(strides)
@@ -410,10 +483,7 @@ class CudnnAttentionPlan:
         pack[UID_O] = out.data_ptr()
         if lse is not None:
             pack[UID_STATS] = lse.data_ptr()
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        if _bound_stream.get(id(self.handle)) != stream:  # the handle follows torch's current stream
-            frontend().set_stream(self.handle, stream)
-            _bound_stream[id(self.handle)] = stream
+        _bind_stream(self.handle, self.device)
         graph.graph.execute(pack, self._workspace, handle=self.handle)
 
 
@@ -437,3 +507,101 @@ def tactix_plan_prefill(backend: str, problem: PrefillProblem, batch: PagedBatch
 def tactix_plan_decode(backend: str, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic,
                        options: PlanOptions) -> CudnnAttentionPlan | None:  # fmt: skip
     return _plan(backend, problem, batch, tactic, options)
+
+
+# -- GEMM ---------------------------------------------------------------------------------------
+
+Strides3 = tuple[int, int, int]
+
+
+def _gemm_strides(problem: GemmProblem) -> tuple[Strides3, Strides3]:
+    """Strides of the logical ``[batch, m, k]`` and ``[batch, k, n]`` operands in the planned layouts
+    (a dimension of size 1 has no layout: it is read k-major)."""
+    m, n, k = problem.m, problem.n, problem.k
+    a = (m * k, k, 1) if problem.a_k_major or m == 1 else (m * k, 1, m)
+    b = (k * n, 1, k) if problem.b_k_major or n == 1 else (k * n, n, 1)
+    return a, b
+
+
+def _normalised(t: torch.Tensor, canonical: Strides3) -> Strides3:
+    """A tensor's [batch, rows, cols] strides, with the canonical stride where a size is 1."""
+    strides = t.stride()
+    if t.dim() == 2:
+        strides = (canonical[0], *strides)
+    shape = (1, *t.shape) if t.dim() == 2 else tuple(t.shape)
+    s0, s1, s2 = (c if size == 1 else s for s, size, c in zip(strides, shape, canonical, strict=True))
+    return (s0, s1, s2)
+
+
+def _gemm_key(problem: GemmProblem, a_strides: Strides3, b_strides: Strides3, tactic: Tactic) -> GemmKey:
+    return GemmKey(
+        a_dtype=problem.a_dtype,
+        b_dtype=problem.b_dtype,
+        out_dtype=problem.out_dtype,
+        batch=problem.batch,
+        m=problem.m,
+        n=problem.n,
+        k=problem.k,
+        a_strides=a_strides,
+        b_strides=b_strides,
+        bias=problem.bias_dtype is not None,
+        scaled=problem.scale_mode == "per_tensor",
+        engine=None if tactic.is_default else int(tactic.params["engine"]),  # type: ignore[arg-type]
+        knobs=() if tactic.is_default else _knob_items(tactic),
+    )
+
+
+class CudnnGemmPlan:
+    """A matmul graph (plus scales and bias where asked) for one exact GEMM shape.
+
+    The graph for the planned layout is built in plan; operands with other strides (a batch
+    slice, say) get their own graph at their first run, outside any capture.
+    """
+
+    def __init__(self, problem: GemmProblem, tactic: Tactic, options: PlanOptions) -> None:
+        self.problem = problem
+        self.device = options["device"]
+        self.handle = handle_for(self.device)
+        self._requested = tactic
+        self._canonical = _gemm_strides(problem)
+        graph, self.built = graph_cache.get(_gemm_key(problem, *self._canonical, tactic), self.handle)
+        self.tactic = graph.tactic
+        self._workspace = torch.empty(max(graph.workspace_size, 1), dtype=torch.uint8, device=self.device)
+        self._by_strides: dict[tuple[tuple[int, ...], tuple[int, ...]], BuiltGraph] = {}
+        self._graph = graph
+
+    def _graph_for(self, a: torch.Tensor, b: torch.Tensor) -> BuiltGraph:
+        seen = (a.stride(), b.stride())
+        graph = self._by_strides.get(seen)
+        if graph is None:
+            strides = (_normalised(a, self._canonical[0]), _normalised(b, self._canonical[1]))
+            if strides == self._canonical:
+                graph = self._graph
+            else:
+                graph, _ = graph_cache.get(_gemm_key(self.problem, *strides, self._requested), self.handle)
+                if graph.workspace_size > self._workspace.numel():
+                    self._workspace = torch.empty(graph.workspace_size, dtype=torch.uint8, device=self.device)
+            self._by_strides[seen] = graph
+        return graph
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
+            scale_a: torch.Tensor | None, scale_b: torch.Tensor | None) -> None:  # fmt: skip
+        graph = self._graph_for(a, b)
+        pack = {UID_A: a.data_ptr(), UID_B: b.data_ptr(), UID_C: out.data_ptr()}
+        if bias is not None:
+            pack[UID_BIAS] = bias.data_ptr()
+        if scale_a is not None and scale_b is not None:
+            pack[UID_SCALE_A] = scale_a.data_ptr()
+            pack[UID_SCALE_B] = scale_b.data_ptr()
+        _bind_stream(self.handle, self.device)
+        graph.graph.execute(pack, self._workspace, handle=self.handle)
+
+
+@tactix.hookimpl
+def tactix_plan_gemm(backend: str, problem: GemmProblem, tactic: Tactic, options: PlanOptions) -> CudnnGemmPlan | None:
+    if backend != NAME:
+        return None
+    reasons = _params_reasons(tactic, "matmul") + _gemm_reasons(problem)
+    if reasons:
+        raise UnsupportedProblemError(NAME, problem, reasons)
+    return CudnnGemmPlan(problem, tactic, options)
