@@ -255,3 +255,48 @@ def tactix_plan_decode(backend, problem, batch, tactic, options):
     plan.built = True  # as if it had compiled a kernel
     return plan
 """
+
+
+def referencing_plugin(name: str) -> str:
+    """A decode plugin (delegating to torch) whose ``tactix_references`` offers three direct calls:
+    ``right`` computes the case with the float64 oracle, ``wrong`` writes zeros, ``boom`` raises."""
+    return f"""
+import tactix
+from tactix.backends import torch as _torch
+from tactix.testing.oracle import attention_reference
+
+NAME = {name!r}
+
+
+@tactix.hookimpl
+def tactix_backends():
+    spec = _torch.tactix_backends()[0]
+    return [tactix.BackendSpec(name=NAME, version="1.0", decode=spec.decode, preference=-300)]
+
+
+@tactix.hookimpl
+def tactix_plan_decode(backend, problem, batch, tactic, options):
+    if backend != NAME:
+        return None
+    plan = _torch.tactix_plan_decode("torch", problem, batch, tactix.Tactic.default("torch"), options)
+    plan.tactic = tactix.Tactic(backend=NAME, kernel="plain")
+    return plan
+
+
+@tactix.hookimpl
+def tactix_references(backend, op, inputs):
+    if backend != NAME or op != "decode":
+        return None
+    qo = __import__("torch").arange(inputs["q"].shape[0] + 1, dtype=__import__("torch").int32)
+
+    def right():
+        ref, _ = attention_reference(inputs["q"], inputs["k_cache"], inputs["v_cache"], qo, inputs["kv_indptr"],
+                                     inputs["kv_indices"], inputs["kv_last_page_len"], kv_layout="HND",
+                                     causal=False, sm_scale=inputs["sm_scale"])
+        inputs["out"].copy_(ref)
+
+    def boom():
+        raise RuntimeError("no such plan")
+
+    return [("wrong", lambda: inputs["out"].zero_()), ("right", right), ("boom", boom)]
+"""

@@ -34,3 +34,22 @@ def test_cpu_suite_reports_checked_rows_for_every_backend_and_tuned_auto(
     text = md.read_text()
     assert "| d1 | decode b8, kv 64-512 |" in text and "auto (tuned)" in text
     assert "auto (tuned)" in capsys.readouterr().out
+
+
+def test_direct_library_calls_get_checked_rows_of_their_own(tmp_path: Path) -> None:
+    from tactix.bench import run_bench
+    from tests.plugin_fixtures import plugins_on_path, referencing_plugin, write_distribution
+
+    root = tmp_path / "site"
+    write_distribution(root, "tactix-refs", "1.0", {"refs": "refs_plugin"}, {"refs_plugin": referencing_plugin("refs")})
+    with plugins_on_path(root):
+        import torch
+
+        report = run_bench("cpu", torch.device("cpu"), cases=["d2"], backends=["refs", "torch"], tune=False)
+    rows = {r["implementation"]: r for r in report["rows"]}
+    assert set(rows) == {"refs", "torch", "refs (direct)"}
+    direct = rows["refs (direct)"]
+    assert direct["status"] == "ok" and direct["tactic"] == "right" and direct["error"] < 1e-6
+    assert "fastest of 1 variants" in direct["detail"]
+    assert "wrong: wrong result" in direct["detail"] and "boom: RuntimeError: no such plan" in direct["detail"]
+    assert direct["rate"] > 0 and direct["ratio_to_best"] is not None

@@ -1,5 +1,9 @@
 """``tactix bench``: the shape suite of ../shared/BENCHMARKS.md for every backend and for tuned ``auto``.
 
+Backends that offer direct calls of the library they wrap (``tactix_references``; cuDNN does)
+get extra "NAME (direct)" rows: the library called by hand, same inputs, same timer, so the
+cost of the unified API is read off one run.
+
 Every implementation gets the same inputs (one paged cache, pages in random order), is checked
 against the float64 oracle, and is timed by the tuner's timer under one policy (L2 flushed
 before each timed call, CUDA-event medians, CUDA-graph replay where the plan captures). Decode
@@ -263,12 +267,7 @@ def _measure_gemm(
     if not err <= tolerance_for(out_dtype, inputs["a"].dtype):
         return BenchRow(case.id, case.description, name, str(g.tactic), "wrong", error=err, detail="wrong result")
     timing = measure_with_policy(lambda: g.run(inputs["a"], inputs["b"], out=out, **scales), device, policy)
-    flops = 2.0 * case.m * case.n * case.k
-    if case.m <= 64:  # memory-bound: report the bytes of the weight (and activations) moved
-        size = inputs["a"].element_size()
-        work, unit = (case.n * case.k + case.m * case.k) * size + case.m * case.n * 2, "TB/s"
-    else:
-        work, unit = flops, "TFLOP/s"
+    work, unit = _gemm_work(case, inputs)
     return BenchRow(
         case.id,
         case.description,
@@ -284,6 +283,68 @@ def _measure_gemm(
     )
 
 
+def _measure_references(
+    case: BenchCase,
+    backend: str,
+    inputs: dict[str, Any],
+    device: torch.device,
+    policy: MeasurementPolicy,
+    reference: torch.Tensor,
+    tolerance: float,
+    work: tuple[float, str],
+) -> list[BenchRow]:
+    """Rows for the direct library calls a backend offers (``tactix_references``): the fastest correct one."""
+    name = f"{backend} (direct)"
+    try:
+        calls = get_registry().get(backend).references(case.op, inputs)
+    except Exception as exc:  # a reference that cannot be set up is reported, not fatal
+        return [BenchRow(case.id, case.description, name, "-", "failed", detail=f"{type(exc).__name__}: {exc}"[:300])]
+    out = inputs["out"]
+    timed: list[tuple[str, Any, float]] = []
+    problems: list[str] = []
+    for label, call in calls:
+        try:
+            out.fill_(float("nan"))
+            call()
+            err = relative_error(out, reference)
+            if not err <= tolerance:
+                problems.append(f"{label}: wrong result ({err:.1e})")
+                continue
+            timed.append((label, measure_with_policy(call, device, policy), err))
+        except Exception as exc:
+            problems.append(f"{label}: {type(exc).__name__}: {exc}"[:200])
+    if not timed:
+        if not calls:
+            return []
+        return [BenchRow(case.id, case.description, name, "-", "failed", detail="; ".join(problems)[:300])]
+    label, timing, err = min(timed, key=lambda t: t[1].median)
+    variants = ", ".join(f"{lbl} {t.median * 1e6:.1f} us" for lbl, t, _ in sorted(timed, key=lambda t: t[1].median))
+    amount, unit = work
+    return [
+        BenchRow(
+            case.id,
+            case.description,
+            name,
+            label,
+            "ok",
+            timing.median * 1e6,
+            amount / timing.median / 1e12,
+            unit,
+            error=err,
+            timed_as=timing.timed_as,
+            detail=f"fastest of {len(timed)} variants: {variants}" + (f"; {'; '.join(problems)}" if problems else ""),
+            samples_us=[x * 1e6 for x in timing.samples],
+        )
+    ]
+
+
+def _gemm_work(case: BenchCase, inputs: dict[str, Any]) -> tuple[float, str]:
+    if case.m <= 64:  # memory-bound: report the bytes of the weight (and activations) moved
+        size = inputs["a"].element_size()
+        return (case.n * case.k + case.m * case.k) * size + case.m * case.n * 2, "TB/s"
+    return 2.0 * case.m * case.n * case.k, "TFLOP/s"
+
+
 def run_bench(
     suite_name: str,
     device: torch.device,
@@ -291,6 +352,7 @@ def run_bench(
     cases: list[str] | None = None,
     backends: list[str] | None = None,
     tune: bool = True,
+    references: bool = True,
     policy: MeasurementPolicy | None = None,
     progress: Any = None,
 ) -> dict[str, Any]:
@@ -314,6 +376,17 @@ def run_bench(
                 backend: str, inputs: Any = inputs_g, ref: torch.Tensor = ref, c: BenchCase = case
             ) -> BenchRow:
                 return _measure_gemm(c, inputs, device, policy, dtype, backend, ref)
+
+            out_dtype = torch.bfloat16 if case.fp8 else dtype
+            ref_inputs: dict[str, Any] = {
+                "a": inputs_g["a"],
+                "b": inputs_g["b"],
+                "scale_a": inputs_g.get("scale_a"),
+                "scale_b": inputs_g.get("scale_b"),
+                "out": torch.empty(case.m, case.n, dtype=out_dtype, device=device),
+            }
+            tolerance = tolerance_for(out_dtype, inputs_g["a"].dtype)
+            work = _gemm_work(case, inputs_g)
         else:
             inputs_a = _attention_inputs(case, device, dtype)
             qo = inputs_a.qo_indptr
@@ -335,9 +408,27 @@ def run_bench(
             ) -> BenchRow:
                 return _measure_attention(c, inputs, device, policy, dtype, backend, ref)
 
+            ref_inputs = {
+                "q": inputs_a.q,
+                "k_cache": inputs_a.k,
+                "v_cache": inputs_a.v,
+                "qo_indptr": inputs_a.qo_indptr,
+                "kv_indptr": inputs_a.kv_indptr,
+                "kv_indices": inputs_a.kv_indices,
+                "kv_last_page_len": inputs_a.last,
+                "causal": case.op == "prefill",
+                "sm_scale": 1 / math.sqrt(case.head_dim),
+                "out": inputs_a.out,
+            }
+            tolerance = tolerance_for(dtype)
+            work = _attention_work(case, dtype)
+
         registry = get_registry()
         serving = [n for n in names if registry.get(n).spec.capabilities(case.op) is not None]  # type: ignore[arg-type]
         case_rows = [measure_one(name) for name in serving]
+        if references:
+            for name in serving:
+                case_rows += _measure_references(case, name, ref_inputs, device, policy, ref, tolerance, work)
         if tune:
             with autotune(mode="tune", cache_dir=store, policy=policy):
                 case_rows.append(measure_one("auto"))

@@ -13,7 +13,8 @@ so ``run`` must not allocate, sync with the host, or call back into tactix.
 
 from __future__ import annotations
 
-from typing import Protocol, TypedDict, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 import pluggy
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "AttentionPlan",
     "GemmPlan",
     "PlanOptions",
+    "ReferenceCall",
     "hookimpl",
     "hookspec",
 ]
@@ -160,3 +162,26 @@ def tactix_plan_gemm(  # type: ignore[empty-body]
     options: PlanOptions,
 ) -> GemmPlan | None:
     """Plan a GEMM."""
+
+
+ReferenceCall = tuple[str, Callable[[], object]]
+"""A label (say, the cuDNN plan it runs) and a call that writes ``inputs["out"]``."""
+
+
+@hookspec(firstresult=True)
+def tactix_references(  # type: ignore[empty-body]
+    backend: str, op: str, inputs: dict[str, Any]
+) -> list[ReferenceCall] | None:
+    """Direct calls of the library ``backend`` wraps, made without tactix, for ``tactix bench``.
+
+    The bench times them beside the backend on the same inputs with the same timer (and checks
+    their output), so what the unified API costs over calling the library by hand is measured
+    in one run. Return one call per variant worth timing (the bench reports the fastest), [] or
+    None for none. Optional; only benchmarks call it.
+
+    ``inputs`` for ``prefill``/``decode``: ``q [tokens, qo_heads, dim]``, ``k_cache``/``v_cache``
+    (HND: ``[pages, kv_heads, page_size, dim]``), the CSR metadata as int32 CPU tensors
+    ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, ``causal``,
+    ``sm_scale`` and ``out``. For ``gemm``: ``a``, ``b``, ``out``, ``scale_a``, ``scale_b``
+    (None unless fp8).
+    """

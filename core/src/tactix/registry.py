@@ -151,6 +151,10 @@ class Backend:
             return [f"tactix_check raised {type(exc).__name__}: {exc}"]
         return list(extra or [])
 
+    def references(self, op: str, inputs: dict[str, Any]) -> list[hookspecs.ReferenceCall]:
+        """Direct calls of the library this backend wraps, for benchmarks (see the hookspec)."""
+        return list(self._call("tactix_references", op=op, inputs=inputs) or [])
+
     def plan(self, problem: Problem, tactic: Tactic, options: hookspecs.PlanOptions, batch: Any = None) -> Any:
         """Call this backend's plan hook for ``problem.op``. Exceptions propagate."""
         hook = f"tactix_plan_{problem.op}"

@@ -605,3 +605,15 @@ def tactix_plan_gemm(backend: str, problem: GemmProblem, tactic: Tactic, options
     if reasons:
         raise UnsupportedProblemError(NAME, problem, reasons)
     return CudnnGemmPlan(problem, tactic, options)
+
+
+@tactix.hookimpl
+def tactix_references(backend: str, op: str, inputs: dict[str, Any]) -> list[tactix.hookspecs.ReferenceCall] | None:
+    """cuDNN called by hand (`tactix_cudnn.direct`), one variant per plan, for ``tactix bench``."""
+    if backend != NAME or tactix_environment(NAME):
+        return None
+    from tactix_cudnn import direct
+
+    if op == "gemm":
+        return direct.gemm_references(inputs)
+    return direct.attention_references(op, inputs)

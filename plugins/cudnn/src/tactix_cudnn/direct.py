@@ -1,0 +1,147 @@
+"""cuDNN called by hand, without tactix: the reference ``tactix bench`` times the plugin against.
+
+Written the way a user of the cuDNN frontend would write it for one batch, and sharing no code
+with the plugin's graphs: exact sizes (no buckets), the page table built with torch ops, every
+plan cuDNN's heuristics offer built and executed by index. Each plan is one reference variant,
+so the bench reports the fastest plan of the direct call ("best plan", as the anchors in
+../shared/BENCHMARKS.md were measured).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tactix_cudnn.library import frontend
+
+__all__ = ["attention_references", "gemm_references"]
+
+
+def _dtype(cudnn: Any, t: torch.dtype) -> Any:
+    return {
+        torch.bfloat16: cudnn.data_type.BFLOAT16,
+        torch.float16: cudnn.data_type.HALF,
+        torch.float32: cudnn.data_type.FLOAT,
+        torch.float8_e4m3fn: cudnn.data_type.FP8_E4M3,
+    }[t]
+
+
+def _plans(graph: Any, pack: dict[int, torch.Tensor], handle: Any) -> list[tuple[str, Callable[[], object]]]:
+    cudnn = frontend()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    calls: list[tuple[str, Callable[[], object]]] = []
+    for index in range(graph.get_execution_plan_count()):
+        try:
+            graph.build_plan_at_index(index)
+        except Exception:  # a plan that does not build for this graph is not a variant
+            continue
+        engine, knobs = graph.get_engine_and_knobs_at_index(index)
+        label = f"engine {int(engine)} " + ",".join(f"{str(k).split('.')[-1]}={int(v)}" for k, v in knobs.items())
+        workspace = torch.empty(
+            max(int(graph.get_workspace_size_plan_at_index(index)), 1), dtype=torch.uint8, device="cuda"
+        )
+
+        def call(index: int = index, workspace: torch.Tensor = workspace) -> None:
+            cudnn.set_stream(handle, torch.cuda.current_stream().cuda_stream)
+            graph.execute_plan_at_index(pack, workspace, index, handle=handle)
+
+        calls.append((label.strip(), call))
+    return calls
+
+
+def attention_references(op: str, inputs: dict[str, Any]) -> list[tuple[str, Callable[[], object]]]:
+    """Paged SDPA over an HND cache, one cuDNN graph for exactly this batch."""
+    cudnn = frontend()
+    handle = cudnn.create_handle()
+    q, k, v, out = inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["out"]
+    qo, kv_indptr, indices, last = (inputs[n].long() for n in ("qo_indptr", "kv_indptr", "kv_indices",
+                                                                 "kv_last_page_len"))  # fmt: skip
+    device = q.device
+    pages_total, hkv, page, d = k.shape
+    hq = q.shape[1]
+    b = kv_indptr.numel() - 1
+    pages = kv_indptr[1:] - kv_indptr[:-1]
+    kv_lens = (pages - 1) * page + last
+    q_lens = qo[1:] - qo[:-1]
+    width = int(pages.max())
+    # page table [b, 1, width, 1]: each request's pages from the CSR list, zero-padded
+    table = torch.zeros(b, width, dtype=torch.int32)
+    for r in range(b):
+        table[r, : int(pages[r])] = indices[int(kv_indptr[r]) : int(kv_indptr[r + 1])].to(torch.int32)
+    table = table.reshape(b, 1, width, 1).to(device)
+    seq_q = q_lens.to(torch.int32).reshape(b, 1, 1, 1).to(device)
+    seq_kv = kv_lens.to(torch.int32).reshape(b, 1, 1, 1).to(device)
+    max_q = int(q_lens.max())
+    io = _dtype(cudnn, q.dtype)
+    g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT, handle=handle)  # fmt: skip
+    ragged = op == "prefill"
+    q_dims, q_strides = [b, hq, max_q, d], [max_q * hq * d, d, hq * d, 1]
+    pack: dict[int, torch.Tensor] = {}
+
+    def bind(t: Any, data: torch.Tensor) -> Any:
+        t.set_uid(100 + len(pack))
+        pack[100 + len(pack)] = data
+        return t
+
+    def i32(name: str, data: torch.Tensor) -> Any:
+        t = g.tensor(name=name, dim=list(data.shape), stride=list(data.stride()), data_type=cudnn.data_type.INT32)
+        return bind(t, data)
+
+    tq = bind(g.tensor(name="q", dim=q_dims, stride=q_strides, data_type=io), q)
+    if ragged:
+        q_off = (qo * hq * d).to(torch.int32).reshape(b + 1, 1, 1, 1).to(device)
+        tq.set_ragged_offset(i32("q_off", q_off))
+    tk = bind(g.tensor(name="k", dim=[pages_total, hkv, page, d], stride=list(k.stride()), data_type=io), k)
+    tv = bind(g.tensor(name="v", dim=[pages_total, hkv, page, d], stride=list(v.stride()), data_type=io), v)
+    t_table, t_seq_q, t_seq_kv = i32("table", table), i32("seq_q", seq_q), i32("seq_kv", seq_kv)
+    kwargs: dict[str, Any] = dict(
+        name="sdpa", q=tq, k=tk, v=tv, attn_scale=float(inputs["sm_scale"]), generate_stats=False,
+        use_padding_mask=True, seq_len_q=t_seq_q, seq_len_kv=t_seq_kv, paged_attention_k_table=t_table,
+        paged_attention_v_table=t_table, paged_attention_max_seq_len_kv=int(kv_lens.max()),
+        compute_data_type=cudnn.data_type.FLOAT,
+    )  # fmt: skip
+    if inputs["causal"]:
+        kwargs.update(diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT, diagonal_band_right_bound=0)
+    to, _ = g.sdpa(**kwargs)
+    bind(to, out).set_output(True).set_dim(q_dims).set_stride(q_strides)
+    if ragged:
+        to.set_ragged_offset(i32("o_off", q_off.clone()))
+    g.validate()
+    g.build_operation_graph()
+    return _plans(g, pack, handle)
+
+
+def gemm_references(inputs: dict[str, Any]) -> list[tuple[str, Callable[[], object]]]:
+    """``out = scale_a * scale_b * (a @ b)`` as one cuDNN matmul graph (2-D operands)."""
+    cudnn = frontend()
+    handle = cudnn.create_handle()
+    a, b, out = inputs["a"], inputs["b"], inputs["out"]
+    m, kk = a.shape
+    n = b.shape[1]
+    g = cudnn.pygraph(io_data_type=_dtype(cudnn, out.dtype), intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT, handle=handle)  # fmt: skip
+    pack: dict[int, torch.Tensor] = {}
+
+    def bind(t: Any, data: torch.Tensor) -> Any:
+        t.set_uid(100 + len(pack))
+        pack[100 + len(pack)] = data
+        return t
+
+    ta = bind(g.tensor(name="a", dim=[1, m, kk], stride=[m * kk, *a.stride()], data_type=_dtype(cudnn, a.dtype)), a)
+    tb = bind(g.tensor(name="b", dim=[1, kk, n], stride=[kk * n, *b.stride()], data_type=_dtype(cudnn, b.dtype)), b)
+    tc = g.matmul(name="mm", A=ta, B=tb, compute_data_type=cudnn.data_type.FLOAT)
+    if inputs.get("scale_a") is not None:
+        for name in ("scale_a", "scale_b"):
+            ts = g.tensor(name=name, dim=[1, 1, 1], stride=[1, 1, 1], data_type=cudnn.data_type.FLOAT)
+            bind(ts, inputs[name].reshape(1, 1, 1))
+            tc.set_data_type(cudnn.data_type.FLOAT)
+            tc = g.mul(name=f"mul_{name}", a=tc, b=ts, compute_data_type=cudnn.data_type.FLOAT)
+    bind(tc, out).set_output(True).set_data_type(_dtype(cudnn, out.dtype))
+    tc.set_dim([1, m, n]).set_stride([m * n, n, 1])
+    g.validate()
+    g.build_operation_graph()
+    return _plans(g, pack, handle)
