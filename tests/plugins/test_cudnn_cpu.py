@@ -192,3 +192,27 @@ def test_gemm_check_reasons() -> None:
     assert not any("k-major" in r for r in plugin._gemm_reasons(gemm(m=1, a_k_major=False, **fp8)))
     sdpa = tactix.Tactic(backend="cudnn", kernel="sdpa", params={"engine": 8})
     assert "not this op's" in plugin._params_reasons(sdpa, "matmul")[0]
+
+
+def test_shape_override_gate() -> None:
+    from tactix_cudnn.library import shape_override
+
+    class Frontend:  # a frontend build whose pygraph takes the flag
+        @staticmethod
+        def pygraph(io_data_type: object = None, is_override_shape_enabled: bool = False) -> None: ...
+
+    class OldFrontend:
+        @staticmethod
+        def pygraph(io_data_type: object = None) -> None: ...
+
+    class BrokenFrontend:
+        def __getattr__(self, name: str) -> object:
+            raise RuntimeError("Unable to find symbol cudnnGetVersion")
+
+    ok, why = shape_override(library=91900, module=Frontend)  # the H200's cuDNN 9.19: buckets
+    assert not ok and why == "shape override needs cuDNN >= 9.21.0 (this library is 9.19.0)"
+    assert shape_override(library=92100, module=Frontend) == (True, "cuDNN shape override is available")
+    ok, why = shape_override(library=92100, module=OldFrontend)
+    assert not ok and "no is_override_shape_enabled flag" in why
+    ok, why = shape_override(library=92200, module=BrokenFrontend())
+    assert not ok and "cannot ask the cuDNN frontend" in why and "cudnnGetVersion" in why

@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Final
 
-__all__ = ["FEATURES", "LibraryStatus", "feature_reasons", "frontend", "status"]
+__all__ = ["FEATURES", "LibraryStatus", "feature_reasons", "frontend", "shape_override", "status"]
 
 FEATURES: Final[dict[str, int]] = {
     # feature -> first cuDNN library version (as cudnnGetVersion reports it: 90500 = 9.5.0) with it
@@ -22,6 +22,7 @@ FEATURES: Final[dict[str, int]] = {
     "sliding_window": 90600,
     "matmul": 90000,
     "fp8_matmul": 90000,
+    "shape_override": 92100,  # graphs built with is_override_shape_enabled, executed with per-call shapes
 }
 """Library versions that introduced what the plugin relies on (from cuDNN's release notes)."""
 
@@ -80,3 +81,38 @@ def feature_reasons(*features: str, library: int | None = None) -> list[str]:
             want = LibraryStatus(None, needed, None).library_version_text
             out.append(f"{feature.replace('_', ' ')} needs cuDNN >= {want} (this library is {have})")
     return out
+
+
+def shape_override(library: int | None = None, module: Any = None) -> tuple[bool, str]:
+    """Whether graphs can be built once and executed with each batch's own shapes, and why (not).
+
+    Two paths serve a new batch without a new graph:
+
+    * **shape override** (cuDNN library >= 9.21 and a frontend whose ``pygraph`` takes
+      ``is_override_shape_enabled``): one graph, the real sizes given at execute time;
+    * **buckets** (every other library): dynamic sizes rounded up to the next power of two in the
+      graph key, requests past the real batch given length 0; a new batch of a seen bucket reuses
+      its graph.
+
+    The library version decides first; the frontend is then asked whether it knows the flag,
+    and any failure of that query means "no" with the reason, never an exception. The plugin
+    builds bucketed graphs on every library today: the override path is detected (this function)
+    but not yet used, because no library that has it was at hand to test it (the H200 here has
+    cuDNN 9.19).
+    """
+    version = library if library is not None else status().library_version
+    if version is None:
+        return False, status().error or "the cuDNN library is not available"
+    reasons = feature_reasons("shape_override", library=version)
+    if reasons:
+        return False, reasons[0]
+    try:
+        mod = module if module is not None else frontend()
+        import inspect
+
+        accepts = "is_override_shape_enabled" in inspect.signature(mod.pygraph).parameters
+    except Exception as exc:  # the query itself may fail on an odd frontend build
+        return False, f"cannot ask the cuDNN frontend about shape override ({type(exc).__name__}: {exc})"
+    if not accepts:
+        return False, "this cuDNN frontend's pygraph has no is_override_shape_enabled flag"
+    return True, "cuDNN shape override is available"
