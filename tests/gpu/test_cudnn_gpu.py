@@ -1,0 +1,143 @@
+"""The cudnn plugin on a GPU: GEMM, graph reuse across batches, failure policy, determinism."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import tactix
+from tactix.selection import set_tactic_source
+from tactix.testing import attention_reference, gemm_reference, relative_error, tolerance_for
+
+pytestmark = pytest.mark.gpu
+
+cudnn_plugin = pytest.importorskip("tactix_cudnn.plugin", reason="plugins/cudnn is not installed")
+graph_cache = pytest.importorskip("tactix_cudnn.graphs").graph_cache
+
+
+@pytest.fixture(autouse=True)
+def _needs_cudnn() -> None:
+    reasons = tactix.get_registry().get("cudnn").environment()
+    if reasons:
+        pytest.skip(f"cudnn backend inactive: {reasons}")
+
+
+def _batch(lens: list[int], page: int = 16, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page) for n in lens]
+    order = torch.randperm(sum(pages) + 3, generator=gen).tolist()
+    indptr, indices = [0], []
+    for n in pages:
+        indices += [order.pop() for _ in range(n)]
+        indptr.append(len(indices))
+    last = [(n - 1) % page + 1 for n in lens]
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    return i32(indptr), i32(indices), i32(last), torch.tensor(sum(pages) + 3)
+
+
+def test_gemm_layouts_bias_batch_and_fp8_match_float64() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 48, 256, generator=gen).cuda()
+    w = (torch.randn(3, 512, 256, generator=gen) / 16).cuda()
+    bias = torch.randn(512, generator=gen).cuda().bfloat16()
+    cases = {
+        "bf16 A-k B-k": (x[0].bfloat16(), w[0].bfloat16().t(), {}),
+        "f16 A-m B-n": (x[0].half().t().contiguous().t(), w[0].half().t().contiguous(), {}),
+        "bf16 bias": (x[0].bfloat16(), w[0].bfloat16().t(), {"bias": bias}),
+        "bf16 batched": (x.bfloat16(), w.bfloat16().transpose(1, 2), {}),
+        "bf16 m=1": (x[0, :1].bfloat16(), w[0].bfloat16().t(), {}),
+    }
+    for name, (a, b, kw) in cases.items():
+        out = tactix.gemm(a, b, backend="cudnn", **kw)
+        ref = gemm_reference(a, b, bias=kw.get("bias"))
+        assert relative_error(out, ref) < tolerance_for(out.dtype), name
+    a8, b8 = x[0].to(torch.float8_e4m3fn), (w[0] * 8).to(torch.float8_e4m3fn).t()
+    sa, sb = torch.tensor(0.5, device="cuda"), torch.tensor(0.125, device="cuda")
+    out = tactix.gemm(a8, b8, scale_a=sa, scale_b=sb, backend="cudnn", out_dtype=torch.bfloat16)
+    ref = gemm_reference(a8, b8, scale_a=sa, scale_b=sb)
+    assert relative_error(out, ref) < tolerance_for(torch.bfloat16, torch.float8_e4m3fn)
+
+
+def test_gemm_every_enumerated_tactic_is_correct_and_run_captures() -> None:
+    g = tactix.Gemm(backend="cudnn", device="cuda")
+    g.plan(64, 1024, 512, a_dtype=torch.bfloat16)
+    a = torch.randn(64, 512, device="cuda").bfloat16()
+    b = (torch.randn(1024, 512, device="cuda") / 20).bfloat16().t()
+    ref = gemm_reference(a, b)
+    problem = g._problem
+    tactics = tactix.get_registry().get("cudnn").tactics(problem)
+    assert len(tactics) >= 3, tactics  # default plus several engines
+    for t in tactics:
+        gt = tactix.Gemm(backend="cudnn", device="cuda")
+        gt.plan(64, 1024, 512, a_dtype=torch.bfloat16, tactic=t)
+        assert relative_error(gt.run(a, b), ref) < tolerance_for(torch.bfloat16), t
+        assert t.is_default or gt.tactic == t  # the plan runs the tactic it was asked for
+    out = torch.full((64, 1024), float("nan"), device="cuda", dtype=torch.bfloat16)
+    g.run(a, b, out=out)
+    graph = torch.cuda.CUDAGraph()
+    out.fill_(float("nan"))
+    with torch.cuda.graph(graph):
+        g.run(a, b, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relative_error(out, ref) < tolerance_for(torch.bfloat16)
+
+
+def test_a_new_batch_of_the_same_bucket_builds_no_graph() -> None:
+    wrapper = tactix.PagedDecode("HND", backend="cudnn", device="cuda")
+    indptr, indices, last, _ = _batch([900, 1000, 33, 512])
+    wrapper.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
+    before = graph_cache.builds
+    tactix.reset_stats()
+    for seed, lens in enumerate(([700, 1010, 1, 600], [1024, 2, 3, 999], [513, 640, 800, 1000])):
+        indptr, indices, last, _ = _batch(lens, seed=seed + 1)
+        wrapper.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
+    assert graph_cache.builds == before and tactix.stats()["builds"] == 0
+    assert tactix.stats()["plans"] == 3
+
+
+def test_a_stored_tactic_that_fails_warns_once_and_serves_the_default() -> None:
+    bogus = tactix.Tactic(backend="cudnn", kernel="sdpa", params={"engine": 4242, "knobs": {}})
+    previous = set_tactic_source(lambda problem: bogus)
+    try:
+        wrapper = tactix.PagedDecode("HND", backend="cudnn", device="cuda")
+        indptr, indices, last, pages = _batch([300, 17])
+        with pytest.warns(tactix.FallbackWarning, match="engine=4242"):
+            wrapper.plan(indptr, indices, last, 8, 8, 64, 16, q_data_type=torch.bfloat16)
+        assert wrapper.selection_source == "fallback" and wrapper.tactic.params["engine"] != 4242
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tactix.FallbackWarning)
+            wrapper.plan(indptr, indices, last, 8, 8, 64, 16, q_data_type=torch.bfloat16)  # announced once
+        k = torch.randn(int(pages), 8, 16, 64, device="cuda").bfloat16()
+        v = torch.randn_like(k)
+        q = torch.randn(2, 8, 64, device="cuda").bfloat16()
+        ref, _ = attention_reference(q, k, v, torch.tensor([0, 1, 2], dtype=torch.int32), indptr, indices, last,
+                                     kv_layout="HND", causal=False, sm_scale=1 / 8)  # fmt: skip
+        assert relative_error(wrapper.run(q, (k, v)), ref) < tolerance_for(torch.bfloat16)
+    finally:
+        set_tactic_source(previous)
+    # asked for explicitly, the failing tactic is an error: no silent substitute
+    explicit = tactix.PagedDecode("HND", backend="cudnn", device="cuda")
+    with pytest.raises(tactix.BackendError, match="4242"):
+        explicit.plan(indptr, indices, last, 8, 8, 64, 16, q_data_type=torch.bfloat16, tactic=bogus)
+
+
+def test_decode_is_deterministic_across_identical_runs() -> None:
+    lens = [int(x) for x in torch.randint(1024, 8192, (64,), generator=torch.Generator().manual_seed(5))]
+    indptr, indices, last, pages = _batch(lens)
+    k = torch.randn(int(pages), 8, 16, 128, device="cuda").bfloat16()
+    v = torch.randn_like(k)
+    q = torch.randn(64, 32, 128, device="cuda").bfloat16()
+    wrapper = tactix.PagedDecode("HND", backend="cudnn", device="cuda")
+    wrapper.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
+    first = wrapper.run(q, (k, v)).clone()
+    for _ in range(10):
+        again = wrapper.run(q, (k, v))
+        assert torch.equal(again, first), f"{int((again != first).sum())} elements differ ({wrapper.tactic})"
+    ref, _ = attention_reference(q, k, v, torch.arange(65, dtype=torch.int32), indptr, indices, last,
+                                 kv_layout="HND", causal=False, sm_scale=1 / math.sqrt(128))  # fmt: skip
+    assert relative_error(first, ref) < tolerance_for(torch.bfloat16)
