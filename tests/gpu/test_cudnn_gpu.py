@@ -141,3 +141,16 @@ def test_decode_is_deterministic_across_identical_runs() -> None:
     ref, _ = attention_reference(q, k, v, torch.arange(65, dtype=torch.int32), indptr, indices, last,
                                  kv_layout="HND", causal=False, sm_scale=1 / math.sqrt(128))  # fmt: skip
     assert relative_error(first, ref) < tolerance_for(torch.bfloat16)
+
+
+def test_deterministic_false_admits_the_split_kv_decode_plan() -> None:
+    indptr, indices, last, _ = _batch([8192])
+    fast = tactix.PagedDecode("HND", backend="cudnn", device="cuda")
+    fast.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16, deterministic=False)
+    strict = tactix.PagedDecode("HND", backend="cudnn", device="cuda")
+    strict.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
+    assert fast.tactic.params["knobs"] == {"KERNEL_CFG": 35}  # cuDNN's first choice, split-KV
+    assert strict.tactic.params["knobs"] != {"KERNEL_CFG": 35}
+    split_kv = tactix.Tactic(backend="cudnn", kernel="sdpa", params={"engine": 8, "knobs": {"KERNEL_CFG": 35}})
+    with pytest.raises(tactix.UnsupportedProblemError, match="not run-to-run deterministic"):
+        strict.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16, tactic=split_kv)

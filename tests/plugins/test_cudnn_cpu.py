@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("tactix_cudnn", reason="plugins/cudnn is not installed (scripts/setup.sh installs it)")
 
 from tactix_cudnn import plugin
-from tactix_cudnn.graphs import GraphKey, excluded_engines
+from tactix_cudnn.graphs import GraphKey, excluded_plans, exclusion
 from tactix_cudnn.library import FEATURES, feature_reasons
 
 import tactix
@@ -74,6 +74,7 @@ def test_every_baked_in_property_reaches_the_graph_key() -> None:
         "window": dict(window_left=127),
         "scale": dict(sm_scale=0.1),
         "lse": dict(return_lse=True),
+        "deterministic": dict(deterministic=False),
     }
     for name, change in changes.items():
         assert key_of(prefill(**change)) != base, f"{name} does not reach the graph key"
@@ -87,11 +88,22 @@ def test_every_baked_in_property_reaches_the_graph_key() -> None:
     assert dataclasses.replace(base, engine=8, knobs=(("KERNEL_CFG", 35),)) != base
 
 
-def test_known_bad_engine_is_excluded_only_where_it_is_wrong() -> None:
+def test_known_bad_plans_are_excluded_only_where_they_break_a_promise() -> None:
     gqa_lse = dataclasses.replace(key_of(prefill()), lse=True)
-    assert 8 in excluded_engines(gqa_lse)
-    assert excluded_engines(key_of(prefill())) == {}
-    assert excluded_engines(dataclasses.replace(gqa_lse, num_kv_heads=32)) == {}
+    assert exclusion(excluded_plans(gqa_lse), 8, (("KERNEL_CFG", 3),))  # every plan of engine 8
+    assert excluded_plans(key_of(prefill())) == {}
+    assert excluded_plans(dataclasses.replace(gqa_lse, num_kv_heads=32)) == {}
+    decode = key_of(DecodeProblem(**BASE))  # type: ignore[arg-type]
+    split_kv = (("KERNEL_CFG", 35),)
+    assert "not run-to-run deterministic" in (exclusion(excluded_plans(decode), 8, split_kv) or "")
+    assert exclusion(excluded_plans(decode), 8, (("KERNEL_CFG", 3),)) is None
+    relaxed = key_of(DecodeProblem(**BASE, deterministic=False))  # type: ignore[arg-type]
+    assert exclusion(excluded_plans(relaxed), 8, split_kv) is None
+    # the check names the reason for an explicit tactic, and only where it applies
+    tactic = tactix.Tactic(backend="cudnn", kernel="sdpa", params={"engine": 8, "knobs": {"KERNEL_CFG": 35}})
+    problem = DecodeProblem(**BASE)  # type: ignore[arg-type]
+    if plugin._attention_reasons(problem) == []:  # with a usable cuDNN library only
+        assert any("deterministic" in r for r in plugin.tactix_check("cudnn", problem, tactic))
 
 
 def test_imports_cleanly_and_says_why_it_cannot_run_here() -> None:

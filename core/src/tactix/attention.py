@@ -77,6 +77,7 @@ def attention_problem(
     kv_data_type: torch.dtype | str | None,
     o_data_type: torch.dtype | str | None,
     return_lse: bool,
+    deterministic: bool = True,
 ) -> tuple[PrefillProblem | DecodeProblem, PagedBatch]:
     """Validate plan arguments and batch metadata; the problem and batch that ``plan()`` hands a backend.
 
@@ -126,6 +127,7 @@ def attention_problem(
         "window_left": window_left,
         "logits_soft_cap": cap,
         "return_lse": bool(return_lse),
+        "deterministic": bool(deterministic),
         "batch_size": batch.batch_size,
         "max_kv_len": batch.max_kv_len,
     }
@@ -189,7 +191,10 @@ class _PagedAttention(Planned):
         return_lse: bool,
         backend: str | None,
         tactic: Tactic | dict[str, Any] | str | None,
+        deterministic: bool = True,
     ) -> None:
+        if not isinstance(deterministic, bool):
+            raise InvalidArgumentError("deterministic", "a bool", repr(deterministic))
         device = resolve_device(self._device, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         chosen_backend = self._backend if backend is None else backend
         if not isinstance(chosen_backend, str):
@@ -216,6 +221,7 @@ class _PagedAttention(Planned):
             kv_data_type=kv_data_type,
             o_data_type=o_data_type,
             return_lse=return_lse,
+            deterministic=deterministic,
         )
         num_qo_heads, num_kv_heads = problem.num_qo_heads, problem.num_kv_heads
         head_dim_qk, head_dim_vo, page_size = problem.head_dim_qk, problem.head_dim_vo, problem.page_size
@@ -482,6 +488,7 @@ class PagedPrefill(_PagedAttention):
         kv_data_type: torch.dtype | str | None = None,
         o_data_type: torch.dtype | str | None = None,
         return_lse: bool = False,
+        deterministic: bool = True,
         backend: str | None = None,
         tactic: Tactic | dict[str, Any] | str | None = None,
     ) -> None:
@@ -513,6 +520,10 @@ class PagedPrefill(_PagedAttention):
             kv and out default to the q dtype.
         return_lse : bool
             Plan for an LSE output as well.
+        deterministic : bool
+            True (the default): identical inputs give bitwise identical outputs, run after run.
+            False also admits tactics whose reductions run in a varying order (cuDNN's fastest
+            split-KV decode, for one), which can differ in the last bit of a few elements.
         backend : str, optional
             Overrides the wrapper's backend for this plan (``"auto"`` or a name).
         tactic : Tactic, optional
@@ -538,6 +549,7 @@ class PagedPrefill(_PagedAttention):
             kv_data_type=kv_data_type,
             o_data_type=o_data_type,
             return_lse=return_lse,
+            deterministic=deterministic,
             backend=backend,
             tactic=tactic,
         )
@@ -580,6 +592,7 @@ class PagedDecode(_PagedAttention):
         kv_data_type: torch.dtype | str | None = None,
         o_data_type: torch.dtype | str | None = None,
         return_lse: bool = False,
+        deterministic: bool = True,
         backend: str | None = None,
         tactic: Tactic | dict[str, Any] | str | None = None,
     ) -> None:
@@ -602,6 +615,7 @@ class PagedDecode(_PagedAttention):
             kv_data_type=kv_data_type,
             o_data_type=o_data_type,
             return_lse=return_lse,
+            deterministic=deterministic,
             backend=backend,
             tactic=tactic,
         )

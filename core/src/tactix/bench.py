@@ -186,6 +186,7 @@ def _measure_attention(
     dtype: torch.dtype,
     backend: str,
     reference: torch.Tensor,
+    deterministic: bool,
 ) -> BenchRow:
     name = "auto (tuned)" if backend == "auto" else backend
     wrapper: Any = (
@@ -196,7 +197,8 @@ def _measure_attention(
     meta = (inputs.kv_indptr, inputs.kv_indices, inputs.last)
     args = (inputs.qo_indptr, *meta) if case.op == "prefill" else meta
     hq, hkv = case.heads
-    kw: dict[str, Any] = {"q_data_type": dtype, **({"causal": True} if case.op == "prefill" else {})}
+    kw: dict[str, Any] = {"q_data_type": dtype, "deterministic": deterministic,
+                          **({"causal": True} if case.op == "prefill" else {})}  # fmt: skip
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", tactix.FallbackWarning)
@@ -353,10 +355,15 @@ def run_bench(
     backends: list[str] | None = None,
     tune: bool = True,
     references: bool = True,
+    deterministic: bool = False,
     policy: MeasurementPolicy | None = None,
     progress: Any = None,
 ) -> dict[str, Any]:
-    """Run the suite; returns the JSON-ready report (rows per case, best first)."""
+    """Run the suite; returns the JSON-ready report (rows per case, best first).
+
+    Attention is planned with ``deterministic=False`` unless asked otherwise: the suite compares
+    speed with the libraries' fastest plans, which need not be run-to-run deterministic.
+    """
     policy = policy or MeasurementPolicy(warmup=3, repeat=20)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     chosen = [c for c in suite(suite_name) if cases is None or c.id in cases]
@@ -406,7 +413,7 @@ def run_bench(
             def measure_one(
                 backend: str, inputs: Any = inputs_a, ref: torch.Tensor = ref, c: BenchCase = case
             ) -> BenchRow:
-                return _measure_attention(c, inputs, device, policy, dtype, backend, ref)
+                return _measure_attention(c, inputs, device, policy, dtype, backend, ref, deterministic)
 
             ref_inputs = {
                 "q": inputs_a.q,
@@ -450,6 +457,7 @@ def run_bench(
         "backends": {b.name: b.spec.version for b in get_registry().active()},
         "policy": policy.model_dump(mode="json"),
         "suite": suite_name,
+        "deterministic": deterministic,
     }
     return {"environment": env, "rows": [asdict(r) for r in rows]}
 

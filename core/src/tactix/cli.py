@@ -1,4 +1,4 @@
-"""The ``tactix`` command: backends, doctor, demo, bench, cache, conformance, support-matrix."""
+"""The ``tactix`` command: backends, doctor, demo, bench, cache, conformance, warmup, support-matrix."""
 
 from __future__ import annotations
 
@@ -168,6 +168,26 @@ def cmd_conformance(args: argparse.Namespace, extra: list[str]) -> int:
     return int(pytest.main(argv + extra))
 
 
+def cmd_warmup(args: argparse.Namespace) -> int:
+    """Pre-compile what a backend's default tactics need, with one progress line per item."""
+    import time
+
+    backend = get_registry().get(args.backend)
+    if args.arch is not None and not args.arch.startswith("sm_"):
+        raise tactix.InvalidArgumentError("--arch", "a target like 'sm_90'", repr(args.arch))
+    start = time.perf_counter()
+
+    def progress(done: int, total: int, label: str) -> None:
+        print(f"  [{done}/{total}] {label}", file=sys.stderr, flush=True)
+
+    compiled = backend._call("tactix_warmup", arch=args.arch, progress=progress)
+    if compiled is None:
+        print(f"{backend.name}: nothing to compile ahead of time")
+        return 0
+    print(f"{backend.name}: {compiled} compiled now, in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 def cmd_support_matrix(args: argparse.Namespace) -> int:
     from tactix.testing.matrix import load_reports, render
 
@@ -197,6 +217,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cases=args.cases.split(",") if args.cases else None,
         backends=args.backends.split(",") if args.backends else None,
         tune=not args.no_tune,
+        deterministic=args.deterministic,
         policy=policy,
         progress=lambda text: print(f"  {text}", file=sys.stderr, flush=True),
     )
@@ -347,6 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", help="comma-separated case ids (default: all of the suite)")
     p.add_argument("--backends", help="comma-separated backends (default: every active one)")
     p.add_argument("--no-tune", action="store_true", help="leave out the tuned 'auto' rows")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="plan attention with deterministic=True (default: the fastest tactics, deterministic or not)",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--execution", choices=["cuda_graph", "eager"], default="cuda_graph")
@@ -371,6 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
     q = actions.add_parser("import", help="add a bundle's entries to the store")
     q.add_argument("path")
     p.set_defaults(func=cmd_cache)
+
+    p = sub.add_parser("warmup", help="compile a backend's kernels ahead of time (its default tactics)")
+    p.add_argument("backend", help="backend name, e.g. cuda_native")
+    p.add_argument("--arch", help="target architecture such as sm_90 (default: the current GPU's)")
+    p.set_defaults(func=cmd_warmup)
 
     p = sub.add_parser("support-matrix", help="render conformance reports as docs/support-matrix.md")
     p.add_argument("reports", nargs="+", help="JSON reports written by 'tactix conformance --json'")

@@ -185,3 +185,15 @@ def tactix_references(  # type: ignore[empty-body]
     ``sm_scale`` and ``out``. For ``gemm``: ``a``, ``b``, ``out``, ``scale_a``, ``scale_b``
     (None unless fp8).
     """
+
+
+@hookspec(firstresult=True)
+def tactix_warmup(  # type: ignore[empty-body]
+    backend: str, arch: str | None, progress: Callable[[int, int, str], None] | None
+) -> int | None:
+    """Compile ahead of time what ``backend``'s default tactics need (``tactix warmup NAME``).
+
+    ``arch`` names a target such as ``"sm_90"`` (None: the current GPU's); ``progress(done,
+    total, label)`` is called after each item. Returns how many items were compiled now (items
+    found in a cache do not count). Optional: a backend with nothing to compile omits it.
+    """

@@ -103,6 +103,11 @@ class _AttentionProblem(_ProblemBase):
     window_left: int = Field(ge=-1, description="-1: no sliding window")
     logits_soft_cap: float = Field(ge=0, description="0: no soft-cap")
     return_lse: bool
+    deterministic: bool = Field(
+        default=True,
+        description="bitwise identical output for identical inputs (False admits faster tactics that "
+        "reduce in a run-dependent order)",
+    )
     batch_size: int = Field(ge=1)
     max_kv_len: int = Field(ge=1)
 
@@ -142,6 +147,8 @@ class _AttentionProblem(_ProblemBase):
             parts.append(f"cap{self.logits_soft_cap:g}")
         if self.return_lse:
             parts.append("lse")
+        if not self.deterministic:
+            parts.append("nondet")
         if self.device_type != "cuda":
             parts.append(self.device_type)
         return "-".join(parts)

@@ -64,6 +64,7 @@ class GraphKey:
     engine: int | None  # None: cuDNN's heuristic choice
     knobs: tuple[tuple[str, int], ...]
     ragged_q: bool = True  # decode reads q [batch, heads, dim] directly (exact batch, no offsets)
+    deterministic: bool = True  # plans that reduce in a run-dependent order are excluded
 
 
 def _cudnn_dtype(cudnn: Any, name: str) -> Any:
@@ -148,16 +149,38 @@ def _operation_graph(key: GraphKey, handle: Any) -> Any:
     return g
 
 
-def excluded_engines(key: GraphKey) -> dict[int, str]:
-    """Engines known to compute something else for this key, with the reason.
+Knobs = tuple[tuple[str, int], ...]
+Excluded = dict[tuple[int, Knobs | None], str]
+"""(engine, knobs) -> why that plan must not serve; knobs None: every plan of the engine."""
 
-    Seen on an H200 with cuDNN 9.19 by the conformance kit: engine 8 (cuDNN's decode kernel)
-    writes the softmax stats of only one query head per KV head group when GQA is used, leaving
-    the others unwritten; its attention output is right.
+
+def excluded_plans(key: GraphKey) -> Excluded:
+    """Plans known to compute something else for this key, or to break a promise it makes.
+
+    Both seen on an H200 with cuDNN 9.19 (conformance kit, tests/gpu):
+
+    * engine 8 (cuDNN's decode kernel) writes the softmax stats of only one query head per KV
+      head group when GQA is used, leaving the others unwritten; its attention output is right;
+    * engine 8 with ``KERNEL_CFG`` 35, the split-KV configuration that makes single long
+      requests fast, is not run-to-run deterministic: at batch sizes of 64 and more a few
+      output elements differ in the last bit between identical runs (the split results are
+      combined in a varying order). ``KERNEL_CFG`` 3 is deterministic. Excluded unless the
+      problem allows non-determinism.
     """
+    out: Excluded = {}
     if key.lse and key.num_qo_heads != key.num_kv_heads:
-        return {8: "engine 8 writes the LSE of one query head per GQA group only"}
-    return {}
+        out[(8, None)] = "engine 8 writes the LSE of one query head per GQA group only"
+    if key.deterministic and not key.ragged_q:
+        out[(8, (("KERNEL_CFG", 35),))] = (
+            "engine 8 with KERNEL_CFG 35 (split-KV decode) is not run-to-run deterministic "
+            "(plan with deterministic=False to allow it)"
+        )
+    return out
+
+
+def exclusion(excluded: Excluded, engine: int, knobs: Knobs) -> str | None:
+    """Why (engine, knobs) is excluded, or None."""
+    return excluded.get((engine, None)) or excluded.get((engine, knobs))
 
 
 def _knob_type(cudnn: Any, name: str) -> Any:
@@ -175,32 +198,37 @@ def enumerate_plans(key: GraphKey, handle: Any) -> list[tuple[int, dict[str, int
     g = _operation_graph(key, handle)
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     out = []
-    excluded = excluded_engines(key)
+    excluded = excluded_plans(key)
     for i in range(g.get_execution_plan_count()):
         engine, knobs = g.get_engine_and_knobs_at_index(i)
-        if int(engine) not in excluded:
-            out.append((int(engine), {_knob_name(k): int(v) for k, v in knobs.items()}))
+        named = {_knob_name(k): int(v) for k, v in knobs.items()}
+        if not exclusion(excluded, int(engine), tuple(sorted(named.items()))):
+            out.append((int(engine), named))
     return out
 
 
-def _choose_plan(g: Any, engine: int | None, knobs: tuple[tuple[str, int], ...],
-                 excluded: dict[int, str]) -> tuple[int, int, dict[str, int]]:  # fmt: skip
+def _plan_at(g: Any, index: int) -> tuple[int, Knobs]:
+    engine, knobs = g.get_engine_and_knobs_at_index(index)
+    return int(engine), tuple(sorted((_knob_name(k), int(v)) for k, v in knobs.items()))
+
+
+def _choose_plan(g: Any, engine: int | None, knobs: Knobs, excluded: Excluded) -> tuple[int, int, dict[str, int]]:
     """Build the plan that (engine, knobs) name, or cuDNN's first heuristic choice not excluded;
     returns its index, engine and knobs."""
     cudnn = frontend()
     if engine is None:
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         g.check_support()
-        candidates = [i for i in range(g.get_execution_plan_count())
-                      if int(g.get_engine_and_knobs_at_index(i)[0]) not in excluded]  # fmt: skip
+        candidates = [i for i in range(g.get_execution_plan_count()) if not exclusion(excluded, *_plan_at(g, i))]
         if not candidates:
-            raise RuntimeError(f"cuDNN offers no plan for this graph except excluded engines {excluded}")
+            raise RuntimeError(f"cuDNN offers no plan for this graph but excluded ones: {sorted(excluded.values())}")
         index = candidates[0]
         g.build_plan_at_index(index)
-        chosen_engine, chosen_knobs = g.get_engine_and_knobs_at_index(index)
-        return index, int(chosen_engine), {_knob_name(k): int(v) for k, v in chosen_knobs.items()}
-    if engine in excluded:
-        raise ValueError(excluded[engine])
+        chosen_engine, chosen_knobs = _plan_at(g, index)
+        return index, chosen_engine, dict(chosen_knobs)
+    why = exclusion(excluded, engine, knobs)
+    if why:
+        raise ValueError(why)
     g.create_execution_plan(engine, {_knob_type(cudnn, name): value for name, value in knobs})
     g.check_support()
     index = g.get_execution_plan_count() - 1
@@ -211,7 +239,7 @@ def _choose_plan(g: Any, engine: int | None, knobs: tuple[tuple[str, int], ...],
 def build_attention_graph(key: GraphKey, handle: Any) -> BuiltGraph:
     """Build the graph for ``key`` with the plan its (engine, knobs) name, or cuDNN's first choice."""
     g = _operation_graph(key, handle)
-    index, engine, knobs = _choose_plan(g, key.engine, key.knobs, excluded_engines(key))
+    index, engine, knobs = _choose_plan(g, key.engine, key.knobs, excluded_plans(key))
     workspace = int(g.get_workspace_size_plan_at_index(index))
     return BuiltGraph(key, g, engine, knobs, workspace)
 

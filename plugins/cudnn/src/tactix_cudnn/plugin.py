@@ -43,7 +43,8 @@ from tactix_cudnn.graphs import (
     GraphKey,
     enumerate_gemm_plans,
     enumerate_plans,
-    excluded_engines,
+    excluded_plans,
+    exclusion,
     graph_cache,
 )
 from tactix_cudnn.library import feature_reasons, frontend, status
@@ -169,10 +170,9 @@ def tactix_check(backend: str, problem: Problem, tactic: Tactic) -> list[str] | 
         return _params_reasons(tactic, "matmul") + _gemm_reasons(problem)
     reasons = _params_reasons(tactic) + _attention_reasons(problem)
     if not reasons and not tactic.is_default:
-        probe = GraphKey(problem.q_dtype, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim_qk,
-                         problem.head_dim_vo, problem.page_size, (0, 0, 0, 0), (0, 0, 0, 0), 0, 0, 0, 0, 0, False,
-                         -1, 1.0, problem.return_lse, None, ())  # fmt: skip
-        why = excluded_engines(probe).get(int(tactic.params["engine"]))  # type: ignore[arg-type]
+        probe = _key(problem, problem.batch_size, getattr(problem, "max_qo_len", 1), problem.max_kv_len, 1,
+                     (0, 0, 0, 0), (0, 0, 0, 0), Tactic.default(NAME))  # fmt: skip
+        why = exclusion(excluded_plans(probe), int(tactic.params["engine"]), _knob_items(tactic))  # type: ignore[arg-type]
         if why:
             reasons.append(why)
     return reasons
@@ -284,6 +284,7 @@ def _key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: int, m
         engine=None if tactic.is_default else int(tactic.params["engine"]),  # type: ignore[arg-type]
         knobs=() if tactic.is_default else _knob_items(tactic),
         ragged_q=not decode,
+        deterministic=problem.deterministic,
     )
 
 
