@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["resolve_device"]
+__all__ = ["cuda_available", "resolve_device"]
+
+_cuda_seen = False
+
+
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``, remembered once true (a GPU does not go away; asking costs
+    microseconds on every plan otherwise). Never initialises CUDA."""
+    global _cuda_seen
+    if not _cuda_seen:
+        _cuda_seen = torch.cuda.is_available()
+    return _cuda_seen
 
 
 def resolve_device(explicit: torch.device | str | None, *tensors: object) -> torch.device:
@@ -21,6 +32,6 @@ def resolve_device(explicit: torch.device | str | None, *tensors: object) -> tor
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "cpu":
             return t.device
-    if torch.cuda.is_available():
+    if cuda_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -62,7 +62,10 @@ class Tactic(BaseModel):
     @classmethod
     def default(cls, backend: str) -> Tactic:
         """The backend's default tactic: its own heuristic choice for each problem."""
-        return cls(backend=backend, kernel=DEFAULT_KERNEL)
+        found = _DEFAULTS.get(backend)
+        if found is None or type(found) is not cls:
+            found = _DEFAULTS[backend] = cls(backend=backend, kernel=DEFAULT_KERNEL)
+        return found
 
     @property
     def is_default(self) -> bool:
@@ -100,3 +103,6 @@ def parse_tactic(value: Tactic | dict[str, Any] | str, argument: str = "tactic")
     except ValidationError as exc:
         msg = exc.errors()[0]["msg"].removeprefix("Value error, ")
         raise TacticError(f"'{argument}' is not a valid tactic: {msg}") from None
+
+
+_DEFAULTS: dict[str, Tactic] = {}  # Tactic.default per backend name (tactics are immutable)

@@ -18,6 +18,7 @@ import torch
 
 import tactix
 from tactix import PagedBatch, PlanOptions, Tactic, UnsupportedProblemError
+from tactix.devices import cuda_available
 from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem, bucket_size
 from tactix_cudnn import __version__
 from tactix_cudnn.graphs import (
@@ -102,6 +103,21 @@ def tactix_backends() -> list[tactix.BackendSpec]:
     ]
 
 
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
+def _capability() -> tuple[int, int]:
+    """The current GPU's compute capability, asked once per device ((99, 0) without a GPU: no
+    capability reason then; the environment already says there is no GPU)."""
+    if not cuda_available():
+        return (99, 0)
+    index = torch.cuda.current_device()
+    found = _capabilities.get(index)
+    if found is None:
+        found = _capabilities[index] = torch.cuda.get_device_capability(index)
+    return found
+
+
 @tactix.hookimpl
 def tactix_environment(backend: str) -> list[str] | None:
     if backend != NAME:
@@ -157,7 +173,7 @@ def _attention_reasons(problem: PrefillProblem | DecodeProblem) -> list[str]:
     st = status()
     if st.library_version in (91000, 91001):
         out.append("cuDNN 9.10.0 and 9.10.1 disable fp16/bf16 SDPA; use 9.10.2 or newer")
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
+    if _capability() < (8, 0):
         out.append("cuDNN paged SDPA needs compute capability 8.0 or newer")
     return out
 
@@ -197,7 +213,7 @@ def _gemm_reasons(problem: GemmProblem) -> list[str]:
     if fp8:
         if a_dense[0] != "k" or b_dense[0] != "k":
             out.append("fp8 matmul needs both operands k-major (a row-major [m, k], b a transposed [n, k])")
-        if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        if _capability() < (8, 9):
             out.append("fp8 matmul needs compute capability 8.9 or newer")
         out += feature_reasons("fp8_matmul")
     else:
