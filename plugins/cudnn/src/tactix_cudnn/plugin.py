@@ -372,6 +372,22 @@ def host_metadata(
     return flat, offsets
 
 
+_HOST_TABLE_ENTRIES: Final = 4096
+"""Up to this many page entries the table is laid out on the host (Python lists beat a device
+gather there); larger batches send the CSR indices and gather on the device."""
+
+
+def host_table(indices: list[int], indptr: list[int], rows: int, width: int) -> list[int]:
+    """The padded page table ``[rows, width]`` as a flat list (zeros past each request's pages)."""
+    table: list[int] = []
+    for r in range(len(indptr) - 1):
+        start, end = indptr[r], indptr[r + 1]
+        table += indices[start:end]
+        table += [0] * (width - (end - start))
+    table += [0] * (width * (rows - (len(indptr) - 1)))
+    return table
+
+
 def gather_table(ext: torch.Tensor, row_starts: torch.Tensor, out: torch.Tensor) -> None:
     """``out[r] = ext[row_starts[r] : row_starts[r] + width]``: the padded page table from CSR indices.
 
@@ -445,22 +461,32 @@ class CudnnAttentionPlan:
     def _fill_metadata(self, batch: PagedBatch, key: GraphKey, previous: CudnnAttentionPlan | None) -> None:
         flat, offsets = host_metadata(self.problem, batch, key)
         b, width, nnz = key.batch, key.table_width, batch.num_page_entries
-        small_host = torch.tensor(flat, dtype=torch.int32)
         indices = batch.kv_indices
-        if indices.device.type == "cpu":
-            # one pinned buffer and one transfer: [small | page indices | width zeros]
-            packed = torch.cat([small_host, indices, _zeros(width)]).pin_memory().to(self.device, non_blocking=True)
-            small, ext = packed[: len(flat)], packed[len(flat) :]
-        else:
-            small = small_host.pin_memory().to(self.device, non_blocking=True)
-            ext = torch.cat([indices, _zeros(width, self.device)])
         n = len(flat)
-        if previous is not None:  # CUDA-graph mode: same addresses, new contents
-            previous._small[:n].copy_(small)
-            small, table = previous._small, previous._table
+        if indices.device.type == "cpu" and nnz <= _HOST_TABLE_ENTRIES:
+            # small batches: the whole page table from Python lists, one pinned tensor, one copy
+            flat += host_table(indices.tolist(), batch.kv_indptr_list, b, width)
+            packed = torch.tensor(flat, dtype=torch.int32, pin_memory=True).to(self.device, non_blocking=True)
+            small, table = packed[:n], packed[n:].view(b, width)
+            if previous is not None:  # CUDA-graph mode: same addresses, new contents
+                previous._small.copy_(small)
+                previous._table.copy_(table)
+                small, table = previous._small, previous._table
         else:
-            table = torch.empty(b, width, dtype=torch.int32, device=self.device)
-        gather_table(ext[: nnz + width], small[offsets[2] : offsets[2] + b], out=table)
+            small_host = torch.tensor(flat, dtype=torch.int32)
+            if indices.device.type == "cpu":
+                # one pinned buffer and one transfer: [small | page indices | width zeros]
+                packed = torch.cat([small_host, indices, _zeros(width)]).pin_memory().to(self.device, non_blocking=True)
+                small, ext = packed[:n], packed[n:]
+            else:
+                small = small_host.pin_memory().to(self.device, non_blocking=True)
+                ext = torch.cat([indices, _zeros(width, self.device)])
+            if previous is not None:  # CUDA-graph mode: same addresses, new contents
+                previous._small.copy_(small)
+                small, table = previous._small, previous._table
+            else:
+                table = torch.empty(b, width, dtype=torch.int32, device=self.device)
+            gather_table(ext[: nnz + width], small[offsets[2] : offsets[2] + b], out=table)
         self._small, self._table = small, table
         ptr = small.data_ptr()
         self._fixed = {
