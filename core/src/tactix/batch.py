@@ -148,23 +148,26 @@ class PagedBatch:
             raise InvalidArgumentError(
                 last_page_len_name, f"of length batch_size = {batch_size}", f"length {len(last_list)}"
             )
-        for name, indptr in (("qo_indptr", qo_list), (kv_indptr_name, kv_list)):
+        # each check is one C-level min/max over the list; the loop that names the culprit runs
+        # only when a check fails
+        qo_lens_list = [b - a for a, b in itertools.pairwise(qo_list)]
+        num_pages = [b - a for a, b in itertools.pairwise(kv_list)]
+        for name, indptr, steps in (("qo_indptr", qo_list, qo_lens_list), (kv_indptr_name, kv_list, num_pages)):
             if indptr[0] != 0:
                 raise InvalidArgumentError(name, "a CSR offset array starting at 0", f"{name}[0] = {indptr[0]}")
-            for i in range(batch_size):
-                if indptr[i + 1] < indptr[i]:
-                    raise InvalidArgumentError(
-                        name, "non-decreasing", f"{name}[{i}] = {indptr[i]} > {name}[{i + 1}] = {indptr[i + 1]}"
-                    )
-        num_pages = [b - a for a, b in itertools.pairwise(kv_list)]
-        for i, n in enumerate(num_pages):
-            if n < 1:
+            if min(steps) < 0:
+                i = next(i for i, step in enumerate(steps) if step < 0)
                 raise InvalidArgumentError(
-                    kv_indptr_name, "to give every request at least one page", f"request {i} has none"
+                    name, "non-decreasing", f"{name}[{i}] = {indptr[i]} > {name}[{i + 1}] = {indptr[i + 1]}"
                 )
-        for i, n in enumerate(last_list):
-            if not 1 <= n <= page_size:
-                raise InvalidArgumentError(f"{last_page_len_name}[{i}]", f"in [1, page_size={page_size}]", n)
+        if min(num_pages) < 1:
+            i = num_pages.index(min(num_pages))
+            raise InvalidArgumentError(
+                kv_indptr_name, "to give every request at least one page", f"request {i} has none"
+            )
+        if min(last_list) < 1 or max(last_list) > page_size:
+            i, n = next((i, n) for i, n in enumerate(last_list) if not 1 <= n <= page_size)
+            raise InvalidArgumentError(f"{last_page_len_name}[{i}]", f"in [1, page_size={page_size}]", n)
         nnz = kv_list[-1]
         if nnz > indices_t.numel():
             raise InvalidArgumentError(
@@ -172,7 +175,6 @@ class PagedBatch:
                 f"at least {kv_indptr_name}[-1] = {nnz} entries long",
                 f"{indices_t.numel()} entries",
             )
-        qo_lens_list = [b - a for a, b in itertools.pairwise(qo_list)]
         kv_lens_list = [(n - 1) * page_size + last for n, last in zip(num_pages, last_list, strict=True)]
         if causal:
             for i, (q, kv) in enumerate(zip(qo_lens_list, kv_lens_list, strict=True)):
@@ -195,7 +197,8 @@ class PagedBatch:
                 if hi > _INT32_MAX:
                     raise InvalidArgumentError(kv_indices_name, f"page indices up to {_INT32_MAX}", f"index {hi}")
                 max_page_index = hi
-            indices_t = indices_t.to(torch.int32)
+            if indices_t.dtype != torch.int32:
+                indices_t = indices_t.to(torch.int32)
         else:
             if indices_t.dtype == torch.int64 and nnz:  # no wrap-around on the narrowing below
                 ok = (indices_t.min() >= 0) & (indices_t.max() <= _INT32_MAX)
