@@ -163,3 +163,23 @@ def test_importing_tactix_and_discovering_plugins_does_not_initialise_cuda() -> 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_op_preference_orders_untuned_auto_per_op() -> None:
+    from tactix.backends import torch as torch_backend
+    from tactix.registry import Backend, BackendRecord, Registry
+
+    base = torch_backend.tactix_backends()[0]
+    specs = {
+        "general": base.model_copy(update={"name": "general", "preference": 10}),
+        "decoder": base.model_copy(update={"name": "decoder", "preference": 5, "op_preference": {"decode": 20}}),
+    }
+    backends = {
+        name: Backend(record=BackendRecord(name, None, None, "x:y", "active", spec=spec), spec=spec, _hooks={})
+        for name, spec in specs.items()
+    }
+    registry = Registry(list(b.record for b in backends.values()), backends)
+    assert [b.name for b in registry.active()] == ["general", "decoder"]
+    assert [b.name for b in registry.active("gemm")] == ["general", "decoder"]
+    assert [b.name for b in registry.active("decode")] == ["decoder", "general"]
+    assert specs["decoder"].preference_for("prefill") == 5 and specs["decoder"].preference_for("decode") == 20

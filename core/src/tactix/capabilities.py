@@ -169,6 +169,14 @@ class BackendSpec(BaseModel):
         default=0,
         description="order among backends for untuned 'auto' selection: higher is tried first",
     )
+    op_preference: dict[Op, int] = Field(
+        default_factory=dict,
+        description="per-op overrides of `preference` (a backend may be the best default for one op only)",
+    )
+
+    def preference_for(self, op: Op | None) -> int:
+        """The untuned 'auto' order of this backend for ``op`` (None: its general preference)."""
+        return self.preference if op is None else self.op_preference.get(op, self.preference)
 
     @property
     def ops(self) -> list[Op]:

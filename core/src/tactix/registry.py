@@ -28,7 +28,7 @@ from tactix.errors import (
     DuplicateBackendError,
     PluginError,
 )
-from tactix.problems import Problem
+from tactix.problems import Op, Problem
 from tactix.tactics import Tactic
 
 __all__ = [
@@ -222,9 +222,11 @@ class Registry:
     def records(self) -> list[BackendRecord]:
         return list(self._records)
 
-    def active(self) -> list[Backend]:
-        """Active backends, most preferred first."""
-        return list(self._by_preference)
+    def active(self, op: Op | None = None) -> list[Backend]:
+        """Active backends, most preferred first (for ``op``, when given: see ``op_preference``)."""
+        if op is None:
+            return list(self._by_preference)
+        return sorted(self._by_preference, key=lambda b: (-b.spec.preference_for(op), b.name))
 
     def get(self, name: str) -> Backend:
         """The active backend called ``name``; an error naming the valid choices otherwise."""

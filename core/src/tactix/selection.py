@@ -166,7 +166,7 @@ def select_and_plan(
                 candidates.append((registry.get(stored.backend), stored, "store"))
             except TactixError as exc:
                 warn_fallback(problem, stored, str(exc), "the untuned choice")
-        candidates += [(b, Tactic.default(b.name), "default") for b in registry.active()]
+        candidates += [(b, Tactic.default(b.name), "default") for b in registry.active(problem.op)]
 
     unsupported: list[str] = []
     failure: tuple[Tactic, BaseException] | None = None

@@ -143,7 +143,7 @@ def tune(
         if isinstance(problem, GemmProblem)
         else _attention_inputs(problem, batch, device, gen)  # type: ignore[arg-type]
     )
-    competitors = registry.active() if backend == "auto" else [registry.get(backend)]
+    competitors = registry.active(problem.op) if backend == "auto" else [registry.get(backend)]
     candidates: list[tuple[Backend, Tactic]] = []
     refused: list[str] = []
     for b in competitors:

@@ -1,0 +1,345 @@
+"""Launch geometry as pure functions: tactic parameters, shared memory, work lists, split counts, grids.
+
+Nothing here touches CUDA, so every rule is tested on a machine without a GPU. `DeviceInfo`
+carries the few device properties the heuristics need; `H200` is the default for compiling
+ahead of time (and for the tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Final
+
+from tactix import Tactic
+
+__all__ = [
+    "H200",
+    "DecodeParams",
+    "DecodeWork",
+    "DeviceInfo",
+    "GemmParams",
+    "ctas_per_sm",
+    "decode_chunk",
+    "decode_smem_bytes",
+    "decode_work",
+    "default_decode_params",
+    "default_gemm_params",
+    "gemm_smem_bytes",
+    "gemm_splits",
+    "merge_grid",
+]
+
+NAME: Final = "cuda_native"
+HEAD_DIMS: Final = (64, 128, 256)
+MAX_PAGE_SIZE: Final = 128
+Q_TILE: Final = 16  # query heads of one GQA group per CTA (the mma's 16 rows)
+MERGE_THREADS: Final = 128
+GEMM_MAX_M: Final = 64
+SMEM_RESERVED_PER_CTA: Final = 1024  # the driver keeps 1 KB of each CTA's shared memory
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the heuristics need to know about a GPU."""
+
+    sms: int
+    smem_per_block: int  # largest dynamic shared memory a CTA may opt into
+    smem_per_sm: int
+    arch: str  # "sm_90"
+
+
+H200: Final = DeviceInfo(sms=132, smem_per_block=232448, smem_per_sm=233472, arch="sm_90")
+
+
+def ctas_per_sm(info: DeviceInfo, smem: int, threads: int, max_threads: int = 2048) -> int:
+    """How many CTAs of this shared-memory size and width fit on one SM (at most 4, at least 1)."""
+    by_smem = info.smem_per_sm // (smem + SMEM_RESERVED_PER_CTA)
+    return max(1, min(4, by_smem, max_threads // threads))
+
+
+# -- decode ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    """A decode tactic's parameters: tile (tokens per stage), warps, stages and the KV chunk policy.
+
+    ``kv_chunk`` is the number of keys one CTA handles before its partial result is merged with
+    the others of its request (a multiple of ``tile``), or 0 for the heuristic (`decode_chunk`).
+    """
+
+    tile: int
+    warps: int
+    stages: int
+    kv_chunk: int = 0
+
+    def to_tactic(self) -> Tactic:
+        return Tactic(
+            backend=NAME,
+            kernel="decode",
+            params={"tile": self.tile, "warps": self.warps, "stages": self.stages, "kv_chunk": self.kv_chunk},
+        )
+
+    @classmethod
+    def from_tactic(cls, tactic: Tactic) -> DecodeParams:
+        p = tactic.params
+
+        def get(key: str, default: int | None = None) -> int:
+            value = p.get(key, default)
+            assert isinstance(value, int)  # validated by the plugin's check before a plan is made
+            return value
+
+        return cls(get("tile"), get("warps"), get("stages"), get("kv_chunk", 0))
+
+    def reasons(self, head_dim: int, info: DeviceInfo) -> list[str]:
+        out = []
+        if self.warps not in (2, 4, 8):
+            out.append(f"warps must be 2, 4 or 8 (got {self.warps})")
+        elif self.tile % self.warps or self.tile // self.warps not in (16, 32):
+            out.append(f"tile / warps must be 16 or 32 tokens (got tile {self.tile}, warps {self.warps})")
+        elif self.tile > 32 * self.warps:
+            out.append(f"tile {self.tile} exceeds the {32 * self.warps} threads of {self.warps} warps")
+        if not 2 <= self.stages <= 8:
+            out.append(f"stages must be in 2..8 (got {self.stages})")
+        if self.kv_chunk < 0 or (self.kv_chunk and self.kv_chunk % self.tile):
+            out.append(f"kv_chunk must be 0 (auto) or a positive multiple of tile {self.tile} (got {self.kv_chunk})")
+        if not out:
+            smem = decode_smem_bytes(head_dim, self.tile, self.warps, self.stages)
+            if smem > info.smem_per_block:
+                out.append(f"needs {smem} bytes of shared memory; this GPU allows {info.smem_per_block} per CTA")
+        return out
+
+
+def decode_smem_bytes(head_dim: int, tile: int, warps: int, stages: int) -> int:
+    """Dynamic shared memory of the decode kernel (see the layout in kernels/decode.cu)."""
+    row = head_dim * 2
+    return stages * 2 * tile * row + 16 * row + stages * 2 * tile * 8 + warps * 32 * 4 + 32 * 4
+
+
+def decode_candidates(head_dim: int, info: DeviceInfo) -> list[DecodeParams]:
+    """The tactic space the tuner explores (every entry valid for ``head_dim`` on ``info``)."""
+    shapes = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 2, 3), (32, 2, 4)]
+    out = [DecodeParams(t, w, s) for t, w, s in shapes]
+    base = default_decode_params(head_dim, info)
+    out += [DecodeParams(base.tile, base.warps, base.stages, c) for c in (256, 512, 1024, 2048, 4096)]
+    return [p for p in out if not p.reasons(head_dim, info)]
+
+
+def default_decode_params(head_dim: int, info: DeviceInfo) -> DecodeParams:
+    """The heuristic tactic: two CTAs per SM with two to three tiles in flight each."""
+    preferred = {64: (64, 4, 4), 128: (64, 4, 3), 256: (32, 2, 3)}.get(head_dim, (64, 4, 3))
+    tile, warps, stages = preferred
+    while stages > 2 and decode_smem_bytes(head_dim, tile, warps, stages) > info.smem_per_block:
+        stages -= 1
+    while tile > 32 and decode_smem_bytes(head_dim, tile, warps, stages) > info.smem_per_block:
+        tile, warps = tile // 2, max(2, warps // 2)
+    return DecodeParams(tile, warps, stages)
+
+
+def q_tiles(gqa: int) -> int:
+    """CTAs per KV head: one per 16 query heads of its group."""
+    return -(-gqa // Q_TILE)
+
+
+def effective_lengths(kv_lens: list[int], window_left: int) -> list[tuple[int, int]]:
+    """Each request's attended key range ``[start, end)``: all keys, or the last ``window_left + 1``."""
+    if window_left < 0:
+        return [(0, n) for n in kv_lens]
+    return [(max(0, n - 1 - window_left), n) for n in kv_lens]
+
+
+def decode_chunk(lengths: list[int], units: int, tile: int, slots: int, min_chunk: int = 256) -> int:
+    """Keys per work item (a multiple of ``tile``) so that the batch fills the GPU evenly.
+
+    ``units`` = CTAs per request and chunk (KV heads x q tiles); ``slots`` = CTAs resident at
+    once on the whole GPU. The aim is about 8 work items per slot, never fewer keys per item
+    than ``min_chunk`` (its start-up latency must be amortised) and never more than the
+    longest request (no split where none is needed). D2 (1 x 8192 keys, 8 KV heads, 264 slots)
+    gives 256-key chunks, 256 CTAs; D3 (256 x 2048) gives no split, 2048 CTAs.
+    """
+    tiles = [max(1, -(-n // tile)) for n in lengths]
+    longest = max(tiles)
+    total = sum(tiles) * units
+    chunk_tiles = -(-total // (8 * slots))
+    chunk_tiles = max(chunk_tiles, -(-min_chunk // tile), 1)
+    return min(chunk_tiles, longest) * tile
+
+
+@dataclass(frozen=True)
+class DecodeWork:
+    """The host-side work list of a decode batch.
+
+    ``items``: (request, first key, end key, partial slot or -1) per work item, longest first;
+    ``splits``: (first slot, count) per request (count 1: written directly, no merge);
+    ``slots``: partial outputs the workspace must hold.
+    """
+
+    items: list[tuple[int, int, int, int]]
+    splits: list[tuple[int, int]]
+    slots: int
+
+    @property
+    def needs_merge(self) -> bool:
+        return self.slots > 0
+
+
+def decode_work(ranges: list[tuple[int, int]], chunk: int) -> DecodeWork:
+    """Cut each request's key range into pieces of ``chunk`` keys (one piece: no partial slot)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be positive (got {chunk})")
+    items: list[tuple[int, int, int, int]] = []
+    splits: list[tuple[int, int]] = []
+    slots = 0
+    for b, (start, end) in enumerate(ranges):
+        pieces = max(1, -(-(end - start) // chunk))
+        if pieces == 1:
+            items.append((b, start, end, -1))
+            splits.append((0, 1))
+            continue
+        splits.append((slots, pieces))
+        for i in range(pieces):
+            items.append((b, start + i * chunk, min(end, start + (i + 1) * chunk), slots + i))
+        slots += pieces
+    # longest items first: in-order block dispatch then balances like longest-processing-time
+    items.sort(key=lambda it: it[1] - it[2])
+    return DecodeWork(items, splits, slots)
+
+
+def decode_capacity(batch: int, max_len: int, chunk: int) -> int:
+    """Most work items any batch of ``batch`` requests up to ``max_len`` keys can need at ``chunk``."""
+    return batch * max(1, -(-max_len // chunk))
+
+
+def decode_grid(items: int, num_kv_heads: int, gqa: int) -> tuple[int, int, int]:
+    return (items, num_kv_heads * q_tiles(gqa), 1)
+
+
+def merge_grid(batch: int, num_qo_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """Grid of the merge kernel: one CTA per request and block of heads (head_dim / 4 threads per head)."""
+    per_block = MERGE_THREADS // (head_dim // 4)
+    return (batch, -(-num_qo_heads // per_block), 1)
+
+
+# -- GEMM ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemmParams:
+    """A GEMM tactic's parameters: columns per CTA, k per stage, warp layout, stages, k splits (0: auto)."""
+
+    bn: int
+    bk: int
+    wn: int
+    wk: int
+    stages: int
+    splits: int = 0
+
+    def to_tactic(self) -> Tactic:
+        return Tactic(
+            backend=NAME,
+            kernel="gemm",
+            params={
+                "bn": self.bn,
+                "bk": self.bk,
+                "wn": self.wn,
+                "wk": self.wk,
+                "stages": self.stages,
+                "splits": self.splits,
+            },
+        )
+
+    @classmethod
+    def from_tactic(cls, tactic: Tactic) -> GemmParams:
+        p = tactic.params
+
+        def get(key: str, default: int | None = None) -> int:
+            value = p.get(key, default)
+            assert isinstance(value, int)  # validated by the plugin's check before a plan is made
+            return value
+
+        return cls(get("bn"), get("bk"), get("wn"), get("wk"), get("stages"), get("splits", 0))
+
+    def reasons(self, m: int, info: DeviceInfo) -> list[str]:
+        out = []
+        if self.bk not in (64, 128):
+            out.append(f"bk must be 64 or 128 (got {self.bk})")
+        if self.wn < 1 or self.wk < 1 or self.wn * self.wk not in (1, 2, 4, 8):
+            out.append(f"wn * wk must be 1, 2, 4 or 8 warps (got {self.wn} x {self.wk})")
+        elif self.bn % (16 * self.wn) or self.bn > 256:
+            out.append(f"bn must be a multiple of 16 * wn up to 256 (got bn {self.bn}, wn {self.wn})")
+        elif self.bk in (64, 128) and (self.bk // 16) % self.wk:
+            out.append(f"bk / 16 = {self.bk // 16} k-steps must divide among wk = {self.wk} warps")
+        if not 2 <= self.stages <= 8:
+            out.append(f"stages must be in 2..8 (got {self.stages})")
+        if not 0 <= self.splits <= 64:
+            out.append(f"splits must be 0 (auto) or 1..64 (got {self.splits})")
+        if not out:
+            smem = gemm_smem_bytes(m_tiles(m), self.bn, self.bk, self.stages)
+            if smem > info.smem_per_block:
+                out.append(f"needs {smem} bytes of shared memory; this GPU allows {info.smem_per_block} per CTA")
+        return out
+
+
+def m_tiles(m: int) -> int:
+    """16-row MMA tiles for ``m`` rows (1, 2 or 4)."""
+    tiles = -(-m // 16)
+    return 4 if tiles > 2 else tiles
+
+
+def gemm_smem_bytes(mt: int, bn: int, bk: int, stages: int) -> int:
+    return stages * (mt * 16 + bn) * bk * 2
+
+
+def default_gemm_params(m: int, info: DeviceInfo) -> GemmParams:
+    """The heuristic tactic: narrow column blocks and deep pipelines for the smallest m."""
+    if m <= 16:
+        params = GemmParams(bn=32, bk=128, wn=1, wk=4, stages=6)
+    elif m <= 32:
+        params = GemmParams(bn=64, bk=64, wn=2, wk=2, stages=6)
+    else:
+        params = GemmParams(bn=64, bk=64, wn=2, wk=2, stages=4)
+    stages = params.stages
+    while stages > 2 and gemm_smem_bytes(m_tiles(m), params.bn, params.bk, stages) > info.smem_per_block:
+        stages -= 1
+    return GemmParams(params.bn, params.bk, params.wn, params.wk, stages)
+
+
+def gemm_candidates(m: int, info: DeviceInfo) -> list[GemmParams]:
+    shapes = [(32, 128, 1, 4), (64, 64, 2, 2), (64, 128, 2, 2), (128, 64, 4, 1)]
+    out = [GemmParams(bn, bk, wn, wk, s, sp) for bn, bk, wn, wk in shapes for s in (4, 6) for sp in (0, 1, 2, 4)]
+    return [p for p in out if not p.reasons(m, info)]
+
+
+def gemm_splits(m: int, n: int, k: int, bn: int, bk: int, info: DeviceInfo, ctas_sm: int, requested: int = 0) -> int:
+    """How many ways to split k: enough CTAs for every resident slot of the GPU, but each split
+    keeps at least 4 stages of k, and the fp32 partial sums (splits x m x n x 4 bytes, written
+    and read back) stay under 1/16 of the weight bytes (n x k x 2). An explicit count wins.
+
+    Pass the result to `gemm_k_per_split`, which rounds the k per split to ``bk``.
+    """
+    k_steps = -(-k // bk)
+    if requested:
+        return max(1, min(requested, k_steps))
+    blocks = -(-n // bn)
+    want = -(-info.sms * ctas_sm // blocks)
+    traffic_cap = max(1, k // (32 * m))
+    return max(1, min(want, k_steps // 4 or 1, traffic_cap, 16))
+
+
+def gemm_k_per_split(k: int, bk: int, splits: int) -> tuple[int, int]:
+    """``(k per split, actual splits)``: k per split rounded up to ``bk``, empty splits dropped."""
+    kps = -(-k // splits)
+    kps = -(-kps // bk) * bk
+    return kps, -(-k // kps)
+
+
+def gemm_grid(n: int, bn: int, splits: int, batch: int) -> tuple[int, int, int]:
+    return (-(-n // bn), splits, batch)
+
+
+def log2_exact(n: int) -> int | None:
+    """log2 of a power of two, else None."""
+    if n < 1 or n & (n - 1):
+        return None
+    return int(math.log2(n))

@@ -1,0 +1,121 @@
+// Shared device helpers for the cuda_native kernels: PTX wrappers for cp.async, ldmatrix,
+// mma.sync (m16n8k16, fp32 accumulation) and 16-bit conversions. Self-contained on purpose
+// (no CUDA headers), so NVRTC compiles it anywhere, with no toolkit include path.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define TX_DEVICE __device__ __forceinline__
+
+// TX_BF16 = 1: bfloat16 operands, 0: float16.
+#ifndef TX_BF16
+#error "TX_BF16 must be defined (1: bfloat16, 0: float16)"
+#endif
+
+TX_DEVICE float tx_neg_inf() { return __int_as_float(0xff800000); }
+
+TX_DEVICE u32 tx_smem_addr(const void* p) {
+  u32 r;
+  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// 16-byte global -> shared copy; src_bytes 0 writes zeros and reads nothing.
+TX_DEVICE void tx_cp_async16(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+TX_DEVICE void tx_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+TX_DEVICE void tx_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+TX_DEVICE void tx_ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+TX_DEVICE void tx_ldmatrix_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+// d[4] += a[16x16] (row) * b[16x8] (col), 16-bit operands, fp32 accumulators.
+TX_DEVICE void tx_mma(float* d, const u32* a, u32 b0, u32 b1) {
+#if TX_BF16
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Two floats -> one register of two 16-bit values (lo in the low half), round to nearest.
+TX_DEVICE u32 tx_pack2(float lo, float hi) {
+  u32 r;
+#if TX_BF16
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+  return r;
+}
+
+TX_DEVICE float tx_to_float(u16 h) {
+#if TX_BF16
+  return __uint_as_float(((u32)h) << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(h));
+  return f;
+#endif
+}
+
+TX_DEVICE float tx_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+TX_DEVICE float tx_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+TX_DEVICE float tx_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+// tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, absolute error ~1e-7 near 0.
+TX_DEVICE float tx_tanh(float x) {
+  float e = tx_exp2(x * 2.8853900817779268f);  // 2 * log2(e)
+  return 1.0f - 2.0f * tx_rcp(e + 1.0f);
+}
+
+TX_DEVICE float tx_warp_max4(float v) {  // max over the 4 lanes of an mma row group
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+  return v;
+}
+TX_DEVICE float tx_warp_sum4(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  v += __shfl_xor_sync(0xffffffffu, v, 2);
+  return v;
+}
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows are `row_bytes` long,
+// XOR-swizzled so that the 8 rows an ldmatrix reads at one column hit 8 different bank groups.
+TX_DEVICE u32 tx_swz(int row, int chunk, int row_bytes) {
+  return (u32)(row * row_bytes + ((chunk ^ (row & 7)) << 4));
+}

@@ -1,0 +1,393 @@
+// Paged decode attention: one query row per request over a paged K/V cache.
+//
+// Grid: x = work item (a request and a contiguous range of its keys, planned on the host),
+//       y = kv head x q tile (a q tile is up to 16 query heads of one GQA group).
+// A CTA reads each K/V row of its range once for all query heads of its tile: K/V tiles of
+// TX_TILE tokens are gathered page by page with cp.async into a TX_STAGES-deep ring of
+// swizzled shared-memory buffers; every warp takes TX_TILE / TX_WARPS tokens of each tile and
+// computes S = Q K^T and O += P V on the tensor cores (mma.sync m16n8k16, the query heads as
+// the 16 rows), with an online softmax in fp32 (base-2 exponentials). Warps are merged in
+// shared memory at the end. A work item that covers a whole request writes `out` (and `lse`);
+// one that covers part of a request writes a normalised fp32 partial output and its
+// natural-log LSE to the workspace, and `tactix_decode_merge` combines a request's partials.
+//
+// Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_TILE, TX_WARPS, TX_STAGES.
+#include "common.cuh"
+
+#ifndef TX_D
+#error "TX_D must be defined"
+#endif
+#ifndef TX_TILE
+#define TX_TILE 64
+#endif
+#ifndef TX_WARPS
+#define TX_WARPS 4
+#endif
+#ifndef TX_STAGES
+#define TX_STAGES 3
+#endif
+
+constexpr int D = TX_D;
+constexpr int TILE = TX_TILE;
+constexpr int WARPS = TX_WARPS;
+constexpr int STAGES = TX_STAGES;
+constexpr int NT = WARPS * 32;
+constexpr int TPW = TILE / WARPS;  // tokens per warp per tile
+constexpr int NNT = TPW / 8;       // n8 tiles of S per warp
+constexpr int NKS = TPW / 16;      // k16 steps of P V per warp
+constexpr int DCH = D / 8;         // 16-byte chunks per row
+constexpr int ROW_BYTES = D * 2;
+constexpr int TILE_BYTES = TILE * ROW_BYTES;
+constexpr int STAGE_BYTES = 2 * TILE_BYTES;
+constexpr bool Q_IN_REGS = D <= 128;
+constexpr float LN2 = 0.6931471805599453f;
+constexpr float LOG2E = 1.4426950408889634f;
+
+static_assert(D == 64 || D == 128 || D == 256, "head dim must be 64, 128 or 256");
+static_assert(TPW == 16 || TPW == 32, "TX_TILE / TX_WARPS must be 16 or 32");
+static_assert(TILE <= NT, "one thread per token of a tile computes its offsets");
+static_assert(STAGES >= 2, "at least two stages");
+static_assert(WARPS * 16 * D * 4 <= STAGES * STAGE_BYTES, "warp merge buffer must fit in the stage area");
+
+// Dynamic shared memory: [stages: K tile, V tile] [Q 16 rows] [token offsets: stages x (K, V) x TILE]
+// [per-warp row max/sum: WARPS x 16 x 2] [final row max/sum: 16 x 2]
+extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
+    const u16* __restrict__ q, i64 q_sb, i64 q_sh, const u16* __restrict__ k, const u16* __restrict__ v,
+    i64 k_sp, i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh, u16* __restrict__ out, float* __restrict__ lse,
+    const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ page_base,
+    const int* __restrict__ kv_indices, float* __restrict__ part_o, float* __restrict__ part_lse, i64 num_qo_heads,
+    i64 gqa, i64 q_tiles, i64 page_shift, double scale_log2_d, double cap_d) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int item = blockIdx.x;
+  if (item >= __ldg(num_items)) return;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int grp = lane >> 2, tig = lane & 3;
+
+  const int req = __ldg(items + 4 * item), start = __ldg(items + 4 * item + 1);
+  const int end = __ldg(items + 4 * item + 2), slot = __ldg(items + 4 * item + 3);
+  const int H = (int)num_qo_heads;
+  const int kvh = blockIdx.y / (int)q_tiles, qt = blockIdx.y % (int)q_tiles;
+  const int head0 = kvh * (int)gqa + qt * 16;
+  const int nrows = min(16, (int)gqa - qt * 16);
+  const u16* kh = k + kvh * k_sh;
+  const u16* vh = v + kvh * v_sh;
+  const int* pages = kv_indices + __ldg(page_base + req);
+  const int pshift = (int)page_shift, pmask = (1 << pshift) - 1;
+  const int ntiles = (end - start + TILE - 1) / TILE;
+  const float cap = (float)cap_d;
+  const float scale_log2 = (float)scale_log2_d;           // sm_scale * log2(e)
+  const float scale_over_cap = cap > 0.f ? scale_log2 / (cap * LOG2E) : 0.f;  // sm_scale / cap
+  const float cap_log2 = cap * LOG2E;
+
+  unsigned char* q_s = smem + STAGES * STAGE_BYTES;
+  i64* offs = reinterpret_cast<i64*>(q_s + 16 * ROW_BYTES);  // [STAGES][2][TILE]
+  float* ml = reinterpret_cast<float*>(offs + STAGES * 2 * TILE);
+  float* fin = ml + WARPS * 32;
+  const u32 sbase = tx_smem_addr(smem);
+  const u32 qbase = tx_smem_addr(q_s);
+
+  // token offsets (elements from the head's base) of the first STAGES tiles
+  if (tid < TILE) {
+#pragma unroll
+    for (int t = 0; t < STAGES; ++t) {
+      const int tok = start + t * TILE + tid;
+      i64 ko = -1, vo = -1;
+      if (tok < end) {
+        const i64 page = __ldg(pages + (tok >> pshift));
+        const i64 in = tok & pmask;
+        ko = page * k_sp + in * k_st;
+        vo = page * v_sp + in * v_st;
+      }
+      offs[(t * 2) * TILE + tid] = ko;
+      offs[(t * 2 + 1) * TILE + tid] = vo;
+    }
+  }
+  // Q rows of this tile (rows past the group are zero)
+  {
+    const u16* qrow0 = q + req * q_sb + head0 * q_sh;
+    for (int c = tid; c < 16 * DCH; c += NT) {
+      const int row = c / DCH, ch = c % DCH;
+      const bool ok = row < nrows;
+      tx_cp_async16(qbase + tx_swz(row, ch, ROW_BYTES), ok ? (const void*)(qrow0 + row * q_sh + ch * 8) : (const void*)q,
+                    ok ? 16 : 0);
+    }
+    tx_cp_async_commit();
+  }
+  __syncthreads();
+
+  auto issue = [&](int tile) {
+    if (tile < ntiles) {
+      const int s = tile % STAGES;
+      const u32 kb = sbase + s * STAGE_BYTES, vb = kb + TILE_BYTES;
+      const i64* ko = offs + (s * 2) * TILE;
+      const i64* vo = ko + TILE;
+#pragma unroll
+      for (int c = tid; c < TILE * DCH; c += NT) {
+        const int row = c / DCH, ch = c % DCH;
+        const i64 o = ko[row];
+        tx_cp_async16(kb + tx_swz(row, ch, ROW_BYTES), o >= 0 ? (const void*)(kh + o + ch * 8) : (const void*)kh,
+                      o >= 0 ? 16 : 0);
+      }
+#pragma unroll
+      for (int c = tid; c < TILE * DCH; c += NT) {
+        const int row = c / DCH, ch = c % DCH;
+        const i64 o = vo[row];
+        tx_cp_async16(vb + tx_swz(row, ch, ROW_BYTES), o >= 0 ? (const void*)(vh + o + ch * 8) : (const void*)vh,
+                      o >= 0 ? 16 : 0);
+      }
+    }
+    tx_cp_async_commit();  // always, so that group counting stays uniform
+  };
+
+#pragma unroll
+  for (int t = 0; t < STAGES - 1; ++t) issue(t);
+
+  u32 qf[Q_IN_REGS ? D / 16 : 1][4];
+  if (Q_IN_REGS) {
+    tx_cp_async_wait<STAGES - 1>();  // the Q group (the oldest) has landed
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < (Q_IN_REGS ? D / 16 : 1); ++kk) {
+      const int row = (lane & 7) + (((lane >> 3) & 1) << 3);
+      const int ch = kk * 2 + (lane >> 4);
+      tx_ldmatrix_x4(qbase + tx_swz(row, ch, ROW_BYTES), qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+    }
+  }
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int t = 0; t < D / 8; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
+  float m0 = tx_neg_inf(), m1 = tx_neg_inf(), l0 = 0.f, l1 = 0.f;
+  const int wrow = warp * TPW;
+
+  for (int i = 0; i < ntiles; ++i) {
+    tx_cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    issue(i + STAGES - 1);
+    // page index of this thread's token of tile i + STAGES (used after the compute below)
+    const int pt = i + STAGES;
+    const int ptok = start + pt * TILE + tid;
+    int ppage = -1;
+    if (tid < TILE && pt < ntiles && ptok < end) ppage = __ldg(pages + (ptok >> pshift));
+
+    const int s = i % STAGES;
+    const u32 kb = sbase + s * STAGE_BYTES, vb = kb + TILE_BYTES;
+    const int t0 = start + i * TILE;
+
+    float sc[NNT][4];
+#pragma unroll
+    for (int j = 0; j < NNT; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      u32 a[4];
+      if (Q_IN_REGS) {
+        a[0] = qf[Q_IN_REGS ? kk : 0][0];
+        a[1] = qf[Q_IN_REGS ? kk : 0][1];
+        a[2] = qf[Q_IN_REGS ? kk : 0][2];
+        a[3] = qf[Q_IN_REGS ? kk : 0][3];
+      } else {
+        const int row = (lane & 7) + (((lane >> 3) & 1) << 3);
+        const int ch = kk * 2 + (lane >> 4);
+        tx_ldmatrix_x4(qbase + tx_swz(row, ch, ROW_BYTES), a[0], a[1], a[2], a[3]);
+      }
+#pragma unroll
+      for (int np = 0; np < NNT / 2; ++np) {
+        const int row = wrow + np * 16 + (lane & 7) + ((lane >> 4) << 3);
+        const int ch = kk * 2 + ((lane >> 3) & 1);
+        u32 b0, b1, b2, b3;
+        tx_ldmatrix_x4(kb + tx_swz(row, ch, ROW_BYTES), b0, b1, b2, b3);
+        tx_mma(sc[2 * np], a, b0, b1);
+        tx_mma(sc[2 * np + 1], a, b2, b3);
+      }
+    }
+
+    // scale (and soft-cap) into the base-2 domain, mask keys past the range, online softmax
+    float mx0 = tx_neg_inf(), mx1 = tx_neg_inf();
+#pragma unroll
+    for (int j = 0; j < NNT; ++j) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int tok = t0 + wrow + j * 8 + tig * 2 + (c & 1);
+        float x = sc[j][c];
+        x = cap > 0.f ? cap_log2 * tx_tanh(x * scale_over_cap) : x * scale_log2;
+        x = tok < end ? x : tx_neg_inf();
+        sc[j][c] = x;
+        if (c < 2) {
+          mx0 = fmaxf(mx0, x);
+        } else {
+          mx1 = fmaxf(mx1, x);
+        }
+      }
+    }
+    mx0 = tx_warp_max4(mx0);
+    mx1 = tx_warp_max4(mx1);
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float mu0 = mn0 == tx_neg_inf() ? 0.f : mn0;
+    const float mu1 = mn1 == tx_neg_inf() ? 0.f : mn1;
+    const float al0 = tx_exp2(m0 - mu0), al1 = tx_exp2(m1 - mu1);
+    m0 = mn0;
+    m1 = mn1;
+    float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < NNT; ++j) {
+      sc[j][0] = tx_exp2(sc[j][0] - mu0);
+      sc[j][1] = tx_exp2(sc[j][1] - mu0);
+      sc[j][2] = tx_exp2(sc[j][2] - mu1);
+      sc[j][3] = tx_exp2(sc[j][3] - mu1);
+      rs0 += sc[j][0] + sc[j][1];
+      rs1 += sc[j][2] + sc[j][3];
+    }
+    l0 = l0 * al0 + rs0;
+    l1 = l1 * al1 + rs1;
+#pragma unroll
+    for (int t = 0; t < D / 8; ++t) {
+      o[t][0] *= al0;
+      o[t][1] *= al0;
+      o[t][2] *= al1;
+      o[t][3] *= al1;
+    }
+
+#pragma unroll
+    for (int ks = 0; ks < NKS; ++ks) {
+      u32 pa[4];
+      pa[0] = tx_pack2(sc[2 * ks][0], sc[2 * ks][1]);
+      pa[1] = tx_pack2(sc[2 * ks][2], sc[2 * ks][3]);
+      pa[2] = tx_pack2(sc[2 * ks + 1][0], sc[2 * ks + 1][1]);
+      pa[3] = tx_pack2(sc[2 * ks + 1][2], sc[2 * ks + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        const int row = wrow + ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+        const int ch = dp * 2 + (lane >> 4);
+        u32 b0, b1, b2, b3;
+        tx_ldmatrix_x4_trans(vb + tx_swz(row, ch, ROW_BYTES), b0, b1, b2, b3);
+        tx_mma(o[2 * dp], pa, b0, b1);
+        tx_mma(o[2 * dp + 1], pa, b2, b3);
+      }
+    }
+
+    // offsets of tile i + STAGES into the ring slot of tile i (read when it is issued, next iteration)
+    if (tid < TILE && pt < ntiles) {
+      i64 ko = -1, vo = -1;
+      if (ppage >= 0) {
+        const i64 in = ptok & pmask;
+        ko = (i64)ppage * k_sp + in * k_st;
+        vo = (i64)ppage * v_sp + in * v_st;
+      }
+      offs[(s * 2) * TILE + tid] = ko;
+      offs[(s * 2 + 1) * TILE + tid] = vo;
+    }
+  }
+
+  // ---- merge the warps' partial softmax states --------------------------------------------
+  tx_cp_async_wait<0>();
+  l0 = tx_warp_sum4(l0);
+  l1 = tx_warp_sum4(l1);
+  if (tig == 0) {
+    ml[(warp * 16 + grp) * 2] = m0;
+    ml[(warp * 16 + grp) * 2 + 1] = l0;
+    ml[(warp * 16 + grp + 8) * 2] = m1;
+    ml[(warp * 16 + grp + 8) * 2 + 1] = l1;
+  }
+  __syncthreads();  // also: every warp is done with the stage buffers, reused below
+  float M0 = tx_neg_inf(), M1 = tx_neg_inf();
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    M0 = fmaxf(M0, ml[(w * 16 + grp) * 2]);
+    M1 = fmaxf(M1, ml[(w * 16 + grp + 8) * 2]);
+  }
+  float L0 = 0.f, L1 = 0.f;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    L0 += ml[(w * 16 + grp) * 2 + 1] * tx_exp2(ml[(w * 16 + grp) * 2] - M0);
+    L1 += ml[(w * 16 + grp + 8) * 2 + 1] * tx_exp2(ml[(w * 16 + grp + 8) * 2] - M1);
+  }
+  const float f0 = tx_exp2(m0 - M0) / L0, f1 = tx_exp2(m1 - M1) / L1;
+  float* red = reinterpret_cast<float*>(smem);  // [WARPS][16][D]
+#pragma unroll
+  for (int t = 0; t < D / 8; ++t) {
+    const int dim = t * 8 + tig * 2;
+    if (grp < nrows) {
+      red[(warp * 16 + grp) * D + dim] = o[t][0] * f0;
+      red[(warp * 16 + grp) * D + dim + 1] = o[t][1] * f0;
+    }
+    if (grp + 8 < nrows) {
+      red[(warp * 16 + grp + 8) * D + dim] = o[t][2] * f1;
+      red[(warp * 16 + grp + 8) * D + dim + 1] = o[t][3] * f1;
+    }
+  }
+  if (warp == 0 && tig == 0) {
+    fin[grp * 2] = M0;
+    fin[grp * 2 + 1] = L0;
+    fin[(grp + 8) * 2] = M1;
+    fin[(grp + 8) * 2 + 1] = L1;
+  }
+  __syncthreads();
+  for (int c = tid; c < nrows * (D / 4); c += NT) {
+    const int r = c / (D / 4), d4 = (c % (D / 4)) * 4;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float* p = red + (w * 16 + r) * D + d4;
+      a0 += p[0];
+      a1 += p[1];
+      a2 += p[2];
+      a3 += p[3];
+    }
+    const i64 qh = head0 + r;
+    if (slot < 0) {
+      u32* dst = reinterpret_cast<u32*>(out + ((i64)req * H + qh) * D + d4);
+      dst[0] = tx_pack2(a0, a1);
+      dst[1] = tx_pack2(a2, a3);
+    } else {
+      float* dst = part_o + ((i64)slot * H + qh) * D + d4;
+      dst[0] = a0;
+      dst[1] = a1;
+      dst[2] = a2;
+      dst[3] = a3;
+    }
+  }
+  if (tid < nrows) {
+    const float value = (fin[tid * 2] + tx_log2(fin[tid * 2 + 1])) * LN2;
+    if (slot < 0) {
+      if (lse != nullptr) lse[(i64)req * H + head0 + tid] = value;
+    } else {
+      part_lse[(i64)slot * H + head0 + tid] = value;
+    }
+  }
+}
+
+// Combine the partial outputs of split requests: out = sum_i w_i o_i / sum_i w_i with
+// w_i = exp(lse_i - max lse), lse = max lse + log(sum_i w_i). Grid: x = request, y = head block.
+constexpr int MERGE_THREADS = 128;
+constexpr int MERGE_TPH = D / 4;  // threads per head (4 dims each)
+constexpr int MERGE_HPB = MERGE_THREADS / MERGE_TPH;
+
+extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
+    tactix_decode_merge(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+                        const int* __restrict__ req_split, u16* __restrict__ out, float* __restrict__ lse,
+                        i64 num_qo_heads) {
+  const int b = blockIdx.x;
+  const int H = (int)num_qo_heads;
+  const int hl = threadIdx.x / MERGE_TPH, d4 = (threadIdx.x % MERGE_TPH) * 4;
+  const int qh = blockIdx.y * MERGE_HPB + hl;
+  if (qh >= H) return;
+  const int first = __ldg(req_split + 2 * b), n = __ldg(req_split + 2 * b + 1);
+  if (n <= 1) return;  // written directly by the decode kernel
+  float M = tx_neg_inf();
+  for (int i = 0; i < n; ++i) M = fmaxf(M, __ldg(part_lse + (i64)(first + i) * H + qh));
+  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, S = 0.f;
+  for (int i = 0; i < n; ++i) {
+    const float w = tx_exp2((__ldg(part_lse + (i64)(first + i) * H + qh) - M) * LOG2E);
+    const float* p = part_o + ((i64)(first + i) * H + qh) * D + d4;
+    S += w;
+    a0 += w * __ldg(p);
+    a1 += w * __ldg(p + 1);
+    a2 += w * __ldg(p + 2);
+    a3 += w * __ldg(p + 3);
+  }
+  const float inv = 1.0f / S;
+  u32* dst = reinterpret_cast<u32*>(out + ((i64)b * H + qh) * D + d4);
+  dst[0] = tx_pack2(a0 * inv, a1 * inv);
+  dst[1] = tx_pack2(a2 * inv, a3 * inv);
+  if (lse != nullptr && d4 == 0) lse[(i64)b * H + qh] = M + tx_log2(S) * LN2;
+}

@@ -1,0 +1,526 @@
+"""tactix hooks for the ``cuda_native`` backend: paged decode attention and skinny GEMM in the project's own CUDA.
+
+Tactics are the kernels' compile-time and launch parameters:
+
+* ``Tactic(backend="cuda_native", kernel="decode", params={"tile": 64, "warps": 4, "stages": 3, "kv_chunk": 0})``
+  (``kv_chunk`` 0: the split of long requests is chosen per batch by `geometry.decode_chunk`);
+* ``Tactic(backend="cuda_native", kernel="gemm", params={"bn": 32, "bk": 128, "wn": 1, "wk": 4, "stages": 6,
+  "splits": 0})`` (``splits`` 0: chosen from the shape by `geometry.gemm_splits`).
+
+The default tactic is the heuristic of `geometry` for the problem and the GPU. Prefill is not
+implemented yet (declared absent). Plans do all host work — the work list, the device
+metadata in one transfer, the workspace — and ``run`` only launches (at most two kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Final
+
+import torch
+
+import tactix
+from tactix import InvalidArgumentError, PagedBatch, PlanOptions, Tactic, UnsupportedProblemError
+from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem, bucket_size
+from tactix_cuda_native import __version__
+from tactix_cuda_native.geometry import (
+    GEMM_MAX_M,
+    H200,
+    HEAD_DIMS,
+    MAX_PAGE_SIZE,
+    MERGE_THREADS,
+    DecodeParams,
+    DeviceInfo,
+    GemmParams,
+    ctas_per_sm,
+    decode_candidates,
+    decode_capacity,
+    decode_chunk,
+    decode_grid,
+    decode_smem_bytes,
+    decode_work,
+    default_decode_params,
+    default_gemm_params,
+    effective_lengths,
+    gemm_candidates,
+    gemm_grid,
+    gemm_k_per_split,
+    gemm_smem_bytes,
+    gemm_splits,
+    log2_exact,
+    m_tiles,
+    merge_grid,
+    q_tiles,
+)
+from tactix_cuda_native.runtime import Variant, compile_all, cuda_core_status, launch_config, load, stream_for
+
+NAME: Final = "cuda_native"
+_DTYPES: Final = frozenset({"float16", "bfloat16"})
+_PAGE_SIZES: Final = frozenset(1 << i for i in range(8))  # 1 .. 128
+_CCS: Final = frozenset({"8.0", "8.6", "8.9", "9.0"})
+_LOG2E: Final = 1.4426950408889634
+
+_DECODE = tactix.AttentionCapabilities(
+    devices=frozenset({"cuda"}),
+    compute_capabilities=_CCS,
+    q_dtypes=_DTYPES,
+    kv_dtypes=_DTYPES,
+    out_dtypes=_DTYPES,
+    head_dims=frozenset(HEAD_DIMS),
+    page_sizes=_PAGE_SIZES,
+    kv_layouts=frozenset({"NHD", "HND"}),
+    max_gqa_ratio=None,
+    sliding_window=True,
+    logits_soft_cap=True,
+    lse=True,
+    cuda_graph="fixed_buffers",
+)
+
+_GEMM = tactix.GemmCapabilities(
+    devices=frozenset({"cuda"}),
+    compute_capabilities=_CCS,
+    dtypes=frozenset(tactix.GemmDTypes(a=t, b=t, out=t) for t in _DTYPES),
+    a_m_major=False,
+    b_n_major=False,
+    bias=True,
+    batched=True,
+    max_m=GEMM_MAX_M,
+    cuda_graph="fixed_buffers",
+)
+
+
+@tactix.hookimpl
+def tactix_backends() -> list[tactix.BackendSpec]:
+    return [
+        tactix.BackendSpec(
+            name=NAME,
+            version=__version__,
+            description="the project's CUDA kernels (NVRTC): paged decode with split-KV, skinny GEMM for m <= 64",
+            decode=_DECODE,
+            gemm=_GEMM,
+            preference=5,
+            # decode: ahead of cudnn untuned. Measured on the H200 (benchmarks/results/
+            # h200-bench-cuda-native.json): deterministic and faster than cuDNN's deterministic
+            # decode plan on D1-D3; the skinny GEMM's default is not ahead of cuBLAS yet.
+            op_preference={"decode": 20},
+        )
+    ]
+
+
+@tactix.hookimpl
+def tactix_environment(backend: str) -> list[str] | None:
+    if backend != NAME:
+        return None
+    reasons = []
+    _, why = cuda_core_status()
+    if why is not None:
+        reasons.append(why)
+    if not torch.cuda.is_available():
+        reasons.append("no CUDA GPU is visible")
+    elif torch.cuda.get_device_capability() < (8, 0):
+        major, minor = torch.cuda.get_device_capability()
+        reasons.append(f"the kernels need compute capability 8.0 or newer (this GPU is {major}.{minor})")
+    return reasons
+
+
+# -- device properties -----------------------------------------------------------------------
+
+
+@functools.cache
+def device_info(index: int) -> DeviceInfo:
+    props = torch.cuda.get_device_properties(index)
+    major, minor = torch.cuda.get_device_capability(index)
+    return DeviceInfo(
+        sms=int(props.multi_processor_count),
+        smem_per_block=int(getattr(props, "shared_memory_per_block_optin", 48 * 1024)),
+        smem_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 100 * 1024)),
+        arch=f"sm_{major}{minor}",
+    )
+
+
+def _info_for(device: torch.device | None) -> DeviceInfo:
+    """This GPU's properties, or the H200's where there is none (tactic spaces, ahead-of-time compiles)."""
+    if not torch.cuda.is_available():
+        return H200
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return device_info(index)
+
+
+# -- support rules ---------------------------------------------------------------------------
+
+
+def _decode_reasons(problem: DecodeProblem, tactic: Tactic, info: DeviceInfo) -> list[str]:
+    out = []
+    if not (problem.q_dtype == problem.kv_dtype == problem.out_dtype):
+        out.append("q, kv and out dtypes must be the same")
+    if log2_exact(problem.page_size) is None or problem.page_size > MAX_PAGE_SIZE:
+        out.append(f"page size {problem.page_size} must be a power of two up to {MAX_PAGE_SIZE}")
+    if tactic.is_default:
+        if tactic.params:
+            out.append(f"the default tactic takes no params (got {tactic.params})")
+        return out
+    if tactic.kernel != "decode":
+        return [*out, f"unknown decode kernel '{tactic.kernel}' (known: default, decode)"]
+    known = {"tile", "warps", "stages", "kv_chunk"}
+    given = set(tactic.params)
+    if not {"tile", "warps", "stages"} <= given or given - known:
+        return [*out, f"decode params must be {sorted(known)} with kv_chunk optional (got {sorted(given)})"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in tactic.params.values()):
+        return [*out, f"decode params must be integers (got {tactic.params})"]
+    return out + DecodeParams.from_tactic(tactic).reasons(problem.head_dim_qk, info)
+
+
+def _gemm_reasons(problem: GemmProblem, tactic: Tactic, info: DeviceInfo) -> list[str]:
+    out = []
+    if problem.k % 8:
+        out.append(f"k must be a multiple of 8 (16-byte rows; got k={problem.k})")
+    if tactic.is_default:
+        if tactic.params:
+            out.append(f"the default tactic takes no params (got {tactic.params})")
+        return out
+    if tactic.kernel != "gemm":
+        return [*out, f"unknown gemm kernel '{tactic.kernel}' (known: default, gemm)"]
+    known = {"bn", "bk", "wn", "wk", "stages", "splits"}
+    given = set(tactic.params)
+    if not known - {"splits"} <= given or given - known:
+        return [*out, f"gemm params must be {sorted(known)} with splits optional (got {sorted(given)})"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in tactic.params.values()):
+        return [*out, f"gemm params must be integers (got {tactic.params})"]
+    return out + GemmParams.from_tactic(tactic).reasons(problem.m, info)
+
+
+def _reasons(problem: Problem, tactic: Tactic, info: DeviceInfo) -> list[str]:
+    if isinstance(problem, PrefillProblem):
+        return ["cuda_native implements no prefill yet"]
+    if isinstance(problem, DecodeProblem):
+        return _decode_reasons(problem, tactic, info)
+    return _gemm_reasons(problem, tactic, info)
+
+
+@tactix.hookimpl
+def tactix_check(backend: str, problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> list[str] | None:
+    if backend != NAME:
+        return None
+    return _reasons(problem, tactic, _info_for(None))
+
+
+@tactix.hookimpl
+def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
+    if backend != NAME:
+        return None
+    info = _info_for(None)
+    if isinstance(problem, DecodeProblem):
+        return [p.to_tactic() for p in decode_candidates(problem.head_dim_qk, info)]
+    if isinstance(problem, GemmProblem):
+        return [p.to_tactic() for p in gemm_candidates(problem.m, info)]
+    return []
+
+
+# -- kernel variants -------------------------------------------------------------------------
+
+
+def _bf16(dtype: str) -> int:
+    return 1 if dtype == "bfloat16" else 0
+
+
+def decode_variant(dtype: str, head_dim: int, params: DecodeParams, arch: str) -> Variant:
+    return Variant.make(
+        "decode.cu",
+        arch,
+        TX_BF16=_bf16(dtype),
+        TX_D=head_dim,
+        TX_TILE=params.tile,
+        TX_WARPS=params.warps,
+        TX_STAGES=params.stages,
+    )
+
+
+def gemm_variant(dtype: str, m: int, params: GemmParams, arch: str) -> Variant:
+    return Variant.make(
+        "gemm.cu",
+        arch,
+        TX_BF16=_bf16(dtype),
+        TX_MT=m_tiles(m),
+        TX_BN=params.bn,
+        TX_BK=params.bk,
+        TX_WN=params.wn,
+        TX_WK=params.wk,
+        TX_STAGES=params.stages,
+    )
+
+
+def default_variants(info: DeviceInfo = H200) -> list[Variant]:
+    """Every kernel variant the default tactics use on a GPU like ``info`` (what `warmup` compiles)."""
+    out = []
+    for dtype in sorted(_DTYPES):
+        for d in HEAD_DIMS:
+            out.append(decode_variant(dtype, d, default_decode_params(d, info), info.arch))
+        for m in (1, 32, GEMM_MAX_M):  # one m per m-tile count (1, 2, 4 tiles of 16 rows)
+            out.append(gemm_variant(dtype, m, default_gemm_params(m, info), info.arch))
+    return out
+
+
+@tactix.hookimpl
+def tactix_warmup(backend: str, arch: str | None, progress: Callable[[int, int, str], None] | None) -> int | None:
+    if backend != NAME:
+        return None
+    if arch is None:
+        info = _info_for(None)
+    else:
+        base = _info_for(None)
+        info = DeviceInfo(base.sms, base.smem_per_block, base.smem_per_sm, arch)
+    return compile_all(default_variants(info), progress)
+
+
+# -- decode plans ----------------------------------------------------------------------------
+
+_ALIGN: Final = 32  # int32 elements (128 bytes) between the pieces of the packed metadata
+
+
+def _pack(parts: list[tuple[str, torch.Tensor, int]]) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
+    """One int32 buffer holding each (name, values, capacity) piece at a 128-byte aligned offset."""
+    chunks, where, offset = [], {}, 0
+    for name, values, capacity in parts:
+        size = max(capacity, 1)
+        padded = size + (-size % _ALIGN)
+        piece = torch.zeros(padded, dtype=torch.int32)
+        piece[: values.numel()] = values.reshape(-1).to(torch.int32)
+        chunks.append(piece)
+        where[name] = (offset, size)
+        offset += padded
+    return torch.cat(chunks), where
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+class CudaNativeDecodePlan:
+    """A planned decode batch: work list, metadata and workspace on the device; ``run`` launches."""
+
+    _packed: torch.Tensor  # all int32 metadata in one device buffer
+    _part_o: torch.Tensor  # workspace: partial outputs of split requests
+    _part_lse: torch.Tensor
+
+    def __init__(self, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
+        device = options["device"]
+        index = _device_index(device)
+        self.device = torch.device("cuda", index)
+        self.problem = problem
+        info = device_info(index)
+        if tactic.is_default:
+            params = default_decode_params(problem.head_dim_qk, info)
+        else:
+            params = DecodeParams.from_tactic(tactic)
+        self.tactic = params.to_tactic()
+        module, self.built = load(decode_variant(problem.q_dtype, problem.head_dim_qk, params, info.arch), index)
+        smem = decode_smem_bytes(problem.head_dim_qk, params.tile, params.warps, params.stages)
+        self._kernel = module.kernel("tactix_decode", smem)
+        self._merge_kernel = module.kernel("tactix_decode_merge")
+
+        graph = options["use_cuda_graph"]
+        b, hq, hkv, d = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim_qk
+        gqa = problem.gqa_ratio
+        units = hkv * q_tiles(gqa)
+        ranges = effective_lengths(batch.kv_lens.tolist(), problem.window_left)
+        longest_cap = bucket_size(batch.max_kv_len) if graph else batch.max_kv_len
+        attended_cap = longest_cap if problem.window_left < 0 else min(longest_cap, problem.window_left + 1)
+        slots = info.sms * ctas_per_sm(info, smem, 32 * params.warps)
+        if params.kv_chunk:
+            chunk = params.kv_chunk
+        elif graph:  # from the bucket, so every batch of the bucket fits the captured grid
+            chunk = decode_chunk([attended_cap] * b, units, params.tile, slots)
+        else:
+            chunk = decode_chunk([e - s for s, e in ranges], units, params.tile, slots)
+        work = decode_work(ranges, chunk)
+        if graph:
+            item_cap = decode_capacity(b, attended_cap, chunk)
+            slot_cap = item_cap
+            page_cap = b * -(-longest_cap // problem.page_size)
+        else:
+            item_cap, slot_cap, page_cap = len(work.items), work.slots, batch.num_page_entries
+        self.work = work
+        self.chunk = chunk
+        self._merge = graph or work.needs_merge
+        self._geometry = (b, hq, hkv, d, problem.page_size, item_cap, slot_cap, page_cap, params)
+
+        items = torch.tensor(work.items, dtype=torch.int32).reshape(-1)
+        splits = torch.tensor(work.splits, dtype=torch.int32).reshape(-1)
+        parts = [
+            ("items", items, 4 * item_cap),
+            ("num_items", torch.tensor([len(work.items)], dtype=torch.int32), 1),
+            ("splits", splits, 2 * b),
+            ("page_base", batch.kv_indptr[:-1], b),
+        ]
+        host_indices = batch.indices_on_host
+        if host_indices or graph:
+            parts.append(("indices", batch.kv_indices if host_indices else torch.zeros(0), page_cap))
+        host, where = _pack(parts)
+        previous = options["previous"]
+        if graph and previous is not None:
+            if not isinstance(previous, CudaNativeDecodePlan) or previous._geometry != self._geometry:
+                raise UnsupportedProblemError(NAME, problem, [
+                    "in CUDA-graph mode a re-plan must keep the batch size, the heads and the kv-length bucket "
+                    "(the captured grid and buffers depend on them); use one wrapper per captured shape"])  # fmt: skip
+            previous._packed.copy_(host.pin_memory(), non_blocking=True)
+            self._packed = previous._packed
+            self._part_o, self._part_lse = previous._part_o, previous._part_lse
+        else:
+            self._packed = host.pin_memory().to(self.device, non_blocking=True)
+            self._part_o = torch.empty(max(slot_cap, 1) * hq * d, dtype=torch.float32, device=self.device)
+            self._part_lse = torch.empty(max(slot_cap, 1) * hq, dtype=torch.float32, device=self.device)
+        view = {name: self._packed[o : o + n] for name, (o, n) in where.items()}
+        if "indices" in view:
+            if not host_indices and batch.num_page_entries:
+                view["indices"][: batch.num_page_entries].copy_(batch.kv_indices, non_blocking=True)
+            indices = view["indices"]
+        else:
+            indices = batch.kv_indices
+            self._indices_ref = indices  # keep the caller's device indices alive
+        self._ptrs = (
+            view["items"].data_ptr(),
+            view["num_items"].data_ptr(),
+            view["page_base"].data_ptr(),
+            indices.data_ptr(),
+            self._part_o.data_ptr(),
+            self._part_lse.data_ptr(),
+        )
+        self._splits_ptr = view["splits"].data_ptr()
+        shift = log2_exact(problem.page_size)
+        assert shift is not None  # check() refused other page sizes
+        self._scalars = (hq, gqa, q_tiles(gqa), shift, problem.sm_scale * _LOG2E, float(problem.logits_soft_cap))
+        self._cfg = launch_config(decode_grid(item_cap, hkv, gqa), 32 * params.warps, smem)
+        self._merge_cfg = launch_config(merge_grid(b, hq, d), MERGE_THREADS, 0)
+        self._index = index
+        self._seen: tuple[Any, ...] | None = None
+        self._strides: tuple[int, ...] = ()
+        self._q_copy: torch.Tensor | None = None
+
+    def _accept(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Check the cache strides and q's once per new set of strides; keep the stride arguments."""
+        layout = self.problem.kv_layout
+        strides = []
+        for name, t in (("k", k), ("v", v)):
+            s = t.stride()
+            page, tok, head = (s[0], s[1], s[2]) if layout == "NHD" else (s[0], s[2], s[1])
+            if s[3] != 1 or page % 8 or tok % 8 or head % 8:
+                raise InvalidArgumentError(
+                    f"paged_kv_cache ({name})",
+                    "dense along head_dim with page, token and head strides that are multiples of 8 elements",
+                    f"strides {tuple(s)}",
+                )
+            strides += [page, tok, head]
+        self._strides = tuple(strides)
+        self._q_direct = q.stride(2) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0
+        self._seen = (q.stride(), k.stride(), v.stride())
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor | None) -> None:  # fmt: skip
+        if (q.stride(), k_cache.stride(), v_cache.stride()) != self._seen:
+            self._accept(q, k_cache, v_cache)
+        if not self._q_direct or q.data_ptr() % 16:
+            if self._q_copy is None:
+                self._q_copy = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            self._q_copy.copy_(q)
+            q = self._q_copy
+        k_ptr, v_ptr, out_ptr = k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+        if (k_ptr | v_ptr | out_ptr) % 16:
+            raise InvalidArgumentError("paged_kv_cache", "k, v and out starting at 16-byte aligned addresses",
+                                       f"addresses {k_ptr:#x}, {v_ptr:#x}, {out_ptr:#x}")  # fmt: skip
+        lse_ptr = 0 if lse is None else lse.data_ptr()
+        stream = stream_for(self._index, torch.cuda.current_stream(self.device).cuda_stream)
+        cc = _cc()
+        items, num_items, page_base, indices, part_o, part_lse = self._ptrs
+        cc.launch(stream, self._cfg, self._kernel, q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr,
+                  *self._strides, out_ptr, lse_ptr, items, num_items, page_base, indices, part_o, part_lse,
+                  *self._scalars)  # fmt: skip
+        if self._merge:
+            cc.launch(stream, self._merge_cfg, self._merge_kernel, part_o, part_lse, self._splits_ptr, out_ptr, lse_ptr,
+                      self._scalars[0])  # fmt: skip
+
+
+def _cc() -> Any:
+    module, why = cuda_core_status()
+    if module is None:
+        raise tactix.BackendUnavailableError(f"cuda_native: {why}")
+    return module
+
+
+def _plan_decode(problem: DecodeProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> Any:
+    reasons = _decode_reasons(problem, tactic, device_info(_device_index(options["device"])))
+    if reasons:
+        raise UnsupportedProblemError(NAME, problem, reasons)
+    return CudaNativeDecodePlan(problem, batch, tactic, options)
+
+
+@tactix.hookimpl
+def tactix_plan_decode(backend: str, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic,
+                       options: PlanOptions) -> CudaNativeDecodePlan | None:  # fmt: skip
+    if backend != NAME:
+        return None
+    plan: CudaNativeDecodePlan = _plan_decode(problem, batch, tactic, options)
+    return plan
+
+
+# -- GEMM plans ------------------------------------------------------------------------------
+
+
+class CudaNativeGemmPlan:
+    """A planned skinny GEMM: split count and workspace fixed in plan; ``run`` launches one or two kernels."""
+
+    def __init__(self, problem: GemmProblem, tactic: Tactic, options: PlanOptions) -> None:
+        index = _device_index(options["device"])
+        self.device = torch.device("cuda", index)
+        self.problem = problem
+        info = device_info(index)
+        params = default_gemm_params(problem.m, info) if tactic.is_default else GemmParams.from_tactic(tactic)
+        self.tactic = params.to_tactic()
+        module, self.built = load(gemm_variant(problem.a_dtype, problem.m, params, info.arch), index)
+        smem = gemm_smem_bytes(m_tiles(problem.m), params.bn, params.bk, params.stages)
+        threads = 32 * params.wn * params.wk
+        self._kernel = module.kernel("tactix_gemm", smem)
+        self._reduce_kernel = module.kernel("tactix_gemm_reduce")
+        m, n, k, batch = problem.m, problem.n, problem.k, problem.batch
+        wanted = gemm_splits(m, n, k, params.bn, params.bk, info, ctas_per_sm(info, smem, threads), params.splits)
+        self.kps, self.splits = gemm_k_per_split(k, params.bk, wanted)
+        self._total = batch * m * n
+        self._ws = (
+            torch.empty(self.splits * self._total, dtype=torch.float32, device=self.device) if self.splits > 1 else None
+        )
+        self._cfg = launch_config(gemm_grid(n, params.bn, self.splits, batch), threads, smem)
+        self._reduce_cfg = launch_config((-(-self._total // 256), 1, 1), 256, 0)
+        self._index = index
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
+            scale_a: torch.Tensor | None, scale_b: torch.Tensor | None) -> None:  # fmt: skip
+        p = self.problem
+        lda = a.stride(-2) if p.m > 1 else p.k
+        ldb = b.stride(-1) if p.n > 1 else p.k
+        a_sb = a.stride(0) if p.batched else 0
+        b_sb = b.stride(0) if p.batched else 0
+        a_ptr, b_ptr, out_ptr = a.data_ptr(), b.data_ptr(), out.data_ptr()
+        bias_ptr = 0 if bias is None else bias.data_ptr()
+        if (a_ptr | b_ptr) % 16 or (lda | ldb | a_sb | b_sb) % 8:
+            raise InvalidArgumentError("a", "a and b 16-byte aligned with row and batch strides that are multiples "
+                                       "of 8 elements", f"a at {a_ptr:#x} strides {a.stride()}, b at {b_ptr:#x} "
+                                       f"strides {b.stride()}")  # fmt: skip
+        stream = stream_for(self._index, torch.cuda.current_stream(self.device).cuda_stream)
+        cc = _cc()
+        ws = 0 if self._ws is None else self._ws.data_ptr()
+        cc.launch(stream, self._cfg, self._kernel, a_ptr, lda, a_sb, b_ptr, ldb, b_sb, out_ptr, p.m * p.n, bias_ptr,
+                  ws, p.m, p.n, p.k, self.kps)  # fmt: skip
+        if ws:
+            cc.launch(stream, self._reduce_cfg, self._reduce_kernel, ws, bias_ptr, out_ptr, self.splits, self._total,
+                      p.n)  # fmt: skip
+
+
+@tactix.hookimpl
+def tactix_plan_gemm(backend: str, problem: GemmProblem, tactic: Tactic,
+                     options: PlanOptions) -> CudaNativeGemmPlan | None:  # fmt: skip
+    if backend != NAME:
+        return None
+    reasons = _gemm_reasons(problem, tactic, device_info(_device_index(options["device"])))
+    if reasons:
+        raise UnsupportedProblemError(NAME, problem, reasons)
+    return CudaNativeGemmPlan(problem, tactic, options)

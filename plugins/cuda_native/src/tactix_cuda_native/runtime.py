@@ -1,0 +1,401 @@
+"""The kernel runtime: NVRTC compilation (through ``cuda.core``), a disk cache of cubins, loading and launching.
+
+Kernel sources are package data (``kernels/*.cu``, ``kernels/*.cuh``). A `Variant` names one
+source file, its compile-time parameters (``-D`` defines) and the target architecture; it is
+compiled once per machine with NVRTC into a cubin for that architecture. NVRTC needs no GPU and
+no driver, so every variant compiles on a machine without one (CI does); only loading needs one.
+
+Disk cache: ``<root>/cuda_native/v<FORMAT>/<arch>/<key>.cubin`` where ``<root>`` is the tactic
+store's root (``$TACTIX_CACHE_DIR``, else the user cache directory) and ``<key>`` hashes the
+source text with its headers inlined, the defines, the architecture, the compile options and
+the NVRTC version. A file holds a small header (magic, payload length, SHA-256 of the payload)
+before the cubin, and is written to a temporary file in the same directory and renamed over the
+target (``os.replace``): concurrent processes share the cache, a reader sees a whole file or
+none, and a truncated or corrupt file is recompiled, never loaded.
+
+Launches go through ``cuda.core.launch`` on torch's current stream with raw pointers and
+64-bit integers as arguments: no allocation and no host sync, so they capture in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib
+import json
+import os
+import re
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from tactix import TactixError
+from tactix.autotune.store import default_root
+
+__all__ = [
+    "CACHE_FORMAT",
+    "KERNEL_DIR",
+    "CudaUnavailableError",
+    "KernelCompileError",
+    "LoadedModule",
+    "Variant",
+    "cache_dir",
+    "compile_variant",
+    "cuda_core",
+    "cuda_core_status",
+    "launch",
+    "load",
+    "nvrtc_version",
+    "source_text",
+]
+
+KERNEL_DIR: Final = Path(__file__).resolve().parent / "kernels"
+CACHE_FORMAT: Final = 1
+_MAGIC: Final = b"TXCUBIN1"
+_HEADER: Final = struct.Struct("<8sQ32s")  # magic, payload length, sha256(payload)
+_OPTIONS: Final = ("-std=c++17",)  # what ProgramOptions below sets; part of the cache key
+
+
+class KernelCompileError(TactixError):
+    """NVRTC refused a kernel variant; ``log`` holds the compiler's output."""
+
+    def __init__(self, variant: Variant, log: str) -> None:
+        self.variant = variant
+        self.log = log
+        super().__init__(f"cuda_native: NVRTC failed to compile {variant.label()} for {variant.arch}:\n{log}")
+
+
+class CudaUnavailableError(TactixError):
+    """cuda.core (or the NVRTC library it needs) cannot be imported or used here."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled form of a kernel source: the file, its ``-D`` defines and the target arch."""
+
+    source: str
+    defines: tuple[tuple[str, str], ...]
+    arch: str
+
+    @classmethod
+    def make(cls, source: str, arch: str, **defines: int | str) -> Variant:
+        return cls(source, tuple(sorted((k, str(v)) for k, v in defines.items())), arch)
+
+    def label(self) -> str:
+        args = " ".join(f"{k}={v}" for k, v in self.defines)
+        return f"{self.source} [{args}]"
+
+    def key(self) -> str:
+        """The cache key: source (headers inlined), defines, arch, options, NVRTC version."""
+        data = {
+            "format": CACHE_FORMAT,
+            "source": hashlib.sha256(source_text(self.source).encode()).hexdigest(),
+            "defines": [list(d) for d in self.defines],
+            "arch": self.arch,
+            "options": list(_OPTIONS),
+            "nvrtc": nvrtc_version(),
+        }
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:40]
+
+
+# -- cuda.core -------------------------------------------------------------------------------
+
+
+@functools.cache
+def cuda_core_status() -> tuple[Any, str | None]:
+    """``(module, None)`` for the importable ``cuda.core`` (new or ``experimental`` path), else ``(None, why)``."""
+    errors = []
+    for name in ("cuda.core", "cuda.core.experimental"):
+        try:
+            module = importlib.import_module(name)
+        except Exception as exc:  # not installed, or its native libraries are missing
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+            continue
+        if all(hasattr(module, attr) for attr in ("Program", "ProgramOptions", "ObjectCode", "launch", "Device")):
+            return module, None
+        errors.append(f"{name}: lacks Program/ObjectCode/launch")
+    return None, "cuda.core cannot be imported (" + "; ".join(errors) + ")"
+
+
+def cuda_core() -> Any:
+    module, why = cuda_core_status()
+    if module is None:
+        raise CudaUnavailableError(f"cuda_native: {why}")
+    return module
+
+
+@functools.cache
+def nvrtc_version() -> str:
+    """NVRTC's version as 'major.minor' ('unknown' if it cannot be asked)."""
+    try:
+        from cuda.bindings import nvrtc
+
+        err, major, minor = nvrtc.nvrtcVersion()
+        if int(err) == 0:
+            return f"{major}.{minor}"
+    except Exception:
+        pass
+    return "unknown"
+
+
+# -- sources ---------------------------------------------------------------------------------
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+@functools.cache
+def source_text(name: str) -> str:
+    """The source of ``kernels/<name>`` with its local ``#include "..."`` headers inlined (once each)."""
+    seen: set[str] = set()
+
+    def expand(file: str) -> str:
+        path = KERNEL_DIR / file
+        if not path.is_file():
+            raise TactixError(f"cuda_native: kernel source {file!r} is missing from {KERNEL_DIR}")
+        text = path.read_text()
+
+        def include(match: re.Match[str]) -> str:
+            header = match.group(1)
+            if header in seen:
+                return ""
+            seen.add(header)
+            return f"// ---- {header}\n" + expand(header) + f"\n// ---- end of {header}\n"
+
+        return _INCLUDE.sub(include, text)
+
+    return expand(name)
+
+
+def sources() -> list[str]:
+    """Every kernel source file shipped with the package."""
+    return sorted(p.name for p in KERNEL_DIR.iterdir() if p.suffix in (".cu", ".cuh"))
+
+
+# -- disk cache ------------------------------------------------------------------------------
+
+
+def cache_dir(root: Path | None = None) -> Path:
+    """Where cubins are kept: ``<tactix cache root>/cuda_native/v<FORMAT>``."""
+    return (default_root() if root is None else Path(root)) / "cuda_native" / f"v{CACHE_FORMAT}"
+
+
+def _cache_path(variant: Variant, root: Path | None) -> Path:
+    return cache_dir(root) / variant.arch / f"{variant.key()}.cubin"
+
+
+def _read_cached(path: Path) -> bytes | None:
+    """The cubin in ``path`` if the file is whole and its digest matches, else None."""
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return None
+    if len(raw) < _HEADER.size:
+        return None
+    magic, length, digest = _HEADER.unpack_from(raw)
+    payload = raw[_HEADER.size :]
+    if magic != _MAGIC or length != len(payload) or hashlib.sha256(payload).digest() != digest:
+        return None
+    return payload
+
+
+def _write_atomically(path: Path, payload: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = _HEADER.pack(_MAGIC, len(payload), hashlib.sha256(payload).digest())
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(header + payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+
+    def write(self, text: object) -> None:
+        self.parts.append(text.decode() if isinstance(text, bytes) else str(text))
+
+
+_memory: dict[tuple[str, str], bytes] = {}
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+stats = {"compiled": 0, "disk_hits": 0, "memory_hits": 0, "recompiled_corrupt": 0}
+"""Counters (this process): NVRTC compiles, disk-cache hits, memory hits, corrupt files replaced."""
+
+
+def _nvrtc_compile(variant: Variant) -> bytes:
+    cc = cuda_core()
+    options = cc.ProgramOptions(
+        arch=variant.arch,
+        std="c++17",
+        define_macro=[(k, v) for k, v in variant.defines],
+        name=variant.source,
+    )
+    log = _Log()
+    try:
+        program = cc.Program(source_text(variant.source), "c++", options)
+        code = program.compile("cubin", logs=log)
+    except Exception as exc:
+        text = "".join(log.parts).strip()
+        message = str(exc)
+        raise KernelCompileError(variant, "\n".join(p for p in (message, text) if p)) from exc
+    return bytes(code.code)
+
+
+def compile_variant(variant: Variant, *, root: Path | None = None) -> tuple[bytes, bool]:
+    """The cubin of ``variant`` and whether NVRTC had to compile it now (False: a cache hit)."""
+    key = variant.key()
+    memo = (str(cache_dir(root)), key)
+    found = _memory.get(memo)
+    if found is not None:
+        stats["memory_hits"] += 1
+        return found, False
+    with _locks_guard:
+        lock = _locks.setdefault(key, threading.Lock())
+    with lock:
+        found = _memory.get(memo)
+        if found is not None:
+            return found, False
+        path = _cache_path(variant, root)
+        cubin = _read_cached(path)
+        if cubin is not None:
+            stats["disk_hits"] += 1
+            _memory[memo] = cubin
+            return cubin, False
+        if path.exists():
+            stats["recompiled_corrupt"] += 1
+        cubin = _nvrtc_compile(variant)
+        stats["compiled"] += 1
+        with contextlib.suppress(OSError):  # a read-only or full cache costs a recompile next process
+            _write_atomically(path, cubin)
+        _memory[memo] = cubin
+        return cubin, True
+
+
+def compile_all(
+    variants: Iterable[Variant],
+    progress: Callable[[int, int, str], None] | None = None,
+    *,
+    root: Path | None = None,
+) -> int:
+    """Compile (or find cached) every variant; returns how many NVRTC compiled now."""
+    todo = list(dict.fromkeys(variants))
+    compiled = 0
+    for index, variant in enumerate(todo):
+        t0 = time.perf_counter()
+        _, built = compile_variant(variant, root=root)
+        compiled += built
+        if progress is not None:
+            how = f"compiled in {time.perf_counter() - t0:.2f} s" if built else "cached"
+            progress(index + 1, len(todo), f"{variant.label()} {variant.arch}: {how}")
+    return compiled
+
+
+# -- loading and launching -------------------------------------------------------------------
+
+
+class LoadedModule:
+    """A cubin loaded on one device: its kernels by name, with their dynamic shared memory raised."""
+
+    def __init__(self, cubin: bytes, device_index: int) -> None:
+        cc = cuda_core()
+        self.device_index = device_index
+        device = cc.Device(device_index)
+        device.set_current()
+        from_cubin = getattr(cc.ObjectCode, "from_cubin", None)
+        self._code = from_cubin(cubin) if from_cubin is not None else cc.ObjectCode(cubin, "cubin")
+        self._kernels: dict[str, Any] = {}
+        self._smem: dict[str, int] = {}
+
+    def kernel(self, name: str, dynamic_smem: int = 0) -> Any:
+        k = self._kernels.get(name)
+        if k is None:
+            k = self._kernels[name] = self._code.get_kernel(name)
+        if dynamic_smem > self._smem.get(name, 48 * 1024):
+            _set_max_dynamic_smem(k, dynamic_smem, self.device_index)
+            self._smem[name] = dynamic_smem
+        return k
+
+
+def _set_max_dynamic_smem(kernel: Any, size: int, device_index: int) -> None:
+    from cuda.bindings import driver
+
+    attrs = driver.CUfunction_attribute
+    handle = kernel.handle if hasattr(kernel, "handle") else kernel._handle
+    # the size itself, then the largest shared-memory carveout so that several CTAs fit per SM
+    for attr, value in ((attrs.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, size),
+                        (attrs.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)):  # fmt: skip
+        if isinstance(handle, driver.CUkernel):
+            result = driver.cuKernelSetAttribute(attr, value, handle, driver.CUdevice(device_index))
+        else:
+            result = driver.cuFuncSetAttribute(handle, attr, value)
+        err = result[0] if isinstance(result, tuple) else result
+        if int(err) != 0:
+            raise TactixError(f"cuda_native: cannot set {attr} = {value} for a kernel ({err})")
+
+
+_modules: dict[tuple[str, int], LoadedModule] = {}
+_modules_lock = threading.Lock()
+
+
+def load(variant: Variant, device_index: int) -> tuple[LoadedModule, bool]:
+    """The variant loaded on ``device_index`` (compiled or read from the cache first) and whether it was built."""
+    key = (variant.key(), device_index)
+    with _modules_lock:
+        found = _modules.get(key)
+    if found is not None:
+        return found, False
+    cubin, built = compile_variant(variant)
+    module = LoadedModule(cubin, device_index)
+    with _modules_lock:
+        _modules.setdefault(key, module)
+        return _modules[key], built
+
+
+class _TorchStream:
+    """A stream handle in the ``__cuda_stream__`` protocol (what cuda.core wraps)."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+_streams: dict[tuple[int, int, int], Any] = {}
+
+
+def stream_for(device_index: int, handle: int) -> Any:
+    """The cuda.core Stream for torch's stream ``handle`` (cached per thread, device and handle)."""
+    key = (threading.get_ident(), device_index, handle)
+    stream = _streams.get(key)
+    if stream is None:
+        cc = cuda_core()
+        device = cc.Device(device_index)
+        device.set_current()  # cuda.core tracks the current device per thread
+        legacy = getattr(cc, "LEGACY_DEFAULT_STREAM", None)
+        # torch's default stream (handle 0) is the legacy NULL stream
+        use_legacy = handle == 0 and legacy is not None
+        _streams[key] = stream = legacy if use_legacy else device.create_stream(_TorchStream(handle))
+    return stream
+
+
+def launch_config(grid: tuple[int, int, int], block: int, smem: int) -> Any:
+    return cuda_core().LaunchConfig(grid=grid, block=(block, 1, 1), shmem_size=smem)
+
+
+def launch(stream: Any, config: Any, kernel: Any, *args: int | float) -> None:
+    """Enqueue ``kernel`` on ``stream``: ints are passed as 64-bit values, floats as doubles."""
+    cuda_core().launch(stream, config, kernel, *args)

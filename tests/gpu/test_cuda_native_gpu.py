@@ -1,0 +1,384 @@
+"""The cuda_native plugin on a GPU: decode and skinny GEMM against the float64 oracle, split-KV
+and split-K paths, every tactic, CUDA-graph capture/replay and re-plan, no host sync in run().
+
+Run on the H200:  .venv/bin/python -m pytest tests/gpu/test_cuda_native_gpu.py -v
+Each failure message names the case (dims, page size, layout, GQA, lengths, tactic) and the
+relative error, so a wrong fragment layout or index shows up as a pattern across cases.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import tactix
+from tactix.testing import LSE_TOLERANCE, attention_reference, gemm_reference, lse_error, relative_error, tolerance_for
+
+pytestmark = pytest.mark.gpu
+
+plugin = pytest.importorskip("tactix_cuda_native.plugin", reason="plugins/cuda_native is not installed")
+geometry = pytest.importorskip("tactix_cuda_native.geometry")
+
+CUDA = torch.device("cuda")
+OUTSIDE = 1000.0  # written to every cache slot outside the batch: reading one spoils the result
+
+
+@pytest.fixture(autouse=True)
+def _needs_backend() -> None:
+    reasons = tactix.get_registry().get("cuda_native").environment()
+    if reasons:
+        pytest.skip(f"cuda_native backend inactive: {reasons}")
+
+
+class Case:
+    """A decode batch in a paged cache (shuffled pages among spare ones, poisoned outside slots)."""
+
+    def __init__(self, lens: list[int], *, page: int = 16, hq: int = 32, hkv: int = 8, d: int = 128,
+                 layout: str = "HND", dtype: torch.dtype = torch.bfloat16, seed: int = 0, five_d: bool = False,
+                 q_view: bool = False) -> None:  # fmt: skip
+        gen = torch.Generator().manual_seed(seed)
+        self.lens, self.page, self.hq, self.hkv, self.d, self.layout, self.dtype = lens, page, hq, hkv, d, layout, dtype
+        pages = [-(-n // page) for n in lens]
+        total = sum(pages) + 5
+        order = torch.randperm(total, generator=gen).tolist()
+        indptr, indices = [0], []
+        outside = torch.ones(total, page, dtype=torch.bool)
+        for n, count in zip(lens, pages, strict=True):
+            mine = [order.pop() for _ in range(count)]
+            for i, p in enumerate(mine):
+                outside[p, : min(page, n - i * page)] = False
+            indices += mine
+            indptr.append(len(indices))
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        self.indptr, self.indices, self.last = i32(indptr), i32(indices), i32([(n - 1) % page + 1 for n in lens])
+        shape = (total, page, hkv, d) if layout == "NHD" else (total, hkv, page, d)
+        mask = outside[:, :, None, None] if layout == "NHD" else outside[:, None, :, None]
+
+        def cache() -> torch.Tensor:
+            x = torch.randn(shape, generator=gen)
+            return torch.where(mask, torch.where(x >= 0, OUTSIDE, -OUTSIDE), x).to(CUDA, dtype)
+
+        k, v = cache(), cache()
+        if five_d:
+            self.cache: Any = torch.stack([k, v], dim=1)
+            self.k, self.v = self.cache[:, 0], self.cache[:, 1]
+        else:
+            self.k, self.v = k, v
+            self.cache = (k, v)
+        q = torch.randn(len(lens), hq, d, generator=gen).to(CUDA, dtype)
+        if q_view:  # q as the first columns of a fused QKV projection output
+            fused = torch.zeros(len(lens), (hq + 2 * hkv) * d, device=CUDA, dtype=dtype)
+            self.q = fused[:, : hq * d].view(len(lens), hq, d)
+            self.q.copy_(q)
+        else:
+            self.q = q
+
+    def reference(self, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        qo = torch.arange(len(self.lens) + 1, dtype=torch.int32)
+        scale = kw.get("sm_scale", 1 / math.sqrt(self.d))
+        return attention_reference(self.q, self.k, self.v, qo, self.indptr, self.indices, self.last,
+                                   kv_layout=self.layout, causal=False, sm_scale=scale,
+                                   window_left=kw.get("window_left", -1),
+                                   logits_soft_cap=kw.get("logits_soft_cap") or 0.0)  # fmt: skip
+
+    def wrapper(self, graph: bool = False) -> tactix.PagedDecode:
+        return tactix.PagedDecode(self.layout, backend="cuda_native", device=CUDA, use_cuda_graph=graph)  # type: ignore[arg-type]
+
+    def plan(self, w: tactix.PagedDecode, **kw: Any) -> None:
+        w.plan(self.indptr, self.indices, self.last, self.hq, self.hkv, self.d, self.page, q_data_type=self.dtype, **kw)
+
+    def check(self, w: tactix.PagedDecode, what: str, **kw: Any) -> None:
+        """Run with NaN-poisoned outputs and compare out (and lse) with the oracle."""
+        out = torch.full((len(self.lens), self.hq, self.d), float("nan"), device=CUDA, dtype=self.dtype)
+        want_lse = kw.get("return_lse", False)
+        lse = torch.full((len(self.lens), self.hq), float("nan"), device=CUDA) if want_lse else None
+        w.run(self.q, self.cache, out=out, lse=lse)
+        torch.cuda.synchronize()
+        ref, ref_lse = self.reference(**kw)
+        name = (f"{what}: d{self.d} p{self.page} {self.layout} h{self.hq}/{self.hkv} {str(self.dtype)[6:]} "
+                f"lens {self.lens[:6]}{'...' if len(self.lens) > 6 else ''} tactic {w.tactic}")  # fmt: skip
+        assert not torch.isnan(out).any(), f"{name}: {int(torch.isnan(out).sum())} output elements unwritten"
+        err = relative_error(out, ref)
+        assert err <= tolerance_for(self.dtype), f"{name}: relative error {err:.3e}"
+        if want_lse:
+            assert lse is not None
+            assert not torch.isnan(lse).any(), f"{name}: {int(torch.isnan(lse).sum())} LSE elements unwritten"
+            lerr = lse_error(lse, ref_lse)
+            assert lerr <= LSE_TOLERANCE[str(self.dtype)[6:]], f"{name}: LSE error {lerr:.3e} (natural log expected)"
+
+
+RAGGED = [1, 15, 16, 17, 100, 513, 2048 + 7]  # length 1, around a page, not multiples of the page size
+
+
+# -- decode correctness ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("page", [1, 16, 128])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("heads", [(8, 8), (32, 8), (32, 4)], ids=["gqa1", "gqa4", "gqa8"])
+def test_decode_matches_oracle(d: int, page: int, layout: str, heads: tuple[int, int]) -> None:
+    case = Case(RAGGED, page=page, hq=heads[0], hkv=heads[1], d=d, layout=layout, seed=d + page)
+    w = case.wrapper()
+    case.plan(w, return_lse=True)
+    assert w.backend == "cuda_native"
+    case.check(w, "decode", return_lse=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize(
+    "features",
+    [
+        {"window_left": 0},
+        {"window_left": 64},
+        {"window_left": 1000},
+        {"logits_soft_cap": 30.0},
+        {"logits_soft_cap": 5.0, "window_left": 100},
+        {"sm_scale": 0.3},
+    ],
+    ids=["win0", "win64", "win1000", "cap30", "cap5-win100", "scale0.3"],
+)
+def test_decode_window_softcap_scale_and_lse(dtype: torch.dtype, features: dict[str, Any]) -> None:
+    case = Case(RAGGED, dtype=dtype, layout="NHD", seed=3)
+    w = case.wrapper()
+    case.plan(w, return_lse=True, **features)
+    case.check(w, f"decode {features}", return_lse=True, **features)
+
+
+def test_decode_fp16_every_head_dim_and_page_size_one() -> None:
+    for d in (64, 128, 256):
+        case = Case(RAGGED, page=1, d=d, dtype=torch.float16, seed=d)
+        w = case.wrapper()
+        case.plan(w)
+        case.check(w, "fp16")
+
+
+def test_decode_5d_cache_and_strided_q() -> None:
+    for layout in ("NHD", "HND"):
+        case = Case(RAGGED, layout=layout, five_d=True, q_view=True, seed=5)
+        w = case.wrapper()
+        case.plan(w, return_lse=True)
+        case.check(w, "5-D cache + QKV view of q", return_lse=True)
+
+
+@pytest.mark.parametrize("heads", [(32, 1), (64, 2), (24, 8), (40, 2)], ids=["gqa32", "gqa32b", "gqa3", "gqa20"])
+def test_decode_gqa_ratios_beyond_one_tile(heads: tuple[int, int]) -> None:
+    """Groups above 16 query heads take several q tiles per KV head; odd ratios pad the tile."""
+    case = Case([1, 77, 300], hq=heads[0], hkv=heads[1], seed=7)
+    w = case.wrapper()
+    case.plan(w, return_lse=True)
+    case.check(w, "large GQA", return_lse=True)
+
+
+def test_decode_splits_and_merges_long_requests() -> None:
+    # D2-like: one request of 8192 keys; the default splits it (and merges) so the GPU is full
+    case = Case([8192], seed=11)
+    w = case.wrapper()
+    case.plan(w, return_lse=True)
+    plan = w.plan_object
+    assert plan.work.needs_merge and len(plan.work.items) >= 16, plan.work.splits
+    case.check(w, "D2 shape (split)", return_lse=True)
+    # a batch where some requests split into many pieces and others stay whole
+    case = Case([1, 5, 32768, 300, 4097, 16], seed=12)
+    for chunk in (64, 256, 0):
+        w = case.wrapper()
+        tactic = {"backend": "cuda_native", "kernel": "decode", "params": {"tile": 64, "warps": 4, "stages": 3,
+                                                                              "kv_chunk": chunk}}  # fmt: skip
+        if chunk == 0:
+            case.plan(w, return_lse=True)
+        else:
+            case.plan(w, return_lse=True, tactic=tactic)
+            assert w.plan_object.work.slots > 100
+        case.check(w, f"many splits (kv_chunk {chunk})", return_lse=True)
+        case.check(w, f"many splits (kv_chunk {chunk}), without lse")
+
+
+def test_decode_large_batch_and_replan_on_one_wrapper() -> None:
+    torch.manual_seed(0)
+    lens = torch.randint(1024, 8192, (64,)).tolist()  # D1's lengths
+    case = Case(lens, seed=13)
+    w = case.wrapper()
+    case.plan(w)
+    case.check(w, "D1 shape")
+    other = Case([3, 4000, 17], seed=14)
+    other.plan(w)
+    other.check(w, "re-planned")
+
+
+def test_every_enumerated_decode_tactic() -> None:
+    for d in (64, 128, 256):
+        case = Case(RAGGED, d=d, seed=17)
+        backend = tactix.get_registry().get("cuda_native")
+        probe = case.wrapper()
+        case.plan(probe)
+        tactics = [t for t in backend.tactics(probe.problem) if not t.is_default]
+        assert tactics
+        for tactic in tactics:
+            w = case.wrapper()
+            case.plan(w, tactic=tactic, return_lse=True)
+            assert w.tactic == tactic
+            case.check(w, f"tactic {tactic}", return_lse=True)
+
+
+def test_decode_run_does_not_sync_and_replays_in_a_cuda_graph() -> None:
+    case = Case([1, 300, 5000, 17], seed=19)
+    w = case.wrapper(graph=True)
+    case.plan(w, return_lse=True)
+    out = torch.empty(len(case.lens), case.hq, case.d, device=CUDA, dtype=case.dtype)
+    lse = torch.empty(len(case.lens), case.hq, device=CUDA)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        w.run(case.q, case.cache, out=out, lse=lse)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        w.run(case.q, case.cache, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w.run(case.q, case.cache, out=out, lse=lse)
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        case.q.copy_(torch.randn(case.q.shape, generator=gen).to(CUDA, case.dtype))
+        live = case.k.clone()
+        case.k.copy_(
+            torch.where(case.k.abs() >= OUTSIDE, case.k, torch.randn(case.k.shape, generator=gen).to(CUDA, case.dtype))
+        )
+        assert not torch.equal(live, case.k)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = case.reference()
+        assert relative_error(out, ref) <= tolerance_for(case.dtype), "graph replay with new data"
+        assert lse_error(lse, ref_lse) <= LSE_TOLERANCE["bfloat16"]
+    # re-plan the same wrapper for another batch of the same size and length bucket (pages drawn
+    # from the same cache): the captured graph must read the new batch
+    gen = torch.Generator().manual_seed(3)
+    total = case.k.shape[0]
+    new_lens = [5000, 1, 2, 300]  # longest 5000: the same bucket (8192) as 5000 before
+    pages = [-(-n // case.page) for n in new_lens]
+    order = torch.randperm(total, generator=gen).tolist()
+    indptr, indices = [0], []
+    for count in pages:
+        indices += [order.pop() for _ in range(count)]
+        indptr.append(len(indices))
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    indptr_t, indices_t = i32(indptr), i32(indices)
+    last_t = i32([(n - 1) % case.page + 1 for n in new_lens])
+    case.k.copy_(torch.randn(case.k.shape, generator=gen).to(CUDA, case.dtype))
+    case.v.copy_(torch.randn(case.v.shape, generator=gen).to(CUDA, case.dtype))
+    w.plan(indptr_t, indices_t, last_t, case.hq, case.hkv, case.d, case.page, q_data_type=case.dtype,
+           return_lse=True)  # fmt: skip
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = attention_reference(case.q, case.k, case.v, torch.arange(5, dtype=torch.int32), indptr_t, indices_t,
+                                 last_t, kv_layout="HND", causal=False, sm_scale=1 / math.sqrt(case.d))  # fmt: skip
+    assert relative_error(out, ref) <= tolerance_for(case.dtype), "graph replay after a re-plan"
+    # a re-plan outside the bucket is refused (the captured grid could not hold it)
+    with pytest.raises(tactix.UnsupportedProblemError, match="CUDA-graph mode"):
+        longer = Case([20000, 1, 1, 1], seed=31)
+        w.plan(longer.indptr, longer.indices, longer.last, case.hq, case.hkv, case.d, case.page,
+               q_data_type=case.dtype, return_lse=True)  # fmt: skip
+
+
+def test_bad_cache_strides_are_refused_with_the_argument_named() -> None:
+    case = Case([40, 3], seed=29)
+    w = case.wrapper()
+    case.plan(w)
+    k = case.k
+    # a cache whose rows are not 16-byte aligned: a view that starts one element in
+    wide_k = torch.zeros(k.shape[0], k.shape[1], k.shape[2], k.shape[3] + 1, device=CUDA, dtype=k.dtype)
+    wide_v = torch.zeros_like(wide_k)
+    odd_k, odd_v = wide_k[..., 1:], wide_v[..., 1:]
+    with pytest.raises(tactix.InvalidArgumentError, match="paged_kv_cache"):
+        w.run(case.q, (odd_k, odd_v))
+
+
+# -- GEMM ------------------------------------------------------------------------------------
+
+
+def _gemm_case(m: int, n: int, k: int, dtype: torch.dtype, batch: int | None = None, bias: bool = False,
+               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    lead = () if batch is None else (batch,)
+    a = torch.randn(*lead, m, k, generator=gen).to(CUDA, dtype)
+    w = (torch.randn(*lead, n, k, generator=gen) / math.sqrt(k)).to(CUDA, dtype)
+    b = w.transpose(-1, -2)  # k-major: the nn.Linear weight layout
+    return a, b, (torch.randn(n, generator=gen).to(CUDA, dtype) if bias else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 33, 64])
+@pytest.mark.parametrize("nk", [(4096, 4096), (1000, 136), (40, 8)], ids=["4096", "ragged", "tiny"])
+def test_gemm_matches_oracle(dtype: torch.dtype, m: int, nk: tuple[int, int]) -> None:
+    n, k = nk
+    for bias in (False, True):
+        a, b, bias_t = _gemm_case(m, n, k, dtype, bias=bias, seed=m + n)
+        out = torch.full((m, n), float("nan"), device=CUDA, dtype=dtype)
+        g = tactix.Gemm(backend="cuda_native", device=CUDA)
+        g.plan(m, n, k, a_dtype=dtype, bias_dtype=dtype if bias else None)
+        g.run(a, b, out=out, bias=bias_t)
+        ref = gemm_reference(a, b, bias=bias_t)
+        assert not torch.isnan(out).any(), f"m{m} n{n} k{k} bias={bias}: unwritten output"
+        err = relative_error(out, ref)
+        assert err <= tolerance_for(dtype), f"m{m} n{n} k{k} bias={bias} {g.tactic}: relative error {err:.3e}"
+
+
+def test_gemm_batched_and_split_k_paths() -> None:
+    a, b, bias = _gemm_case(16, 512, 1024, torch.bfloat16, batch=3, bias=True, seed=3)
+    ref = gemm_reference(a, b, bias=bias)
+    for splits in (0, 1, 2, 4, 8):
+        g = tactix.Gemm(backend="cuda_native", device=CUDA)
+        tactic = {"backend": "cuda_native", "kernel": "gemm",
+                  "params": {"bn": 32, "bk": 128, "wn": 1, "wk": 4, "stages": 4, "splits": splits}}  # fmt: skip
+        g.plan(16, 512, 1024, batch=3, bias_dtype=torch.bfloat16, tactic=tactic)
+        if splits > 1:
+            assert g.plan_object.splits == splits
+        out = g.run(a, b, bias=bias)
+        err = relative_error(out, ref)
+        assert err <= tolerance_for(torch.bfloat16), f"splits={splits}: relative error {err:.3e}"
+
+
+def test_every_enumerated_gemm_tactic() -> None:
+    backend = tactix.get_registry().get("cuda_native")
+    for m in (1, 16, 64):
+        a, b, bias = _gemm_case(m, 4096, 4096, torch.bfloat16, bias=True, seed=m)
+        ref = gemm_reference(a, b, bias=bias)
+        probe = tactix.Gemm(backend="cuda_native", device=CUDA)
+        probe.plan(m, 4096, 4096, bias_dtype=torch.bfloat16)
+        for tactic in backend.tactics(probe.problem):
+            if tactic.is_default:
+                continue
+            g = tactix.Gemm(backend="cuda_native", device=CUDA)
+            g.plan(m, 4096, 4096, bias_dtype=torch.bfloat16, tactic=tactic)
+            out = g.run(a, b, bias=bias)
+            err = relative_error(out, ref)
+            assert err <= tolerance_for(torch.bfloat16), f"m{m} {tactic}: relative error {err:.3e}"
+
+
+def test_gemm_replays_in_a_cuda_graph_and_auto_routes_large_m_elsewhere() -> None:
+    a, b, _ = _gemm_case(16, 4096, 4096, torch.bfloat16, seed=5)
+    g = tactix.Gemm(backend="cuda_native", device=CUDA)
+    g.plan(16, 4096, 4096)
+    out = torch.empty(16, 4096, device=CUDA, dtype=torch.bfloat16)
+    g.run(a, b, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g.run(a, b, out=out)
+    a.copy_(torch.randn_like(a))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relative_error(out, gemm_reference(a, b)) <= tolerance_for(torch.bfloat16)
+    big = tactix.Gemm(device=CUDA)
+    big.plan(256, 4096, 4096)
+    assert big.backend != "cuda_native"

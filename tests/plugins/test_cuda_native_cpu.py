@@ -1,0 +1,365 @@
+"""The cuda_native plugin without a GPU: NVRTC compiles every default variant, the disk cache,
+compile errors, tactics, launch geometry, support reasons, and a clean import that says why
+the backend is inactive here."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tactix_cuda_native", reason="plugins/cuda_native is not installed (scripts/setup.sh installs it)")
+
+from tactix_cuda_native import geometry, plugin, runtime
+from tactix_cuda_native.geometry import H200, DecodeParams, DeviceInfo, GemmParams
+
+import tactix
+from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem
+from tactix.registry import get_registry
+
+if runtime.cuda_core_status()[0] is None:
+    pytest.skip(f"cuda.core is not usable here: {runtime.cuda_core_status()[1]}", allow_module_level=True)
+
+DECODE = dict(
+    device_type="cuda", num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, head_dim_vo=128, page_size=16,
+    kv_layout="HND", q_dtype="bfloat16", kv_dtype="bfloat16", out_dtype="bfloat16", sm_scale=0.088,
+    window_left=-1, logits_soft_cap=0.0, return_lse=False, batch_size=8, max_kv_len=2048,
+)  # fmt: skip
+GEMM = dict(device_type="cuda", m=16, n=4096, k=4096, a_dtype="bfloat16", b_dtype="bfloat16", out_dtype="bfloat16")
+
+
+def decode(**changes: object) -> DecodeProblem:
+    return DecodeProblem(**{**DECODE, **changes})  # type: ignore[arg-type]
+
+
+def gemm(**changes: object) -> GemmProblem:
+    return GemmProblem(**{**GEMM, **changes})  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cubins")
+
+
+# -- compilation -----------------------------------------------------------------------------
+
+
+def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path) -> None:
+    variants = plugin.default_variants(H200)
+    # bf16 and fp16: decode for each head dim, GEMM for 1, 2 and 4 m-tiles
+    assert len(variants) == 2 * (len(geometry.HEAD_DIMS) + 3)
+    assert {v.arch for v in variants} == {"sm_90"}
+    seen = []
+    compiled = runtime.compile_all(
+        variants, lambda done, total, label: seen.append((done, total, label)), root=cache_root
+    )
+    assert compiled == len(variants)
+    assert [s[0] for s in seen] == list(range(1, len(variants) + 1))
+    for variant in variants:
+        cubin, built = runtime.compile_variant(variant, root=cache_root)
+        assert not built
+        assert cubin[:4] == b"\x7fELF", f"{variant.label()} did not produce an ELF cubin"
+    # the kernels the plans look up by name are in them
+    for variant in variants:
+        cubin, _ = runtime.compile_variant(variant, root=cache_root)
+        names = [b"tactix_decode", b"tactix_decode_merge"] if variant.source == "decode.cu" else [b"tactix_gemm"]
+        for name in names:
+            assert name in cubin, f"{name!r} missing from {variant.label()}"
+
+
+def test_tuning_candidates_compile(cache_root: Path) -> None:
+    """Every decode geometry the tuner may pick for d128, and the GEMM geometries for m=16."""
+    variants = {plugin.decode_variant("bfloat16", 128, p, "sm_90") for p in geometry.decode_candidates(128, H200)}
+    variants |= {plugin.gemm_variant("bfloat16", 16, p, "sm_90") for p in geometry.gemm_candidates(16, H200)}
+    assert len(variants) >= 10
+    runtime.compile_all(sorted(variants, key=lambda v: v.label()), root=cache_root)
+
+
+def test_disk_cache_hit_then_corrupt_files_are_recompiled(tmp_path: Path) -> None:
+    variant = plugin.decode_variant("float16", 64, geometry.default_decode_params(64, H200), "sm_90")
+    first, built = runtime.compile_variant(variant, root=tmp_path)
+    assert built
+    path = runtime.cache_dir(tmp_path) / "sm_90" / f"{variant.key()}.cubin"
+    assert path.is_file() and path.stat().st_size > len(first)
+    assert [p.name for p in path.parent.iterdir()] == [path.name], "a temporary file was left behind"
+
+    runtime._memory.clear()  # a new process: only the disk cache is left
+    before = dict(runtime.stats)
+    again, built = runtime.compile_variant(variant, root=tmp_path)
+    assert not built and again == first
+    assert runtime.stats["disk_hits"] == before["disk_hits"] + 1
+    assert runtime.stats["compiled"] == before["compiled"]
+
+    for damage in ("truncate", "flip", "garbage"):
+        raw = path.read_bytes()
+        if damage == "truncate":
+            path.write_bytes(raw[: len(raw) // 2])
+        elif damage == "flip":
+            path.write_bytes(raw[:-1] + bytes([raw[-1] ^ 0xFF]))
+        else:
+            path.write_bytes(b"not a cubin")
+        runtime._memory.clear()
+        before = dict(runtime.stats)
+        cubin, built = runtime.compile_variant(variant, root=tmp_path)
+        assert built, f"a {damage}d cache file was loaded instead of recompiled"
+        assert cubin == first
+        assert runtime.stats["recompiled_corrupt"] == before["recompiled_corrupt"] + 1
+        assert runtime._read_cached(path) == first, "the recompiled cubin was not written back whole"
+
+
+def test_cache_key_covers_every_compile_input() -> None:
+    base = runtime.Variant.make("decode.cu", "sm_90", TX_BF16=1, TX_D=128, TX_TILE=64, TX_WARPS=4, TX_STAGES=3)
+    assert (
+        base.key()
+        == runtime.Variant.make("decode.cu", "sm_90", TX_STAGES=3, TX_WARPS=4, TX_TILE=64, TX_D=128, TX_BF16=1).key()
+    )
+    others = [
+        runtime.Variant.make("decode.cu", "sm_80", TX_BF16=1, TX_D=128, TX_TILE=64, TX_WARPS=4, TX_STAGES=3),
+        runtime.Variant.make("decode.cu", "sm_90", TX_BF16=0, TX_D=128, TX_TILE=64, TX_WARPS=4, TX_STAGES=3),
+        runtime.Variant.make("decode.cu", "sm_90", TX_BF16=1, TX_D=128, TX_TILE=64, TX_WARPS=4, TX_STAGES=4),
+        runtime.Variant.make("gemm.cu", "sm_90", TX_BF16=1, TX_D=128, TX_TILE=64, TX_WARPS=4, TX_STAGES=3),
+    ]
+    assert len({base.key(), *(v.key() for v in others)}) == 1 + len(others)
+    # headers are inlined into the hashed text, so editing common.cuh changes every key
+    assert "tx_cp_async16" in runtime.source_text("decode.cu")
+    assert "#include" not in runtime.source_text("gemm.cu")
+    assert set(runtime.sources()) == {"common.cuh", "decode.cu", "gemm.cu"}
+
+
+def test_a_compile_error_raises_tactix_error_with_the_log(tmp_path: Path) -> None:
+    bad = runtime.Variant.make("decode.cu", "sm_90", TX_BF16=1, TX_D=100, TX_TILE=64, TX_WARPS=4, TX_STAGES=3)
+    with pytest.raises(runtime.KernelCompileError) as info:
+        runtime.compile_variant(bad, root=tmp_path)
+    assert isinstance(info.value, tactix.TactixError)
+    assert "head dim must be 64, 128 or 256" in info.value.log
+    assert "TX_D=100" in str(info.value)
+    assert not (runtime.cache_dir(tmp_path) / "sm_90" / f"{bad.key()}.cubin").exists()
+
+
+def test_warmup_command_compiles_with_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from tactix.cli import main
+
+    monkeypatch.setenv("TACTIX_CACHE_DIR", str(tmp_path))
+    runtime._memory.clear()
+    assert main(["warmup", "cuda_native", "--arch", "sm_90"]) == 0
+    captured = capsys.readouterr()
+    total = len(plugin.default_variants(H200))
+    assert f"cuda_native: {total} compiled now" in captured.out
+    assert f"[{total}/{total}]" in captured.err and "decode.cu" in captured.err
+    assert len(list((tmp_path / "cuda_native" / "v1" / "sm_90").glob("*.cubin"))) == total
+    assert main(["warmup", "cuda_native", "--arch", "sm_90"]) == 0
+    assert "cuda_native: 0 compiled now" in capsys.readouterr().out
+    assert main(["warmup", "cuda_native", "--arch", "hopper"]) == 2
+    assert "'--arch' must be a target like 'sm_90'" in capsys.readouterr().err
+    assert main(["warmup", "torch"]) == 0
+    assert "torch: nothing to compile ahead of time" in capsys.readouterr().out
+
+
+# -- tactics ---------------------------------------------------------------------------------
+
+
+def test_tactics_are_enumerated_valid_and_round_trip() -> None:
+    backend = get_registry().get("cuda_native")
+    for problem in (decode(), decode(head_dim_qk=256, head_dim_vo=256), decode(head_dim_qk=64, head_dim_vo=64)):
+        tactics = plugin.tactix_tactics("cuda_native", problem)
+        assert tactics, problem
+        assert all(t.backend == "cuda_native" and t.kernel == "decode" for t in tactics)
+        assert all(plugin._reasons(problem, t, H200) == [] for t in tactics)
+        default = geometry.default_decode_params(problem.head_dim_qk, H200).to_tactic()
+        assert default in tactics
+        assert len(set(tactics)) == len(tactics)
+        for t in tactics:
+            assert tactix.tactics.parse_tactic(t.to_json()) == t
+            assert DecodeParams.from_tactic(t).to_tactic() == t
+    assert backend.tactics(decode())[0] == tactix.Tactic.default("cuda_native")
+    for m in (1, 16, 64):
+        tactics = plugin.tactix_tactics("cuda_native", gemm(m=m))
+        assert tactics and all(t.kernel == "gemm" for t in tactics)
+        assert all(plugin._reasons(gemm(m=m), t, H200) == [] for t in tactics)
+        assert {t.params["splits"] for t in tactics} >= {0, 1, 2}
+        for t in tactics:
+            assert GemmParams.from_tactic(t).to_tactic() == t
+    assert plugin.tactix_tactics("torch", decode()) is None
+
+
+def test_bad_tactic_params_give_reasons() -> None:
+    def reasons(kernel: str, params: dict[str, object], problem: DecodeProblem | GemmProblem) -> list[str]:
+        return plugin._reasons(problem, tactix.Tactic(backend="cuda_native", kernel=kernel, params=params), H200)  # type: ignore[arg-type]
+
+    ok = {"tile": 64, "warps": 4, "stages": 3, "kv_chunk": 0}
+    assert reasons("decode", ok, decode()) == []
+    assert "tile / warps must be 16 or 32" in reasons("decode", {**ok, "tile": 48}, decode())[0]
+    assert "stages must be in 2..8" in reasons("decode", {**ok, "stages": 1}, decode())[0]
+    assert "multiple of tile 64" in reasons("decode", {**ok, "kv_chunk": 100}, decode())[0]
+    d256 = decode(head_dim_qk=256, head_dim_vo=256)
+    assert "shared memory" in reasons("decode", {"tile": 128, "warps": 4, "stages": 8}, d256)[0]
+    assert "must be integers" in reasons("decode", {**ok, "tile": "64"}, decode())[0]
+    assert "decode params must be" in reasons("decode", {"tile": 64}, decode())[0]
+    assert "unknown decode kernel" in reasons("gemm", ok, decode())[0]
+    assert "takes no params" in reasons("default", {"tile": 64}, decode())[0]
+    good = {"bn": 32, "bk": 128, "wn": 1, "wk": 4, "stages": 6, "splits": 0}
+    assert reasons("gemm", good, gemm()) == []
+    assert "bk must be 64 or 128" in reasons("gemm", {**good, "bk": 32}, gemm())[0]
+    assert "multiple of 16 * wn" in reasons("gemm", {**good, "bn": 40}, gemm())[0]
+    assert "must divide among wk" in reasons("gemm", {**good, "bk": 64, "wk": 8, "wn": 1}, gemm())[0]
+
+
+# -- support reasons -------------------------------------------------------------------------
+
+
+def test_unsupported_problems_have_explicit_reasons() -> None:
+    default = tactix.Tactic.default("cuda_native")
+    spec = get_registry().get("cuda_native").spec
+    assert spec.prefill is None and spec.decode is not None and spec.gemm is not None
+    assert spec.preference == 5
+    assert spec.reasons(decode(page_size=256)) == ["page size 256 not in {1, 128, 16, 2, 32, 4, 64, 8}"]
+    assert "head_dim_qk 96 not in" in spec.reasons(decode(head_dim_qk=96, head_dim_vo=96))[0]
+    assert "q dtype float32" in spec.reasons(decode(q_dtype="float32", kv_dtype="float32", out_dtype="float32"))[0]
+    assert "head_dim_vo must equal head_dim_qk" in spec.reasons(decode(head_dim_vo=64))
+    assert plugin._reasons(decode(out_dtype="float16"), default, H200) == ["q, kv and out dtypes must be the same"]
+    assert plugin._reasons(decode(), default, H200) == []
+    prefill = PrefillProblem(**DECODE, causal=True, num_qo_tokens=8, max_qo_len=1)  # type: ignore[arg-type]
+    assert spec.reasons(prefill) == ["backend 'cuda_native' does not implement prefill"]
+    assert plugin._reasons(prefill, default, H200) == ["cuda_native implements no prefill yet"]
+    # GEMM: m above 64 goes elsewhere; fp8, m-major a, n-major b and odd k are refused with reasons
+    assert spec.reasons(gemm(m=65)) == ["m 65 above 64"]
+    fp8 = gemm(a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn", scale_mode="per_tensor")
+    assert "dtype combination" in spec.reasons(fp8)[0]
+    assert spec.reasons(gemm(a_k_major=False)) == ["a must be k-major (row-major [m, k])"]
+    assert spec.reasons(gemm(b_k_major=False)) == ["b must be k-major (a transposed [n, k] weight)"]
+    assert plugin._reasons(gemm(k=4100), default, H200) == ["k must be a multiple of 8 (16-byte rows; got k=4100)"]
+    assert spec.reasons(gemm(bias_dtype="bfloat16", batched=True, batch=3)) == []
+
+
+# -- launch geometry -------------------------------------------------------------------------
+
+
+def test_decode_defaults_fit_every_head_dim_and_smaller_gpus() -> None:
+    small = DeviceInfo(sms=84, smem_per_block=101376, smem_per_sm=102400, arch="sm_86")
+    for info in (H200, small):
+        for d in geometry.HEAD_DIMS:
+            p = geometry.default_decode_params(d, info)
+            assert p.reasons(d, info) == [], (d, info.arch)
+    h200_128 = geometry.default_decode_params(128, H200)
+    assert (h200_128.tile, h200_128.warps, h200_128.stages) == (64, 4, 3)
+    smem = geometry.decode_smem_bytes(128, 64, 4, 3)
+    assert smem == 3 * 2 * 64 * 256 + 16 * 256 + 3 * 2 * 64 * 8 + 4 * 32 * 4 + 32 * 4
+    assert geometry.ctas_per_sm(H200, smem, 128) == 2
+
+
+def test_decode_chunks_fill_the_gpu_for_the_benchmark_shapes() -> None:
+    slots = H200.sms * 2
+    # D2: one request of 8192 keys, 8 KV heads: 256-key chunks -> 32 splits x 8 heads = 256 CTAs
+    chunk = geometry.decode_chunk([8192], 8, 64, slots)
+    assert chunk == 256
+    work = geometry.decode_work([(0, 8192)], chunk)
+    assert len(work.items) == 32 and work.slots == 32 and work.splits == [(0, 32)]
+    assert geometry.decode_grid(len(work.items), 8, 4) == (32, 8, 1)
+    assert 132 <= 32 * 8 <= slots
+    # D3: 256 x 2048 keys: no split, 2048 CTAs, no merge
+    chunk = geometry.decode_chunk([2048] * 256, 8, 64, slots)
+    work = geometry.decode_work([(0, 2048)] * 256, chunk)
+    assert chunk == 2048 and not work.needs_merge and len(work.items) == 256
+    # D1: 64 requests of 1k..8k keys: chunks of a few hundred to a thousand keys, many CTAs
+    import torch
+
+    torch.manual_seed(0)
+    lens = torch.randint(1024, 8192, (64,)).tolist()
+    chunk = geometry.decode_chunk(lens, 8, 64, slots)
+    work = geometry.decode_work([(0, n) for n in lens], chunk)
+    assert 256 <= chunk <= 2048 and chunk % 64 == 0
+    assert len(work.items) * 8 >= 4 * slots
+    # one request of one key: one item, no split
+    assert geometry.decode_work([(0, 1)], geometry.decode_chunk([1], 8, 64, slots)).items == [(0, 0, 1, -1)]
+
+
+def test_decode_work_covers_each_range_exactly_once() -> None:
+    ranges = [(0, 1), (0, 15), (0, 16), (0, 17), (3, 700), (0, 32768), (100, 101)]
+    for chunk in (64, 256, 1000 * 64):
+        work = geometry.decode_work(ranges, chunk)
+        covered: dict[int, list[tuple[int, int]]] = {}
+        for req, start, end, slot in work.items:
+            assert start < end and end - start <= chunk
+            covered.setdefault(req, []).append((start, end))
+            first, count = work.splits[req]
+            if count == 1:
+                assert slot == -1
+            else:
+                assert first <= slot < first + count
+        for req, (start, end) in enumerate(ranges):
+            pieces = sorted(covered[req])
+            assert pieces[0][0] == start and pieces[-1][1] == end
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
+        slots = sorted(s for *_, s in work.items if s >= 0)
+        assert slots == list(range(work.slots))
+        lengths = [e - s for _, s, e, _ in work.items]
+        assert lengths == sorted(lengths, reverse=True), "items must be longest first"
+        assert len(work.items) <= geometry.decode_capacity(len(ranges), 32768, chunk)
+
+
+def test_window_limits_the_attended_range() -> None:
+    assert geometry.effective_lengths([1, 10, 100], -1) == [(0, 1), (0, 10), (0, 100)]
+    assert geometry.effective_lengths([1, 10, 100], 0) == [(0, 1), (9, 10), (99, 100)]
+    assert geometry.effective_lengths([1, 10, 100], 64) == [(0, 1), (0, 10), (35, 100)]
+
+
+def test_grids_and_q_tiles() -> None:
+    assert [geometry.q_tiles(g) for g in (1, 4, 8, 16, 17, 32)] == [1, 1, 1, 1, 2, 2]
+    assert geometry.decode_grid(10, 4, 32) == (10, 8, 1)
+    assert geometry.merge_grid(3, 32, 128) == (3, 8, 1)  # 32 threads per head, 4 heads per CTA
+    assert geometry.merge_grid(3, 32, 64) == (3, 4, 1)
+    assert geometry.merge_grid(1, 3, 256) == (1, 2, 1)
+
+
+def test_gemm_splits_and_grids() -> None:
+    p1 = geometry.default_gemm_params(1, H200)
+    assert (p1.bn, p1.bk, p1.wn, p1.wk) == (32, 128, 1, 4)
+    smem = geometry.gemm_smem_bytes(1, p1.bn, p1.bk, p1.stages)
+    ctas = geometry.ctas_per_sm(H200, smem, 128)
+    splits = geometry.gemm_splits(1, 4096, 4096, p1.bn, p1.bk, H200, ctas)
+    kps, splits = geometry.gemm_k_per_split(4096, p1.bk, splits)
+    assert splits > 1 and kps % p1.bk == 0 and kps * splits >= 4096 > kps * (splits - 1)
+    assert geometry.gemm_grid(4096, p1.bn, splits, 1)[0] * splits >= H200.sms
+    # m = 64: partial sums cost more, so fewer splits
+    p64 = geometry.default_gemm_params(64, H200)
+    s64 = geometry.gemm_splits(64, 4096, 4096, p64.bn, p64.bk, H200, 3)
+    assert s64 * 64 * 4096 * 4 <= 4096 * 4096 * 2 / 16
+    # a short k never splits below four stages per split; an explicit count is honoured up to k's steps
+    assert geometry.gemm_splits(1, 4096, 256, 32, 128, H200, 3) == 1
+    assert geometry.gemm_splits(1, 4096, 4096, 32, 128, H200, 3, requested=4) == 4
+    assert geometry.gemm_splits(1, 4096, 256, 32, 128, H200, 3, requested=8) == 2
+    assert geometry.gemm_k_per_split(4096, 128, 3) == (1408, 3)
+    assert geometry.gemm_k_per_split(136, 64, 4) == (64, 3)
+    assert [geometry.m_tiles(m) for m in (1, 16, 17, 32, 33, 48, 64)] == [1, 1, 2, 2, 4, 4, 4]
+    for m in (1, 16, 32, 64):
+        assert geometry.default_gemm_params(m, H200).reasons(m, H200) == []
+
+
+# -- import without a GPU --------------------------------------------------------------------
+
+
+def test_imports_cleanly_and_says_why_it_cannot_run_here() -> None:
+    code = (
+        "import torch, tactix\n"
+        "import tactix_cuda_native.plugin as p\n"
+        "b = tactix.get_registry().get('cuda_native')\n"
+        "print(b.environment() if not torch.cuda.is_available() else 'gpu')\n"
+        "assert not torch.cuda.is_initialized()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    if done.stdout.strip() != "gpu":
+        assert "no CUDA GPU is visible" in done.stdout
+
+
+def test_auto_never_picks_it_without_a_gpu() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    backend = get_registry().get("cuda_native")
+    assert backend.check(decode(), tactix.Tactic.default("cuda_native")) == ["no CUDA GPU is visible"]
