@@ -43,6 +43,10 @@ def main() -> None:
     for name in args.backends.split(","):
         for op, count, low, high in (("decode", 64, 4100, 8000), ("decode", 8, 900, 1000),
                                      ("prefill", 16, 4100, 4200)):  # fmt: skip
+            spec = tactix.get_registry().get(name).spec
+            if spec.capabilities(op) is None:  # type: ignore[arg-type]
+                print(f"{name:8} {op:8} b{count:<3} not implemented")
+                continue
             wrapper = (
                 tactix.PagedDecode("HND", backend=name) if op == "decode" else tactix.PagedPrefill("HND", backend=name)
             )
