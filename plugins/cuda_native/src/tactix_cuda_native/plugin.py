@@ -101,7 +101,7 @@ def tactix_backends() -> list[tactix.BackendSpec]:
             gemm=_GEMM,
             preference=5,
             # decode: ahead of cudnn untuned. Measured on the H200 (benchmarks/results/
-            # h200-bench-cuda-native.json): deterministic and faster than cuDNN's deterministic
+            # h200-bench-deterministic.json): deterministic and faster than cuDNN's deterministic
             # decode plan on D1-D3; the skinny GEMM's default is not ahead of cuBLAS yet.
             op_preference={"decode": 20},
         )
