@@ -834,3 +834,20 @@ def test_int64_page_index_beyond_int32_is_refused_not_wrapped() -> None:
         wrapper.plan(torch.tensor([0, 1], dtype=torch.int64), indices, torch.tensor([3]), 4, 4, 16, 8,
                      q_data_type=torch.float32)  # fmt: skip
     assert str(2**32 + 1) in str(info.value)
+
+
+def test_replanning_with_the_same_arguments_still_validates_and_resizes() -> None:
+    """A wrapper remembers the validated problem of its static arguments; each batch is still checked."""
+    wrapper = tactix.PagedDecode("HND", device="cpu")
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    wrapper.plan(i32(0, 1, 3), i32(0, 1, 2), i32(3, 4), 4, 1, 16, 4, q_data_type=torch.float32)
+    assert wrapper._selection is not None and wrapper._selection.problem.max_kv_len == 8
+    wrapper.plan(i32(0, 2, 3), i32(0, 1, 2), i32(4, 1), 4, 1, 16, 4, q_data_type=torch.float32)
+    problem = wrapper._selection.problem
+    assert (problem.batch_size, problem.max_kv_len) == (2, 8) and problem.num_kv_heads == 1
+    wrapper.plan(i32(0, 1), i32(2), i32(2), 4, 1, 16, 4, q_data_type=torch.float32)
+    assert (wrapper._selection.problem.batch_size, wrapper._selection.problem.max_kv_len) == (1, 2)
+    with pytest.raises(tactix.InvalidArgumentError, match="num_kv_heads"):  # True == 1, but is not an int
+        wrapper.plan(i32(0, 1), i32(2), i32(2), 4, True, 16, 4, q_data_type=torch.float32)  # type: ignore[arg-type]
+    with pytest.raises(tactix.InvalidArgumentError, match="paged_kv_last_page_len"):  # the batch is checked
+        wrapper.plan(i32(0, 1), i32(2), i32(9), 4, 1, 16, 4, q_data_type=torch.float32)

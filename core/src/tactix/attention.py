@@ -78,12 +78,35 @@ def attention_problem(
     o_data_type: torch.dtype | str | None,
     return_lse: bool,
     deterministic: bool = True,
+    memo: dict[tuple[Any, ...], PrefillProblem | DecodeProblem] | None = None,
 ) -> tuple[PrefillProblem | DecodeProblem, PagedBatch]:
     """Validate plan arguments and batch metadata; the problem and batch that ``plan()`` hands a backend.
 
     ``qo_indptr=None`` means decode. Used by the wrappers, and by the conformance kit to ask a
     backend's ``check`` about a case before planning it.
+
+    ``memo`` (a wrapper's own dict) keeps the validated problem of each set of static arguments:
+    a re-plan with the same arguments validates only the batch and copies the problem with the
+    batch's sizes (a serving engine re-plans every step with the same heads, dims and dtypes).
     """
+    arguments = (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, sm_scale, window_left,
+                 logits_soft_cap, q_data_type, kv_data_type, o_data_type)  # fmt: skip
+    static = (op, device.type, kv_layout, causal, return_lse, deterministic, *((type(v), v) for v in arguments))
+    template = memo.get(static) if memo is not None else None
+    if template is not None:
+        batch = PagedBatch.build(
+            qo_indptr=qo_indptr,
+            kv_indptr=paged_kv_indptr,
+            kv_indices=paged_kv_indices,
+            kv_last_page_len=paged_kv_last_page_len,
+            page_size=template.page_size,
+            device=device,
+            causal=causal,
+        )
+        sizes: dict[str, Any] = {"batch_size": batch.batch_size, "max_kv_len": batch.max_kv_len}
+        if op == "prefill":
+            sizes.update(num_qo_tokens=batch.num_qo_tokens, max_qo_len=batch.max_qo_len)
+        return template.model_copy(update=sizes), batch
     page_size = _positive_int(page_size, "page_size")
     head_dim_qk = _positive_int(head_dim_qk, "head_dim_qk")
     head_dim_vo = head_dim_qk if head_dim_vo is None else _positive_int(head_dim_vo, "head_dim_vo")
@@ -135,6 +158,10 @@ def attention_problem(
         fields.update(causal=bool(causal), num_qo_tokens=batch.num_qo_tokens, max_qo_len=batch.max_qo_len)
     problem = make_problem(op, **fields)
     assert isinstance(problem, (PrefillProblem, DecodeProblem))
+    if memo is not None:
+        if len(memo) >= 16:
+            memo.clear()
+        memo[static] = problem
     return problem, batch
 
 
@@ -166,6 +193,7 @@ class _PagedAttention(Planned):
         # caches run() has validated for the current plan, by id(k): (weakref k, weakref v)
         self._accepted: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
         self._splits: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, torch.Tensor]] = {}
+        self._problems: dict[tuple[Any, ...], PrefillProblem | DecodeProblem] = {}  # see attention_problem
 
     # -- plan -----------------------------------------------------------------------------
 
@@ -222,6 +250,7 @@ class _PagedAttention(Planned):
             o_data_type=o_data_type,
             return_lse=return_lse,
             deterministic=deterministic,
+            memo=self._problems,
         )
         num_qo_heads, num_kv_heads = problem.num_qo_heads, problem.num_kv_heads
         head_dim_qk, head_dim_vo, page_size = problem.head_dim_qk, problem.head_dim_vo, problem.page_size
