@@ -75,7 +75,7 @@ def main() -> None:
         made = plugin.CudnnAttentionPlan(problem, pb, default, options)
         key = made._base_key
         timed("  host_metadata", lambda: plugin.host_metadata(problem, pb, key))
-        timed("  host_table_array", lambda: plugin.host_table_array(pb.kv_indices, pb.kv_indptr_list, key.batch,
+        timed("  host_table", lambda: plugin.host_table(pb.kv_indices, pb.kv_indptr_list, key.batch,
                                                                     key.table_width))  # fmt: skip
         timed("  pinned empty", lambda: torch.empty(4096, dtype=torch.int32, pin_memory=True))
         staging = torch.empty(4096, dtype=torch.int32, pin_memory=True)

@@ -103,12 +103,16 @@ class StoreEntry(BaseModel):
         return base / best if base and best else None
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old or the new file, never a part."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{os.getpid()}-", suffix=".json")
+def write_atomically(path: Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old or the new file, never a part.
+
+    The temporary file lives in the same directory (``.tmp-<pid>-*``), is flushed and fsynced,
+    then renamed over ``path``; the directory is fsynced so the rename survives a crash.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{os.getpid()}-", suffix=path.suffix)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -24,10 +24,8 @@ import functools
 import hashlib
 import importlib
 import json
-import os
 import re
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -36,7 +34,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from tactix import TactixError
-from tactix.autotune.store import default_root
+from tactix.autotune.store import default_root, write_atomically
 
 __all__ = [
     "CACHE_FORMAT",
@@ -205,19 +203,9 @@ def _read_cached(path: Path) -> bytes | None:
 
 
 def _write_atomically(path: Path, payload: bytes) -> None:
+    """The cubin behind a header (magic, length, SHA-256), written with the store's atomic write."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = _HEADER.pack(_MAGIC, len(payload), hashlib.sha256(payload).digest())
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header + payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomically(path, _HEADER.pack(_MAGIC, len(payload), hashlib.sha256(payload).digest()) + payload)
 
 
 class _Log:

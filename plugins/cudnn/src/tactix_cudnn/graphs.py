@@ -29,7 +29,6 @@ __all__ = [
     "GraphKey",
     "build_attention_graph",
     "build_gemm_graph",
-    "enumerate_gemm_plans",
     "enumerate_plans",
     "graph_cache",
 ]
@@ -192,18 +191,20 @@ def _knob_name(knob: Any) -> str:
     return text.split(".")[-1]
 
 
-def enumerate_plans(key: GraphKey, handle: Any) -> list[tuple[int, dict[str, int]]]:
-    """The (engine, knobs) of every plan cuDNN's heuristics offer for ``key`` (nothing is built)."""
+def enumerate_plans(key: GraphKey | GemmKey, handle: Any) -> list[tuple[int, dict[str, int]]]:
+    """The (engine, knobs) of every plan cuDNN's heuristics offer for ``key``, minus the excluded
+    ones (nothing is built)."""
     cudnn = frontend()
-    g = _operation_graph(key, handle)
+    if isinstance(key, GraphKey):
+        g, excluded = _operation_graph(key, handle), excluded_plans(key)
+    else:
+        g, excluded = _gemm_graph(key, handle), {}
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     out = []
-    excluded = excluded_plans(key)
     for i in range(g.get_execution_plan_count()):
-        engine, knobs = g.get_engine_and_knobs_at_index(i)
-        named = {_knob_name(k): int(v) for k, v in knobs.items()}
-        if not exclusion(excluded, int(engine), tuple(sorted(named.items()))):
-            out.append((int(engine), named))
+        engine, knobs = _plan_at(g, i)
+        if not exclusion(excluded, engine, knobs):
+            out.append((engine, dict(knobs)))
     return out
 
 
@@ -314,17 +315,6 @@ def build_gemm_graph(key: GemmKey, handle: Any) -> BuiltGraph:
     index, engine, knobs = _choose_plan(g, key.engine, key.knobs, {})
     workspace = int(g.get_workspace_size_plan_at_index(index))
     return BuiltGraph(key, g, engine, knobs, workspace, kernel="matmul")
-
-
-def enumerate_gemm_plans(key: GemmKey, handle: Any) -> list[tuple[int, dict[str, int]]]:
-    cudnn = frontend()
-    g = _gemm_graph(key, handle)
-    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    out = []
-    for i in range(g.get_execution_plan_count()):
-        engine, knobs = g.get_engine_and_knobs_at_index(i)
-        out.append((int(engine), {_knob_name(kn): int(v) for kn, v in knobs.items()}))
-    return out
 
 
 class GraphCache:

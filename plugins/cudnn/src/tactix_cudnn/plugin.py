@@ -44,7 +44,6 @@ from tactix_cudnn.graphs import (
     BuiltGraph,
     GemmKey,
     GraphKey,
-    enumerate_gemm_plans,
     enumerate_plans,
     excluded_plans,
     exclusion,
@@ -315,10 +314,7 @@ def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
             return []
         a_strides, b_strides = _gemm_strides(problem)
         gemm_key = _gemm_key(problem, a_strides, b_strides, Tactic.default(NAME))
-        device = torch.device("cuda", torch.cuda.current_device())
-        found = enumerate_gemm_plans(gemm_key, handle_for(device))
-        return list(dict.fromkeys(
-            Tactic(backend=NAME, kernel="matmul", params={"engine": e, "knobs": k}) for e, k in found))  # fmt: skip
+        return _tactics("matmul", gemm_key)
     if tactix_environment(NAME) or _attention_reasons(problem):
         return []
     max_q = getattr(problem, "max_qo_len", 1)
@@ -326,13 +322,13 @@ def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
                problem.batch_size * -(-problem.max_kv_len // problem.page_size),
                _contiguous_strides(problem, problem.head_dim_qk), _contiguous_strides(problem, problem.head_dim_vo),
                Tactic.default(NAME))  # fmt: skip
-    plans = enumerate_plans(key, handle_for(torch.device("cuda", torch.cuda.current_device())))
-    out = []
-    for engine, knobs in plans:
-        t = Tactic(backend=NAME, kernel="sdpa", params={"engine": engine, "knobs": knobs})
-        if t not in out:
-            out.append(t)
-    return out
+    return _tactics("sdpa", key)
+
+
+def _tactics(kernel: str, key: GraphKey | GemmKey) -> list[Tactic]:
+    """One tactic per distinct (engine, knobs) that cuDNN offers for ``key``."""
+    found = enumerate_plans(key, handle_for(torch.device("cuda", torch.cuda.current_device())))
+    return list(dict.fromkeys(Tactic(backend=NAME, kernel=kernel, params={"engine": e, "knobs": k}) for e, k in found))
 
 
 # -- plans -----------------------------------------------------------------------------------
@@ -379,8 +375,9 @@ _HOST_TABLE_ENTRIES: Final = 1 << 20
 larger batches send the CSR indices and gather the table on the device."""
 
 
-def host_table_array(indices: torch.Tensor, indptr: list[int], rows: int, width: int) -> array.array[int]:
-    """`host_table` with C-level copies: each request's pages copied as one slice."""
+def host_table(indices: torch.Tensor, indptr: list[int], rows: int, width: int) -> array.array[int]:
+    """The padded page table ``[rows, width]`` (zeros past each request's pages), laid out with
+    C-level copies: each request's pages are one slice of the CSR indices."""
     src = array.array("i")
     if len(indptr) > 1 and indptr[-1]:
         contiguous = indices.contiguous()
@@ -389,17 +386,6 @@ def host_table_array(indices: torch.Tensor, indptr: list[int], rows: int, width:
     for r in range(len(indptr) - 1):
         start, end = indptr[r], indptr[r + 1]
         table[r * width : r * width + end - start] = src[start:end]
-    return table
-
-
-def host_table(indices: list[int], indptr: list[int], rows: int, width: int) -> list[int]:
-    """The padded page table ``[rows, width]`` as a flat list (zeros past each request's pages)."""
-    table: list[int] = []
-    for r in range(len(indptr) - 1):
-        start, end = indptr[r], indptr[r + 1]
-        table += indices[start:end]
-        table += [0] * (width - (end - start))
-    table += [0] * (width * (rows - (len(indptr) - 1)))
     return table
 
 
@@ -482,7 +468,7 @@ class CudnnAttentionPlan:
             # the whole page table laid out on the host with C-level array copies, one pinned
             # buffer, one transfer (torch.tensor(list) costs ~90 ns per element; this ~1)
             packed_host = array.array("i", flat)
-            packed_host += host_table_array(indices, batch.kv_indptr_list, b, width)
+            packed_host += host_table(indices, batch.kv_indptr_list, b, width)
             staging = torch.empty(len(packed_host), dtype=torch.int32, pin_memory=True)
             staging.copy_(torch.frombuffer(packed_host, dtype=torch.int32))
             packed = staging.to(self.device, non_blocking=True)
