@@ -49,8 +49,8 @@ def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path) -> None:
     variants = plugin.default_variants(H200)
-    # bf16 and fp16: decode for each head dim, GEMM for 1, 2 and 4 m-tiles
-    assert len(variants) == 2 * (len(geometry.HEAD_DIMS) + 3)
+    # bf16 and fp16: decode for each head dim (large and small batches), GEMM for 1, 2 and 4 m-tiles
+    assert len(variants) == len(set(variants)) == 2 * (2 * len(geometry.HEAD_DIMS) + 3)
     assert {v.arch for v in variants} == {"sm_90"}
     seen = []
     compiled = runtime.compile_all(
@@ -62,12 +62,12 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
         cubin, built = runtime.compile_variant(variant, root=cache_root)
         assert not built
         assert cubin[:4] == b"\x7fELF", f"{variant.label()} did not produce an ELF cubin"
-    # the kernels the plans look up by name are in them
+    # the kernel the plans look up by name is in each (split work is merged in the same kernel)
     for variant in variants:
         cubin, _ = runtime.compile_variant(variant, root=cache_root)
-        names = [b"tactix_decode", b"tactix_decode_merge"] if variant.source == "decode.cu" else [b"tactix_gemm"]
-        for name in names:
-            assert name in cubin, f"{name!r} missing from {variant.label()}"
+        name = b"tactix_decode" if variant.source == "decode.cu" else b"tactix_gemm"
+        assert name in cubin, f"{name!r} missing from {variant.label()}"
+        assert b"_merge" not in cubin and b"_reduce" not in cubin, variant.label()
 
 
 def test_tuning_candidates_compile(cache_root: Path) -> None:
@@ -192,6 +192,8 @@ def test_bad_tactic_params_give_reasons() -> None:
 
     ok = {"tile": 64, "warps": 4, "stages": 3, "kv_chunk": 0}
     assert reasons("decode", ok, decode()) == []
+    assert reasons("decode", {**ok, "l2": 0}, decode()) == reasons("decode", {**ok, "l2": 2}, decode()) == []
+    assert "l2 must be 0" in reasons("decode", {**ok, "l2": 3}, decode())[0]
     assert "tile / warps must be 16 or 32" in reasons("decode", {**ok, "tile": 48}, decode())[0]
     assert "stages must be in 2..8" in reasons("decode", {**ok, "stages": 1}, decode())[0]
     assert "multiple of tile 64" in reasons("decode", {**ok, "kv_chunk": 100}, decode())[0]
@@ -203,6 +205,9 @@ def test_bad_tactic_params_give_reasons() -> None:
     assert "takes no params" in reasons("default", {"tile": 64}, decode())[0]
     good = {"bn": 32, "bk": 128, "wn": 1, "wk": 4, "stages": 6, "splits": 0}
     assert reasons("gemm", good, gemm()) == []
+    assert reasons("gemm", {**good, "l2": 0}, gemm()) == []
+    assert "l2 must be 0" in reasons("gemm", {**good, "l2": -1}, gemm())[0]
+    assert "gemm params must be" in reasons("gemm", {**good, "hint": 1}, gemm())[0]
     assert "bk must be 64 or 128" in reasons("gemm", {**good, "bk": 32}, gemm())[0]
     assert "multiple of 16 * wn" in reasons("gemm", {**good, "bn": 40}, gemm())[0]
     assert "must divide among wk" in reasons("gemm", {**good, "bk": 64, "wk": 8, "wn": 1}, gemm())[0]
@@ -244,11 +249,23 @@ def test_decode_defaults_fit_every_head_dim_and_smaller_gpus() -> None:
         for d in geometry.HEAD_DIMS:
             p = geometry.default_decode_params(d, info)
             assert p.reasons(d, info) == [], (d, info.arch)
+    # d128: 2 stages of 64 keys (3 CTAs per SM: 12 warps); a small batch takes a third stage (2 CTAs)
     h200_128 = geometry.default_decode_params(128, H200)
-    assert (h200_128.tile, h200_128.warps, h200_128.stages) == (64, 4, 3)
-    smem = geometry.decode_smem_bytes(128, 64, 4, 3)
-    assert smem == 3 * 2 * 64 * 256 + 16 * 256 + 3 * 2 * 64 * 8 + 4 * 32 * 4 + 32 * 4
-    assert geometry.ctas_per_sm(H200, smem, 128) == 2
+    assert (h200_128.tile, h200_128.warps, h200_128.stages, h200_128.l2) == (64, 4, 2, 1)
+    smem = geometry.decode_smem_bytes(128, 64, 4, 2)
+    assert smem == 2 * 2 * 64 * 256 + 16 * 256 + 2 * 2 * 64 * 8 + 4 * 32 * 4 + 32 * 4 + 16
+    assert geometry.ctas_per_sm(H200, smem, 128) == 3
+    small = geometry.default_decode_params(128, H200, small=True)
+    assert (small.tile, small.warps, small.stages) == (64, 4, 3)
+    assert geometry.ctas_per_sm(H200, geometry.decode_smem_bytes(128, 64, 4, 3), 128) == 2
+    assert geometry.ctas_per_sm(H200, smem, 128, resident=5) == 5  # the driver's answer wins
+    assert geometry.ctas_per_sm(H200, smem, 128, resident=0) == 1
+    for d in geometry.HEAD_DIMS:
+        assert geometry.default_decode_params(d, H200, small=True).reasons(d, H200) == []
+    # D2 (one request of 8192 keys, 8 KV heads) is small; D1 and D3 are not
+    assert geometry.decode_is_small([8192], 8, H200)
+    assert not geometry.decode_is_small([2048] * 256, 8, H200)
+    assert not geometry.decode_is_small([4096] * 64, 8, H200)
 
 
 def test_decode_chunks_fill_the_gpu_for_the_benchmark_shapes() -> None:
@@ -264,6 +281,12 @@ def test_decode_chunks_fill_the_gpu_for_the_benchmark_shapes() -> None:
     chunk = geometry.decode_chunk([2048] * 256, 8, 64, slots)
     work = geometry.decode_work([(0, 2048)] * 256, chunk)
     assert chunk == 2048 and not work.needs_merge and len(work.items) == 256
+    # ... at 3 CTAs per SM: two equal pieces of 1024 keys (not 1344 + 704)
+    assert geometry.decode_chunk([2048] * 256, 8, 64, H200.sms * 3) == 1024
+    # never below 256 keys, never above the longest request
+    assert geometry.decode_chunk([1000], 8, 64, slots) == 256
+    assert geometry.decode_chunk([100] * 4096, 8, 64, slots) == 128
+
     # D1: 64 requests of 1k..8k keys: chunks of a few hundred to a thousand keys, many CTAs
     import torch
 
@@ -310,9 +333,19 @@ def test_window_limits_the_attended_range() -> None:
 def test_grids_and_q_tiles() -> None:
     assert [geometry.q_tiles(g) for g in (1, 4, 8, 16, 17, 32)] == [1, 1, 1, 1, 2, 2]
     assert geometry.decode_grid(10, 4, 32) == (10, 8, 1)
-    assert geometry.merge_grid(3, 32, 128) == (3, 8, 1)  # 32 threads per head, 4 heads per CTA
-    assert geometry.merge_grid(3, 32, 64) == (3, 4, 1)
-    assert geometry.merge_grid(1, 3, 256) == (1, 2, 1)
+
+
+def test_decode_item_records() -> None:
+    """8 ints per item: request, first key, end key, slot, page offset, first slot, slot count, 0."""
+    work = geometry.decode_work([(0, 300), (0, 5), (10, 700)], 256)
+    flat = geometry.decode_items(work, [0, 19, 20])
+    assert len(flat) == geometry.DECODE_ITEM_INTS * len(work.items)
+    records = [tuple(flat[i : i + 8]) for i in range(0, len(flat), 8)]
+    assert records[0] == (0, 0, 256, 0, 0, 0, 2, 0)
+    assert (1, 0, 5, -1, 19, 0, 1, 0) in records
+    assert sorted(r for r in records if r[0] == 2) == [
+        (2, 10, 266, 2, 20, 2, 3, 0), (2, 266, 522, 3, 20, 2, 3, 0), (2, 522, 700, 4, 20, 2, 3, 0)]  # fmt: skip
+    assert all(r[7] == 0 for r in records)
 
 
 def test_gemm_splits_and_grids() -> None:
@@ -323,11 +356,16 @@ def test_gemm_splits_and_grids() -> None:
     splits = geometry.gemm_splits(1, 4096, 4096, p1.bn, p1.bk, H200, ctas)
     kps, splits = geometry.gemm_k_per_split(4096, p1.bk, splits)
     assert splits > 1 and kps % p1.bk == 0 and kps * splits >= 4096 > kps * (splits - 1)
-    assert geometry.gemm_grid(4096, p1.bn, splits, 1)[0] * splits >= H200.sms
-    # m = 64: partial sums cost more, so fewer splits
+    # one full wave: 4 splits x 128 column blocks = 512 CTAs <= 132 SMs x 4 (5 splits ran 2 waves: slower)
+    assert splits == 4 and ctas == 4
+    assert H200.sms <= geometry.gemm_grid(4096, p1.bn, splits, 1)[0] * splits <= H200.sms * ctas
+    # m = 64: 64 x 64 tiles, 6 stages (2 CTAs per SM): 4 splits; partial sums under a quarter of W
     p64 = geometry.default_gemm_params(64, H200)
+    assert (p64.bn, p64.bk, p64.wn, p64.wk, p64.stages) == (64, 64, 2, 2, 6)
+    c64 = geometry.ctas_per_sm(H200, geometry.gemm_smem_bytes(4, p64.bn, p64.bk, p64.stages), 128)
+    assert c64 == 2 and geometry.gemm_splits(64, 4096, 4096, p64.bn, p64.bk, H200, c64) == 4
     s64 = geometry.gemm_splits(64, 4096, 4096, p64.bn, p64.bk, H200, 3)
-    assert s64 * 64 * 4096 * 4 <= 4096 * 4096 * 2 / 16
+    assert s64 * 64 * 4096 * 4 <= 4096 * 4096 * 2 / 4
     # a short k never splits below four stages per split; an explicit count is honoured up to k's steps
     assert geometry.gemm_splits(1, 4096, 256, 32, 128, H200, 3) == 1
     assert geometry.gemm_splits(1, 4096, 4096, 32, 128, H200, 3, requested=4) == 4

@@ -27,6 +27,42 @@ TX_DEVICE u32 tx_smem_addr(const void* p) {
 TX_DEVICE void tx_cp_async16(u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
+// The same copy with an L2 cache-policy hint (a `createpolicy` value, see tx_l2_policy).
+// TX_L2_PREFETCH_256 = 1 also asks L2 to fetch 256-byte blocks (the rows these kernels stream are
+// at least 128 bytes long and read whole).
+#ifndef TX_L2_PREFETCH_256
+#define TX_L2_PREFETCH_256 0
+#endif
+TX_DEVICE void tx_cp_async16_hint(u32 dst, const void* src, int src_bytes, u64 policy) {
+#if TX_L2_PREFETCH_256
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes), "l"(policy)
+               : "memory");
+#else
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes), "l"(policy)
+               : "memory");
+#endif
+}
+
+// L2 policies: evict_first for bytes a kernel reads exactly once (a KV cache, a weight matrix),
+// so that streaming them through L2 replaces each other instead of lines that have reuse (or are
+// dirty and would have to be written back first); evict_normal is the default behaviour.
+TX_DEVICE u64 tx_l2_policy(bool evict_first) {
+  u64 p;
+  if (evict_first) {
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  } else {
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(p));
+  }
+  return p;
+}
+
+// Four ints of read-only metadata (16-byte aligned).
+TX_DEVICE void tx_ldg4(const int* p, int& a, int& b, int& c, int& d) {
+  asm("ld.global.nc.v4.s32 {%0, %1, %2, %3}, [%4];\n" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "l"(p));
+}
+
 TX_DEVICE void tx_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 TX_DEVICE void tx_cp_async_wait() {
