@@ -141,7 +141,9 @@ def _gem(bn: int, bk: int, wn: int, wk: int, stages: int, splits: int = 0, l2: i
 
 
 # The candidates beside each default: the L2 hint off (0) and with a 256-byte prefetch (2), the
-# pipeline depth (CTAs per SM), fixed chunk / split counts.
+# pipeline depth (CTAs per SM), fixed chunk / split counts. The GEMM has no L2 policy (l2 0 is
+# its default kernel, see kernels/common.cuh); m <= 16 also runs a bk = 64 shape, the shapes
+# that ptxas's cache-policy miscompile used to crash.
 QUICK: dict[str, list[dict[str, Any]]] = {
     "D1": [_dec(64, 4, 2, l2=0), _dec(64, 4, 2, l2=2), _dec(64, 4, 3), _dec(32, 2, 2), _dec(64, 4, 2, 1024)],
     "D2": [
@@ -154,7 +156,7 @@ QUICK: dict[str, list[dict[str, Any]]] = {
     ],
     "D3": [_dec(64, 4, 2, l2=0), _dec(64, 4, 2, l2=2), _dec(64, 4, 3), _dec(32, 2, 2), _dec(64, 4, 2, 2048)],
     "G2-m1": [
-        _gem(32, 128, 1, 4, 4, l2=0),
+        _gem(64, 64, 2, 2, 4),
         _gem(32, 128, 1, 4, 4, l2=2),
         _gem(32, 128, 1, 4, 6, 4),
         _gem(32, 128, 1, 4, 4, 8),
@@ -162,14 +164,14 @@ QUICK: dict[str, list[dict[str, Any]]] = {
         _gem(32, 128, 1, 4, 4, 2),
     ],
     "G2-m16": [
-        _gem(32, 128, 1, 4, 4, l2=0),
+        _gem(64, 64, 2, 2, 4),
         _gem(32, 128, 1, 4, 4, l2=2),
         _gem(32, 128, 1, 4, 6, 4),
         _gem(32, 128, 1, 4, 4, 8),
         _gem(64, 128, 2, 2, 4, 4),
     ],
     "G2-m64": [
-        _gem(64, 64, 2, 2, 6, l2=0),
+        _gem(64, 64, 2, 2, 6, l2=2),
         _gem(64, 64, 2, 2, 6, 8),
         _gem(128, 64, 4, 2, 4),
         _gem(128, 64, 4, 2, 4, 8),

@@ -4,7 +4,13 @@ the backend is inactive here."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import itertools
+import os
+import re
+import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +82,120 @@ def test_tuning_candidates_compile(cache_root: Path) -> None:
     variants |= {plugin.gemm_variant("bfloat16", 16, p, "sm_90") for p in geometry.gemm_candidates(16, H200)}
     assert len(variants) >= 10
     runtime.compile_all(sorted(variants, key=lambda v: v.label()), root=cache_root)
+
+
+# -- the SASS: what ptxas made of the kernels ------------------------------------------------
+#
+# ptxas (CUDA 13.0's and NVRTC 13.5's) miscompiles some kernels whose cp.async carry an L2 cache
+# policy for sm_90: it emits the LDGSTS form `[Rx+URn+imm], desc[URn+1]` and overwrites URn while
+# other LDGSTS still read URn:URn+1 as their policy (kernels/common.cuh). On the H200 every GEMM
+# variant with that form died with "an illegal instruction was encountered" and every variant
+# without it ran; NVRTC compiled them all without a word. The form is visible in the cubin: the
+# low 12 bits of an sm_90 instruction are its opcode, 0xFAE for an LDGSTS with a register shared
+# address, 0xDAE for one with register + uniform register (checked against cuobjdump's listing of
+# the crashing and the clean variants; test_variants_do_not_spill compares the two where
+# cuobjdump is installed).
+
+_LDGSTS_R, _LDGSTS_R_UR = 0xFAE, 0xDAE
+
+
+def _text_sections(cubin: bytes) -> dict[str, bytes]:
+    """The ``.text.<kernel>`` sections of an ELF64 cubin."""
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = headers[shstrndx][4]
+
+    def name(header: tuple[int, ...]) -> str:
+        start = names + header[0]
+        return cubin[start : cubin.index(b"\0", start)].decode()
+
+    return {name(h): cubin[h[4] : h[4] + h[5]] for h in headers if name(h).startswith(".text.")}
+
+
+def _ldgsts_forms(cubin: bytes) -> tuple[int, int]:
+    """LDGSTS instructions of an sm_90 cubin: (register shared address, register + uniform register)."""
+    plain = uniform = 0
+    for text in _text_sections(cubin).values():
+        for at in range(0, len(text), 16):
+            opcode = int.from_bytes(text[at : at + 8], "little") & 0xFFF
+            plain += opcode == _LDGSTS_R
+            uniform += opcode == _LDGSTS_R_UR
+    return plain, uniform
+
+
+def _enumerated_variants() -> list[runtime.Variant]:
+    """Every variant a plan or the tuner can ask for on an H200: the defaults (bf16, fp16), and in
+    bf16 every decode candidate for each head dim and every GEMM candidate for 1, 2 and 4 m-tiles."""
+    out = set(plugin.default_variants(H200))
+    for d in geometry.HEAD_DIMS:
+        out |= {plugin.decode_variant("bfloat16", d, p, "sm_90") for p in geometry.decode_candidates(d, H200)}
+    for m in (1, 16, 32, 64):
+        out |= {plugin.gemm_variant("bfloat16", m, p, "sm_90") for p in geometry.gemm_candidates(m, H200)}
+    return sorted(out, key=lambda v: v.label())
+
+
+def test_no_variant_gets_the_ldgsts_form_ptxas_miscompiles(cache_root: Path) -> None:
+    variants = _enumerated_variants()
+    assert len(variants) >= 60
+    bad = []
+    for variant in variants:
+        cubin, _ = runtime.compile_variant(variant, root=cache_root)
+        plain, uniform = _ldgsts_forms(cubin)
+        assert plain > 0, f"no LDGSTS found in {variant.label()}: the cubin reader is wrong"
+        if uniform:
+            bad.append(f"{variant.label()}: {uniform} LDGSTS [R+UR]")
+    assert not bad, "ptxas emitted the LDGSTS form that crashes on the H200 (kernels/common.cuh):\n" + "\n".join(bad)
+
+
+def test_the_check_sees_the_miscompile(tmp_path: Path) -> None:
+    """The GEMM variant that crashed on the H200 (m = 16; bn 64, bk 64, 2 x 2 warps, 4 stages),
+    compiled with W's evict_first policy back (TX_W_POLICY = 1): the check above must flag it."""
+    params = GemmParams(bn=64, bk=64, wn=2, wk=2, stages=4)
+    clean = plugin.gemm_variant("bfloat16", 16, params, "sm_90")
+    hinted = runtime.Variant(clean.source, tuple(sorted((*clean.defines, ("TX_W_POLICY", "1")))), clean.arch)
+    assert _ldgsts_forms(runtime.compile_variant(clean, root=tmp_path)[0])[1] == 0
+    plain, uniform = _ldgsts_forms(runtime.compile_variant(hinted, root=tmp_path)[0])
+    if not uniform:
+        pytest.skip(f"NVRTC {runtime.nvrtc_version()} no longer emits the [R+UR] LDGSTS with a W policy: "
+                    "the check is unproven with it (and the policy may be safe again)")  # fmt: skip
+    assert plain > 0
+
+
+def _cuobjdump() -> str | None:
+    """cuobjdump from $CUOBJDUMP, PATH, $CUDA_HOME or the pip wheel (nvidia-cuda-cuobjdump), if any."""
+    candidates = [os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump")]
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            candidates.append(str(Path(home) / "bin" / "cuobjdump"))
+    wheels = importlib.util.find_spec("nvidia")  # the namespace package of NVIDIA's pip wheels
+    for root in (wheels.submodule_search_locations or []) if wheels else []:
+        candidates += [str(p) for p in Path(root).glob("*/bin/cuobjdump")]
+    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
+def test_variants_do_not_spill(cache_root: Path, tmp_path: Path) -> None:
+    """No enumerated variant uses local memory (register spills) or a stack, and cuobjdump's
+    listing has as many LDGSTS of each form as the cubin reader counts."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump is not installed (pip install nvidia-cuda-cuobjdump, or set CUOBJDUMP)")
+    spills = []
+    for variant in _enumerated_variants():
+        cubin, _ = runtime.compile_variant(variant, root=cache_root)
+        path = tmp_path / "variant.cubin"
+        path.write_bytes(cubin)
+        usage = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
+        found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
+        assert found, usage
+        registers, stack, local = map(int, found.groups())
+        if stack or local:
+            spills.append(f"{variant.label()}: {registers} registers, stack {stack}, local {local}")
+        sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+        listed = re.findall(r"\bLDGSTS[^;]*;", sass)
+        with_ur = sum(bool(re.search(r"\[R\d+\+UR\d+", i)) for i in listed)
+        assert (len(listed) - with_ur, with_ur) == _ldgsts_forms(cubin), variant.label()
+    assert not spills, "\n".join(spills)
 
 
 def test_disk_cache_hit_then_corrupt_files_are_recompiled(tmp_path: Path) -> None:
@@ -183,6 +303,11 @@ def test_tactics_are_enumerated_valid_and_round_trip() -> None:
         assert {t.params["splits"] for t in tactics} >= {0, 1, 2}
         for t in tactics:
             assert GemmParams.from_tactic(t).to_tactic() == t
+        # W has no L2 policy (kernels/common.cuh): l2 0 and 1 are one kernel, so only 2 is a candidate
+        assert {t.params.get("l2", 1) for t in tactics} == {1, 2}
+    shape = GemmParams(bn=64, bk=64, wn=2, wk=2, stages=4)
+    variants = [plugin.gemm_variant("bfloat16", 16, dataclasses.replace(shape, l2=l2), "sm_90") for l2 in (0, 1, 2)]
+    assert variants[0] == variants[1] != variants[2]
     assert plugin.tactix_tactics("torch", decode()) is None
 
 

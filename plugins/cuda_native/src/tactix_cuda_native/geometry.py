@@ -36,7 +36,7 @@ Q_TILE: Final = 16  # query heads of one GQA group per CTA (the mma's 16 rows)
 GEMM_MAX_M: Final = 64
 SMEM_RESERVED_PER_CTA: Final = 1024  # the driver keeps 1 KB of each CTA's shared memory
 FLAG_BYTES: Final = 16  # the "last CTA" flag at the end of both kernels' dynamic shared memory
-L2_HINTS: Final = (0, 1, 2)  # 0: none, 1: evict_first on streamed operands, 2: 1 + 256-byte L2 prefetch
+L2_HINTS: Final = (0, 1, 2)  # 0: none, 1: evict_first on the KV cache (GEMM: none), 2: 1 + 256-byte L2 prefetch
 DECODE_ITEM_INTS: Final = 8  # ints per work item record (kernels/decode.cu)
 
 
@@ -263,7 +263,9 @@ def decode_items(work: DecodeWork, page_base: list[int]) -> list[int]:
 @dataclass(frozen=True)
 class GemmParams:
     """A GEMM tactic's parameters: columns per CTA, k per stage, warp layout, stages, k splits (0: auto)
-    and the L2 hint for W (1: evict_first, the default; 0: none; 2: 1 + 256-byte prefetch)."""
+    and the L2 hint for W: 0 and 1 (the default) none, 2 a 256-byte L2 prefetch. (There is no
+    evict_first policy for W: ptxas miscompiles the GEMM's cp.async with one for some shapes,
+    see kernels/common.cuh; 1 stays the default so that stored tactics keep matching.)"""
 
     bn: int
     bk: int
@@ -294,7 +296,7 @@ class GemmParams:
     def reasons(self, m: int, info: DeviceInfo) -> list[str]:
         out = []
         if self.l2 not in L2_HINTS:
-            out.append(f"l2 must be 0 (no hint), 1 (evict_first) or 2 (evict_first + 256B prefetch) (got {self.l2})")
+            out.append(f"l2 must be 0 or 1 (no hint) or 2 (256B prefetch) (got {self.l2})")
         if self.bk not in (64, 128):
             out.append(f"bk must be 64 or 128 (got {self.bk})")
         if self.wn < 1 or self.wk < 1 or self.wn * self.wk not in (1, 2, 4, 8):
@@ -342,7 +344,7 @@ def gemm_candidates(m: int, info: DeviceInfo) -> list[GemmParams]:
     shapes = [(32, 128, 1, 4), (64, 64, 2, 2), (64, 128, 2, 2), (128, 64, 4, 1), (128, 64, 4, 2)]
     out = [GemmParams(bn, bk, wn, wk, s, sp) for bn, bk, wn, wk in shapes for s in (4, 6) for sp in (0, 1, 2, 4, 8)]
     base = default_gemm_params(m, info)
-    out += [GemmParams(base.bn, base.bk, base.wn, base.wk, base.stages, 0, hint) for hint in L2_HINTS if hint != 1]
+    out.append(GemmParams(base.bn, base.bk, base.wn, base.wk, base.stages, 0, 2))  # l2 0 is the same kernel as 1
     return [p for p in out if not p.reasons(m, info)]
 
 

@@ -6,8 +6,10 @@ Tactics are the kernels' compile-time and launch parameters:
   (``kv_chunk`` 0: the split of long requests is chosen per batch by `geometry.decode_chunk`);
 * ``Tactic(backend="cuda_native", kernel="gemm", params={"bn": 32, "bk": 128, "wn": 1, "wk": 4, "stages": 4,
   "splits": 0})`` (``splits`` 0: chosen from the shape by `geometry.gemm_splits`);
-* both take an optional ``"l2"``: 1 (the default, left out of the params) streams the KV cache or
-  the weight with an L2 evict_first policy, 0 gives no hint, 2 adds a 256-byte L2 prefetch.
+* both take an optional ``"l2"``: 1 (the default, left out of the params) streams the KV cache
+  with an L2 evict_first policy, 0 gives no hint, 2 adds a 256-byte L2 prefetch; the GEMM's
+  weight gets no policy (l2 0 and 1 are one kernel, 2 adds the prefetch): ptxas miscompiles
+  its cp.async with one for some shapes on sm_90 (kernels/common.cuh).
 
 The default tactic is the heuristic of `geometry` for the problem and the GPU. Prefill is not
 implemented yet (declared absent). Plans do all host work — the work list, the device
@@ -240,6 +242,12 @@ def _l2_defines(hint: int) -> dict[str, int]:
     return {"TX_L2": int(hint >= 1), "TX_L2_PREFETCH_256": int(hint == 2)}
 
 
+def _gemm_l2_defines(hint: int) -> dict[str, int]:
+    """The GEMM streams W without an L2 policy (ptxas miscompiles its cp.async with one, see
+    kernels/common.cuh): l2 0 and 1 are the same kernel, 2 adds the 256-byte prefetch."""
+    return {"TX_L2_PREFETCH_256": int(hint == 2)}
+
+
 def decode_variant(dtype: str, head_dim: int, params: DecodeParams, arch: str) -> Variant:
     return Variant.make(
         "decode.cu",
@@ -264,7 +272,7 @@ def gemm_variant(dtype: str, m: int, params: GemmParams, arch: str) -> Variant:
         TX_WN=params.wn,
         TX_WK=params.wk,
         TX_STAGES=params.stages,
-        **_l2_defines(params.l2),
+        **_gemm_l2_defines(params.l2),
     )
 
 

@@ -3,25 +3,27 @@
 //
 // Grid: x = block of TX_BN output columns, y = split of k, z = batch. Each CTA streams its
 // [TX_BN x k-range] slice of W exactly once (cp.async ring of TX_STAGES stages, TX_BK of k per
-// stage, swizzled shared memory, an L2 evict_first policy: W is read once) together with the
-// matching [m x k-range] slice of a (small, served from L2), and multiplies on the tensor cores
-// (mma.sync m16n8k16, the m rows padded to 16 * TX_MT). Warps split the tile TX_WN ways along n
-// and TX_WK ways along k; their partial sums meet in shared memory. With one split the CTA
-// writes `out` (+ bias). With several, each CTA writes its fp32 partial tile to the workspace
-// and takes a ticket from its column block's counter; the CTA with the last ticket adds the
-// partials up in split order (bitwise deterministic), writes `out` (+ bias) and resets the
-// counter to zero for the next launch.
+// stage, swizzled shared memory) together with the matching [m x k-range] slice of a (small,
+// served from L2), and multiplies on the tensor cores (mma.sync m16n8k16, the m rows padded to
+// 16 * TX_MT). Warps split the tile TX_WN ways along n and TX_WK ways along k; their partial
+// sums meet in shared memory. With one split the CTA writes `out` (+ bias). With several, each
+// CTA writes its fp32 partial tile to the workspace and takes a ticket from its column block's
+// counter; the CTA with the last ticket adds the partials up in split order (bitwise
+// deterministic), writes `out` (+ bias) and resets the counter to zero for the next launch.
 //
 // Compile-time parameters: TX_BF16, TX_MT, TX_BN, TX_BK, TX_WN, TX_WK, TX_STAGES,
-// TX_L2 (1: W streamed with an L2 evict_first policy, 0: no hint), TX_L2_PREFETCH_256.
+// TX_L2_PREFETCH_256 (1: W read in 256-byte L2 blocks). No L2 cache policy for W: ptxas
+// miscompiles this kernel's cp.async with one for some shapes (see tx_cp_async16_hint);
+// TX_W_POLICY = 1 brings the evict_first policy back, for the test that checks the SASS for
+// that miscompile and for trying a newer ptxas (the plugin never sets it).
 #include "common.cuh"
 
 #ifndef TX_MT
 #error "TX_MT must be defined"
 #endif
 
-#ifndef TX_L2
-#define TX_L2 1
+#ifndef TX_W_POLICY
+#define TX_W_POLICY 0
 #endif
 
 constexpr int MT = TX_MT;
@@ -68,7 +70,9 @@ extern "C" __global__ void __launch_bounds__(NT)
   const u16* az = a + z * a_sb;
   const u16* bz = b + z * b_sb;
   const u32 sbase = tx_smem_addr(smem);
-  const u64 policy = tx_l2_policy(TX_L2 != 0);
+#if TX_W_POLICY
+  const u64 policy = tx_l2_policy(true);
+#endif
 
   // Chunk c of a stage: row c / KCH, 16-byte column c % KCH. Chunks past k are zero-filled (in
   // both operands, so they add nothing); rows past m (a) or n (W) are left as they are: they
@@ -95,9 +99,14 @@ extern "C" __global__ void __launch_bounds__(NT)
         const i64 kk = kt + ch * 8;
         if ((B_CHUNKS % NT == 0 || c < B_CHUNKS) && n0 + row < n) {
           const bool ok = kk < kend;
+#if TX_W_POLICY
           tx_cp_async16_hint(sb + tx_swz(row, ch, ROWB),
                              ok ? (const void*)(bz + (i64)(n0 + row) * ldb + kk) : (const void*)bz, ok ? 16 : 0,
                              policy);
+#else
+          tx_cp_async16_stream(sb + tx_swz(row, ch, ROWB),
+                               ok ? (const void*)(bz + (i64)(n0 + row) * ldb + kk) : (const void*)bz, ok ? 16 : 0);
+#endif
         }
       }
     }
