@@ -9,13 +9,22 @@ GEMM TB/s of weight bytes and the ratio to torch (cuBLAS). Targets (../shared/BE
 D1 >= 3.95, D2 >= 2.0, D3 >= 4.45 TB/s; G2 m <= 64 >= 1.3x cuBLAS.
 
     python benchmarks/cuda_native_bench.py [--cases D2,G2-m1] [--default-only] [--json PATH]
+    python benchmarks/cuda_native_bench.py --quick [--json PATH]
+
+``--quick`` (about a minute on the H200): the default tactic and a few chosen candidates per case
+(L2 hint on and off, pipeline depth, chunk and split counts), cudnn with deterministic=True and
+False, torch, and a bandwidth floor (``torch.sum`` over the same number of bytes, same method),
+then one compact table. Kernel variants are compiled first, in parallel processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import math
+import multiprocessing
+import time
 import warnings
 from typing import Any
 
@@ -25,7 +34,7 @@ import tactix
 from tactix.autotune.policy import MeasurementPolicy
 from tactix.autotune.timing import measure_with_policy
 from tactix.bench import BenchCase, suite
-from tactix.testing import relative_error
+from tactix.testing import relative_error, tolerance_for
 
 CASES = ("D1", "D2", "D3", "G2-m1", "G2-m16", "G2-m64")
 CUDA = torch.device("cuda")
@@ -72,20 +81,24 @@ def decode_reference(case: BenchCase, x: dict[str, Any]) -> torch.Tensor:
 
 
 def time_decode(case: BenchCase, x: dict[str, Any], backend: str, tactic: Any, ref: torch.Tensor,
-                policy: MeasurementPolicy) -> dict[str, Any]:  # fmt: skip
+                policy: MeasurementPolicy, deterministic: bool = True) -> dict[str, Any]:  # fmt: skip
     hq, hkv = case.heads
     w = tactix.PagedDecode("HND", backend=backend, device=CUDA)
     with warnings.catch_warnings():
         warnings.simplefilter("error", tactix.FallbackWarning)
-        w.plan(*x["meta"], hq, hkv, case.head_dim, case.page_size, q_data_type=torch.bfloat16, tactic=tactic)
-    out = torch.empty_like(x["q"])
+        w.plan(*x["meta"], hq, hkv, case.head_dim, case.page_size, q_data_type=torch.bfloat16, tactic=tactic,
+               deterministic=deterministic)  # fmt: skip
+    out = torch.full_like(x["q"], float("nan"))
     w.run(x["q"], (x["k"], x["v"]), out=out)
     err = relative_error(out, ref.double())
     timing = measure_with_policy(lambda: w.run(x["q"], (x["k"], x["v"]), out=out), CUDA, policy)
+    # the replays ran on the same buffers: the result must still be right (split-KV counters reset)
+    err = max(err, relative_error(out, ref.double()))
     extra = ""
     plan = w.plan_object
     if hasattr(plan, "work"):
-        extra = f"chunk {plan.chunk}, {len(plan.work.items)} items, merge {plan.work.needs_merge}"
+        extra = (f"chunk {plan.chunk}, {len(plan.work.items)} items, merge {plan.work.needs_merge}, "
+                 f"{getattr(plan, 'ctas_per_sm', '?')} CTAs/SM")  # fmt: skip
     return {"tactic": str(w.tactic), "us": timing.median * 1e6, "tbs": x["bytes"] / timing.median / 1e12,
             "err": err, "timed_as": timing.timed_as, "note": extra}  # fmt: skip
 
@@ -96,13 +109,201 @@ def time_gemm(case: BenchCase, x: dict[str, Any], backend: str, tactic: Any, ref
     with warnings.catch_warnings():
         warnings.simplefilter("error", tactix.FallbackWarning)
         g.plan(case.m, case.n, case.k, tactic=tactic)
-    out = torch.empty(case.m, case.n, device=CUDA, dtype=torch.bfloat16)
+    out = torch.full((case.m, case.n), float("nan"), device=CUDA, dtype=torch.bfloat16)
     g.run(x["a"], x["b"], out=out)
     err = relative_error(out, ref.double())
     timing = measure_with_policy(lambda: g.run(x["a"], x["b"], out=out), CUDA, policy)
-    note = f"splits {g.plan_object.splits}" if hasattr(g.plan_object, "splits") else ""
+    err = max(err, relative_error(out, ref.double()))  # still right after the replays (split-K counters reset)
+    plan = g.plan_object
+    note = f"splits {plan.splits}, {getattr(plan, 'ctas_per_sm', '?')} CTAs/SM" if hasattr(plan, "splits") else ""
     return {"tactic": str(g.tactic), "us": timing.median * 1e6, "tbs": case.n * case.k * 2 / timing.median / 1e12,
             "err": err, "timed_as": timing.timed_as, "note": note}  # fmt: skip
+
+
+# -- --quick ---------------------------------------------------------------------------------
+
+_D = "cuda_native:decode"
+_G = "cuda_native:gemm"
+
+
+def _dec(tile: int, warps: int, stages: int, kv_chunk: int = 0, l2: int = 1) -> dict[str, Any]:
+    params = {"tile": tile, "warps": warps, "stages": stages, "kv_chunk": kv_chunk}
+    if l2 != 1:
+        params["l2"] = l2
+    return {"backend": "cuda_native", "kernel": "decode", "params": params}
+
+
+def _gem(bn: int, bk: int, wn: int, wk: int, stages: int, splits: int = 0, l2: int = 1) -> dict[str, Any]:
+    params = {"bn": bn, "bk": bk, "wn": wn, "wk": wk, "stages": stages, "splits": splits}
+    if l2 != 1:
+        params["l2"] = l2
+    return {"backend": "cuda_native", "kernel": "gemm", "params": params}
+
+
+# The candidates beside each default: the L2 hint off (0) and with a 256-byte prefetch (2), the
+# pipeline depth (CTAs per SM), fixed chunk / split counts. The GEMM has no L2 policy (l2 0 is
+# its default kernel, see kernels/common.cuh); m <= 16 also runs a bk = 64 shape, the shapes
+# that ptxas's cache-policy miscompile used to crash.
+QUICK: dict[str, list[dict[str, Any]]] = {
+    "D1": [_dec(64, 4, 2, l2=0), _dec(64, 4, 2, l2=2), _dec(64, 4, 3), _dec(32, 2, 2), _dec(64, 4, 2, 1024)],
+    "D2": [
+        _dec(64, 4, 3, l2=0),
+        _dec(64, 4, 3, l2=2),
+        _dec(64, 4, 2),
+        _dec(64, 4, 3, 512),
+        _dec(32, 2, 3),
+        _dec(32, 2, 3, 128),
+    ],
+    "D3": [_dec(64, 4, 2, l2=0), _dec(64, 4, 2, l2=2), _dec(64, 4, 3), _dec(32, 2, 2), _dec(64, 4, 2, 2048)],
+    "G2-m1": [
+        _gem(64, 64, 2, 2, 4),
+        _gem(32, 128, 1, 4, 4, l2=2),
+        _gem(32, 128, 1, 4, 6, 4),
+        _gem(32, 128, 1, 4, 4, 8),
+        _gem(64, 128, 2, 2, 4, 4),
+        _gem(32, 128, 1, 4, 4, 2),
+    ],
+    "G2-m16": [
+        _gem(64, 64, 2, 2, 4),
+        _gem(32, 128, 1, 4, 4, l2=2),
+        _gem(32, 128, 1, 4, 6, 4),
+        _gem(32, 128, 1, 4, 4, 8),
+        _gem(64, 128, 2, 2, 4, 4),
+    ],
+    "G2-m64": [
+        _gem(64, 64, 2, 2, 6, l2=2),
+        _gem(64, 64, 2, 2, 6, 8),
+        _gem(128, 64, 4, 2, 4),
+        _gem(128, 64, 4, 2, 4, 8),
+        _gem(64, 128, 2, 2, 4, 4),
+        _gem(128, 64, 4, 1, 6, 8),
+    ],
+}
+TARGETS = {"D1": "3.95 TB/s", "D2": "2.0 TB/s", "D3": "4.45 TB/s", "G2-m1": "1.3x torch", "G2-m16": "1.3x torch",
+           "G2-m64": "1.3x torch"}  # fmt: skip
+
+
+def _compile_one(variant: Any) -> str:
+    from tactix_cuda_native.runtime import compile_variant
+
+    compile_variant(variant)
+    return variant.label()
+
+
+def precompile(cases: list[BenchCase]) -> None:
+    """Every variant the quick run needs, compiled into the disk cache by parallel processes."""
+    from tactix_cuda_native import geometry, plugin
+
+    info = plugin.device_info(torch.cuda.current_device())
+    variants = [v for v in plugin.default_variants(info) if ("TX_BF16", "1") in v.defines]
+    for case in cases:
+        for t in QUICK.get(case.id, []):
+            tactic = tactix.Tactic(**t)
+            if t["kernel"] == "decode":
+                p = geometry.DecodeParams.from_tactic(tactic)
+                variants.append(plugin.decode_variant("bfloat16", case.head_dim, p, info.arch))
+            else:
+                variants.append(
+                    plugin.gemm_variant("bfloat16", case.m, geometry.GemmParams.from_tactic(tactic), info.arch)
+                )
+    variants = list(dict.fromkeys(variants))
+    t0 = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")  # fresh processes: NVRTC only, no CUDA context
+    try:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=min(16, len(variants)), mp_context=ctx) as pool:
+            list(pool.map(_compile_one, variants))
+    except Exception as exc:  # the plans compile what is missing, one by one
+        print(f"parallel compile failed ({type(exc).__name__}: {exc}); compiling on demand", flush=True)
+        return
+    print(f"compiled or found {len(variants)} variants in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def floor_row(case: BenchCase, nbytes: int, policy: MeasurementPolicy) -> dict[str, Any]:
+    """torch.sum over ``nbytes`` of bf16, timed the same way: what reading that many bytes costs here."""
+    x = torch.randn(nbytes // 2, device=CUDA).to(torch.bfloat16)
+    out = torch.empty((), device=CUDA, dtype=torch.bfloat16)
+    timing = measure_with_policy(lambda: torch.sum(x, dim=0, out=out), CUDA, policy)
+    return {"case": case.id, "backend": "floor", "tactic": f"torch.sum over {nbytes / 2**20:.1f} MiB",
+            "us": timing.median * 1e6, "tbs": nbytes / timing.median / 1e12, "err": 0.0,
+            "timed_as": timing.timed_as, "note": "read-only bandwidth floor"}  # fmt: skip
+
+
+def quick(args: argparse.Namespace) -> int:
+    policy = MeasurementPolicy(warmup=3, repeat=args.repeat)
+    registry = tactix.get_registry()
+    active = {b.name for b in registry.active() if not b.environment()}
+    cases = {c.id: c for c in suite("gpu")}
+    chosen = [cases[cid] for cid in args.cases.split(",")]
+    t0 = time.perf_counter()
+    precompile(chosen)
+    rows: list[dict[str, Any]] = []
+    for case in chosen:
+        if case.op == "decode":
+            x = decode_inputs(case)
+            ref = decode_reference(case, x)
+            runs: list[tuple[str, Any, bool]] = [("cuda_native", None, True)]
+            runs += [("cuda_native", tactix.Tactic(**t), True) for t in QUICK[case.id]]
+            runs += [(b, None, det) for b in ("cudnn",) if b in active for det in (True, False)]
+            runs += [("torch", None, True)] if case.id == "D2" and "torch" in active else []
+            nbytes = x["bytes"]
+        else:
+            a = torch.randn(case.m, case.k, device=CUDA, dtype=torch.bfloat16)
+            w = (torch.randn(case.n, case.k, device=CUDA) / math.sqrt(case.k)).to(torch.bfloat16)
+            x = {"a": a, "b": w.t()}
+            ref = a.float() @ w.float().t()
+            runs = [("cuda_native", None, True)] + [("cuda_native", tactix.Tactic(**t), True) for t in QUICK[case.id]]
+            runs += [(b, None, True) for b in ("cudnn", "torch") if b in active]
+            nbytes = case.n * case.k * 2
+        for backend, tactic, det in runs:
+            try:
+                if case.op == "decode":
+                    row = time_decode(case, x, backend, tactic, ref, policy, deterministic=det)
+                else:
+                    row = time_gemm(case, x, backend, tactic, ref, policy)
+                if tactic is None and backend == "cuda_native":
+                    row["tactic"] = "default = " + row["tactic"]
+                if backend == "cudnn" and case.op == "decode":
+                    row["tactic"] = f"deterministic={det} " + row["tactic"]
+            except Exception as exc:  # a refused plan, or a kernel fault (later rows then fail too)
+                row = {"tactic": str(tactic), "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+            row.update(case=case.id, backend=backend)
+            rows.append(row)
+        rows.append(floor_row(case, nbytes, policy))
+    tol = tolerance_for(torch.bfloat16)
+    print()
+    print(f"{'case':7} {'backend':11} {'tactic':76} {'us':>8} {'TB/s':>6} {'err':>8}  note")
+    for cid in dict.fromkeys(r["case"] for r in rows):
+        mine = [r for r in rows if r["case"] == cid]
+        for r in mine:
+            tactic = r["tactic"].replace(_D, "").replace(_G, "")
+            if "us" in r:
+                bad = "  WRONG" if not r["err"] <= tol else ""
+                print(f"{cid:7} {r['backend']:11} {tactic[:76]:76} {r['us']:8.1f} {r['tbs']:6.2f} {r['err']:8.1e}  "
+                      f"{r['note']}{bad}")  # fmt: skip
+            else:
+                print(f"{cid:7} {r['backend']:11} {tactic[:76]:76} FAILED {r['error']}")
+        ok = [r for r in mine if "us" in r and r["err"] <= tol and r["backend"] != "floor"]
+        native = [r for r in ok if r["backend"] == "cuda_native"]
+        other = [r for r in ok if r["backend"] != "cuda_native"]
+        torch_row = next((r for r in ok if r["backend"] == "torch"), None)
+        default = next((r for r in native if r["tactic"].startswith("default")), None)
+        if native and default is not None:
+            best = min(native, key=lambda r: r["us"])
+            line = f"== {cid}: default {default['us']:.1f} us {default['tbs']:.2f} TB/s; best {best['us']:.1f} us"
+            line += f" {best['tbs']:.2f} TB/s ({best['tactic'].replace(_D, '').replace(_G, '')[:60]})"
+            if other:
+                bo = min(other, key=lambda r: r["us"])
+                line += f"; best other {bo['backend']} {bo['us']:.1f} us"
+            if torch_row is not None and cid.startswith("G"):
+                line += (
+                    f"; default {torch_row['us'] / default['us']:.2f}x, best {torch_row['us'] / best['us']:.2f}x torch"
+                )
+            print(line + f"; target {TARGETS.get(cid, '-')}")
+    print(f"quick run: {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
 
 
 def main() -> int:
@@ -111,10 +312,13 @@ def main() -> int:
     parser.add_argument("--default-only", action="store_true", help="cuda_native's default tactic only")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--quick", action="store_true", help="default + chosen candidates + cudnn/torch, one table")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2
+    if args.quick:
+        return quick(args)
     policy = MeasurementPolicy(warmup=3, repeat=args.repeat)
     registry = tactix.get_registry()
     others = [b.name for b in registry.active() if b.name != "cuda_native" and not b.environment()]

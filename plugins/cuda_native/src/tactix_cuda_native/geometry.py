@@ -27,16 +27,17 @@ __all__ = [
     "default_gemm_params",
     "gemm_smem_bytes",
     "gemm_splits",
-    "merge_grid",
 ]
 
 NAME: Final = "cuda_native"
 HEAD_DIMS: Final = (64, 128, 256)
 MAX_PAGE_SIZE: Final = 128
 Q_TILE: Final = 16  # query heads of one GQA group per CTA (the mma's 16 rows)
-MERGE_THREADS: Final = 128
 GEMM_MAX_M: Final = 64
 SMEM_RESERVED_PER_CTA: Final = 1024  # the driver keeps 1 KB of each CTA's shared memory
+FLAG_BYTES: Final = 16  # the "last CTA" flag at the end of both kernels' dynamic shared memory
+L2_HINTS: Final = (0, 1, 2)  # 0: none, 1: evict_first on the KV cache (GEMM: none), 2: 1 + 256-byte L2 prefetch
+DECODE_ITEM_INTS: Final = 8  # ints per work item record (kernels/decode.cu)
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,12 @@ class DeviceInfo:
 H200: Final = DeviceInfo(sms=132, smem_per_block=232448, smem_per_sm=233472, arch="sm_90")
 
 
-def ctas_per_sm(info: DeviceInfo, smem: int, threads: int, max_threads: int = 2048) -> int:
-    """How many CTAs of this shared-memory size and width fit on one SM (at most 4, at least 1)."""
+def ctas_per_sm(info: DeviceInfo, smem: int, threads: int, max_threads: int = 2048, resident: int | None = None) -> int:
+    """How many CTAs of this shared-memory size and width fit on one SM (at least 1): ``resident``
+    where the driver's occupancy calculator answered (it knows the registers), else an estimate
+    from shared memory and threads, at most 4."""
+    if resident is not None:
+        return max(1, resident)
     by_smem = info.smem_per_sm // (smem + SMEM_RESERVED_PER_CTA)
     return max(1, min(4, by_smem, max_threads // threads))
 
@@ -63,23 +68,25 @@ def ctas_per_sm(info: DeviceInfo, smem: int, threads: int, max_threads: int = 20
 
 @dataclass(frozen=True)
 class DecodeParams:
-    """A decode tactic's parameters: tile (tokens per stage), warps, stages and the KV chunk policy.
+    """A decode tactic's parameters: tile (tokens per stage), warps, stages, the KV chunk policy, L2 hint.
 
     ``kv_chunk`` is the number of keys one CTA handles before its partial result is merged with
     the others of its request (a multiple of ``tile``), or 0 for the heuristic (`decode_chunk`).
+    ``l2``: 1 (default) streams K/V with an L2 evict_first policy, 0 without a hint, 2 adds a
+    256-byte L2 prefetch to 1.
     """
 
     tile: int
     warps: int
     stages: int
     kv_chunk: int = 0
+    l2: int = 1
 
     def to_tactic(self) -> Tactic:
-        return Tactic(
-            backend=NAME,
-            kernel="decode",
-            params={"tile": self.tile, "warps": self.warps, "stages": self.stages, "kv_chunk": self.kv_chunk},
-        )
+        params = {"tile": self.tile, "warps": self.warps, "stages": self.stages, "kv_chunk": self.kv_chunk}
+        if self.l2 != 1:  # the default hint stays implicit, so tactics stored before it existed still match
+            params["l2"] = self.l2
+        return Tactic(backend=NAME, kernel="decode", params=params)
 
     @classmethod
     def from_tactic(cls, tactic: Tactic) -> DecodeParams:
@@ -90,10 +97,12 @@ class DecodeParams:
             assert isinstance(value, int)  # validated by the plugin's check before a plan is made
             return value
 
-        return cls(get("tile"), get("warps"), get("stages"), get("kv_chunk", 0))
+        return cls(get("tile"), get("warps"), get("stages"), get("kv_chunk", 0), get("l2", 1))
 
     def reasons(self, head_dim: int, info: DeviceInfo) -> list[str]:
         out = []
+        if self.l2 not in L2_HINTS:
+            out.append(f"l2 must be 0 (no hint), 1 (evict_first) or 2 (evict_first + 256B prefetch) (got {self.l2})")
         if self.warps not in (2, 4, 8):
             out.append(f"warps must be 2, 4 or 8 (got {self.warps})")
         elif self.tile % self.warps or self.tile // self.warps not in (16, 32):
@@ -114,27 +123,48 @@ class DecodeParams:
 def decode_smem_bytes(head_dim: int, tile: int, warps: int, stages: int) -> int:
     """Dynamic shared memory of the decode kernel (see the layout in kernels/decode.cu)."""
     row = head_dim * 2
-    return stages * 2 * tile * row + 16 * row + stages * 2 * tile * 8 + warps * 32 * 4 + 32 * 4
+    return stages * 2 * tile * row + 16 * row + stages * 2 * tile * 8 + warps * 32 * 4 + 32 * 4 + FLAG_BYTES
 
 
 def decode_candidates(head_dim: int, info: DeviceInfo) -> list[DecodeParams]:
-    """The tactic space the tuner explores (every entry valid for ``head_dim`` on ``info``)."""
-    shapes = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 2, 3), (32, 2, 4)]
+    """The tactic space the tuner explores (every entry valid for ``head_dim`` on ``info``).
+
+    Shapes by CTAs per SM on an H200 (d128): (64, 4, 2) 3, (64, 4, 3) 2, (32, 2, 2) 5,
+    (32, 2, 3) 4, (128, 8, 2) 1; then the default shape with fixed chunks and other L2 hints.
+    """
+    shapes = [(64, 4, 2), (64, 4, 3), (32, 2, 2), (32, 2, 3), (128, 8, 2), (128, 8, 3)]
     out = [DecodeParams(t, w, s) for t, w, s in shapes]
     base = default_decode_params(head_dim, info)
-    out += [DecodeParams(base.tile, base.warps, base.stages, c) for c in (256, 512, 1024, 2048, 4096)]
-    return [p for p in out if not p.reasons(head_dim, info)]
+    out += [DecodeParams(base.tile, base.warps, base.stages, c) for c in (256, 512, 1024, 2048)]
+    out += [DecodeParams(base.tile, base.warps, base.stages, 0, hint) for hint in L2_HINTS if hint != base.l2]
+    return [p for p in dict.fromkeys(out) if not p.reasons(head_dim, info)]
 
 
-def default_decode_params(head_dim: int, info: DeviceInfo) -> DecodeParams:
-    """The heuristic tactic: two CTAs per SM with two to three tiles in flight each."""
-    preferred = {64: (64, 4, 4), 128: (64, 4, 3), 256: (32, 2, 3)}.get(head_dim, (64, 4, 3))
+def default_decode_params(head_dim: int, info: DeviceInfo, small: bool = False) -> DecodeParams:
+    """The heuristic tactic.
+
+    Measured on the H200 (d128, 32/8 heads): throughput follows the warps resident per SM, so the
+    default is the shape with the most: tiles of 64 keys, 4 warps, 2 stages (72 KB of shared
+    memory, 153 registers a thread: 3 CTAs, 12 warps per SM). A ``small`` batch (one wave of
+    CTAs: latency, not bandwidth, decides) takes one stage more: two tiles in flight per CTA.
+    d64 fits 4 CTAs of (64, 4, 3); d256 keeps 3 CTAs with (32, 2, 2).
+    """
+    preferred = {64: (64, 4, 3), 128: (64, 4, 2), 256: (32, 2, 2)}.get(head_dim, (64, 4, 2))
     tile, warps, stages = preferred
+    if small:
+        stages += 1
     while stages > 2 and decode_smem_bytes(head_dim, tile, warps, stages) > info.smem_per_block:
         stages -= 1
     while tile > 32 and decode_smem_bytes(head_dim, tile, warps, stages) > info.smem_per_block:
         tile, warps = tile // 2, max(2, warps // 2)
     return DecodeParams(tile, warps, stages)
+
+
+def decode_is_small(lengths: list[int], units: int, info: DeviceInfo, min_chunk: int = 256) -> bool:
+    """Whether a batch is one wave at two CTAs per SM even when cut into ``min_chunk``-key pieces
+    (D2: 8192 keys x 8 KV heads = 256 pieces of 256 keys <= 264): latency-bound."""
+    pieces = sum(max(1, -(-n // min_chunk)) for n in lengths) * units
+    return pieces <= 2 * info.sms
 
 
 def q_tiles(gqa: int) -> int:
@@ -153,17 +183,19 @@ def decode_chunk(lengths: list[int], units: int, tile: int, slots: int, min_chun
     """Keys per work item (a multiple of ``tile``) so that the batch fills the GPU evenly.
 
     ``units`` = CTAs per request and chunk (KV heads x q tiles); ``slots`` = CTAs resident at
-    once on the whole GPU. The aim is about 8 work items per slot, never fewer keys per item
-    than ``min_chunk`` (its start-up latency must be amortised) and never more than the
-    longest request (no split where none is needed). D2 (1 x 8192 keys, 8 KV heads, 264 slots)
-    gives 256-key chunks, 256 CTAs; D3 (256 x 2048) gives no split, 2048 CTAs.
+    once on the whole GPU. The aim is about 8 work items per slot (the last wave is then short),
+    never fewer keys per item than ``min_chunk`` (its start-up latency must be amortised) and
+    never more than the longest request (no split where none is needed); the longest request is
+    then cut into equal pieces (no short last piece). D2 (1 x 8192 keys, 8 KV heads) gives
+    256-key chunks, 256 CTAs; D3 (256 x 2048, 396 slots) two pieces of 1024 keys, 4096 CTAs.
     """
     tiles = [max(1, -(-n // tile)) for n in lengths]
     longest = max(tiles)
     total = sum(tiles) * units
     chunk_tiles = -(-total // (8 * slots))
-    chunk_tiles = max(chunk_tiles, -(-min_chunk // tile), 1)
-    return min(chunk_tiles, longest) * tile
+    chunk_tiles = min(max(chunk_tiles, -(-min_chunk // tile), 1), longest)
+    pieces = -(-longest // chunk_tiles)
+    return -(-longest // pieces) * tile
 
 
 @dataclass(frozen=True)
@@ -215,10 +247,14 @@ def decode_grid(items: int, num_kv_heads: int, gqa: int) -> tuple[int, int, int]
     return (items, num_kv_heads * q_tiles(gqa), 1)
 
 
-def merge_grid(batch: int, num_qo_heads: int, head_dim: int) -> tuple[int, int, int]:
-    """Grid of the merge kernel: one CTA per request and block of heads (head_dim / 4 threads per head)."""
-    per_block = MERGE_THREADS // (head_dim // 4)
-    return (batch, -(-num_qo_heads // per_block), 1)
+def decode_items(work: DecodeWork, page_base: list[int]) -> list[int]:
+    """The work list as the kernel reads it: 8 ints per item (kernels/decode.cu): request, first
+    key, end key, partial slot, the request's offset in kv_indices, its first slot, its slot count, 0."""
+    out: list[int] = []
+    for req, start, end, slot in work.items:
+        first, count = work.splits[req]
+        out += [req, start, end, slot, page_base[req], first, count, 0]
+    return out
 
 
 # -- GEMM ------------------------------------------------------------------------------------
@@ -226,7 +262,10 @@ def merge_grid(batch: int, num_qo_heads: int, head_dim: int) -> tuple[int, int, 
 
 @dataclass(frozen=True)
 class GemmParams:
-    """A GEMM tactic's parameters: columns per CTA, k per stage, warp layout, stages, k splits (0: auto)."""
+    """A GEMM tactic's parameters: columns per CTA, k per stage, warp layout, stages, k splits (0: auto)
+    and the L2 hint for W: 0 and 1 (the default) none, 2 a 256-byte L2 prefetch. (There is no
+    evict_first policy for W: ptxas miscompiles the GEMM's cp.async with one for some shapes,
+    see kernels/common.cuh; 1 stays the default so that stored tactics keep matching.)"""
 
     bn: int
     bk: int
@@ -234,20 +273,14 @@ class GemmParams:
     wk: int
     stages: int
     splits: int = 0
+    l2: int = 1
 
     def to_tactic(self) -> Tactic:
-        return Tactic(
-            backend=NAME,
-            kernel="gemm",
-            params={
-                "bn": self.bn,
-                "bk": self.bk,
-                "wn": self.wn,
-                "wk": self.wk,
-                "stages": self.stages,
-                "splits": self.splits,
-            },
-        )
+        params = {"bn": self.bn, "bk": self.bk, "wn": self.wn, "wk": self.wk, "stages": self.stages,
+                  "splits": self.splits}  # fmt: skip
+        if self.l2 != 1:  # the default hint stays implicit
+            params["l2"] = self.l2
+        return Tactic(backend=NAME, kernel="gemm", params=params)
 
     @classmethod
     def from_tactic(cls, tactic: Tactic) -> GemmParams:
@@ -258,10 +291,12 @@ class GemmParams:
             assert isinstance(value, int)  # validated by the plugin's check before a plan is made
             return value
 
-        return cls(get("bn"), get("bk"), get("wn"), get("wk"), get("stages"), get("splits", 0))
+        return cls(get("bn"), get("bk"), get("wn"), get("wk"), get("stages"), get("splits", 0), get("l2", 1))
 
     def reasons(self, m: int, info: DeviceInfo) -> list[str]:
         out = []
+        if self.l2 not in L2_HINTS:
+            out.append(f"l2 must be 0 or 1 (no hint) or 2 (256B prefetch) (got {self.l2})")
         if self.bk not in (64, 128):
             out.append(f"bk must be 64 or 128 (got {self.bk})")
         if self.wn < 1 or self.wk < 1 or self.wn * self.wk not in (1, 2, 4, 8):
@@ -288,17 +323,17 @@ def m_tiles(m: int) -> int:
 
 
 def gemm_smem_bytes(mt: int, bn: int, bk: int, stages: int) -> int:
-    return stages * (mt * 16 + bn) * bk * 2
+    return stages * (mt * 16 + bn) * bk * 2 + FLAG_BYTES
 
 
 def default_gemm_params(m: int, info: DeviceInfo) -> GemmParams:
-    """The heuristic tactic: narrow column blocks and deep pipelines for the smallest m."""
+    """The heuristic tactic (the H200 sweep's best shapes): m <= 16: 32 columns x 128 of k per
+    stage, 4 stages, one warp per 32 of k (48 KB: 4 CTAs per SM); m > 16: 64 x 64, warps 2 x 2,
+    6 stages (m <= 32: 72 KB, 3 CTAs; m <= 64: 96 KB, 2 CTAs). Splits are chosen per shape."""
     if m <= 16:
-        params = GemmParams(bn=32, bk=128, wn=1, wk=4, stages=6)
-    elif m <= 32:
-        params = GemmParams(bn=64, bk=64, wn=2, wk=2, stages=6)
+        params = GemmParams(bn=32, bk=128, wn=1, wk=4, stages=4)
     else:
-        params = GemmParams(bn=64, bk=64, wn=2, wk=2, stages=4)
+        params = GemmParams(bn=64, bk=64, wn=2, wk=2, stages=6)
     stages = params.stages
     while stages > 2 and gemm_smem_bytes(m_tiles(m), params.bn, params.bk, stages) > info.smem_per_block:
         stages -= 1
@@ -306,15 +341,19 @@ def default_gemm_params(m: int, info: DeviceInfo) -> GemmParams:
 
 
 def gemm_candidates(m: int, info: DeviceInfo) -> list[GemmParams]:
-    shapes = [(32, 128, 1, 4), (64, 64, 2, 2), (64, 128, 2, 2), (128, 64, 4, 1)]
-    out = [GemmParams(bn, bk, wn, wk, s, sp) for bn, bk, wn, wk in shapes for s in (4, 6) for sp in (0, 1, 2, 4)]
+    shapes = [(32, 128, 1, 4), (64, 64, 2, 2), (64, 128, 2, 2), (128, 64, 4, 1), (128, 64, 4, 2)]
+    out = [GemmParams(bn, bk, wn, wk, s, sp) for bn, bk, wn, wk in shapes for s in (4, 6) for sp in (0, 1, 2, 4, 8)]
+    base = default_gemm_params(m, info)
+    out.append(GemmParams(base.bn, base.bk, base.wn, base.wk, base.stages, 0, 2))  # l2 0 is the same kernel as 1
     return [p for p in out if not p.reasons(m, info)]
 
 
 def gemm_splits(m: int, n: int, k: int, bn: int, bk: int, info: DeviceInfo, ctas_sm: int, requested: int = 0) -> int:
-    """How many ways to split k: enough CTAs for every resident slot of the GPU, but each split
-    keeps at least 4 stages of k, and the fp32 partial sums (splits x m x n x 4 bytes, written
-    and read back) stay under 1/16 of the weight bytes (n x k x 2). An explicit count wins.
+    """How many ways to split k: as many CTAs as fit in one wave (more would leave a short second
+    wave: on the H200, 5 splits x 128 column blocks at 4 CTAs per SM took 21.3 us, 4 splits
+    17.9 us), but each split keeps at least 4 stages of k, and the fp32 partial sums (splits x m
+    x n x 4 bytes, written and read back through L2) stay under a quarter of the weight bytes
+    (n x k x 2). An explicit count wins.
 
     Pass the result to `gemm_k_per_split`, which rounds the k per split to ``bk``.
     """
@@ -322,8 +361,8 @@ def gemm_splits(m: int, n: int, k: int, bn: int, bk: int, info: DeviceInfo, ctas
     if requested:
         return max(1, min(requested, k_steps))
     blocks = -(-n // bn)
-    want = -(-info.sms * ctas_sm // blocks)
-    traffic_cap = max(1, k // (32 * m))
+    want = max(1, info.sms * ctas_sm // blocks)
+    traffic_cap = max(1, k // (8 * m))
     return max(1, min(want, k_steps // 4 or 1, traffic_cap, 16))
 
 

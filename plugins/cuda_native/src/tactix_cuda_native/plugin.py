@@ -2,14 +2,19 @@
 
 Tactics are the kernels' compile-time and launch parameters:
 
-* ``Tactic(backend="cuda_native", kernel="decode", params={"tile": 64, "warps": 4, "stages": 3, "kv_chunk": 0})``
+* ``Tactic(backend="cuda_native", kernel="decode", params={"tile": 64, "warps": 4, "stages": 2, "kv_chunk": 0})``
   (``kv_chunk`` 0: the split of long requests is chosen per batch by `geometry.decode_chunk`);
-* ``Tactic(backend="cuda_native", kernel="gemm", params={"bn": 32, "bk": 128, "wn": 1, "wk": 4, "stages": 6,
-  "splits": 0})`` (``splits`` 0: chosen from the shape by `geometry.gemm_splits`).
+* ``Tactic(backend="cuda_native", kernel="gemm", params={"bn": 32, "bk": 128, "wn": 1, "wk": 4, "stages": 4,
+  "splits": 0})`` (``splits`` 0: chosen from the shape by `geometry.gemm_splits`);
+* both take an optional ``"l2"``: 1 (the default, left out of the params) streams the KV cache
+  with an L2 evict_first policy, 0 gives no hint, 2 adds a 256-byte L2 prefetch; the GEMM's
+  weight gets no policy (l2 0 and 1 are one kernel, 2 adds the prefetch): ptxas miscompiles
+  its cp.async with one for some shapes on sm_90 (kernels/common.cuh).
 
 The default tactic is the heuristic of `geometry` for the problem and the GPU. Prefill is not
 implemented yet (declared absent). Plans do all host work — the work list, the device
-metadata in one transfer, the workspace — and ``run`` only launches (at most two kernels).
+metadata in one transfer, the workspace — and ``run`` only launches one kernel: split work
+(decode's split-KV, GEMM's split-K) is combined by the CTA that finishes last, in a fixed order.
 """
 
 from __future__ import annotations
@@ -25,11 +30,11 @@ from tactix import InvalidArgumentError, PagedBatch, PlanOptions, Tactic, Unsupp
 from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem, bucket_size
 from tactix_cuda_native import __version__
 from tactix_cuda_native.geometry import (
+    DECODE_ITEM_INTS,
     GEMM_MAX_M,
     H200,
     HEAD_DIMS,
     MAX_PAGE_SIZE,
-    MERGE_THREADS,
     DecodeParams,
     DeviceInfo,
     GemmParams,
@@ -38,6 +43,8 @@ from tactix_cuda_native.geometry import (
     decode_capacity,
     decode_chunk,
     decode_grid,
+    decode_is_small,
+    decode_items,
     decode_smem_bytes,
     decode_work,
     default_decode_params,
@@ -50,10 +57,17 @@ from tactix_cuda_native.geometry import (
     gemm_splits,
     log2_exact,
     m_tiles,
-    merge_grid,
     q_tiles,
 )
-from tactix_cuda_native.runtime import Variant, compile_all, cuda_core_status, launch_config, load, stream_for
+from tactix_cuda_native.runtime import (
+    Variant,
+    compile_all,
+    cuda_core_status,
+    launch_config,
+    load,
+    resident_ctas,
+    stream_for,
+)
 
 NAME: Final = "cuda_native"
 _DTYPES: Final = frozenset({"float16", "bfloat16"})
@@ -162,10 +176,10 @@ def _decode_reasons(problem: DecodeProblem, tactic: Tactic, info: DeviceInfo) ->
         return out
     if tactic.kernel != "decode":
         return [*out, f"unknown decode kernel '{tactic.kernel}' (known: default, decode)"]
-    known = {"tile", "warps", "stages", "kv_chunk"}
+    known = {"tile", "warps", "stages", "kv_chunk", "l2"}
     given = set(tactic.params)
     if not {"tile", "warps", "stages"} <= given or given - known:
-        return [*out, f"decode params must be {sorted(known)} with kv_chunk optional (got {sorted(given)})"]
+        return [*out, f"decode params must be {sorted(known)} with kv_chunk and l2 optional (got {sorted(given)})"]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in tactic.params.values()):
         return [*out, f"decode params must be integers (got {tactic.params})"]
     return out + DecodeParams.from_tactic(tactic).reasons(problem.head_dim_qk, info)
@@ -181,10 +195,10 @@ def _gemm_reasons(problem: GemmProblem, tactic: Tactic, info: DeviceInfo) -> lis
         return out
     if tactic.kernel != "gemm":
         return [*out, f"unknown gemm kernel '{tactic.kernel}' (known: default, gemm)"]
-    known = {"bn", "bk", "wn", "wk", "stages", "splits"}
+    known = {"bn", "bk", "wn", "wk", "stages", "splits", "l2"}
     given = set(tactic.params)
-    if not known - {"splits"} <= given or given - known:
-        return [*out, f"gemm params must be {sorted(known)} with splits optional (got {sorted(given)})"]
+    if not known - {"splits", "l2"} <= given or given - known:
+        return [*out, f"gemm params must be {sorted(known)} with splits and l2 optional (got {sorted(given)})"]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in tactic.params.values()):
         return [*out, f"gemm params must be integers (got {tactic.params})"]
     return out + GemmParams.from_tactic(tactic).reasons(problem.m, info)
@@ -224,6 +238,16 @@ def _bf16(dtype: str) -> int:
     return 1 if dtype == "bfloat16" else 0
 
 
+def _l2_defines(hint: int) -> dict[str, int]:
+    return {"TX_L2": int(hint >= 1), "TX_L2_PREFETCH_256": int(hint == 2)}
+
+
+def _gemm_l2_defines(hint: int) -> dict[str, int]:
+    """The GEMM streams W without an L2 policy (ptxas miscompiles its cp.async with one, see
+    kernels/common.cuh): l2 0 and 1 are the same kernel, 2 adds the 256-byte prefetch."""
+    return {"TX_L2_PREFETCH_256": int(hint == 2)}
+
+
 def decode_variant(dtype: str, head_dim: int, params: DecodeParams, arch: str) -> Variant:
     return Variant.make(
         "decode.cu",
@@ -233,6 +257,7 @@ def decode_variant(dtype: str, head_dim: int, params: DecodeParams, arch: str) -
         TX_TILE=params.tile,
         TX_WARPS=params.warps,
         TX_STAGES=params.stages,
+        **_l2_defines(params.l2),
     )
 
 
@@ -247,15 +272,18 @@ def gemm_variant(dtype: str, m: int, params: GemmParams, arch: str) -> Variant:
         TX_WN=params.wn,
         TX_WK=params.wk,
         TX_STAGES=params.stages,
+        **_gemm_l2_defines(params.l2),
     )
 
 
 def default_variants(info: DeviceInfo = H200) -> list[Variant]:
-    """Every kernel variant the default tactics use on a GPU like ``info`` (what `warmup` compiles)."""
+    """Every kernel variant the default tactics use on a GPU like ``info`` (what `warmup` compiles):
+    decode for each head dim, large and small batches; GEMM for 1, 2 and 4 m-tiles."""
     out = []
     for dtype in sorted(_DTYPES):
         for d in HEAD_DIMS:
-            out.append(decode_variant(dtype, d, default_decode_params(d, info), info.arch))
+            for small in (False, True):
+                out.append(decode_variant(dtype, d, default_decode_params(d, info, small), info.arch))
         for m in (1, 32, GEMM_MAX_M):  # one m per m-tile count (1, 2, 4 tiles of 16 rows)
             out.append(gemm_variant(dtype, m, default_gemm_params(m, info), info.arch))
     return out
@@ -270,7 +298,7 @@ def tactix_warmup(backend: str, arch: str | None, progress: Callable[[int, int, 
     else:
         base = _info_for(None)
         info = DeviceInfo(base.sms, base.smem_per_block, base.smem_per_sm, arch)
-    return compile_all(default_variants(info), progress)
+    return compile_all(list(dict.fromkeys(default_variants(info))), progress)
 
 
 # -- decode plans ----------------------------------------------------------------------------
@@ -302,6 +330,7 @@ class CudaNativeDecodePlan:
     _packed: torch.Tensor  # all int32 metadata in one device buffer
     _part_o: torch.Tensor  # workspace: partial outputs of split requests
     _part_lse: torch.Tensor
+    _counters: torch.Tensor  # one per request and (KV head, q tile): partials merged so far; zero between runs
 
     def __init__(self, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
         device = options["device"]
@@ -309,30 +338,27 @@ class CudaNativeDecodePlan:
         self.device = torch.device("cuda", index)
         self.problem = problem
         info = device_info(index)
-        if tactic.is_default:
-            params = default_decode_params(problem.head_dim_qk, info)
-        else:
-            params = DecodeParams.from_tactic(tactic)
-        self.tactic = params.to_tactic()
-        module, self.built = load(decode_variant(problem.q_dtype, problem.head_dim_qk, params, info.arch), index)
-        smem = decode_smem_bytes(problem.head_dim_qk, params.tile, params.warps, params.stages)
-        self._kernel = module.kernel("tactix_decode", smem)
-        self._merge_kernel = module.kernel("tactix_decode_merge")
-
         graph = options["use_cuda_graph"]
         b, hq, hkv, d = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim_qk
         gqa = problem.gqa_ratio
         units = hkv * q_tiles(gqa)
-        ranges = effective_lengths(batch.kv_lens.tolist(), problem.window_left)
+        ranges = effective_lengths(batch.kv_lens_list, problem.window_left)
         longest_cap = bucket_size(batch.max_kv_len) if graph else batch.max_kv_len
         attended_cap = longest_cap if problem.window_left < 0 else min(longest_cap, problem.window_left + 1)
-        slots = info.sms * ctas_per_sm(info, smem, 32 * params.warps)
-        if params.kv_chunk:
-            chunk = params.kv_chunk
-        elif graph:  # from the bucket, so every batch of the bucket fits the captured grid
-            chunk = decode_chunk([attended_cap] * b, units, params.tile, slots)
+        # in CUDA-graph mode sizes come from the bucket, so every batch of the bucket fits the captured grid
+        lengths = [attended_cap] * b if graph else [e - s for s, e in ranges]
+        if tactic.is_default:
+            params = default_decode_params(d, info, small=decode_is_small(lengths, units, info))
         else:
-            chunk = decode_chunk([e - s for s, e in ranges], units, params.tile, slots)
+            params = DecodeParams.from_tactic(tactic)
+        self.tactic = params.to_tactic()
+        module, self.built = load(decode_variant(problem.q_dtype, d, params, info.arch), index)
+        smem = decode_smem_bytes(d, params.tile, params.warps, params.stages)
+        threads = 32 * params.warps
+        self._kernel = module.kernel("tactix_decode", smem)
+        self.ctas_per_sm = ctas_per_sm(info, smem, threads, resident=resident_ctas(self._kernel, threads, smem))
+        slots = info.sms * self.ctas_per_sm
+        chunk = params.kv_chunk or decode_chunk(lengths, units, params.tile, slots)
         work = decode_work(ranges, chunk)
         if graph:
             item_cap = decode_capacity(b, attended_cap, chunk)
@@ -342,16 +368,12 @@ class CudaNativeDecodePlan:
             item_cap, slot_cap, page_cap = len(work.items), work.slots, batch.num_page_entries
         self.work = work
         self.chunk = chunk
-        self._merge = graph or work.needs_merge
         self._geometry = (b, hq, hkv, d, problem.page_size, item_cap, slot_cap, page_cap, params)
 
-        items = torch.tensor(work.items, dtype=torch.int32).reshape(-1)
-        splits = torch.tensor(work.splits, dtype=torch.int32).reshape(-1)
+        items = torch.tensor(decode_items(work, batch.kv_indptr_list), dtype=torch.int32)
         parts = [
-            ("items", items, 4 * item_cap),
+            ("items", items, DECODE_ITEM_INTS * item_cap),
             ("num_items", torch.tensor([len(work.items)], dtype=torch.int32), 1),
-            ("splits", splits, 2 * b),
-            ("page_base", batch.kv_indptr[:-1], b),
         ]
         host_indices = batch.indices_on_host
         if host_indices or graph:
@@ -366,10 +388,13 @@ class CudaNativeDecodePlan:
             previous._packed.copy_(host.pin_memory(), non_blocking=True)
             self._packed = previous._packed
             self._part_o, self._part_lse = previous._part_o, previous._part_lse
+            self._counters = previous._counters
         else:
             self._packed = host.pin_memory().to(self.device, non_blocking=True)
             self._part_o = torch.empty(max(slot_cap, 1) * hq * d, dtype=torch.float32, device=self.device)
             self._part_lse = torch.empty(max(slot_cap, 1) * hq, dtype=torch.float32, device=self.device)
+            grid_y = decode_grid(1, hkv, gqa)[1]
+            self._counters = torch.zeros(b * grid_y, dtype=torch.int32, device=self.device)
         view = {name: self._packed[o : o + n] for name, (o, n) in where.items()}
         if "indices" in view:
             if not host_indices and batch.num_page_entries:
@@ -381,17 +406,15 @@ class CudaNativeDecodePlan:
         self._ptrs = (
             view["items"].data_ptr(),
             view["num_items"].data_ptr(),
-            view["page_base"].data_ptr(),
             indices.data_ptr(),
             self._part_o.data_ptr(),
             self._part_lse.data_ptr(),
+            self._counters.data_ptr(),
         )
-        self._splits_ptr = view["splits"].data_ptr()
         shift = log2_exact(problem.page_size)
         assert shift is not None  # check() refused other page sizes
         self._scalars = (hq, gqa, q_tiles(gqa), shift, problem.sm_scale * _LOG2E, float(problem.logits_soft_cap))
-        self._cfg = launch_config(decode_grid(item_cap, hkv, gqa), 32 * params.warps, smem)
-        self._merge_cfg = launch_config(merge_grid(b, hq, d), MERGE_THREADS, 0)
+        self._cfg = launch_config(decode_grid(item_cap, hkv, gqa), threads, smem)
         self._index = index
         self._seen: tuple[Any, ...] | None = None
         self._strides: tuple[int, ...] = ()
@@ -431,13 +454,8 @@ class CudaNativeDecodePlan:
         lse_ptr = 0 if lse is None else lse.data_ptr()
         stream = stream_for(self._index, torch.cuda.current_stream(self.device).cuda_stream)
         cc = _cc()
-        items, num_items, page_base, indices, part_o, part_lse = self._ptrs
         cc.launch(stream, self._cfg, self._kernel, q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr,
-                  *self._strides, out_ptr, lse_ptr, items, num_items, page_base, indices, part_o, part_lse,
-                  *self._scalars)  # fmt: skip
-        if self._merge:
-            cc.launch(stream, self._merge_cfg, self._merge_kernel, part_o, part_lse, self._splits_ptr, out_ptr, lse_ptr,
-                      self._scalars[0])  # fmt: skip
+                  *self._strides, out_ptr, lse_ptr, *self._ptrs, *self._scalars)  # fmt: skip
 
 
 def _cc() -> Any:
@@ -467,7 +485,7 @@ def tactix_plan_decode(backend: str, problem: DecodeProblem, batch: PagedBatch, 
 
 
 class CudaNativeGemmPlan:
-    """A planned skinny GEMM: split count and workspace fixed in plan; ``run`` launches one or two kernels."""
+    """A planned skinny GEMM: split count and workspace fixed in plan; ``run`` launches one kernel."""
 
     def __init__(self, problem: GemmProblem, tactic: Tactic, options: PlanOptions) -> None:
         index = _device_index(options["device"])
@@ -480,16 +498,18 @@ class CudaNativeGemmPlan:
         smem = gemm_smem_bytes(m_tiles(problem.m), params.bn, params.bk, params.stages)
         threads = 32 * params.wn * params.wk
         self._kernel = module.kernel("tactix_gemm", smem)
-        self._reduce_kernel = module.kernel("tactix_gemm_reduce")
+        self.ctas_per_sm = ctas_per_sm(info, smem, threads, resident=resident_ctas(self._kernel, threads, smem))
         m, n, k, batch = problem.m, problem.n, problem.k, problem.batch
-        wanted = gemm_splits(m, n, k, params.bn, params.bk, info, ctas_per_sm(info, smem, threads), params.splits)
+        wanted = gemm_splits(m, n, k, params.bn, params.bk, info, self.ctas_per_sm, params.splits)
         self.kps, self.splits = gemm_k_per_split(k, params.bk, wanted)
-        self._total = batch * m * n
-        self._ws = (
-            torch.empty(self.splits * self._total, dtype=torch.float32, device=self.device) if self.splits > 1 else None
-        )
-        self._cfg = launch_config(gemm_grid(n, params.bn, self.splits, batch), threads, smem)
-        self._reduce_cfg = launch_config((-(-self._total // 256), 1, 1), 256, 0)
+        grid = gemm_grid(n, params.bn, self.splits, batch)
+        if self.splits > 1:  # fp32 partial tiles, and a ticket counter per column block (zero between runs)
+            self._ws: torch.Tensor | None = torch.empty(self.splits * batch * m * n, dtype=torch.float32,
+                                                        device=self.device)  # fmt: skip
+            self._counters: torch.Tensor | None = torch.zeros(grid[0] * batch, dtype=torch.int32, device=self.device)
+        else:
+            self._ws = self._counters = None
+        self._cfg = launch_config(grid, threads, smem)
         self._index = index
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
@@ -508,11 +528,9 @@ class CudaNativeGemmPlan:
         stream = stream_for(self._index, torch.cuda.current_stream(self.device).cuda_stream)
         cc = _cc()
         ws = 0 if self._ws is None else self._ws.data_ptr()
+        counters = 0 if self._counters is None else self._counters.data_ptr()
         cc.launch(stream, self._cfg, self._kernel, a_ptr, lda, a_sb, b_ptr, ldb, b_sb, out_ptr, p.m * p.n, bias_ptr,
-                  ws, p.m, p.n, p.k, self.kps)  # fmt: skip
-        if ws:
-            cc.launch(stream, self._reduce_cfg, self._reduce_kernel, ws, bias_ptr, out_ptr, self.splits, self._total,
-                      p.n)  # fmt: skip
+                  ws, counters, p.m, p.n, p.k, self.kps)  # fmt: skip
 
 
 @tactix.hookimpl

@@ -380,6 +380,17 @@ def stream_for(device_index: int, handle: int) -> Any:
     return stream
 
 
+def resident_ctas(kernel: Any, threads: int, smem: int) -> int | None:
+    """CTAs of ``kernel`` one SM holds at once with ``threads`` threads and ``smem`` bytes of dynamic
+    shared memory (the driver's occupancy calculator: registers, shared memory, the carveout), or
+    None where this cuda.core cannot ask."""
+    try:
+        value = int(kernel.occupancy.max_active_blocks_per_multiprocessor(threads, smem))
+    except Exception:  # an older cuda.core without Kernel.occupancy, or a driver refusal
+        return None
+    return value if value > 0 else None
+
+
 def launch_config(grid: tuple[int, int, int], block: int, smem: int) -> Any:
     return cuda_core().LaunchConfig(grid=grid, block=(block, 1, 1), shmem_size=smem)
 

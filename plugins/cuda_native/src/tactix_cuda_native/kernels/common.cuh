@@ -27,6 +27,61 @@ TX_DEVICE u32 tx_smem_addr(const void* p) {
 TX_DEVICE void tx_cp_async16(u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
+#ifndef TX_L2_PREFETCH_256
+#define TX_L2_PREFETCH_256 0
+#endif
+// The same copy, TX_L2_PREFETCH_256 = 1 also asking L2 to fetch 256-byte blocks (the rows these
+// kernels stream are at least 128 bytes long and read whole). No cache-policy operand.
+TX_DEVICE void tx_cp_async16_stream(u32 dst, const void* src, int src_bytes) {
+#if TX_L2_PREFETCH_256
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+#else
+  tx_cp_async16(dst, src, src_bytes);
+#endif
+}
+// The same copy with an L2 cache-policy hint (a `createpolicy` value, see tx_l2_policy).
+//
+// Careful: on sm_90, ptxas (seen with CUDA 13.0's and NVRTC 13.5's) miscompiles some kernels
+// that use it. Where the shared address is a per-thread register plus a warp-uniform base, it
+// may emit the LDGSTS form `[Rx+URn+imm], desc[URn+1]` (base and policy sharing a uniform
+// register pair) and then overwrite URn with that base while other LDGSTS still read URn:URn+1
+// as their policy. Every GEMM variant that ran into "an illegal instruction was encountered" on
+// the H200 has this, and no variant that ran clean does: bk = 64 with one 16-row m-tile (each
+// warp layout and stage count; also bn 128, bk 64, 4 x 2 warps with two m-tiles). The GEMM
+// therefore streams W without a policy (tx_cp_async16_stream); decode.cu keeps it (none of its
+// variants get that form). tests/plugins/test_cuda_native_cpu.py compiles every enumerated
+// variant for sm_90 and fails on any `[R+UR]` LDGSTS.
+TX_DEVICE void tx_cp_async16_hint(u32 dst, const void* src, int src_bytes, u64 policy) {
+#if TX_L2_PREFETCH_256
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes), "l"(policy)
+               : "memory");
+#else
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes), "l"(policy)
+               : "memory");
+#endif
+}
+
+// L2 policies: evict_first for bytes a kernel reads exactly once (a KV cache, a weight matrix),
+// so that streaming them through L2 replaces each other instead of lines that have reuse (or are
+// dirty and would have to be written back first); evict_normal is the default behaviour.
+TX_DEVICE u64 tx_l2_policy(bool evict_first) {
+  u64 p;
+  if (evict_first) {
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  } else {
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(p));
+  }
+  return p;
+}
+
+// Four ints of read-only metadata (16-byte aligned).
+TX_DEVICE void tx_ldg4(const int* p, int& a, int& b, int& c, int& d) {
+  asm("ld.global.nc.v4.s32 {%0, %1, %2, %3}, [%4];\n" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "l"(p));
+}
+
 TX_DEVICE void tx_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 TX_DEVICE void tx_cp_async_wait() {

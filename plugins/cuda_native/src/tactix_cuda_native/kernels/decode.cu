@@ -9,9 +9,16 @@
 // the 16 rows), with an online softmax in fp32 (base-2 exponentials). Warps are merged in
 // shared memory at the end. A work item that covers a whole request writes `out` (and `lse`);
 // one that covers part of a request writes a normalised fp32 partial output and its
-// natural-log LSE to the workspace, and `tactix_decode_merge` combines a request's partials.
+// natural-log LSE to the workspace, then takes a ticket from the request's counter: the CTA
+// that draws the last ticket merges all the request's partials, in slot order (so the result
+// does not depend on which CTA finished last: bitwise deterministic), writes `out` and `lse`,
+// and resets the counter to zero for the next launch (CUDA-graph replays included).
 //
-// Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_TILE, TX_WARPS, TX_STAGES.
+// Work item record (8 ints, 32 bytes): request, first key, end key, partial slot (-1: whole
+// request), the request's offset in kv_indices, its first partial slot, its partial count, 0.
+//
+// Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_TILE, TX_WARPS, TX_STAGES,
+// TX_L2 (1: K/V streamed with an L2 evict_first policy, 0: no hint), TX_L2_PREFETCH_256.
 #include "common.cuh"
 
 #ifndef TX_D
@@ -25,6 +32,9 @@
 #endif
 #ifndef TX_STAGES
 #define TX_STAGES 3
+#endif
+#ifndef TX_L2
+#define TX_L2 1
 #endif
 
 constexpr int D = TX_D;
@@ -40,6 +50,9 @@ constexpr int ROW_BYTES = D * 2;
 constexpr int TILE_BYTES = TILE * ROW_BYTES;
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;
 constexpr bool Q_IN_REGS = D <= 128;
+constexpr int ROWS_PER_PASS = NT / DCH;        // tile rows one pass of the CTA's threads copies
+constexpr int PASSES = TILE / ROWS_PER_PASS;   // passes per K (or V) tile: a compile-time count
+constexpr int ITEM_INTS = 8;
 constexpr float LN2 = 0.6931471805599453f;
 constexpr float LOG2E = 1.4426950408889634f;
 
@@ -47,59 +60,67 @@ static_assert(D == 64 || D == 128 || D == 256, "head dim must be 64, 128 or 256"
 static_assert(TPW == 16 || TPW == 32, "TX_TILE / TX_WARPS must be 16 or 32");
 static_assert(TILE <= NT, "one thread per token of a tile computes its offsets");
 static_assert(STAGES >= 2, "at least two stages");
+static_assert(NT % DCH == 0 && TILE % ROWS_PER_PASS == 0, "threads tile the rows of a K/V tile evenly");
 static_assert(WARPS * 16 * D * 4 <= STAGES * STAGE_BYTES, "warp merge buffer must fit in the stage area");
 
-// Dynamic shared memory: [stages: K tile, V tile] [Q 16 rows] [token offsets: stages x (K, V) x TILE]
-// [per-warp row max/sum: WARPS x 16 x 2] [final row max/sum: 16 x 2]
+// Dynamic shared memory: [stages: K tile, V tile] [Q 16 rows] [row addresses: stages x (K, V) x TILE]
+// [per-warp row max/sum: WARPS x 16 x 2] [final row max/sum: 16 x 2] [flag: 4 ints]
 extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
     const u16* __restrict__ q, i64 q_sb, i64 q_sh, const u16* __restrict__ k, const u16* __restrict__ v,
     i64 k_sp, i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh, u16* __restrict__ out, float* __restrict__ lse,
-    const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ page_base,
-    const int* __restrict__ kv_indices, float* __restrict__ part_o, float* __restrict__ part_lse, i64 num_qo_heads,
-    i64 gqa, i64 q_tiles, i64 page_shift, double scale_log2_d, double cap_d) {
+    const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ kv_indices,
+    float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ counters, i64 num_qo_heads, i64 gqa,
+    i64 q_tiles, i64 page_shift, double scale_log2_d, double cap_d) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int item = blockIdx.x;
+  // the item record and the item count are loaded together (items holds one record per CTA of
+  // the grid, so the record is in bounds even for an idle CTA)
+  int req, start, end, slot, page_base, first_slot, nsplit, unused;
+  tx_ldg4(items + ITEM_INTS * item, req, start, end, slot);
+  tx_ldg4(items + ITEM_INTS * item + 4, page_base, first_slot, nsplit, unused);
   if (item >= __ldg(num_items)) return;
+  (void)unused;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
 
-  const int req = __ldg(items + 4 * item), start = __ldg(items + 4 * item + 1);
-  const int end = __ldg(items + 4 * item + 2), slot = __ldg(items + 4 * item + 3);
   const int H = (int)num_qo_heads;
   const int kvh = blockIdx.y / (int)q_tiles, qt = blockIdx.y % (int)q_tiles;
   const int head0 = kvh * (int)gqa + qt * 16;
   const int nrows = min(16, (int)gqa - qt * 16);
   const u16* kh = k + kvh * k_sh;
   const u16* vh = v + kvh * v_sh;
-  const int* pages = kv_indices + __ldg(page_base + req);
+  const int* pages = kv_indices + page_base;
   const int pshift = (int)page_shift, pmask = (1 << pshift) - 1;
   const int ntiles = (end - start + TILE - 1) / TILE;
   const float cap = (float)cap_d;
   const float scale_log2 = (float)scale_log2_d;           // sm_scale * log2(e)
   const float scale_over_cap = cap > 0.f ? scale_log2 / (cap * LOG2E) : 0.f;  // sm_scale / cap
   const float cap_log2 = cap * LOG2E;
+  // K/V rows are read once, unless several q tiles share a KV head (they read it in turn)
+  const u64 policy = tx_l2_policy(TX_L2 != 0 && q_tiles == 1);
 
   unsigned char* q_s = smem + STAGES * STAGE_BYTES;
-  i64* offs = reinterpret_cast<i64*>(q_s + 16 * ROW_BYTES);  // [STAGES][2][TILE]
-  float* ml = reinterpret_cast<float*>(offs + STAGES * 2 * TILE);
+  u64* raddr = reinterpret_cast<u64*>(q_s + 16 * ROW_BYTES);  // [STAGES][2][TILE] byte addresses, 0: no row
+  float* ml = reinterpret_cast<float*>(raddr + STAGES * 2 * TILE);
   float* fin = ml + WARPS * 32;
+  int* flag = reinterpret_cast<int*>(fin + 32);
   const u32 sbase = tx_smem_addr(smem);
   const u32 qbase = tx_smem_addr(q_s);
 
-  // token offsets (elements from the head's base) of the first STAGES tiles
+  // addresses of the K and V rows of the first STAGES tiles (one thread per token)
   if (tid < TILE) {
 #pragma unroll
     for (int t = 0; t < STAGES; ++t) {
       const int tok = start + t * TILE + tid;
-      i64 ko = -1, vo = -1;
+      u64 ka = 0, va = 0;
       if (tok < end) {
         const i64 page = __ldg(pages + (tok >> pshift));
         const i64 in = tok & pmask;
-        ko = page * k_sp + in * k_st;
-        vo = page * v_sp + in * v_st;
+        ka = reinterpret_cast<u64>(kh + page * k_sp + in * k_st);
+        va = reinterpret_cast<u64>(vh + page * v_sp + in * v_st);
       }
-      offs[(t * 2) * TILE + tid] = ko;
-      offs[(t * 2 + 1) * TILE + tid] = vo;
+      raddr[(t * 2) * TILE + tid] = ka;
+      raddr[(t * 2 + 1) * TILE + tid] = va;
     }
   }
   // Q rows of this tile (rows past the group are zero)
@@ -115,25 +136,32 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
   }
   __syncthreads();
 
+  // each thread copies 16-byte chunk `cch` of rows crow, crow + ROWS_PER_PASS, ... of a tile
+  const int crow = tid / DCH, cch = tid % DCH;
   auto issue = [&](int tile) {
     if (tile < ntiles) {
       const int s = tile % STAGES;
       const u32 kb = sbase + s * STAGE_BYTES, vb = kb + TILE_BYTES;
-      const i64* ko = offs + (s * 2) * TILE;
-      const i64* vo = ko + TILE;
+      const u64* ka = raddr + (s * 2) * TILE;
+      const u64* va = ka + TILE;
+      // all row addresses first: the copies' memory clobbers would otherwise order each
+      // shared-memory load after the previous copy
+      u64 src[PASSES];
 #pragma unroll
-      for (int c = tid; c < TILE * DCH; c += NT) {
-        const int row = c / DCH, ch = c % DCH;
-        const i64 o = ko[row];
-        tx_cp_async16(kb + tx_swz(row, ch, ROW_BYTES), o >= 0 ? (const void*)(kh + o + ch * 8) : (const void*)kh,
-                      o >= 0 ? 16 : 0);
+      for (int p = 0; p < PASSES; ++p) src[p] = ka[crow + p * ROWS_PER_PASS];
+#pragma unroll
+      for (int p = 0; p < PASSES; ++p) {
+        tx_cp_async16_hint(kb + tx_swz(crow + p * ROWS_PER_PASS, cch, ROW_BYTES),
+                           src[p] ? reinterpret_cast<const void*>(src[p] + cch * 16) : (const void*)kh,
+                           src[p] ? 16 : 0, policy);
       }
 #pragma unroll
-      for (int c = tid; c < TILE * DCH; c += NT) {
-        const int row = c / DCH, ch = c % DCH;
-        const i64 o = vo[row];
-        tx_cp_async16(vb + tx_swz(row, ch, ROW_BYTES), o >= 0 ? (const void*)(vh + o + ch * 8) : (const void*)vh,
-                      o >= 0 ? 16 : 0);
+      for (int p = 0; p < PASSES; ++p) src[p] = va[crow + p * ROWS_PER_PASS];
+#pragma unroll
+      for (int p = 0; p < PASSES; ++p) {
+        tx_cp_async16_hint(vb + tx_swz(crow + p * ROWS_PER_PASS, cch, ROW_BYTES),
+                           src[p] ? reinterpret_cast<const void*>(src[p] + cch * 16) : (const void*)vh,
+                           src[p] ? 16 : 0, policy);
       }
     }
     tx_cp_async_commit();  // always, so that group counting stays uniform
@@ -243,8 +271,13 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
     for (int t = 0; t < D / 8; ++t) {
       o[t][0] *= al0;
       o[t][1] *= al0;
-      o[t][2] *= al1;
-      o[t][3] *= al1;
+    }
+    if (nrows > 8) {  // rows 8..15 of the tile are padding for groups of up to 8 query heads
+#pragma unroll
+      for (int t = 0; t < D / 8; ++t) {
+        o[t][2] *= al1;
+        o[t][3] *= al1;
+      }
     }
 
 #pragma unroll
@@ -265,16 +298,16 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
       }
     }
 
-    // offsets of tile i + STAGES into the ring slot of tile i (read when it is issued, next iteration)
+    // row addresses of tile i + STAGES into the ring slot of tile i (read when it is issued, next iteration)
     if (tid < TILE && pt < ntiles) {
-      i64 ko = -1, vo = -1;
+      u64 ka = 0, va = 0;
       if (ppage >= 0) {
         const i64 in = ptok & pmask;
-        ko = (i64)ppage * k_sp + in * k_st;
-        vo = (i64)ppage * v_sp + in * v_st;
+        ka = reinterpret_cast<u64>(kh + (i64)ppage * k_sp + in * k_st);
+        va = reinterpret_cast<u64>(vh + (i64)ppage * v_sp + in * v_st);
       }
-      offs[(s * 2) * TILE + tid] = ko;
-      offs[(s * 2 + 1) * TILE + tid] = vo;
+      raddr[(s * 2) * TILE + tid] = ka;
+      raddr[(s * 2 + 1) * TILE + tid] = va;
     }
   }
 
@@ -354,40 +387,62 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
       part_lse[(i64)slot * H + head0 + tid] = value;
     }
   }
-}
+  if (slot < 0) return;
 
-// Combine the partial outputs of split requests: out = sum_i w_i o_i / sum_i w_i with
-// w_i = exp(lse_i - max lse), lse = max lse + log(sum_i w_i). Grid: x = request, y = head block.
-constexpr int MERGE_THREADS = 128;
-constexpr int MERGE_TPH = D / 4;  // threads per head (4 dims each)
-constexpr int MERGE_HPB = MERGE_THREADS / MERGE_TPH;
-
-extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
-    tactix_decode_merge(const float* __restrict__ part_o, const float* __restrict__ part_lse,
-                        const int* __restrict__ req_split, u16* __restrict__ out, float* __restrict__ lse,
-                        i64 num_qo_heads) {
-  const int b = blockIdx.x;
-  const int H = (int)num_qo_heads;
-  const int hl = threadIdx.x / MERGE_TPH, d4 = (threadIdx.x % MERGE_TPH) * 4;
-  const int qh = blockIdx.y * MERGE_HPB + hl;
-  if (qh >= H) return;
-  const int first = __ldg(req_split + 2 * b), n = __ldg(req_split + 2 * b + 1);
-  if (n <= 1) return;  // written directly by the decode kernel
-  float M = tx_neg_inf();
-  for (int i = 0; i < n; ++i) M = fmaxf(M, __ldg(part_lse + (i64)(first + i) * H + qh));
-  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, S = 0.f;
-  for (int i = 0; i < n; ++i) {
-    const float w = tx_exp2((__ldg(part_lse + (i64)(first + i) * H + qh) - M) * LOG2E);
-    const float* p = part_o + ((i64)(first + i) * H + qh) * D + d4;
-    S += w;
-    a0 += w * __ldg(p);
-    a1 += w * __ldg(p + 1);
-    a2 += w * __ldg(p + 2);
-    a3 += w * __ldg(p + 3);
+  // ---- split request: the CTA that finishes last merges the partials ----------------------
+  // out = sum_i w_i o_i / sum_i w_i with w_i = exp(lse_i - max lse), lse = max lse + log(sum_i w_i),
+  // over the request's slots in order (the same operations whichever CTA merges: deterministic).
+  __threadfence();  // this CTA's partial is visible device-wide before its ticket is taken
+  __syncthreads();
+  int* counter = counters + (i64)req * gridDim.y + blockIdx.y;
+  if (tid == 0) flag[0] = atomicAdd(counter, 1) == nsplit - 1;
+  __syncthreads();
+  if (flag[0] == 0) return;
+  __threadfence();  // the other CTAs' partials (their tickets came before ours)
+  // One pass in slot order with a running max (rescaling when it grows), MERGE_BATCH slots'
+  // loads in flight at a time (ld.global.cg: L2, where the other CTAs' partials are).
+  constexpr int MERGE_BATCH = 8;
+  for (int c = tid; c < nrows * (D / 4); c += NT) {
+    const int r = c / (D / 4), d4 = (c % (D / 4)) * 4;
+    const i64 qh = head0 + r;
+    const float* lp = part_lse + (i64)first_slot * H + qh;
+    const float* op = part_o + ((i64)first_slot * H + qh) * D + d4;
+    float M = tx_neg_inf(), S = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    for (int i0 = 0; i0 < nsplit; i0 += MERGE_BATCH) {
+      float x[MERGE_BATCH];
+      float4 p[MERGE_BATCH];
+#pragma unroll
+      for (int j = 0; j < MERGE_BATCH; ++j) {
+        const bool ok = i0 + j < nsplit;
+        x[j] = ok ? __ldcg(lp + (i64)(i0 + j) * H) : 0.f;
+        p[j] = ok ? __ldcg(reinterpret_cast<const float4*>(op + (i64)(i0 + j) * H * D)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < MERGE_BATCH; ++j) {
+        if (i0 + j < nsplit) {
+          if (x[j] > M) {
+            const float f = tx_exp2((M - x[j]) * LOG2E);  // 0 while M is -inf
+            S *= f;
+            a0 *= f;
+            a1 *= f;
+            a2 *= f;
+            a3 *= f;
+            M = x[j];
+          }
+          const float w = tx_exp2((x[j] - M) * LOG2E);
+          S += w;
+          a0 += w * p[j].x;
+          a1 += w * p[j].y;
+          a2 += w * p[j].z;
+          a3 += w * p[j].w;
+        }
+      }
+    }
+    const float inv = 1.0f / S;
+    u32* dst = reinterpret_cast<u32*>(out + ((i64)req * H + qh) * D + d4);
+    dst[0] = tx_pack2(a0 * inv, a1 * inv);
+    dst[1] = tx_pack2(a2 * inv, a3 * inv);
+    if (lse != nullptr && d4 == 0) lse[(i64)req * H + qh] = M + tx_log2(S) * LN2;
   }
-  const float inv = 1.0f / S;
-  u32* dst = reinterpret_cast<u32*>(out + ((i64)b * H + qh) * D + d4);
-  dst[0] = tx_pack2(a0 * inv, a1 * inv);
-  dst[1] = tx_pack2(a2 * inv, a3 * inv);
-  if (lse != nullptr && d4 == 0) lse[(i64)b * H + qh] = M + tx_log2(S) * LN2;
+  if (tid == 0) *counter = 0;  // every ticket of this launch is drawn: ready for the next one
 }

@@ -6,14 +6,24 @@
 // stage, swizzled shared memory) together with the matching [m x k-range] slice of a (small,
 // served from L2), and multiplies on the tensor cores (mma.sync m16n8k16, the m rows padded to
 // 16 * TX_MT). Warps split the tile TX_WN ways along n and TX_WK ways along k; their partial
-// sums meet in shared memory. With one split the CTA writes `out` (+ bias); with several it
-// writes fp32 partial sums and `tactix_gemm_reduce` adds them up.
+// sums meet in shared memory. With one split the CTA writes `out` (+ bias). With several, each
+// CTA writes its fp32 partial tile to the workspace and takes a ticket from its column block's
+// counter; the CTA with the last ticket adds the partials up in split order (bitwise
+// deterministic), writes `out` (+ bias) and resets the counter to zero for the next launch.
 //
-// Compile-time parameters: TX_BF16, TX_MT, TX_BN, TX_BK, TX_WN, TX_WK, TX_STAGES.
+// Compile-time parameters: TX_BF16, TX_MT, TX_BN, TX_BK, TX_WN, TX_WK, TX_STAGES,
+// TX_L2_PREFETCH_256 (1: W read in 256-byte L2 blocks). No L2 cache policy for W: ptxas
+// miscompiles this kernel's cp.async with one for some shapes (see tx_cp_async16_hint);
+// TX_W_POLICY = 1 brings the evict_first policy back, for the test that checks the SASS for
+// that miscompile and for trying a newer ptxas (the plugin never sets it).
 #include "common.cuh"
 
 #ifndef TX_MT
 #error "TX_MT must be defined"
+#endif
+
+#ifndef TX_W_POLICY
+#define TX_W_POLICY 0
 #endif
 
 constexpr int MT = TX_MT;
@@ -32,6 +42,8 @@ constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int WCOLS = BN / WN;
 constexpr int NTL = WCOLS / 8;
 constexpr int KSTEPS = BK / 16 / WK;
+constexpr int A_CHUNKS = AROWS * KCH, B_CHUNKS = BN * KCH;  // 16-byte chunks per stage
+constexpr int A_PASSES = (A_CHUNKS + NT - 1) / NT, B_PASSES = (B_CHUNKS + NT - 1) / NT;
 
 static_assert(MT >= 1 && MT <= 4, "TX_MT in 1..4");
 static_assert(BK == 64 || BK == 128, "TX_BK must be 64 or 128");
@@ -42,9 +54,10 @@ static_assert(WK * AROWS * BN * 4 <= STAGES * STAGE_BYTES, "warp reduction buffe
 
 extern "C" __global__ void __launch_bounds__(NT)
     tactix_gemm(const u16* __restrict__ a, i64 lda, i64 a_sb, const u16* __restrict__ b, i64 ldb, i64 b_sb,
-                u16* __restrict__ out, i64 o_sb, const u16* __restrict__ bias, float* __restrict__ ws, i64 m_, i64 n_,
-                i64 k_, i64 kps) {
-  extern __shared__ __align__(128) unsigned char smem[];
+                u16* __restrict__ out, i64 o_sb, const u16* __restrict__ bias, float* __restrict__ ws,
+                int* __restrict__ counters, i64 m_, i64 n_, i64 k_, i64 kps) {
+  extern __shared__ __align__(128) unsigned char smem[];  // [stages: a tile, W tile] [flag: 4 ints]
+  int& last_flag = *reinterpret_cast<int*>(smem + STAGES * STAGE_BYTES);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
   const int wn = warp % WN, wk = warp / WN;
@@ -57,29 +70,43 @@ extern "C" __global__ void __launch_bounds__(NT)
   const u16* az = a + z * a_sb;
   const u16* bz = b + z * b_sb;
   const u32 sbase = tx_smem_addr(smem);
+#if TX_W_POLICY
+  const u64 policy = tx_l2_policy(true);
+#endif
 
+  // Chunk c of a stage: row c / KCH, 16-byte column c % KCH. Chunks past k are zero-filled (in
+  // both operands, so they add nothing); rows past m (a) or n (W) are left as they are: they
+  // only feed output rows or columns that are never stored.
   auto issue = [&](int tile) {
     if (tile < ntiles) {
       const u32 sa = sbase + (tile % STAGES) * STAGE_BYTES, sb = sa + A_BYTES;
       const i64 kt = kbeg + (i64)tile * BK;
 #pragma unroll
-      for (int c = tid; c < AROWS * KCH; c += NT) {
+      for (int p = 0; p < A_PASSES; ++p) {
+        const int c = tid + p * NT;
         const int row = c / KCH, ch = c % KCH;
         const i64 kk = kt + ch * 8;
-        if (row < m) {  // rows past m only feed output rows that are never stored
+        if ((A_CHUNKS % NT == 0 || c < A_CHUNKS) && row < m) {
           const bool ok = kk < kend;
           tx_cp_async16(sa + tx_swz(row, ch, ROWB), ok ? (const void*)(az + row * lda + kk) : (const void*)az,
                         ok ? 16 : 0);
         }
       }
 #pragma unroll
-      for (int c = tid; c < BN * KCH; c += NT) {
+      for (int p = 0; p < B_PASSES; ++p) {
+        const int c = tid + p * NT;
         const int row = c / KCH, ch = c % KCH;
         const i64 kk = kt + ch * 8;
-        if (n0 + row < n) {  // columns past n likewise
+        if ((B_CHUNKS % NT == 0 || c < B_CHUNKS) && n0 + row < n) {
           const bool ok = kk < kend;
-          tx_cp_async16(sb + tx_swz(row, ch, ROWB), ok ? (const void*)(bz + (i64)(n0 + row) * ldb + kk) : (const void*)bz,
-                        ok ? 16 : 0);
+#if TX_W_POLICY
+          tx_cp_async16_hint(sb + tx_swz(row, ch, ROWB),
+                             ok ? (const void*)(bz + (i64)(n0 + row) * ldb + kk) : (const void*)bz, ok ? 16 : 0,
+                             policy);
+#else
+          tx_cp_async16_stream(sb + tx_swz(row, ch, ROWB),
+                               ok ? (const void*)(bz + (i64)(n0 + row) * ldb + kk) : (const void*)bz, ok ? 16 : 0);
+#endif
         }
       }
     }
@@ -139,6 +166,7 @@ extern "C" __global__ void __launch_bounds__(NT)
         red[(wk * AROWS + row) * BN + col] = acc[mt][t][c];
       }
   __syncthreads();
+  const int splits = gridDim.y;
   for (int e = tid; e < m * BN; e += NT) {
     const int row = e / BN, col = e % BN;
     const int j = n0 + col;
@@ -146,23 +174,63 @@ extern "C" __global__ void __launch_bounds__(NT)
     float v = 0.f;
 #pragma unroll
     for (int w = 0; w < WK; ++w) v += red[(w * AROWS + row) * BN + col];
-    if (ws == nullptr) {
+    if (splits == 1) {
       if (bias != nullptr) v += tx_to_float(bias[j]);
       out[z * o_sb + (i64)row * n + j] = (u16)(tx_pack2(v, 0.f) & 0xffffu);
     } else {
       ws[(((i64)split * gridDim.z + z) * m + row) * n + j] = v;
     }
   }
-}
+  if (splits == 1) return;
 
-// out[i] = sum over splits of ws[s, i] (+ bias[i % n]), i over batch * m * n.
-extern "C" __global__ void __launch_bounds__(256)
-    tactix_gemm_reduce(const float* __restrict__ ws, const u16* __restrict__ bias, u16* __restrict__ out,
-                       i64 splits, i64 total, i64 n) {
-  const i64 i = (i64)blockIdx.x * 256 + threadIdx.x;
-  if (i >= total) return;
-  float v = 0.f;
-  for (i64 s = 0; s < splits; ++s) v += __ldg(ws + s * total + i);
-  if (bias != nullptr) v += tx_to_float(bias[i % n]);
-  out[i] = (u16)(tx_pack2(v, 0.f) & 0xffffu);
+  // ---- split k: the CTA with the last ticket of this column block adds the partials up ------
+  __threadfence();  // this CTA's partial is visible device-wide before its ticket is taken
+  __syncthreads();
+  int* counter = counters + (i64)z * gridDim.x + blockIdx.x;
+  if (tid == 0) last_flag = atomicAdd(counter, 1) == splits - 1;
+  __syncthreads();
+  if (!last_flag) return;
+  __threadfence();  // the other splits' partials (their tickets came before ours)
+  // Each thread adds up 4 adjacent columns of a row (one 16-byte ld.global.cg per split where n
+  // is a multiple of 4); the passes over the tile have a compile-time count, so the loads of
+  // several passes and splits are in flight together.
+  const i64 split_stride = (i64)gridDim.z * m * n;
+  const float* base = ws + (i64)z * m * n;
+  const bool vec = (n & 3) == 0;
+  constexpr int QUADS = AROWS * BN / 4, QPASSES = (QUADS + NT - 1) / NT;
+#pragma unroll
+  for (int qp = 0; qp < QPASSES; ++qp) {
+    const int qd = tid + qp * NT;
+    const int row = qd / (BN / 4), col = (qd % (BN / 4)) * 4;
+    const int j = n0 + col;
+    if ((QUADS % NT != 0 && qd >= QUADS) || row >= m || j >= n) continue;
+    const float* p = base + (i64)row * n + j;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (vec) {  // j and n are multiples of 4: the quad is whole and 16-byte aligned
+#pragma unroll 4
+      for (int s = 0; s < splits; ++s) {
+        const float4 x = __ldcg(reinterpret_cast<const float4*>(p + s * split_stride));
+        v[0] += x.x;
+        v[1] += x.y;
+        v[2] += x.z;
+        v[3] += x.w;
+      }
+    } else {
+#pragma unroll 4
+      for (int s = 0; s < splits; ++s) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          if (j + c < n) v[c] += __ldcg(p + s * split_stride + c);
+        }
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      if (j + c >= n) break;
+      float r = v[c];
+      if (bias != nullptr) r += tx_to_float(bias[j + c]);
+      out[z * o_sb + (i64)row * n + j + c] = (u16)(tx_pack2(r, 0.f) & 0xffffu);
+    }
+  }
+  if (tid == 0) *counter = 0;  // every ticket of this launch is drawn: ready for the next one
 }
