@@ -38,6 +38,7 @@ from tactix_cuda_native.geometry import (
     DeviceInfo,
     GemmParams,
     PrefillParams,
+    PrefillWork,
     ctas_per_sm,
     decode_candidates,
     decode_capacity,
@@ -554,6 +555,25 @@ def _cache_strides(layout: str, k: torch.Tensor, v: torch.Tensor) -> tuple[int, 
     return tuple(strides)
 
 
+def prefill_lists(batch: PagedBatch, work: PrefillWork) -> tuple[list[int], list[int]]:
+    """The kernel's int32 metadata as flat lists: per item (request, first token); per request
+    (first q row, q length, kv length, first entry in the page indices)."""
+    qo, kv = batch.qo_indptr_list, batch.kv_indptr_list
+    reqs: list[int] = []
+    for r in range(batch.batch_size):
+        reqs += (qo[r], qo[r + 1] - qo[r], batch.kv_lens_list[r], kv[r])
+    return [x for item in work.items for x in item], reqs
+
+
+def prefill_scalars(problem: PrefillProblem, pack: int) -> tuple[int | float, ...]:
+    """The kernel's scalar arguments after the pointers (see kernels/prefill.cu)."""
+    shift = log2_exact(problem.page_size)
+    assert shift is not None  # check() refused other page sizes
+    hq = problem.num_qo_heads
+    return (hq, problem.gqa_ratio, pack, hq // pack, shift, int(problem.causal), problem.window_left,
+            problem.sm_scale * _LOG2E, float(problem.logits_soft_cap))  # fmt: skip
+
+
 class CudaNativePrefillPlan:
     """A planned prefill batch: work list and metadata on the device; ``run`` launches one kernel.
 
@@ -593,17 +613,10 @@ class CudaNativePrefillPlan:
             page_cap = b_cap * -(-bucket_size(batch.max_kv_len) // problem.page_size)
         else:
             b_cap, item_cap, page_cap = b, len(work.items), batch.num_page_entries
-        shift = log2_exact(problem.page_size)
-        assert shift is not None  # check() refused other page sizes
-        self._scalars = (hq, gqa, pack, hq // pack, shift, int(problem.causal), problem.window_left,
-                         problem.sm_scale * _LOG2E, float(problem.logits_soft_cap))  # fmt: skip
+        self._scalars = prefill_scalars(problem, pack)
         self._geometry = (b_cap, hq, hkv, d, problem.page_size, item_cap, page_cap, params, self._scalars)
 
-        qo, kv = batch.qo_indptr_list, batch.kv_indptr_list
-        reqs: list[int] = []
-        for r in range(b):
-            reqs += (qo[r], qo[r + 1] - qo[r], batch.kv_lens_list[r], kv[r])
-        items = [x for item in work.items for x in item]
+        items, reqs = prefill_lists(batch, work)
         parts = [
             ("items", torch.tensor(items, dtype=torch.int32), 2 * item_cap),
             ("num_items", torch.tensor([len(work.items)], dtype=torch.int32), 1),
