@@ -370,7 +370,7 @@ def test_prefill_tactics_are_enumerated_valid_and_round_trip() -> None:
             assert all(plugin._reasons(problem, t, H200) == [] for t in tactics), problem
             default = geometry.default_prefill_params(d, H200)
             assert default.to_tactic() in tactics
-            assert {t.params["sched"] for t in tactics} == {0, 1}
+            assert {t.params["sched"] for t in tactics} == {0, 1, 2}
             assert ({t.params["pack"] for t in tactics} == {0, 1}) == (hq > hkv)
             for t in tactics:
                 assert tactix.tactics.parse_tactic(t.to_json()) == t
@@ -401,7 +401,8 @@ def test_bad_prefill_tactics_and_problems_give_reasons() -> None:
     assert "stages must be in 2..4" in reasons({**ok, "stages": 5})[0]
     assert "must divide the GQA group size 4" in reasons({**ok, "pack": 3})[0]
     assert reasons({**ok, "pack": 4}) == [] and reasons({**ok, "pack": 2}) == []
-    assert "sched must be 0" in reasons({**ok, "sched": 2})[0]
+    assert reasons({**ok, "sched": 2}) == []
+    assert "sched must be 0, 1 or 2" in reasons({**ok, "sched": 3})[0]
     assert "accumulators need 192 registers" not in " ".join(reasons({**ok, "kv_tile": 64}))
     d256 = prefill(head_dim_qk=256, head_dim_vo=256)
     assert "accumulators need" in reasons({**ok, "q_tile": 128, "warps": 4}, d256)[0]
@@ -520,12 +521,23 @@ def test_prefill_work_order_capacity_and_grid() -> None:
 
     torch.manual_seed(3)
     q_lens = torch.randint(64, 2048, (16,)).tolist()  # P3's lengths
-    for sched in (0, 1):
+    for sched in (0, 1, 2):
         work = geometry.prefill_work(q_lens, q_lens, q_tile=128, kv_tile=32, pack=4, causal=True, window_left=-1,
                                      sched=sched)  # fmt: skip
         assert work.tokens == 32 and work.pack == 4
         assert sorted(work.items) == [(b, t0) for b, n in enumerate(q_lens) for t0 in range(0, n, 32)]
         if sched == 0:
+            # requests by total work (largest first), each request's items longest first
+            totals: dict[int, int] = {}
+            for (b, _), n in zip(work.items, work.tiles, strict=True):
+                totals[b] = totals.get(b, 0) + n
+            requests = list(dict.fromkeys(b for b, _ in work.items))
+            assert [totals[b] for b in requests] == sorted(totals.values(), reverse=True)
+            for b in requests:
+                mine = [n for (r, _), n in zip(work.items, work.tiles, strict=True) if r == b]
+                assert mine == sorted(mine, reverse=True)
+            assert work.items[-1][0] == min(totals, key=lambda b: (totals[b], -b))
+        elif sched == 2:
             assert work.tiles == sorted(work.tiles, reverse=True), "items must be longest first"
             # ties keep request order, so the order is deterministic
             for a, b in itertools.pairwise(range(len(work.items))):

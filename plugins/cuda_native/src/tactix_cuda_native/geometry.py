@@ -233,7 +233,7 @@ def merge_grid(batch: int, num_qo_heads: int, head_dim: int) -> tuple[int, int, 
 
 # -- prefill ---------------------------------------------------------------------------------
 
-PREFILL_SCHEDULES: Final = ("longest_first", "in_order")
+PREFILL_SCHEDULES: Final = ("requests_by_work", "in_order", "longest_first")
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,8 @@ class PrefillParams:
     ``q_tile``: query rows per CTA (16 or 32 per warp); ``kv_tile``: keys per pipeline stage;
     ``warps``; ``stages``: depth of the K/V ring; ``pack``: query heads of one GQA group per CTA
     (0: the heuristic `prefill_pack`, else a divisor of the group size up to ``q_tile``);
-    ``sched``: order of the work items (0: longest first, 1: in request order).
+    ``sched``: order of the work items (see `prefill_work`: 0 requests by work, each longest
+    first; 1 in request order; 2 longest first over the whole batch).
     """
 
     q_tile: int
@@ -291,8 +292,8 @@ class PrefillParams:
             out.append(f"pack must be 0 (auto) or a divisor of the GQA group size (got {self.pack})")
         elif self.pack and gqa is not None and (gqa % self.pack or self.pack > self.q_tile):
             out.append(f"pack {self.pack} must divide the GQA group size {gqa} and be at most q_tile {self.q_tile}")
-        if self.sched not in (0, 1):
-            out.append(f"sched must be 0 (longest first) or 1 (in request order) (got {self.sched})")
+        if self.sched not in (0, 1, 2):
+            out.append(f"sched must be 0, 1 or 2 ({', '.join(PREFILL_SCHEDULES)}) (got {self.sched})")
         if not out:
             regs = self.m_tiles * (head_dim + self.kv_tile) // 2
             if regs > 192:
@@ -343,7 +344,7 @@ def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1) -> list[Pr
     base = default_prefill_params(head_dim, info)
     if gqa > 1:
         out.append(PrefillParams(base.q_tile, base.kv_tile, base.warps, base.stages, pack=1))
-    out.append(PrefillParams(base.q_tile, base.kv_tile, base.warps, base.stages, sched=1))
+    out += [PrefillParams(base.q_tile, base.kv_tile, base.warps, base.stages, sched=sched) for sched in (1, 2)]
     unique = list(dict.fromkeys(out))
     return [p for p in unique if not p.reasons(head_dim, info, gqa)]
 
@@ -397,9 +398,16 @@ def prefill_work(
     window_left: int,
     sched: int = 0,
 ) -> PrefillWork:
-    """Cut each request's query tokens into items of ``q_tile // pack`` tokens and order them:
-    longest (most KV tiles) first, so that in-order block dispatch balances ragged batches like
-    longest-processing-time scheduling (sched 0), or in request order (sched 1)."""
+    """Cut each request's query tokens into items of ``q_tile // pack`` tokens and order them.
+
+    The GPU dispatches CTAs in grid order, so the order is the schedule. sched 0 (default):
+    requests by their total work, largest first, and each request's items longest first: the
+    batch ends on the smallest request's shortest items (as longest-processing-time scheduling
+    would), while the CTAs in flight at any time read the K/V of one or two requests, which stay
+    in L2. sched 1: request order, items in token order. sched 2: longest first over the whole
+    batch (the tightest end, but equal items of every request run together: with many long
+    requests their K/V do not all fit in L2).
+    """
     tokens = q_tile // pack
     items: list[tuple[int, int]] = []
     tiles: list[int] = []
@@ -408,8 +416,15 @@ def prefill_work(
             lo, hi = prefill_range(q_len, kv_len, t0, min(q_len, t0 + tokens), causal, window_left)
             items.append((b, t0))
             tiles.append(-(-(hi - lo) // kv_tile))
-    if sched == 0 and items:
-        order = sorted(range(len(items)), key=lambda i: -tiles[i])  # stable: ties stay in request order
+    if sched != 1 and items:
+        if sched == 0:
+            work: dict[int, int] = {}
+            for (b, _), n in zip(items, tiles, strict=True):
+                work[b] = work.get(b, 0) + n
+            key = lambda i: (-work[items[i][0]], items[i][0], -tiles[i])  # noqa: E731
+        else:
+            key = lambda i: -tiles[i]  # noqa: E731
+        order = sorted(range(len(items)), key=key)  # stable: ties keep request and token order
         items = [items[i] for i in order]
         tiles = [tiles[i] for i in order]
     return PrefillWork(items, tiles, tokens, pack)

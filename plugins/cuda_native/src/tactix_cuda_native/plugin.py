@@ -5,7 +5,8 @@ Tactics are the kernels' compile-time and launch parameters:
 
 * ``Tactic(backend="cuda_native", kernel="prefill", params={"q_tile": 128, "kv_tile": 32, "warps": 4,
   "stages": 3, "pack": 0, "sched": 0})`` (``pack`` 0: the query heads of a GQA group per CTA chosen by
-  `geometry.prefill_pack`; ``sched`` 0: work items longest first, 1: in request order);
+  `geometry.prefill_pack`; ``sched`` 0: requests by work, each one's items longest first, 1: request order,
+  2: longest first over the batch; see `geometry.prefill_work`);
 * ``Tactic(backend="cuda_native", kernel="decode", params={"tile": 64, "warps": 4, "stages": 3, "kv_chunk": 0})``
   (``kv_chunk`` 0: the split of long requests is chosen per batch by `geometry.decode_chunk`);
 * ``Tactic(backend="cuda_native", kernel="gemm", params={"bn": 32, "bk": 128, "wn": 1, "wk": 4, "stages": 6,
@@ -578,7 +579,7 @@ class CudaNativePrefillPlan:
     """A planned prefill batch: work list and metadata on the device; ``run`` launches one kernel.
 
     Work items are (request, first query token) pairs of ``q_tile // pack`` tokens each, ordered
-    by `geometry.prefill_work` (longest first by default); each becomes one CTA per group of
+    by `geometry.prefill_work` (requests by work, longest items first); each becomes one CTA per group of
     ``pack`` query heads. In CUDA-graph mode every buffer has the capacity of the plan's buckets
     (batch size, query tokens, kv length: the next power of two), the grid is that capacity and
     a re-plan rewrites the buffers in place.
