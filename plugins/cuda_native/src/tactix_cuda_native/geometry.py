@@ -412,10 +412,16 @@ def prefill_work(
     items: list[tuple[int, int]] = []
     tiles: list[int] = []
     for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
-        for t0 in range(0, q_len, tokens):
-            lo, hi = prefill_range(q_len, kv_len, t0, min(q_len, t0 + tokens), causal, window_left)
-            items.append((b, t0))
-            tiles.append(-(-(hi - lo) // kv_tile))
+        # prefill_range for every item of the request, written out (plan time: ~0.3 us an item)
+        delta = kv_len - q_len
+        starts = range(0, q_len, tokens)
+        items += [(b, t0) for t0 in starts]
+        his = [min(kv_len, delta + min(q_len, t0 + tokens)) for t0 in starts] if causal else [kv_len] * len(starts)
+        if window_left >= 0:
+            los = [max(0, delta + t0 - window_left) for t0 in starts]
+            tiles += [-(-(hi - lo) // kv_tile) for lo, hi in zip(los, his, strict=True)]
+        else:
+            tiles += [-(-hi // kv_tile) for hi in his]
     if sched != 1 and items:
         if sched == 0:
             work: dict[int, int] = {}

@@ -19,6 +19,7 @@ launches (at most two kernels).
 
 from __future__ import annotations
 
+import array
 import functools
 from collections.abc import Callable
 from typing import Any, Final
@@ -556,6 +557,13 @@ def _cache_strides(layout: str, k: torch.Tensor, v: torch.Tensor) -> tuple[int, 
     return tuple(strides)
 
 
+def _int32(values: list[int]) -> torch.Tensor:
+    """An int32 CPU tensor from a list with one C-level copy (torch.tensor(list) costs ~90 ns an element)."""
+    if not values:
+        return torch.zeros(0, dtype=torch.int32)
+    return torch.frombuffer(array.array("i", values), dtype=torch.int32)
+
+
 def prefill_lists(batch: PagedBatch, work: PrefillWork) -> tuple[list[int], list[int]]:
     """The kernel's int32 metadata as flat lists: per item (request, first token); per request
     (first q row, q length, kv length, first entry in the page indices)."""
@@ -619,9 +627,9 @@ class CudaNativePrefillPlan:
 
         items, reqs = prefill_lists(batch, work)
         parts = [
-            ("items", torch.tensor(items, dtype=torch.int32), 2 * item_cap),
-            ("num_items", torch.tensor([len(work.items)], dtype=torch.int32), 1),
-            ("reqs", torch.tensor(reqs, dtype=torch.int32), 4 * b_cap),
+            ("items", _int32(items), 2 * item_cap),
+            ("num_items", _int32([len(work.items)]), 1),
+            ("reqs", _int32(reqs), 4 * b_cap),
         ]
         host_indices = batch.indices_on_host
         if host_indices or graph:
