@@ -1,7 +1,5 @@
 // tactix_decode and tactix_decode_merge (kernels/decode.cu) on the CPU emulation. The decode
 // kernel is the one proven on the H200, so running it here checks the emulation itself.
-#include <cstdio>
-
 #include "decode.cu"
 
 extern "C" const char* emu_decode(unsigned gx, unsigned gy, int threads, const u16* q, i64 q_sb, i64 q_sh,
