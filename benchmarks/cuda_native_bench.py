@@ -1,20 +1,26 @@
-"""cuda_native on the standard decode and skinny-GEMM shapes: every tactic, beside the other backends.
+"""cuda_native on the standard prefill, decode and skinny-GEMM shapes: every tactic, beside the other backends.
 
-For D1, D2, D3 (decode, Llama-3-8B-like heads, HND, page 16, bf16) and G2 (m in 1, 16, 64;
-n = k = 4096) this times cuda_native's default and every tactic it enumerates, and the
-default of every other active backend, all in one run with the same method as ``tactix bench``
-(CUDA-graph replay, a 256 MB L2 flush before each call, median of --repeat). Outputs are checked
-against a float32 reference first. Decode reports TB/s (K and V bytes read plus q and out),
-GEMM TB/s of weight bytes and the ratio to torch (cuBLAS). Targets (../shared/BENCHMARKS.md):
-D1 >= 3.95, D2 >= 2.0, D3 >= 4.45 TB/s; G2 m <= 64 >= 1.3x cuBLAS.
+For P1-P4 (prefill, causal, Llama-3-8B-like heads, HND, page 16, bf16), D1, D2, D3 (decode)
+and G2 (m in 1, 16, 64; n = k = 4096) this times cuda_native's default and every tactic it
+enumerates, and the default of every other active backend (cudnn, torch, trtllm where
+installed), all in one run with the same method as ``tactix bench`` (CUDA-graph replay, a
+256 MB L2 flush before each call, median of --repeat). Outputs are checked first (prefill:
+against the float64 oracle; decode and GEMM: a float32 reference). Prefill reports TFLOP/s
+(4 h d per unmasked (q, k) pair), decode TB/s (K and V bytes read plus q and out), GEMM TB/s of
+weight bytes and the ratio to torch (cuBLAS). Targets (../shared/BENCHMARKS.md): P1 >= 500,
+P2 >= 600, P3 >= 420, P4 >= 600 TFLOP/s; D1 >= 3.95, D2 >= 2.0, D3 >= 4.45 TB/s; G2 m <= 64
+>= 1.3x cuBLAS.
 
-    python benchmarks/cuda_native_bench.py [--cases D2,G2-m1] [--default-only] [--json PATH]
+    python benchmarks/cuda_native_bench.py [--prefill] [--cases D2,G2-m1] [--default-only] [--json PATH]
     python benchmarks/cuda_native_bench.py --quick [--json PATH]
 
 ``--quick`` (about a minute on the H200): the default tactic and a few chosen candidates per case
 (L2 hint on and off, pipeline depth, chunk and split counts), cudnn with deterministic=True and
 False, torch, and a bandwidth floor (``torch.sum`` over the same number of bytes, same method),
 then one compact table. Kernel variants are compiled first, in parallel processes.
+
+Prefill tactics are timed with ``deterministic=False`` planning for the other backends (their
+fastest plans), as ``tactix bench`` does; cuda_native's prefill is deterministic either way.
 """
 
 from __future__ import annotations
@@ -33,10 +39,11 @@ import torch
 import tactix
 from tactix.autotune.policy import MeasurementPolicy
 from tactix.autotune.timing import measure_with_policy
-from tactix.bench import BenchCase, suite
-from tactix.testing import relative_error, tolerance_for
+from tactix.bench import BenchCase, _attention_inputs, _attention_work, suite
+from tactix.testing import attention_reference, relative_error, tolerance_for
 
-CASES = ("D1", "D2", "D3", "G2-m1", "G2-m16", "G2-m64")
+PREFILL_CASES = ("P1", "P2", "P3", "P4")
+CASES = (*PREFILL_CASES, "D1", "D2", "D3", "G2-m1", "G2-m16", "G2-m64")
 CUDA = torch.device("cuda")
 
 
@@ -101,6 +108,40 @@ def time_decode(case: BenchCase, x: dict[str, Any], backend: str, tactic: Any, r
                  f"{getattr(plan, 'ctas_per_sm', '?')} CTAs/SM")  # fmt: skip
     return {"tactic": str(w.tactic), "us": timing.median * 1e6, "tbs": x["bytes"] / timing.median / 1e12,
             "err": err, "timed_as": timing.timed_as, "note": extra}  # fmt: skip
+
+
+def prefill_inputs(case: BenchCase) -> dict[str, Any]:
+    x = _attention_inputs(case, CUDA, torch.bfloat16)
+    ref, _ = attention_reference(x.q, x.k, x.v, x.qo_indptr, x.kv_indptr, x.kv_indices, x.last, kv_layout="HND",
+                                 causal=True, sm_scale=1 / math.sqrt(case.head_dim))  # fmt: skip
+    flops, _ = _attention_work(case, torch.bfloat16)
+    return {"x": x, "ref": ref, "flops": flops}
+
+
+def time_prefill(case: BenchCase, inputs: dict[str, Any], backend: str, tactic: Any, ref: torch.Tensor,
+                 policy: MeasurementPolicy) -> dict[str, Any]:  # fmt: skip
+    x = inputs["x"]
+    hq, hkv = case.heads
+    w = tactix.PagedPrefill("HND", backend=backend, device=CUDA)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tactix.FallbackWarning)
+        w.plan(x.qo_indptr, x.kv_indptr, x.kv_indices, x.last, hq, hkv, case.head_dim, case.page_size,
+               q_data_type=torch.bfloat16, causal=True, deterministic=False, tactic=tactic)  # fmt: skip
+    out = x.out
+    out.fill_(float("nan"))
+    w.run(x.q, (x.k, x.v), out=out)
+    err = relative_error(out, ref)
+    if not err <= tolerance_for(torch.bfloat16):
+        return {"tactic": str(w.tactic), "error": f"wrong result: relative error {err:.3e}"}
+    timing = measure_with_policy(lambda: w.run(x.q, (x.k, x.v), out=out), CUDA, policy)
+    note = ""
+    plan = w.plan_object
+    if hasattr(plan, "work"):
+        work = plan.work
+        note = (f"{len(work.items)} items x {hq // work.pack} head groups, pack {work.pack}, "
+                f"kv tiles {work.tiles[0]}..{work.tiles[-1]}")  # fmt: skip
+    return {"tactic": str(w.tactic), "us": timing.median * 1e6, "tbs": inputs["flops"] / timing.median / 1e12,
+            "err": err, "timed_as": timing.timed_as, "note": note}  # fmt: skip
 
 
 def time_gemm(case: BenchCase, x: dict[str, Any], backend: str, tactic: Any, ref: torch.Tensor,
@@ -309,7 +350,9 @@ def quick(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--prefill", action="store_true", help="P1-P4 only (same as --cases P1,P2,P3,P4)")
     parser.add_argument("--default-only", action="store_true", help="cuda_native's default tactic only")
+    parser.add_argument("--others", help="other backends to time beside it, e.g. cudnn,torch (default: all active)")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--quick", action="store_true", help="default + chosen candidates + cudnn/torch, one table")
@@ -322,12 +365,25 @@ def main() -> int:
     policy = MeasurementPolicy(warmup=3, repeat=args.repeat)
     registry = tactix.get_registry()
     others = [b.name for b in registry.active() if b.name != "cuda_native" and not b.environment()]
+    if args.others is not None:
+        others = [name for name in args.others.split(",") if name in others]
     native = registry.get("cuda_native")
     cases = {c.id: c for c in suite("gpu")}
     rows = []
-    for cid in args.cases.split(","):
+    chosen = PREFILL_CASES if args.prefill else tuple(args.cases.split(","))
+    for cid in chosen:
         case = cases[cid]
-        if case.op == "decode":
+        unit = {"prefill": "TFLOP/s", "decode": "TB/s", "gemm": "TB/s"}[case.op]
+        if case.op == "prefill":
+            x = prefill_inputs(case)
+            ref = x["ref"]
+            timer = time_prefill
+            probe = tactix.PagedPrefill("HND", backend="cuda_native", device=CUDA)
+            hq, hkv = case.heads
+            a = x["x"]
+            probe.plan(a.qo_indptr, a.kv_indptr, a.kv_indices, a.last, hq, hkv, case.head_dim, case.page_size,
+                       q_data_type=torch.bfloat16, causal=True)  # fmt: skip
+        elif case.op == "decode":
             x = decode_inputs(case)
             ref = decode_reference(case, x)
             timer = time_decode
@@ -354,7 +410,7 @@ def main() -> int:
             row.update(case=cid, backend=backend)
             rows.append(row)
             if "us" in row:
-                print(f"{cid:7} {backend:12} {row['tactic'][:70]:70} {row['us']:9.1f} us {row['tbs']:6.2f} TB/s "
+                print(f"{cid:7} {backend:12} {row['tactic'][:70]:70} {row['us']:9.1f} us {row['tbs']:7.2f} {unit} "
                       f"err {row['err']:.1e} {row['timed_as']} {row['note']}", flush=True)  # fmt: skip
             else:
                 print(f"{cid:7} {backend:12} {row['tactic'][:70]:70} FAILED {row['error']}", flush=True)
@@ -363,9 +419,12 @@ def main() -> int:
         best_other = min((r for r in ok if r["backend"] != "cuda_native"), key=lambda r: r["us"], default=None)
         torch_row = next((r for r in ok if r["backend"] == "torch"), None)
         if best_native is not None:
-            summary = f"== {cid}: cuda_native best {best_native['tbs']:.2f} TB/s ({best_native['tactic']})"
+            summary = f"== {cid}: cuda_native best {best_native['tbs']:.2f} {unit} ({best_native['tactic']})"
             if best_other is not None:
-                summary += f"; best other {best_other['backend']} {best_other['tbs']:.2f} TB/s"
+                summary += f"; best other {best_other['backend']} {best_other['tbs']:.2f} {unit}"
+            if case.op == "prefill":
+                target = {"P1": 500, "P2": 600, "P3": 420, "P4": 600}[cid]
+                summary += f"; target {target}"
             if case.op == "gemm" and torch_row is not None:
                 summary += f"; {torch_row['us'] / best_native['us']:.2f}x cuBLAS (torch)"
             print(summary, flush=True)

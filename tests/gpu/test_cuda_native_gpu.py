@@ -1,5 +1,5 @@
-"""The cuda_native plugin on a GPU: decode and skinny GEMM against the float64 oracle, split-KV
-and split-K paths, every tactic, CUDA-graph capture/replay and re-plan, no host sync in run().
+"""The cuda_native plugin on a GPU: prefill, decode and skinny GEMM against the float64 oracle,
+split-KV and split-K paths, every tactic, CUDA-graph capture/replay and re-plan, no host sync in run().
 
 Run on the H200:  .venv/bin/python -m pytest tests/gpu/test_cuda_native_gpu.py -v
 Each failure message names the case (dims, page size, layout, GQA, lengths, tactic) and the
@@ -8,6 +8,7 @@ relative error, so a wrong fragment layout or index shows up as a pattern across
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -300,6 +301,286 @@ def test_bad_cache_strides_are_refused_with_the_argument_named() -> None:
     odd_k, odd_v = wide_k[..., 1:], wide_v[..., 1:]
     with pytest.raises(tactix.InvalidArgumentError, match="paged_kv_cache"):
         w.run(case.q, (odd_k, odd_v))
+
+
+# -- prefill ---------------------------------------------------------------------------------
+
+
+class PrefillCase:
+    """A ragged prefill batch over a paged cache: request r has q_lens[r] new tokens at the end of
+    kv_lens[r] keys (a cached prefix before them); shuffled pages among spare ones, poisoned slots
+    outside the batch."""
+
+    def __init__(self, q_lens: list[int], kv_lens: list[int], *, page: int = 16, hq: int = 32, hkv: int = 8,
+                 d: int = 128, layout: str = "HND", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                 five_d: bool = False, q_view: bool = False) -> None:  # fmt: skip
+        gen = torch.Generator().manual_seed(seed)
+        self.q_lens, self.kv_lens = q_lens, kv_lens
+        self.page, self.hq, self.hkv, self.d, self.layout, self.dtype = page, hq, hkv, d, layout, dtype
+        pages = [-(-n // page) for n in kv_lens]
+        total = sum(pages) + 5
+        order = torch.randperm(total, generator=gen).tolist()
+        indptr, indices = [0], []
+        outside = torch.ones(total, page, dtype=torch.bool)
+        for n, count in zip(kv_lens, pages, strict=True):
+            mine = [order.pop() for _ in range(count)]
+            for i, p in enumerate(mine):
+                outside[p, : min(page, n - i * page)] = False
+            indices += mine
+            indptr.append(len(indices))
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        self.qo_indptr = i32([0, *itertools.accumulate(q_lens)])
+        self.indptr, self.indices = i32(indptr), i32(indices)
+        self.last = i32([(n - 1) % page + 1 for n in kv_lens])
+        shape = (total, page, hkv, d) if layout == "NHD" else (total, hkv, page, d)
+        mask = outside[:, :, None, None] if layout == "NHD" else outside[:, None, :, None]
+
+        def cache() -> torch.Tensor:
+            x = torch.randn(shape, generator=gen)
+            return torch.where(mask, torch.where(x >= 0, OUTSIDE, -OUTSIDE), x).to(CUDA, dtype)
+
+        k, v = cache(), cache()
+        if five_d:
+            self.cache: Any = torch.stack([k, v], dim=1)
+            self.k, self.v = self.cache[:, 0], self.cache[:, 1]
+        else:
+            self.k, self.v = k, v
+            self.cache = (k, v)
+        rows = sum(q_lens)
+        q = torch.randn(rows, hq, d, generator=gen).to(CUDA, dtype)
+        if q_view:  # q as the first columns of a fused QKV projection output
+            fused = torch.zeros(rows, (hq + 2 * hkv) * d, device=CUDA, dtype=dtype)
+            self.q = fused[:, : hq * d].view(rows, hq, d)
+            self.q.copy_(q)
+        else:
+            self.q = q
+
+    def reference(self, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = kw.get("sm_scale") or 1 / math.sqrt(self.d)
+        return attention_reference(self.q, self.k, self.v, self.qo_indptr, self.indptr, self.indices, self.last,
+                                   kv_layout=self.layout, causal=kw.get("causal", True), sm_scale=scale,
+                                   window_left=kw.get("window_left", -1),
+                                   logits_soft_cap=kw.get("logits_soft_cap") or 0.0)  # fmt: skip
+
+    def wrapper(self, graph: bool = False) -> tactix.PagedPrefill:
+        return tactix.PagedPrefill(self.layout, backend="cuda_native", device=CUDA, use_cuda_graph=graph)  # type: ignore[arg-type]
+
+    def plan(self, w: tactix.PagedPrefill, **kw: Any) -> None:
+        kw.setdefault("causal", True)
+        w.plan(self.qo_indptr, self.indptr, self.indices, self.last, self.hq, self.hkv, self.d, self.page,
+               q_data_type=self.dtype, **kw)  # fmt: skip
+
+    def run(self, w: tactix.PagedPrefill, lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run into NaN-poisoned outputs."""
+        out = torch.full((self.q.shape[0], self.hq, self.d), float("nan"), device=CUDA, dtype=self.dtype)
+        lse_t = torch.full((self.q.shape[0], self.hq), float("nan"), device=CUDA) if lse else None
+        w.run(self.q, self.cache, out=out, lse=lse_t)
+        torch.cuda.synchronize()
+        return out, lse_t
+
+    def check(self, w: tactix.PagedPrefill, what: str, **kw: Any) -> None:
+        want_lse = kw.get("return_lse", False)
+        out, lse = self.run(w, want_lse)
+        ref, ref_lse = self.reference(**kw)
+        name = (f"{what}: d{self.d} p{self.page} {self.layout} h{self.hq}/{self.hkv} {str(self.dtype)[6:]} "
+                f"q {self.q_lens[:6]} kv {self.kv_lens[:6]}{'...' if len(self.q_lens) > 6 else ''} "
+                f"tactic {w.tactic}")  # fmt: skip
+        bad = torch.isnan(out)
+        if bad.any():
+            rows = sorted({int(r) for r in bad.any(dim=2).any(dim=1).nonzero().flatten()})
+            raise AssertionError(f"{name}: {int(bad.sum())} output elements unwritten (rows {rows[:10]})")
+        err = relative_error(out, ref)
+        # per (row, head) too: one key let in or left out of one row hides in the norm of the batch
+        per_row = (out.double() - ref).norm(dim=2) / ref.norm(dim=2).clamp(min=1e-12)
+        worst = [divmod(i, self.hq) for i in per_row.flatten().topk(min(5, per_row.numel())).indices.tolist()]
+        if err > tolerance_for(self.dtype):
+            raise AssertionError(f"{name}: relative error {err:.3e}; worst (row, head) {worst}")
+        row_err = float(per_row.max())
+        assert row_err <= 3 * tolerance_for(self.dtype), f"{name}: (row, head) {worst[0]} relative error {row_err:.3e}"
+        if want_lse:
+            assert lse is not None
+            assert not torch.isnan(lse).any(), f"{name}: {int(torch.isnan(lse).sum())} LSE elements unwritten"
+            lerr = lse_error(lse, ref_lse)
+            assert lerr <= LSE_TOLERANCE[str(self.dtype)[6:]], f"{name}: LSE error {lerr:.3e} (natural log expected)"
+
+
+# q lengths 1, around and off the tile sizes; prefixes 0 (fresh prompt) to 1000 (chunked prefill)
+PREFILL_Q = [1, 15, 16, 17, 100, 129, 300, 64]
+PREFILL_KV = [1, 18, 16, 57, 100, 329, 1300, 64]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("page", [1, 16, 128])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("heads", [(8, 8), (32, 8), (32, 4)], ids=["gqa1", "gqa4", "gqa8"])
+def test_prefill_matches_oracle(d: int, page: int, layout: str, heads: tuple[int, int]) -> None:
+    case = PrefillCase(PREFILL_Q, PREFILL_KV, page=page, hq=heads[0], hkv=heads[1], d=d, layout=layout, seed=d + page)
+    w = case.wrapper()
+    case.plan(w, return_lse=True)
+    assert w.backend == "cuda_native"
+    case.check(w, "prefill causal chunked", return_lse=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize(
+    "features",
+    [
+        {"causal": False},
+        {"causal": True, "window_left": 0},
+        {"causal": True, "window_left": 37},
+        {"causal": False, "window_left": 64},
+        {"causal": True, "logits_soft_cap": 30.0},
+        {"causal": False, "logits_soft_cap": 5.0, "window_left": 100},
+        {"causal": True, "sm_scale": 0.3},
+    ],
+    ids=["noncausal", "win0", "win37", "noncausal-win64", "cap30", "noncausal-cap5-win100", "scale0.3"],
+)
+def test_prefill_masks_softcap_scale_and_lse(dtype: torch.dtype, features: dict[str, Any]) -> None:
+    case = PrefillCase(PREFILL_Q, PREFILL_KV, dtype=dtype, layout="NHD", seed=3)
+    w = case.wrapper()
+    case.plan(w, return_lse=True, **features)
+    case.check(w, f"prefill {features}", return_lse=True, **features)
+
+
+def test_prefill_non_causal_with_q_longer_than_kv_and_empty_requests() -> None:
+    case = PrefillCase([40, 0, 1, 300, 0], [3, 5, 1, 17, 9], seed=4)
+    for features in ({"causal": False}, {"causal": False, "window_left": 2}):
+        w = case.wrapper()
+        case.plan(w, return_lse=True, **features)
+        case.check(w, f"q longer than kv {features}", return_lse=True, **features)
+
+
+def test_prefill_5d_cache_strided_q_and_fp16_every_head_dim() -> None:
+    for layout in ("NHD", "HND"):
+        case = PrefillCase(PREFILL_Q, PREFILL_KV, layout=layout, five_d=True, q_view=True, seed=5)
+        w = case.wrapper()
+        case.plan(w, return_lse=True)
+        case.check(w, "5-D cache + QKV view of q", return_lse=True)
+    for d in (64, 128, 256):
+        case = PrefillCase(PREFILL_Q, PREFILL_KV, page=1, d=d, dtype=torch.float16, seed=d)
+        w = case.wrapper()
+        case.plan(w)
+        case.check(w, "fp16")
+
+
+@pytest.mark.parametrize("heads", [(32, 1), (64, 2), (24, 8), (40, 2), (6, 2)],
+                         ids=["gqa32", "gqa32b", "gqa3", "gqa20", "gqa3b"])  # fmt: skip
+def test_prefill_gqa_ratios_and_head_packing(heads: tuple[int, int]) -> None:
+    """Ratios that do not divide the tile (3, 20) and groups above 16 heads; pack 1 and auto."""
+    case = PrefillCase([1, 77, 300, 5], [1, 100, 300, 900], hq=heads[0], hkv=heads[1], seed=7)
+    for pack in (0, 1):
+        w = case.wrapper()
+        tactic = {"backend": "cuda_native", "kernel": "prefill", "params": {"q_tile": 128, "kv_tile": 32, "warps": 4,
+                                                                               "stages": 3, "pack": pack}}  # fmt: skip
+        case.plan(w, return_lse=True, tactic=tactic)
+        assert w.plan_object.pack == (geometry.prefill_pack(heads[0] // heads[1], 128) if pack == 0 else 1)
+        case.check(w, f"GQA pack {pack}", return_lse=True)
+
+
+def test_every_enumerated_prefill_tactic() -> None:
+    backend = tactix.get_registry().get("cuda_native")
+    for d in (64, 128, 256):
+        case = PrefillCase(PREFILL_Q, PREFILL_KV, d=d, seed=17)
+        probe = case.wrapper()
+        case.plan(probe)
+        tactics = [t for t in backend.tactics(probe.problem) if not t.is_default]
+        assert tactics
+        for tactic in tactics:
+            for features in ({"causal": True}, {"causal": False, "window_left": 50}):
+                w = case.wrapper()
+                case.plan(w, tactic=tactic, return_lse=True, **features)
+                assert w.tactic == tactic
+                case.check(w, f"tactic {tactic} {features}", return_lse=True, **features)
+
+
+def test_prefill_benchmark_like_shapes_and_determinism() -> None:
+    """P3-like ragged lengths and a P4-like chunk over a long prefix; bitwise equal on a rerun."""
+    torch.manual_seed(3)
+    q = torch.randint(64, 2048, (16,)).tolist()
+    for q_lens, kv_lens in ((q, q), ([512] * 2, [4608] * 2)):
+        case = PrefillCase(q_lens, kv_lens, seed=23)
+        w = case.wrapper()
+        case.plan(w, return_lse=True)
+        case.check(w, "benchmark-like", return_lse=True)
+        first, first_lse = case.run(w, True)
+        again, again_lse = case.run(w, True)
+        assert torch.equal(first, again) and first_lse is not None and torch.equal(first_lse, again_lse)
+
+
+def test_prefill_run_does_not_sync_and_replays_in_a_cuda_graph() -> None:
+    case = PrefillCase([1, 300, 700, 17], [1, 900, 700, 40], seed=19)
+    w = case.wrapper(graph=True)
+    case.plan(w, return_lse=True)
+    rows = case.q.shape[0]
+    out = torch.empty(rows, case.hq, case.d, device=CUDA, dtype=case.dtype)
+    lse = torch.empty(rows, case.hq, device=CUDA)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        w.run(case.q, case.cache, out=out, lse=lse)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        w.run(case.q, case.cache, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w.run(case.q, case.cache, out=out, lse=lse)
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        case.q.copy_(torch.randn(case.q.shape, generator=gen).to(CUDA, case.dtype))
+        case.k.copy_(
+            torch.where(case.k.abs() >= OUTSIDE, case.k, torch.randn(case.k.shape, generator=gen).to(CUDA, case.dtype))
+        )
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = case.reference()
+        assert relative_error(out, ref) <= tolerance_for(case.dtype), "graph replay with new data"
+        assert lse_error(lse, ref_lse) <= LSE_TOLERANCE["bfloat16"]
+    # re-plan the same wrapper for another batch in the same buckets (4 requests, 1018 rows ->
+    # 1024, kv <= 1024), pages drawn from the same cache: the captured graph must read it
+    gen = torch.Generator().manual_seed(3)
+    total = case.k.shape[0]
+    new_q, new_kv = [600, 1, 400, 17], [1000, 1, 400, 500]
+    pages = [-(-n // case.page) for n in new_kv]
+    order = torch.randperm(total, generator=gen).tolist()
+    indptr, indices = [0], []
+    for count in pages:
+        indices += [order.pop() for _ in range(count)]
+        indptr.append(len(indices))
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    qo_t = i32([0, *itertools.accumulate(new_q)])
+    indptr_t, indices_t = i32(indptr), i32(indices)
+    last_t = i32([(n - 1) % case.page + 1 for n in new_kv])
+    case.k.copy_(torch.randn(case.k.shape, generator=gen).to(CUDA, case.dtype))
+    case.v.copy_(torch.randn(case.v.shape, generator=gen).to(CUDA, case.dtype))
+    assert sum(new_q) == rows  # the same q and out buffers (their shape is the number of rows)
+    w.plan(qo_t, indptr_t, indices_t, last_t, case.hq, case.hkv, case.d, case.page, q_data_type=case.dtype,
+           causal=True, return_lse=True)  # fmt: skip
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = attention_reference(case.q, case.k, case.v, qo_t, indptr_t, indices_t, last_t, kv_layout="HND",
+                                 causal=True, sm_scale=1 / math.sqrt(case.d))  # fmt: skip
+    assert relative_error(out, ref) <= tolerance_for(case.dtype), "graph replay after a re-plan"
+    # a re-plan outside the buckets is refused (the captured grid could not hold it)
+    with pytest.raises(tactix.UnsupportedProblemError, match="CUDA-graph mode"):
+        longer = PrefillCase([1015, 1, 1, 1], [5000, 1, 1, 1], seed=31)
+        w.plan(longer.qo_indptr, longer.indptr, longer.indices, longer.last, case.hq, case.hkv, case.d, case.page,
+               q_data_type=case.dtype, causal=True, return_lse=True)  # fmt: skip
+
+
+def test_untuned_auto_prefers_cudnn_for_prefill_when_it_is_there() -> None:
+    case = PrefillCase([17, 5], [17, 40], seed=37)
+    w = tactix.PagedPrefill("HND", device=CUDA)
+    case.plan(w)
+    active = {b.name for b in tactix.get_registry().active("prefill") if not b.environment()}
+    if "cudnn" in active:
+        assert w.backend == "cudnn"
 
 
 # -- GEMM ------------------------------------------------------------------------------------

@@ -35,10 +35,15 @@ DECODE = dict(
     window_left=-1, logits_soft_cap=0.0, return_lse=False, batch_size=8, max_kv_len=2048,
 )  # fmt: skip
 GEMM = dict(device_type="cuda", m=16, n=4096, k=4096, a_dtype="bfloat16", b_dtype="bfloat16", out_dtype="bfloat16")
+PREFILL = dict(DECODE, causal=True, num_qo_tokens=16384, max_qo_len=2048)
 
 
 def decode(**changes: object) -> DecodeProblem:
     return DecodeProblem(**{**DECODE, **changes})  # type: ignore[arg-type]
+
+
+def prefill(**changes: object) -> PrefillProblem:
+    return PrefillProblem(**{**PREFILL, **changes})  # type: ignore[arg-type]
 
 
 def gemm(**changes: object) -> GemmProblem:
@@ -55,8 +60,9 @@ def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path) -> None:
     variants = plugin.default_variants(H200)
-    # bf16 and fp16: decode for each head dim (large and small batches), GEMM for 1, 2 and 4 m-tiles
-    assert len(variants) == len(set(variants)) == 2 * (2 * len(geometry.HEAD_DIMS) + 3)
+    # bf16 and fp16: prefill for each head dim, decode for each head dim (large and small batches),
+    # GEMM for 1, 2 and 4 m-tiles
+    assert len(variants) == len(set(variants)) == 2 * (3 * len(geometry.HEAD_DIMS) + 3)
     assert {v.arch for v in variants} == {"sm_90"}
     seen = []
     compiled = runtime.compile_all(
@@ -71,7 +77,7 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
     # the kernel the plans look up by name is in each (split work is merged in the same kernel)
     for variant in variants:
         cubin, _ = runtime.compile_variant(variant, root=cache_root)
-        name = b"tactix_decode" if variant.source == "decode.cu" else b"tactix_gemm"
+        name = {"decode.cu": b"tactix_decode", "prefill.cu": b"tactix_prefill", "gemm.cu": b"tactix_gemm"}[variant.source]
         assert name in cubin, f"{name!r} missing from {variant.label()}"
         assert b"_merge" not in cubin and b"_reduce" not in cubin, variant.label()
 
@@ -246,7 +252,7 @@ def test_cache_key_covers_every_compile_input() -> None:
     # headers are inlined into the hashed text, so editing common.cuh changes every key
     assert "tx_cp_async16" in runtime.source_text("decode.cu")
     assert "#include" not in runtime.source_text("gemm.cu")
-    assert set(runtime.sources()) == {"common.cuh", "decode.cu", "gemm.cu"}
+    assert set(runtime.sources()) == {"common.cuh", "decode.cu", "gemm.cu", "prefill.cu"}
 
 
 def test_a_compile_error_raises_tactix_error_with_the_log(tmp_path: Path) -> None:
@@ -269,7 +275,7 @@ def test_warmup_command_compiles_with_progress(tmp_path: Path, monkeypatch: pyte
     captured = capsys.readouterr()
     total = len(plugin.default_variants(H200))
     assert f"cuda_native: {total} compiled now" in captured.out
-    assert f"[{total}/{total}]" in captured.err and "decode.cu" in captured.err
+    assert f"[{total}/{total}]" in captured.err and "decode.cu" in captured.err and "prefill.cu" in captured.err
     assert len(list((tmp_path / "cuda_native" / "v1" / "sm_90").glob("*.cubin"))) == total
     assert main(["warmup", "cuda_native", "--arch", "sm_90"]) == 0
     assert "cuda_native: 0 compiled now" in capsys.readouterr().out
@@ -344,7 +350,7 @@ def test_bad_tactic_params_give_reasons() -> None:
 def test_unsupported_problems_have_explicit_reasons() -> None:
     default = tactix.Tactic.default("cuda_native")
     spec = get_registry().get("cuda_native").spec
-    assert spec.prefill is None and spec.decode is not None and spec.gemm is not None
+    assert spec.prefill is not None and spec.decode is not None and spec.gemm is not None
     assert spec.preference == 5
     assert spec.reasons(decode(page_size=256)) == ["page size 256 not in {1, 128, 16, 2, 32, 4, 64, 8}"]
     assert "head_dim_qk 96 not in" in spec.reasons(decode(head_dim_qk=96, head_dim_vo=96))[0]
@@ -352,9 +358,6 @@ def test_unsupported_problems_have_explicit_reasons() -> None:
     assert "head_dim_vo must equal head_dim_qk" in spec.reasons(decode(head_dim_vo=64))
     assert plugin._reasons(decode(out_dtype="float16"), default, H200) == ["q, kv and out dtypes must be the same"]
     assert plugin._reasons(decode(), default, H200) == []
-    prefill = PrefillProblem(**DECODE, causal=True, num_qo_tokens=8, max_qo_len=1)  # type: ignore[arg-type]
-    assert spec.reasons(prefill) == ["backend 'cuda_native' does not implement prefill"]
-    assert plugin._reasons(prefill, default, H200) == ["cuda_native implements no prefill yet"]
     # GEMM: m above 64 goes elsewhere; fp8, m-major a, n-major b and odd k are refused with reasons
     assert spec.reasons(gemm(m=65)) == ["m 65 above 64"]
     fp8 = gemm(a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn", scale_mode="per_tensor")
@@ -500,6 +503,232 @@ def test_gemm_splits_and_grids() -> None:
     assert [geometry.m_tiles(m) for m in (1, 16, 17, 32, 33, 48, 64)] == [1, 1, 2, 2, 4, 4, 4]
     for m in (1, 16, 32, 64):
         assert geometry.default_gemm_params(m, H200).reasons(m, H200) == []
+
+
+# -- prefill ---------------------------------------------------------------------------------
+
+
+def test_prefill_variants_compile_without_spills() -> None:
+    """Every default prefill variant (both dtypes) and every tuning candidate (bf16) for sm_90:
+    no local-memory spills and no stack frame, per ptxas' own report."""
+    variants = {v for v in plugin.default_variants(H200) if v.source == "prefill.cu"}
+    for d in geometry.HEAD_DIMS:
+        for p in geometry.prefill_candidates(d, H200, gqa=4):
+            variants.add(plugin.prefill_variant("bfloat16", d, p, "sm_90"))
+    assert len(variants) >= 6 + 12
+    for variant in sorted(variants, key=lambda v: v.label()):
+        usage = runtime.resource_usage(variant)["tactix_prefill"]
+        assert usage["spill_stores"] == usage["spill_loads"] == usage["stack"] == 0, (variant.label(), usage)
+        assert usage["registers"] <= 255
+
+
+def test_prefill_tactics_are_enumerated_valid_and_round_trip() -> None:
+    backend = get_registry().get("cuda_native")
+    for d in geometry.HEAD_DIMS:
+        for hq, hkv in ((32, 8), (8, 8), (32, 4)):
+            problem = prefill(head_dim_qk=d, head_dim_vo=d, num_qo_heads=hq, num_kv_heads=hkv)
+            tactics = plugin.tactix_tactics("cuda_native", problem)
+            assert tactics and all(t.backend == "cuda_native" and t.kernel == "prefill" for t in tactics)
+            assert len(set(tactics)) == len(tactics)
+            assert all(plugin._reasons(problem, t, H200) == [] for t in tactics), problem
+            default = geometry.default_prefill_params(d, H200)
+            assert default.to_tactic() in tactics
+            assert {t.params["sched"] for t in tactics} == {0, 1, 2}
+            assert ({t.params["pack"] for t in tactics} == {0, 1}) == (hq > hkv)
+            for t in tactics:
+                assert tactix.tactics.parse_tactic(t.to_json()) == t
+                assert geometry.PrefillParams.from_tactic(t).to_tactic() == t
+    assert backend.tactics(prefill())[0] == tactix.Tactic.default("cuda_native")
+    # defaults: 32 rows per warp where the accumulators fit, two CTAs per H200 SM
+    for d, want in ((64, (128, 64, 4, 3)), (128, (128, 32, 4, 3)), (256, (64, 32, 4, 2))):
+        p = geometry.default_prefill_params(d, H200)
+        assert (p.q_tile, p.kv_tile, p.warps, p.stages) == want
+        smem = geometry.prefill_smem_bytes(d, p.q_tile, p.kv_tile, p.stages)
+        assert geometry.ctas_per_sm(H200, smem, 32 * p.warps) >= 2
+    small = DeviceInfo(sms=84, smem_per_block=101376, smem_per_sm=102400, arch="sm_86")
+    for d in geometry.HEAD_DIMS:
+        assert geometry.default_prefill_params(d, small).reasons(d, small) == [], d
+
+
+def test_bad_prefill_tactics_and_problems_give_reasons() -> None:
+    def reasons(params: dict[str, object], problem: PrefillProblem | None = None, kernel: str = "prefill") -> list[str]:
+        tactic = tactix.Tactic(backend="cuda_native", kernel=kernel, params=params)  # type: ignore[arg-type]
+        return plugin._reasons(problem or prefill(), tactic, H200)
+
+    ok = {"q_tile": 128, "kv_tile": 32, "warps": 4, "stages": 3, "pack": 0, "sched": 0}
+    assert reasons(ok) == []
+    assert reasons({"q_tile": 64, "kv_tile": 64, "warps": 4, "stages": 2}) == []  # pack and sched optional
+    assert "16 or 32 rows per warp" in reasons({**ok, "q_tile": 256})[0]
+    assert "16 or 32 rows per warp" in reasons({**ok, "q_tile": 96})[0]
+    assert "kv_tile must be 32, 64 or 128" in reasons({**ok, "kv_tile": 48})[0]
+    assert "stages must be in 2..4" in reasons({**ok, "stages": 5})[0]
+    assert "must divide the GQA group size 4" in reasons({**ok, "pack": 3})[0]
+    assert reasons({**ok, "pack": 4}) == [] and reasons({**ok, "pack": 2}) == []
+    assert reasons({**ok, "sched": 2}) == []
+    assert "sched must be 0, 1 or 2" in reasons({**ok, "sched": 3})[0]
+    assert "accumulators need 192 registers" not in " ".join(reasons({**ok, "kv_tile": 64}))
+    d256 = prefill(head_dim_qk=256, head_dim_vo=256)
+    assert "accumulators need" in reasons({**ok, "q_tile": 128, "warps": 4}, d256)[0]
+    assert "shared memory" in reasons({"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 4}, d256)[0]
+    assert "must be integers" in reasons({**ok, "warps": "4"})[0]
+    assert "must be integers" in reasons({**ok, "sched": True})[0]
+    assert "prefill params must be" in reasons({"q_tile": 128})[0]
+    assert "prefill params must be" in reasons({**ok, "tile": 64})[0]
+    assert "unknown prefill kernel" in reasons(ok, kernel="decode")[0]
+    assert "takes no params" in reasons({"q_tile": 64}, kernel="default")[0]
+    default = tactix.Tactic.default("cuda_native")
+    assert plugin._reasons(prefill(), default, H200) == []
+    assert plugin._reasons(prefill(out_dtype="float16"), default, H200) == ["q, kv and out dtypes must be the same"]
+    spec = get_registry().get("cuda_native").spec
+    assert spec.reasons(prefill(page_size=256)) == ["page size 256 not in {1, 128, 16, 2, 32, 4, 64, 8}"]
+    assert "head_dim_qk 96 not in" in spec.reasons(prefill(head_dim_qk=96, head_dim_vo=96))[0]
+    assert "head_dim_vo must equal head_dim_qk" in spec.reasons(prefill(head_dim_vo=64))
+    float32 = prefill(q_dtype="float32", kv_dtype="float32", out_dtype="float32")
+    assert "q dtype float32" in spec.reasons(float32)[0]
+    assert spec.reasons(prefill(window_left=64, logits_soft_cap=30.0, return_lse=True, causal=False)) == []
+    # untuned auto keeps preferring cudnn for prefill (unproven here); decode stays first
+    assert spec.preference_for("prefill") == 5 < 10
+    assert spec.preference_for("decode") == 20
+
+
+def _oracle_pairs(q_len: int, kv_len: int, causal: bool, window: int) -> set[tuple[int, int]]:
+    """(token, key) pairs the float64 oracle's mask allows (bottom-right aligned)."""
+    allowed = set()
+    for t in range(q_len):
+        pos = kv_len - q_len + t
+        for key in range(kv_len):
+            if (not causal or key <= pos) and (window < 0 or key >= pos - window):
+                allowed.add((t, key))
+    return allowed
+
+
+def _kernel_pairs(q_lens: list[int], kv_lens: list[int], params: geometry.PrefillParams, pack: int, hq: int,
+                  causal: bool, window: int) -> dict[tuple[int, int, int, int], int]:  # fmt: skip
+    """Model of the prefill kernel's control flow (kernels/prefill.cu, same formulas): how often
+    each (request, token, head, key) enters a written row's softmax unmasked."""
+    work = geometry.prefill_work(q_lens, kv_lens, q_tile=params.q_tile, kv_tile=params.kv_tile, pack=pack,
+                                 causal=causal, window_left=window, sched=params.sched)  # fmt: skip
+    bq, bk, wrows = params.q_tile, params.kv_tile, params.q_tile // params.warps
+    counts: dict[tuple[int, int, int, int], int] = {}
+    for (req, t0), tiles in zip(work.items, work.tiles, strict=True):
+        q_len, kv_len = q_lens[req], kv_lens[req]
+        nt = min(bq // pack, q_len - t0)
+        assert nt >= 1
+        delta = kv_len - q_len
+
+        def lo_of(tl: int, t0: int = t0, delta: int = delta) -> int:
+            return delta + t0 + tl - window if window >= 0 else -(1 << 30)
+
+        def hi_of(tl: int, t0: int = t0, delta: int = delta, kv_len: int = kv_len) -> int:
+            return delta + t0 + tl if causal else kv_len - 1
+
+        kv_lo, kv_hi = max(0, lo_of(0)), min(kv_len, hi_of(nt - 1) + 1)
+        assert (kv_lo, kv_hi) == geometry.prefill_range(q_len, kv_len, t0, t0 + nt, causal, window)
+        ntiles = -(-(kv_hi - kv_lo) // bk)
+        assert ntiles == tiles
+        rowb = [(lo_of(min(r // pack, nt - 1)), hi_of(min(r // pack, nt - 1))) for r in range(bq)]
+        for w in range(params.warps):
+            wrow0 = w * wrows
+            if wrow0 // pack >= nt:
+                continue  # an idle warp: no valid row
+            (lo_min, hi_min), (lo_max, hi_max) = rowb[wrow0], rowb[wrow0 + wrows - 1]
+            for i in range(ntiles):
+                kv0 = kv_lo + i * bk
+                last = kv0 + bk - 1
+                if not (kv0 <= hi_max and last >= lo_min):
+                    continue  # the tile lies outside every row of the warp
+                need_mask = kv0 < lo_max or last > hi_min
+                for r in range(wrow0, wrow0 + wrows):
+                    if r // pack >= nt:
+                        continue  # computed, never written
+                    lo, hi = rowb[r]
+                    for key in range(kv0, kv0 + bk):
+                        if need_mask and not lo <= key <= hi:
+                            continue
+                        for hg in range(hq // pack):
+                            k = (req, t0 + r // pack, hg * pack + r % pack, key)
+                            counts[k] = counts.get(k, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("window", [-1, 0, 5, 40])
+def test_prefill_work_covers_every_allowed_pair_exactly_once(causal: bool, window: int) -> None:
+    """Ragged q (length 1, lengths around and off the tile sizes), chunked (q shorter than kv),
+    non-causal with q longer than kv: under every tile shape and head packing, each (row, key)
+    pair the oracle allows enters the softmax exactly once, and no other pair does."""
+    q_lens = [1, 5, 17, 70, 33, 1, 0, 9]
+    kv_lens = [1, 40, 17, 130, 33, 64, 3, 9] if causal else [3, 2, 50, 64, 33, 1, 3, 5]
+    hq, gqa = 8, 4
+    shapes = [(128, 32, 4), (64, 64, 4), (128, 64, 8), (64, 32, 2)]
+    for q_tile, kv_tile, warps in shapes:
+        for pack in (1, 2, 4):
+            params = geometry.PrefillParams(q_tile, kv_tile, warps, 2, pack=pack)
+            assert params.reasons(128, H200, gqa) == []
+            got = _kernel_pairs(q_lens, kv_lens, params, pack, hq, causal, window)
+            want: set[tuple[int, int, int, int]] = set()
+            for req, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
+                for t, key in _oracle_pairs(q_len, kv_len, causal, window):
+                    want |= {(req, t, h, key) for h in range(hq)}
+            what = f"q_tile {q_tile} kv_tile {kv_tile} warps {warps} pack {pack}"
+            extra = {k for k in got if k not in want}
+            assert not extra, f"{what}: masked pairs let in, e.g. {sorted(extra)[:5]}"
+            missing = want - set(got)
+            assert not missing, f"{what}: allowed pairs never computed, e.g. {sorted(missing)[:5]}"
+            twice = {k: n for k, n in got.items() if n != 1}
+            assert not twice, f"{what}: pairs computed more than once, e.g. {list(twice.items())[:5]}"
+
+
+def test_prefill_work_order_capacity_and_grid() -> None:
+    import torch
+
+    torch.manual_seed(3)
+    q_lens = torch.randint(64, 2048, (16,)).tolist()  # P3's lengths
+    for sched in (0, 1, 2):
+        work = geometry.prefill_work(q_lens, q_lens, q_tile=128, kv_tile=32, pack=4, causal=True, window_left=-1,
+                                     sched=sched)  # fmt: skip
+        assert work.tokens == 32 and work.pack == 4
+        assert sorted(work.items) == [(b, t0) for b, n in enumerate(q_lens) for t0 in range(0, n, 32)]
+        if sched == 0:
+            # requests by total work (largest first), each request's items longest first
+            totals: dict[int, int] = {}
+            for (b, _), n in zip(work.items, work.tiles, strict=True):
+                totals[b] = totals.get(b, 0) + n
+            requests = list(dict.fromkeys(b for b, _ in work.items))
+            assert [totals[b] for b in requests] == sorted(totals.values(), reverse=True)
+            for b in requests:
+                mine = [n for (r, _), n in zip(work.items, work.tiles, strict=True) if r == b]
+                assert mine == sorted(mine, reverse=True)
+            assert work.items[-1][0] == min(totals, key=lambda b: (totals[b], -b))
+        elif sched == 2:
+            assert work.tiles == sorted(work.tiles, reverse=True), "items must be longest first"
+            # ties keep request order, so the order is deterministic
+            for a, b in itertools.pairwise(range(len(work.items))):
+                if work.tiles[a] == work.tiles[b]:
+                    assert work.items[a] < work.items[b]
+        else:
+            assert work.items == sorted(work.items)
+        assert len(work.items) <= geometry.prefill_capacity(16, sum(q_lens), work.tokens)
+        b_cap, t_cap = 16, 1 << (sum(q_lens) - 1).bit_length()
+        assert len(work.items) <= geometry.prefill_capacity(b_cap, t_cap, work.tokens)
+    # P1: 8 x 2048 causal, 32 query heads over 8 KV heads: a whole GQA group per CTA
+    assert geometry.prefill_pack(4, 128) == 4 and geometry.prefill_pack(4, 128, 1) == 1
+    assert geometry.prefill_pack(6, 128) == 6 and geometry.prefill_pack(32, 16) == 16
+    assert geometry.prefill_pack(7, 4) == 1
+    work = geometry.prefill_work([2048] * 8, [2048] * 8, q_tile=128, kv_tile=32, pack=4, causal=True, window_left=-1)
+    assert len(work.items) == 8 * 64 and work.tiles[0] == 64 and work.tiles[-1] == 1
+    assert geometry.prefill_grid(len(work.items), 32, 4) == (8 * 64 * 8, 1, 1)
+    # P4: 512 new tokens over a 4096-token prefix: every item walks at least the prefix
+    work = geometry.prefill_work([512] * 8, [4608] * 8, q_tile=128, kv_tile=32, pack=4, causal=True, window_left=-1)
+    assert min(work.tiles) == -(-(4096 + 32) // 32) and max(work.tiles) == 4608 // 32
+    # a window bounds every item's range
+    work = geometry.prefill_work([8192], [8192], q_tile=128, kv_tile=64, pack=1, causal=True, window_left=255)
+    assert max(work.tiles) <= -(-(255 + 128) // 64) + 1
+    assert geometry.prefill_range(10, 100, 0, 5, True, -1) == (0, 95)
+    assert geometry.prefill_range(10, 100, 0, 10, False, -1) == (0, 100)
+    assert geometry.prefill_range(10, 100, 5, 10, True, 3) == (92, 100)
+    assert geometry.prefill_range(10, 5, 0, 10, False, 2) == (0, 5)
+    assert geometry.prefill_work([0, 0], [3, 4], q_tile=64, kv_tile=32, pack=1, causal=True, window_left=-1).items == []
 
 
 # -- import without a GPU --------------------------------------------------------------------

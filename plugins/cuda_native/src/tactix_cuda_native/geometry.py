@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Final
+from typing import ClassVar, Final
 
 from tactix import Tactic
 
@@ -19,14 +19,24 @@ __all__ = [
     "DecodeWork",
     "DeviceInfo",
     "GemmParams",
+    "PrefillParams",
+    "PrefillWork",
     "ctas_per_sm",
     "decode_chunk",
     "decode_smem_bytes",
     "decode_work",
     "default_decode_params",
     "default_gemm_params",
+    "default_prefill_params",
     "gemm_smem_bytes",
     "gemm_splits",
+    "prefill_candidates",
+    "prefill_capacity",
+    "prefill_grid",
+    "prefill_pack",
+    "prefill_range",
+    "prefill_smem_bytes",
+    "prefill_work",
 ]
 
 NAME: Final = "cuda_native"
@@ -255,6 +265,221 @@ def decode_items(work: DecodeWork, page_base: list[int]) -> list[int]:
         first, count = work.splits[req]
         out += [req, start, end, slot, page_base[req], first, count, 0]
     return out
+
+
+# -- prefill ---------------------------------------------------------------------------------
+
+PREFILL_SCHEDULES: Final = ("requests_by_work", "in_order", "longest_first")
+
+
+@dataclass(frozen=True)
+class PrefillParams:
+    """A prefill tactic's parameters (see kernels/prefill.cu).
+
+    ``q_tile``: query rows per CTA (16 or 32 per warp); ``kv_tile``: keys per pipeline stage;
+    ``warps``; ``stages``: depth of the K/V ring; ``pack``: query heads of one GQA group per CTA
+    (0: the heuristic `prefill_pack`, else a divisor of the group size up to ``q_tile``);
+    ``sched``: order of the work items (see `prefill_work`: 0 requests by work, each longest
+    first; 1 in request order; 2 longest first over the whole batch).
+    """
+
+    q_tile: int
+    kv_tile: int
+    warps: int
+    stages: int
+    pack: int = 0
+    sched: int = 0
+
+    KEYS: ClassVar[tuple[str, ...]] = ("q_tile", "kv_tile", "warps", "stages", "pack", "sched")
+    REQUIRED: ClassVar[tuple[str, ...]] = ("q_tile", "kv_tile", "warps", "stages")
+
+    @property
+    def m_tiles(self) -> int:
+        """m16 tiles per warp."""
+        return self.q_tile // (16 * self.warps)
+
+    def to_tactic(self) -> Tactic:
+        return Tactic(backend=NAME, kernel="prefill", params={k: getattr(self, k) for k in self.KEYS})
+
+    @classmethod
+    def from_tactic(cls, tactic: Tactic) -> PrefillParams:
+        p = tactic.params
+
+        def get(key: str, default: int | None = None) -> int:
+            value = p.get(key, default)
+            assert isinstance(value, int)  # validated by the plugin's check before a plan is made
+            return value
+
+        return cls(get("q_tile"), get("kv_tile"), get("warps"), get("stages"), get("pack", 0), get("sched", 0))
+
+    def reasons(self, head_dim: int, info: DeviceInfo, gqa: int | None = None) -> list[str]:
+        out = []
+        if self.warps not in (2, 4, 8):
+            out.append(f"warps must be 2, 4 or 8 (got {self.warps})")
+        elif self.q_tile % (16 * self.warps) or self.m_tiles not in (1, 2):
+            out.append(f"q_tile must be 16 or 32 rows per warp (got q_tile {self.q_tile}, warps {self.warps})")
+        if self.kv_tile not in (32, 64, 128):
+            out.append(f"kv_tile must be 32, 64 or 128 (got {self.kv_tile})")
+        elif self.warps in (2, 4, 8) and self.kv_tile > 32 * self.warps:
+            out.append(f"kv_tile {self.kv_tile} exceeds the {32 * self.warps} threads of {self.warps} warps")
+        if not 2 <= self.stages <= 4:
+            out.append(f"stages must be in 2..4 (got {self.stages})")
+        if self.pack < 0:
+            out.append(f"pack must be 0 (auto) or a divisor of the GQA group size (got {self.pack})")
+        elif self.pack and gqa is not None and (gqa % self.pack or self.pack > self.q_tile):
+            out.append(f"pack {self.pack} must divide the GQA group size {gqa} and be at most q_tile {self.q_tile}")
+        if self.sched not in (0, 1, 2):
+            out.append(f"sched must be 0, 1 or 2 ({', '.join(PREFILL_SCHEDULES)}) (got {self.sched})")
+        if not out:
+            regs = self.m_tiles * (head_dim + self.kv_tile) // 2
+            if regs > 192:
+                out.append(
+                    f"O and S accumulators need {regs} registers per thread (q_tile {self.q_tile}, "
+                    f"{self.warps} warps, kv_tile {self.kv_tile}, head dim {head_dim}); at most 192 fit"
+                )
+            smem = prefill_smem_bytes(head_dim, self.q_tile, self.kv_tile, self.stages)
+            if smem > info.smem_per_block:
+                out.append(f"needs {smem} bytes of shared memory; this GPU allows {info.smem_per_block} per CTA")
+        return out
+
+
+def prefill_smem_bytes(head_dim: int, q_tile: int, kv_tile: int, stages: int) -> int:
+    """Dynamic shared memory of the prefill kernel (see the layout in kernels/prefill.cu)."""
+    row = head_dim * 2
+    return q_tile * row + stages * 2 * kv_tile * row + stages * 2 * kv_tile * 8 + q_tile * 8 + 16
+
+
+_PREFILL_DEFAULTS: Final = {64: (128, 64, 4, 3), 128: (128, 32, 4, 3), 256: (64, 32, 4, 2)}
+"""q_tile, kv_tile, warps, stages per head dim: two or more CTAs of 4 warps per H200 SM, no spills."""
+
+
+def default_prefill_params(head_dim: int, info: DeviceInfo) -> PrefillParams:
+    """The heuristic tactic: 4 warps, 32 rows per warp where the accumulators fit (d64, d128), the
+    deepest ring that still leaves two CTAs per SM; smaller tiles where shared memory is short."""
+    q_tile, kv_tile, warps, stages = _PREFILL_DEFAULTS.get(head_dim, (64, 32, 4, 2))
+    while stages > 2 and prefill_smem_bytes(head_dim, q_tile, kv_tile, stages) > info.smem_per_block:
+        stages -= 1
+    while kv_tile > 32 and prefill_smem_bytes(head_dim, q_tile, kv_tile, stages) > info.smem_per_block:
+        kv_tile //= 2
+    while q_tile > 16 * warps and prefill_smem_bytes(head_dim, q_tile, kv_tile, stages) > info.smem_per_block:
+        q_tile //= 2
+    return PrefillParams(q_tile, kv_tile, warps, stages)
+
+
+_PREFILL_SHAPES: Final = {
+    64: [(128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4)],
+    128: [(128, 32, 4, 3), (128, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 3)],
+    256: [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2)],
+}
+
+
+def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1) -> list[PrefillParams]:
+    """The tactic space the tuner explores: tile shapes, then the default's with one head per CTA
+    and with work in request order (every entry valid for ``head_dim`` on ``info``)."""
+    out = [PrefillParams(*shape) for shape in _PREFILL_SHAPES.get(head_dim, [])]
+    base = default_prefill_params(head_dim, info)
+    if gqa > 1:
+        out.append(PrefillParams(base.q_tile, base.kv_tile, base.warps, base.stages, pack=1))
+    out += [PrefillParams(base.q_tile, base.kv_tile, base.warps, base.stages, sched=sched) for sched in (1, 2)]
+    unique = list(dict.fromkeys(out))
+    return [p for p in unique if not p.reasons(head_dim, info, gqa)]
+
+
+def prefill_pack(gqa: int, q_tile: int, requested: int = 0) -> int:
+    """Query heads per CTA: the requested count, else the largest divisor of the GQA group size
+    up to ``q_tile``. Packing a group's heads fills a tile's rows with heads where a request has
+    few tokens, and reads each K/V tile once for all of them; for long requests it changes
+    nothing (as many CTAs, each over as many keys)."""
+    if requested:
+        return requested
+    return max(p for p in range(1, min(gqa, q_tile) + 1) if gqa % p == 0)
+
+
+def prefill_range(q_len: int, kv_len: int, t0: int, t1: int, causal: bool, window_left: int) -> tuple[int, int]:
+    """The keys ``[lo, hi)`` attended by query tokens ``[t0, t1)`` of a request (what a CTA walks).
+
+    Token ``t`` sits at position ``kv_len - q_len + t`` (bottom-right alignment); it attends keys
+    up to its position when causal (all keys otherwise) and from ``position - window_left`` on
+    with a window. Must match ``kv_lo``/``kv_hi`` in kernels/prefill.cu.
+    """
+    delta = kv_len - q_len
+    lo = max(0, delta + t0 - window_left) if window_left >= 0 else 0
+    hi = min(kv_len, delta + t1) if causal else kv_len
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    """The host-side work list of a prefill batch.
+
+    ``items``: (request, first query token) per work item, in launch order; ``tiles``: the KV
+    tiles each item walks (its cost); ``tokens``: query tokens per item (``q_tile // pack``);
+    ``pack``: query heads per CTA. Each item becomes ``num_qo_heads // pack`` CTAs.
+    """
+
+    items: list[tuple[int, int]]
+    tiles: list[int]
+    tokens: int
+    pack: int
+
+
+def prefill_work(
+    q_lens: list[int],
+    kv_lens: list[int],
+    *,
+    q_tile: int,
+    kv_tile: int,
+    pack: int,
+    causal: bool,
+    window_left: int,
+    sched: int = 0,
+) -> PrefillWork:
+    """Cut each request's query tokens into items of ``q_tile // pack`` tokens and order them.
+
+    The GPU dispatches CTAs in grid order, so the order is the schedule. sched 0 (default):
+    requests by their total work, largest first, and each request's items longest first: the
+    batch ends on the smallest request's shortest items (as longest-processing-time scheduling
+    would), while the CTAs in flight at any time read the K/V of one or two requests, which stay
+    in L2. sched 1: request order, items in token order. sched 2: longest first over the whole
+    batch (the tightest end, but equal items of every request run together: with many long
+    requests their K/V do not all fit in L2).
+    """
+    tokens = q_tile // pack
+    items: list[tuple[int, int]] = []
+    tiles: list[int] = []
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        # prefill_range for every item of the request, written out (plan time: ~0.3 us an item)
+        delta = kv_len - q_len
+        starts = range(0, q_len, tokens)
+        items += [(b, t0) for t0 in starts]
+        his = [min(kv_len, delta + min(q_len, t0 + tokens)) for t0 in starts] if causal else [kv_len] * len(starts)
+        if window_left >= 0:
+            los = [max(0, delta + t0 - window_left) for t0 in starts]
+            tiles += [-(-(hi - lo) // kv_tile) for lo, hi in zip(los, his, strict=True)]
+        else:
+            tiles += [-(-hi // kv_tile) for hi in his]
+    if sched != 1 and items:
+        if sched == 0:
+            work: dict[int, int] = {}
+            for (b, _), n in zip(items, tiles, strict=True):
+                work[b] = work.get(b, 0) + n
+            key = lambda i: (-work[items[i][0]], items[i][0], -tiles[i])  # noqa: E731
+        else:
+            key = lambda i: -tiles[i]  # noqa: E731
+        order = sorted(range(len(items)), key=key)  # stable: ties keep request and token order
+        items = [items[i] for i in order]
+        tiles = [tiles[i] for i in order]
+    return PrefillWork(items, tiles, tokens, pack)
+
+
+def prefill_capacity(batch: int, num_tokens: int, tokens_per_item: int) -> int:
+    """Most work items a batch of up to ``batch`` requests and ``num_tokens`` query tokens can need."""
+    return -(-num_tokens // tokens_per_item) + batch
+
+
+def prefill_grid(items: int, num_qo_heads: int, pack: int) -> tuple[int, int, int]:
+    """One CTA per work item and group of ``pack`` query heads, heads fastest."""
+    return (max(1, items) * (num_qo_heads // pack), 1, 1)
 
 
 # -- GEMM ------------------------------------------------------------------------------------

@@ -1,7 +1,12 @@
-"""tactix hooks for the ``cuda_native`` backend: paged decode attention and skinny GEMM in the project's own CUDA.
+"""tactix hooks for the ``cuda_native`` backend: paged prefill and decode attention and skinny GEMM, in the project's
+own CUDA.
 
 Tactics are the kernels' compile-time and launch parameters:
 
+* ``Tactic(backend="cuda_native", kernel="prefill", params={"q_tile": 128, "kv_tile": 32, "warps": 4,
+  "stages": 3, "pack": 0, "sched": 0})`` (``pack`` 0: the query heads of a GQA group per CTA chosen by
+  `geometry.prefill_pack`; ``sched`` 0: requests by work, each one's items longest first, 1: request order,
+  2: longest first over the batch; see `geometry.prefill_work`);
 * ``Tactic(backend="cuda_native", kernel="decode", params={"tile": 64, "warps": 4, "stages": 2, "kv_chunk": 0})``
   (``kv_chunk`` 0: the split of long requests is chosen per batch by `geometry.decode_chunk`);
 * ``Tactic(backend="cuda_native", kernel="gemm", params={"bn": 32, "bk": 128, "wn": 1, "wk": 4, "stages": 4,
@@ -11,14 +16,15 @@ Tactics are the kernels' compile-time and launch parameters:
   weight gets no policy (l2 0 and 1 are one kernel, 2 adds the prefetch): ptxas miscompiles
   its cp.async with one for some shapes on sm_90 (kernels/common.cuh).
 
-The default tactic is the heuristic of `geometry` for the problem and the GPU. Prefill is not
-implemented yet (declared absent). Plans do all host work — the work list, the device
-metadata in one transfer, the workspace — and ``run`` only launches one kernel: split work
-(decode's split-KV, GEMM's split-K) is combined by the CTA that finishes last, in a fixed order.
+The default tactic is the heuristic of `geometry` for the problem and the GPU. Plans do all host
+work — the work list, the device metadata in one transfer, the workspace — and ``run`` only
+launches one kernel: split work (decode's split-KV, GEMM's split-K) is combined by the CTA that
+finishes last, in a fixed order.
 """
 
 from __future__ import annotations
 
+import array
 import functools
 from collections.abc import Callable
 from typing import Any, Final
@@ -38,6 +44,8 @@ from tactix_cuda_native.geometry import (
     DecodeParams,
     DeviceInfo,
     GemmParams,
+    PrefillParams,
+    PrefillWork,
     ctas_per_sm,
     decode_candidates,
     decode_capacity,
@@ -49,6 +57,7 @@ from tactix_cuda_native.geometry import (
     decode_work,
     default_decode_params,
     default_gemm_params,
+    default_prefill_params,
     effective_lengths,
     gemm_candidates,
     gemm_grid,
@@ -57,6 +66,12 @@ from tactix_cuda_native.geometry import (
     gemm_splits,
     log2_exact,
     m_tiles,
+    prefill_candidates,
+    prefill_capacity,
+    prefill_grid,
+    prefill_pack,
+    prefill_smem_bytes,
+    prefill_work,
     q_tiles,
 )
 from tactix_cuda_native.runtime import (
@@ -91,6 +106,25 @@ _DECODE = tactix.AttentionCapabilities(
     cuda_graph="fixed_buffers",
 )
 
+_PREFILL = tactix.AttentionCapabilities(
+    devices=frozenset({"cuda"}),
+    compute_capabilities=_CCS,
+    q_dtypes=_DTYPES,
+    kv_dtypes=_DTYPES,
+    out_dtypes=_DTYPES,
+    head_dims=frozenset(HEAD_DIMS),
+    page_sizes=_PAGE_SIZES,
+    kv_layouts=frozenset({"NHD", "HND"}),
+    max_gqa_ratio=None,
+    causal=True,
+    non_causal=True,
+    chunked=True,
+    sliding_window=True,
+    logits_soft_cap=True,
+    lse=True,
+    cuda_graph="fixed_buffers",
+)
+
 _GEMM = tactix.GemmCapabilities(
     devices=frozenset({"cuda"}),
     compute_capabilities=_CCS,
@@ -110,13 +144,16 @@ def tactix_backends() -> list[tactix.BackendSpec]:
         tactix.BackendSpec(
             name=NAME,
             version=__version__,
-            description="the project's CUDA kernels (NVRTC): paged decode with split-KV, skinny GEMM for m <= 64",
+            description="the project's CUDA kernels (NVRTC): paged prefill (mma.sync flash attention), paged "
+            "decode with split-KV, skinny GEMM for m <= 64",
+            prefill=_PREFILL,
             decode=_DECODE,
             gemm=_GEMM,
             preference=5,
             # decode: ahead of cudnn untuned. Measured on the H200 (benchmarks/results/
             # h200-bench-deterministic.json): deterministic and faster than cuDNN's deterministic
             # decode plan on D1-D3; the skinny GEMM's default is not ahead of cuBLAS yet.
+            # prefill stays at 5, behind cudnn (10), until measured on the H200: unproven there.
             op_preference={"decode": 20},
         )
     ]
@@ -185,6 +222,27 @@ def _decode_reasons(problem: DecodeProblem, tactic: Tactic, info: DeviceInfo) ->
     return out + DecodeParams.from_tactic(tactic).reasons(problem.head_dim_qk, info)
 
 
+def _prefill_reasons(problem: PrefillProblem, tactic: Tactic, info: DeviceInfo) -> list[str]:
+    out = []
+    if not (problem.q_dtype == problem.kv_dtype == problem.out_dtype):
+        out.append("q, kv and out dtypes must be the same")
+    if log2_exact(problem.page_size) is None or problem.page_size > MAX_PAGE_SIZE:
+        out.append(f"page size {problem.page_size} must be a power of two up to {MAX_PAGE_SIZE}")
+    if tactic.is_default:
+        if tactic.params:
+            out.append(f"the default tactic takes no params (got {tactic.params})")
+        return out
+    if tactic.kernel != "prefill":
+        return [*out, f"unknown prefill kernel '{tactic.kernel}' (known: default, prefill)"]
+    given = set(tactic.params)
+    known = set(PrefillParams.KEYS)
+    if not set(PrefillParams.REQUIRED) <= given or given - known:
+        return [*out, f"prefill params must be {sorted(known)} with pack and sched optional (got {sorted(given)})"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in tactic.params.values()):
+        return [*out, f"prefill params must be integers (got {tactic.params})"]
+    return out + PrefillParams.from_tactic(tactic).reasons(problem.head_dim_qk, info, problem.gqa_ratio)
+
+
 def _gemm_reasons(problem: GemmProblem, tactic: Tactic, info: DeviceInfo) -> list[str]:
     out = []
     if problem.k % 8:
@@ -206,7 +264,7 @@ def _gemm_reasons(problem: GemmProblem, tactic: Tactic, info: DeviceInfo) -> lis
 
 def _reasons(problem: Problem, tactic: Tactic, info: DeviceInfo) -> list[str]:
     if isinstance(problem, PrefillProblem):
-        return ["cuda_native implements no prefill yet"]
+        return _prefill_reasons(problem, tactic, info)
     if isinstance(problem, DecodeProblem):
         return _decode_reasons(problem, tactic, info)
     return _gemm_reasons(problem, tactic, info)
@@ -224,6 +282,8 @@ def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
     if backend != NAME:
         return None
     info = _info_for(None)
+    if isinstance(problem, PrefillProblem):
+        return [p.to_tactic() for p in prefill_candidates(problem.head_dim_qk, info, problem.gqa_ratio)]
     if isinstance(problem, DecodeProblem):
         return [p.to_tactic() for p in decode_candidates(problem.head_dim_qk, info)]
     if isinstance(problem, GemmProblem):
@@ -261,6 +321,20 @@ def decode_variant(dtype: str, head_dim: int, params: DecodeParams, arch: str) -
     )
 
 
+def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str) -> Variant:
+    """``pack`` and ``sched`` are launch-time choices: every value shares one compiled variant."""
+    return Variant.make(
+        "prefill.cu",
+        arch,
+        TX_BF16=_bf16(dtype),
+        TX_D=head_dim,
+        TX_QTILE=params.q_tile,
+        TX_KVTILE=params.kv_tile,
+        TX_WARPS=params.warps,
+        TX_STAGES=params.stages,
+    )
+
+
 def gemm_variant(dtype: str, m: int, params: GemmParams, arch: str) -> Variant:
     return Variant.make(
         "gemm.cu",
@@ -282,6 +356,7 @@ def default_variants(info: DeviceInfo = H200) -> list[Variant]:
     out = []
     for dtype in sorted(_DTYPES):
         for d in HEAD_DIMS:
+            out.append(prefill_variant(dtype, d, default_prefill_params(d, info), info.arch))
             for small in (False, True):
                 out.append(decode_variant(dtype, d, default_decode_params(d, info, small), info.arch))
         for m in (1, 32, GEMM_MAX_M):  # one m per m-tile count (1, 2, 4 tiles of 16 rows)
@@ -479,6 +554,170 @@ def tactix_plan_decode(backend: str, problem: DecodeProblem, batch: PagedBatch, 
         return None
     plan: CudaNativeDecodePlan = _plan_decode(problem, batch, tactic, options)
     return plan
+
+
+# -- prefill plans ---------------------------------------------------------------------------
+
+
+def _cache_strides(layout: str, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+    """(page, token, head) strides of k then v, in elements; refuses what the kernels cannot read."""
+    strides: list[int] = []
+    for name, t in (("k", k), ("v", v)):
+        s = t.stride()
+        page, tok, head = (s[0], s[1], s[2]) if layout == "NHD" else (s[0], s[2], s[1])
+        if s[3] != 1 or page % 8 or tok % 8 or head % 8:
+            raise InvalidArgumentError(
+                f"paged_kv_cache ({name})",
+                "dense along head_dim with page, token and head strides that are multiples of 8 elements",
+                f"strides {tuple(s)}",
+            )
+        strides += [page, tok, head]
+    return tuple(strides)
+
+
+def _int32(values: list[int]) -> torch.Tensor:
+    """An int32 CPU tensor from a list with one C-level copy (torch.tensor(list) costs ~90 ns an element)."""
+    if not values:
+        return torch.zeros(0, dtype=torch.int32)
+    return torch.frombuffer(array.array("i", values), dtype=torch.int32)
+
+
+def prefill_lists(batch: PagedBatch, work: PrefillWork) -> tuple[list[int], list[int]]:
+    """The kernel's int32 metadata as flat lists: per item (request, first token); per request
+    (first q row, q length, kv length, first entry in the page indices)."""
+    qo, kv = batch.qo_indptr_list, batch.kv_indptr_list
+    reqs: list[int] = []
+    for r in range(batch.batch_size):
+        reqs += (qo[r], qo[r + 1] - qo[r], batch.kv_lens_list[r], kv[r])
+    return [x for item in work.items for x in item], reqs
+
+
+def prefill_scalars(problem: PrefillProblem, pack: int) -> tuple[int | float, ...]:
+    """The kernel's scalar arguments after the pointers (see kernels/prefill.cu)."""
+    shift = log2_exact(problem.page_size)
+    assert shift is not None  # check() refused other page sizes
+    hq = problem.num_qo_heads
+    return (hq, problem.gqa_ratio, pack, hq // pack, shift, int(problem.causal), problem.window_left,
+            problem.sm_scale * _LOG2E, float(problem.logits_soft_cap))  # fmt: skip
+
+
+class CudaNativePrefillPlan:
+    """A planned prefill batch: work list and metadata on the device; ``run`` launches one kernel.
+
+    Work items are (request, first query token) pairs of ``q_tile // pack`` tokens each, ordered
+    by `geometry.prefill_work` (requests by work, longest items first); each becomes one CTA per group of
+    ``pack`` query heads. In CUDA-graph mode every buffer has the capacity of the plan's buckets
+    (batch size, query tokens, kv length: the next power of two), the grid is that capacity and
+    a re-plan rewrites the buffers in place.
+    """
+
+    _packed: torch.Tensor  # all int32 metadata in one device buffer
+
+    def __init__(self, problem: PrefillProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
+        device = options["device"]
+        index = _device_index(device)
+        self.device = torch.device("cuda", index)
+        self.problem = problem
+        info = device_info(index)
+        d = problem.head_dim_qk
+        params = default_prefill_params(d, info) if tactic.is_default else PrefillParams.from_tactic(tactic)
+        self.tactic = params.to_tactic()
+        module, self.built = load(prefill_variant(problem.q_dtype, d, params, info.arch), index)
+        smem = prefill_smem_bytes(d, params.q_tile, params.kv_tile, params.stages)
+        self._kernel = module.kernel("tactix_prefill", smem)
+
+        graph = options["use_cuda_graph"]
+        b, hq, hkv, gqa = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.gqa_ratio
+        pack = prefill_pack(gqa, params.q_tile, params.pack)
+        work = prefill_work(batch.qo_lens_list, batch.kv_lens_list, q_tile=params.q_tile, kv_tile=params.kv_tile,
+                            pack=pack, causal=problem.causal, window_left=problem.window_left,
+                            sched=params.sched)  # fmt: skip
+        self.work = work
+        self.pack = pack
+        if graph:  # capacities of the buckets, so every batch of them fits the captured grid
+            b_cap = bucket_size(b)
+            item_cap = prefill_capacity(b_cap, bucket_size(batch.num_qo_tokens), work.tokens)
+            page_cap = b_cap * -(-bucket_size(batch.max_kv_len) // problem.page_size)
+        else:
+            b_cap, item_cap, page_cap = b, len(work.items), batch.num_page_entries
+        self._scalars = prefill_scalars(problem, pack)
+        self._geometry = (b_cap, hq, hkv, d, problem.page_size, item_cap, page_cap, params, self._scalars)
+
+        items, reqs = prefill_lists(batch, work)
+        parts = [
+            ("items", _int32(items), 2 * item_cap),
+            ("num_items", _int32([len(work.items)]), 1),
+            ("reqs", _int32(reqs), 4 * b_cap),
+        ]
+        host_indices = batch.indices_on_host
+        if host_indices or graph:
+            parts.append(("indices", batch.kv_indices if host_indices else torch.zeros(0), page_cap))
+        host, where = _pack(parts)
+        previous = options["previous"]
+        if graph and previous is not None:
+            if not isinstance(previous, CudaNativePrefillPlan) or previous._geometry != self._geometry:
+                raise UnsupportedProblemError(NAME, problem, [
+                    "in CUDA-graph mode a re-plan must keep the heads, the scalars (causal, window, scale, "
+                    "soft-cap) and the buckets of the batch size, query tokens and kv length (the captured grid "
+                    "and buffers depend on them); use one wrapper per captured shape"])  # fmt: skip
+            previous._packed.copy_(host.pin_memory(), non_blocking=True)
+            self._packed = previous._packed
+        else:
+            self._packed = host.pin_memory().to(self.device, non_blocking=True)
+        view = {name: self._packed[o : o + n] for name, (o, n) in where.items()}
+        if "indices" in view:
+            if not host_indices and batch.num_page_entries:
+                view["indices"][: batch.num_page_entries].copy_(batch.kv_indices, non_blocking=True)
+            indices = view["indices"]
+        else:
+            indices = batch.kv_indices
+            self._indices_ref = indices  # keep the caller's device indices alive
+        self._ptrs = (view["items"].data_ptr(), view["num_items"].data_ptr(), view["reqs"].data_ptr(),
+                      indices.data_ptr())  # fmt: skip
+        self._launch = graph or bool(work.items)
+        self._cfg = launch_config(prefill_grid(item_cap, hq, pack), 32 * params.warps, smem)
+        self._index = index
+        self._seen: tuple[Any, ...] | None = None
+        self._strides: tuple[int, ...] = ()
+        self._q_copy: torch.Tensor | None = None
+
+    def _accept(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Check the cache strides and q's once per new set of strides; keep the stride arguments."""
+        self._strides = _cache_strides(self.problem.kv_layout, k, v)
+        self._q_direct = q.stride(2) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0
+        self._seen = (q.stride(), k.stride(), v.stride())
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor | None) -> None:  # fmt: skip
+        if (q.stride(), k_cache.stride(), v_cache.stride()) != self._seen:
+            self._accept(q, k_cache, v_cache)
+        if not self._q_direct or q.data_ptr() % 16:
+            if self._q_copy is None:
+                self._q_copy = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            self._q_copy.copy_(q)
+            q = self._q_copy
+        k_ptr, v_ptr, out_ptr = k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+        if (k_ptr | v_ptr | out_ptr) % 16:
+            raise InvalidArgumentError("paged_kv_cache", "k, v and out starting at 16-byte aligned addresses",
+                                       f"addresses {k_ptr:#x}, {v_ptr:#x}, {out_ptr:#x}")  # fmt: skip
+        if not self._launch:  # no query rows at all
+            return
+        lse_ptr = 0 if lse is None else lse.data_ptr()
+        stream = stream_for(self._index, torch.cuda.current_stream(self.device).cuda_stream)
+        items, num_items, reqs, indices = self._ptrs
+        _cc().launch(stream, self._cfg, self._kernel, q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr,
+                     *self._strides, out_ptr, lse_ptr, items, num_items, reqs, indices, *self._scalars)  # fmt: skip
+
+
+@tactix.hookimpl
+def tactix_plan_prefill(backend: str, problem: PrefillProblem, batch: PagedBatch, tactic: Tactic,
+                        options: PlanOptions) -> CudaNativePrefillPlan | None:  # fmt: skip
+    if backend != NAME:
+        return None
+    reasons = _prefill_reasons(problem, tactic, device_info(_device_index(options["device"])))
+    if reasons:
+        raise UnsupportedProblemError(NAME, problem, reasons)
+    return CudaNativePrefillPlan(problem, batch, tactic, options)
 
 
 # -- GEMM plans ------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ __all__ = [
     "launch",
     "load",
     "nvrtc_version",
+    "resource_usage",
     "source_text",
 ]
 
@@ -240,6 +241,42 @@ def _nvrtc_compile(variant: Variant) -> bytes:
         message = str(exc)
         raise KernelCompileError(variant, "\n".join(p for p in (message, text) if p)) from exc
     return bytes(code.code)
+
+
+_PTXAS_INFO = re.compile(
+    r"Function properties for (\w+)\s*\n.*?(\d+) bytes stack frame, (\d+) bytes spill stores, "
+    r"(\d+) bytes spill loads\s*\n.*?Used (\d+) registers",
+    re.S,
+)
+
+
+def resource_usage(variant: Variant) -> dict[str, dict[str, int]]:
+    """Per kernel of ``variant``: registers, stack frame and spill bytes, from ptxas' report.
+
+    Compiles afresh with ``-v`` (no cache): for tests and tuning tables, not for plans.
+    """
+    cc = cuda_core()
+    options = cc.ProgramOptions(
+        arch=variant.arch,
+        std="c++17",
+        define_macro=[(k, v) for k, v in variant.defines],
+        name=variant.source,
+        ptxas_options="-v",
+    )
+    log = _Log()
+    try:
+        cc.Program(source_text(variant.source), "c++", options).compile("cubin", logs=log)
+    except Exception as exc:
+        raise KernelCompileError(variant, "\n".join((str(exc), "".join(log.parts)))) from exc
+    out = {}
+    for m in _PTXAS_INFO.finditer("".join(log.parts)):
+        out[m.group(1)] = {
+            "registers": int(m.group(5)),
+            "stack": int(m.group(2)),
+            "spill_stores": int(m.group(3)),
+            "spill_loads": int(m.group(4)),
+        }
+    return out
 
 
 def compile_variant(variant: Variant, *, root: Path | None = None) -> tuple[bytes, bool]:

@@ -1,6 +1,9 @@
 // Shared device helpers for the cuda_native kernels: PTX wrappers for cp.async, ldmatrix,
 // mma.sync (m16n8k16, fp32 accumulation) and 16-bit conversions. Self-contained on purpose
 // (no CUDA headers), so NVRTC compiles it anywhere, with no toolkit include path.
+//
+// With TX_EMULATE defined (tests only: tests/emulator/), the PTX wrappers below are left out
+// and a host emulation provides the same functions, so the kernels run on a CPU.
 #pragma once
 
 typedef unsigned int u32;
@@ -8,14 +11,17 @@ typedef unsigned short u16;
 typedef long long i64;
 typedef unsigned long long u64;
 
-#define TX_DEVICE __device__ __forceinline__
+struct alignas(16) tx_u4 {  // one 16-byte vector access
+  u32 x, y, z, w;
+};
 
 // TX_BF16 = 1: bfloat16 operands, 0: float16.
 #ifndef TX_BF16
 #error "TX_BF16 must be defined (1: bfloat16, 0: float16)"
 #endif
 
-TX_DEVICE float tx_neg_inf() { return __int_as_float(0xff800000); }
+#ifndef TX_EMULATE
+#define TX_DEVICE __device__ __forceinline__
 
 TX_DEVICE u32 tx_smem_addr(const void* p) {
   u32 r;
@@ -152,6 +158,10 @@ TX_DEVICE float tx_rcp(float x) {
   asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+#endif  // TX_EMULATE
+
+TX_DEVICE float tx_neg_inf() { return __int_as_float(0xff800000); }
+
 // tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, absolute error ~1e-7 near 0.
 TX_DEVICE float tx_tanh(float x) {
   float e = tx_exp2(x * 2.8853900817779268f);  // 2 * log2(e)

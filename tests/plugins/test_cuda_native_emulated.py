@@ -1,0 +1,228 @@
+"""The cuda_native kernel sources run on a CPU emulation of the CUDA features they use
+(tests/emulator/tx_emulate.h, built with g++): prefill against the float64 oracle on a machine
+without a GPU.
+
+The emulation is checked first on the decode kernel, which is proven on the H200 (it passes
+there against the same oracle): the same fragment layouts (ldmatrix with and without .trans,
+mma.sync m16n8k16), cp.async groups and shuffles serve both kernels. The prefill runs use the
+plan's own host data (`geometry.prefill_work`, `plugin.prefill_lists`, `plugin.prefill_scalars`).
+cp.async copies land when their thread waits for them (the latest legal moment) or, with
+TXE_EAGER_COPIES=1, at once (the earliest); shared memory starts as NaN for every CTA.
+What this cannot show: speed, and anything of the real memory model beyond program order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("tactix_cuda_native", reason="plugins/cuda_native is not installed (scripts/setup.sh installs it)")
+
+from tactix_cuda_native import geometry, plugin
+from tactix_cuda_native.geometry import H200
+
+from tactix import Tactic
+from tactix.attention import attention_problem
+from tactix.testing import LSE_TOLERANCE, attention_reference, lse_error, relative_error, tolerance_for
+from tests.emulator import emulate
+
+if emulate.available() is not None:
+    pytest.skip(f"no CPU emulation here: {emulate.available()}", allow_module_level=True)
+
+CPU = torch.device("cpu")
+
+
+Tensors = tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _cache(lens: list[int], page: int, hkv: int, d: int, layout: str, dtype: torch.dtype, gen: torch.Generator,
+           five_d: bool) -> Tensors:  # fmt: skip
+    pages = [-(-n // page) for n in lens]
+    total = sum(pages) + 3
+    order = torch.randperm(total, generator=gen).tolist()
+    indptr, indices = [0], []
+    for count in pages:
+        indices += [order.pop() for _ in range(count)]
+        indptr.append(len(indices))
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    shape = (total, page, hkv, d) if layout == "NHD" else (total, hkv, page, d)
+    k = torch.randn(shape, generator=gen).to(dtype)
+    v = torch.randn(shape, generator=gen).to(dtype)
+    if five_d:  # one [pages, 2, ...] tensor: k and v are strided views of it
+        both = torch.stack([k, v], dim=1)
+        k, v = both[:, 0], both[:, 1]
+    return (k, v), k, v, i32(indptr), i32(indices), i32([(n - 1) % page + 1 for n in lens])
+
+
+def prefill_case(q_lens: list[int], kv_lens: list[int], *, page: int = 16, hq: int = 4, hkv: int = 2, d: int = 64,
+                 layout: str = "HND", dtype: torch.dtype = torch.bfloat16, causal: bool = True, window: int = -1,
+                 cap: float = 0.0, scale: float | None = None, tactic: dict[str, int] | None = None, seed: int = 0,
+                 five_d: bool = False, q_view: bool = False) -> None:  # fmt: skip
+    """Run one batch through the emulated prefill kernel and hold it to the oracle's tolerances."""
+    gen = torch.Generator().manual_seed(seed)
+    _, k, v, indptr, indices, last = _cache(kv_lens, page, hkv, d, layout, dtype, gen, five_d)
+    qo = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    rows = sum(q_lens)
+    q = torch.randn(rows, hq, d, generator=gen).to(dtype)
+    if q_view:  # the first columns of a fused QKV projection
+        fused = torch.zeros(rows, (hq + 2 * hkv) * d, dtype=dtype)
+        fused[:, : hq * d] = q.reshape(rows, hq * d)
+        q = fused[:, : hq * d].view(rows, hq, d)
+    problem, batch = attention_problem(
+        "prefill", device=CPU, kv_layout=layout, qo_indptr=qo, paged_kv_indptr=indptr,  # type: ignore[arg-type]
+        paged_kv_indices=indices, paged_kv_last_page_len=last, num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d,
+        head_dim_vo=None, page_size=page, causal=causal, sm_scale=scale, window_left=window, logits_soft_cap=cap,
+        q_data_type=dtype, kv_data_type=None, o_data_type=None, return_lse=True,
+    )  # fmt: skip
+    problem = problem.model_copy(update={"device_type": "cuda"})
+    t = Tactic.default("cuda_native") if tactic is None else Tactic(backend="cuda_native", kernel="prefill",
+                                                                     params=tactic)  # type: ignore[arg-type]  # fmt: skip
+    assert plugin._reasons(problem, t, H200) == []  # type: ignore[arg-type]
+    out, lse, _ = emulate.run_prefill(problem, batch, t, q, k, v, return_lse=True)  # type: ignore[arg-type]
+    ref, ref_lse = attention_reference(q, k, v, qo, indptr, indices, last, kv_layout=layout, causal=causal,
+                                       sm_scale=problem.sm_scale, window_left=window, logits_soft_cap=cap)  # fmt: skip
+    name = (f"d{d} p{page} {layout} h{hq}/{hkv} {str(dtype)[6:]} causal={causal} window={window} cap={cap} "
+            f"q {q_lens} kv {kv_lens} tactic {tactic}")  # fmt: skip
+    bad = torch.isnan(out)
+    if bad.any():
+        which = sorted({int(r) for r in bad.any(dim=2).any(dim=1).nonzero().flatten()})
+        raise AssertionError(f"{name}: {int(bad.sum())} output elements unwritten or NaN (rows {which[:10]})")
+    err = relative_error(out, ref)
+    assert err <= tolerance_for(dtype), f"{name}: relative error {err:.3e}"
+    # per (row, head) too: one key let in or left out in a single row hides in the norm of the batch
+    per_row = (out.double() - ref).norm(dim=2) / ref.norm(dim=2).clamp(min=1e-12)
+    worst = float(per_row.max()) if per_row.numel() else 0.0
+    where = divmod(int(per_row.argmax()), hq) if per_row.numel() else None
+    assert worst <= 2 * tolerance_for(dtype), f"{name}: (row, head) {where} relative error {worst:.3e}"
+    assert lse is not None and not torch.isnan(lse).any(), f"{name}: LSE unwritten"
+    lerr = lse_error(lse, ref_lse)
+    assert lerr <= LSE_TOLERANCE[str(dtype)[6:]], f"{name}: LSE error {lerr:.3e}"
+
+
+# -- the emulation itself, on the kernel proven on the H200 ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("lens", "kw"),
+    [
+        ([1, 17, 300, 64], {}),
+        ([1, 17, 300, 64], {"d": 128, "page": 1, "layout": "NHD", "hq": 4, "hkv": 4, "window": 20, "cap": 10.0}),
+        ([700, 5], {"tactic": {"tile": 64, "warps": 4, "stages": 3, "kv_chunk": 128}}),
+        ([33, 2], {"d": 256, "page": 128, "dtype": torch.float16}),
+    ],
+)
+def test_emulation_reproduces_the_h200_proven_decode_kernel(lens: list[int], kw: dict[str, Any]) -> None:
+    gen = torch.Generator().manual_seed(1)
+    d, page, layout, hq, hkv = kw.get("d", 64), kw.get("page", 16), kw.get("layout", "HND"), kw.get("hq", 8), kw.get(
+        "hkv", 2)  # fmt: skip
+    dtype = kw.get("dtype", torch.bfloat16)
+    window, cap = kw.get("window", -1), kw.get("cap", 0.0)
+    _, k, v, indptr, indices, last = _cache(lens, page, hkv, d, layout, dtype, gen, False)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
+    problem, batch = attention_problem(
+        "decode", device=CPU, kv_layout=layout, qo_indptr=None, paged_kv_indptr=indptr, paged_kv_indices=indices,
+        paged_kv_last_page_len=last, num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d, head_dim_vo=None,
+        page_size=page, causal=False, sm_scale=None, window_left=window, logits_soft_cap=cap, q_data_type=dtype,
+        kv_data_type=None, o_data_type=None, return_lse=True,
+    )  # fmt: skip
+    tactic = kw.get("tactic")
+    t = Tactic.default("cuda_native") if tactic is None else Tactic(backend="cuda_native", kernel="decode",
+                                                                     params=tactic)  # fmt: skip
+    out, lse, _ = emulate.run_decode(problem, batch, t, q, k, v, return_lse=True)  # type: ignore[arg-type]
+    ref, ref_lse = attention_reference(q, k, v, torch.arange(len(lens) + 1, dtype=torch.int32), indptr, indices,
+                                       last, kv_layout=layout, causal=False, sm_scale=problem.sm_scale,
+                                       window_left=window, logits_soft_cap=cap)  # fmt: skip
+    assert relative_error(out, ref) <= tolerance_for(dtype)
+    assert lse is not None and lse_error(lse, ref_lse) <= LSE_TOLERANCE[str(dtype)[6:]]
+
+
+# -- prefill ---------------------------------------------------------------------------------
+
+Q = [1, 15, 17, 70, 3, 64]
+KV = [1, 18, 57, 130, 40, 64]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize(("page", "layout"), [(1, "NHD"), (16, "HND"), (128, "NHD")])
+@pytest.mark.parametrize("heads", [(2, 2), (8, 2)], ids=["gqa1", "gqa4"])
+def test_emulated_prefill_matches_oracle(d: int, page: int, layout: str, heads: tuple[int, int]) -> None:
+    prefill_case(Q, KV, d=d, page=page, layout=layout, hq=heads[0], hkv=heads[1], seed=d + page)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize(
+    "features",
+    [
+        {"causal": False},
+        {"window": 0},
+        {"window": 37},
+        {"causal": False, "window": 5},
+        {"cap": 30.0},
+        {"causal": False, "cap": 5.0, "window": 20},
+        {"scale": 0.3},
+    ],
+    ids=["noncausal", "win0", "win37", "noncausal-win5", "cap30", "noncausal-cap5-win20", "scale0.3"],
+)
+def test_emulated_prefill_masks_softcap_scale(dtype: torch.dtype, features: dict[str, Any]) -> None:
+    prefill_case(Q, KV, dtype=dtype, layout="NHD", hq=6, hkv=2, seed=3, **features)
+
+
+def test_emulated_prefill_edge_batches() -> None:
+    # q longer than kv (non-causal), empty requests, q length 1 everywhere, a GQA ratio of 3
+    prefill_case([40, 0, 1, 30], [3, 5, 1, 17], causal=False, seed=4)
+    prefill_case([40, 0, 1, 30], [3, 5, 1, 17], causal=False, window=2, seed=4)
+    prefill_case([1] * 7, [1, 5, 16, 17, 100, 33, 2], hq=6, hkv=2, seed=5)
+    # a 5-D cache (k and v strided views of one tensor) and q as a view of a fused projection
+    prefill_case(Q, KV, five_d=True, q_view=True, layout="NHD", seed=6)
+    prefill_case(Q, KV, five_d=True, q_view=True, layout="HND", page=1, seed=6)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_emulated_prefill_every_enumerated_tactic(d: int) -> None:
+    problem_heads = (8, 2)
+    for params in geometry.prefill_candidates(d, H200, gqa=problem_heads[0] // problem_heads[1]):
+        tactic = params.to_tactic().params
+        for features in ({"causal": True}, {"causal": False, "window": 50}):
+            prefill_case([1, 70, 3, 129], [1, 130, 40, 129], d=d, hq=problem_heads[0], hkv=problem_heads[1],
+                         tactic=tactic, seed=d, **features)  # type: ignore[arg-type]  # fmt: skip
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["late-copies", "eager-copies"])
+@pytest.mark.parametrize("seed", range(4))
+def test_emulated_prefill_random_ragged_batches(seed: int, eager: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random lengths (tile edges are hit at random), random features, both copy timings."""
+    monkeypatch.setenv("TXE_EAGER_COPIES", "1" if eager else "0")
+    gen = torch.Generator().manual_seed(100 + seed)
+    n = int(torch.randint(1, 6, (1,), generator=gen))
+    q_lens = torch.randint(1, 150, (n,), generator=gen).tolist()
+    causal = bool(seed % 2 == 0)
+    prefix = torch.randint(0, 200, (n,), generator=gen).tolist()
+    kv_lens = [q + p for q, p in zip(q_lens, prefix, strict=True)] if causal else [p + 1 for p in prefix]
+    window = [-1, 0, 7, 64][seed]
+    cap = [0.0, 0.0, 20.0, 0.0][seed]
+    shapes = [(128, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 4, 4)]
+    q_tile, kv_tile, warps, stages = shapes[seed]
+    for pack in (0, 1):
+        tactic = {"q_tile": q_tile, "kv_tile": kv_tile, "warps": warps, "stages": stages, "pack": pack}
+        prefill_case(q_lens, kv_lens, causal=causal, window=window, cap=cap, tactic=tactic, hq=8, hkv=2,
+                     page=[1, 16, 4, 128][seed], seed=seed)  # fmt: skip
+    assert math.isfinite(float(n))
+
+
+@pytest.mark.parametrize(
+    ("shape", "features"),
+    [((64, 32, 4, 2), {}), ((128, 32, 4, 3), {"window": 3}), ((128, 64, 8, 2), {}), ((64, 64, 4, 2), {"window": 40})],
+    ids=["q64-kv32", "q128-kv32-win3", "q128-kv64-w8", "q64-kv64-win40"],
+)
+def test_emulated_prefill_every_diagonal_alignment(shape: tuple[int, int, int, int], features: dict[str, Any]) -> None:
+    """One request per prefix length 0..kv_tile + 1: the diagonal (and window edge) meets every
+    key offset of a tile, for every warp, so an off-by-one in the masked-tile tests shows."""
+    q_tile, kv_tile, warps, stages = shape
+    q_lens = [37] * (kv_tile + 2)
+    kv_lens = [37 + p for p in range(kv_tile + 2)]
+    tactic = {"q_tile": q_tile, "kv_tile": kv_tile, "warps": warps, "stages": stages, "pack": 1}
+    prefill_case(q_lens, kv_lens, hq=1, hkv=1, tactic=tactic, seed=9, **features)
