@@ -77,7 +77,9 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
     # the kernel the plans look up by name is in each (split work is merged in the same kernel)
     for variant in variants:
         cubin, _ = runtime.compile_variant(variant, root=cache_root)
-        name = {"decode.cu": b"tactix_decode", "prefill.cu": b"tactix_prefill", "gemm.cu": b"tactix_gemm"}[variant.source]
+        name = {"decode.cu": b"tactix_decode", "prefill.cu": b"tactix_prefill", "gemm.cu": b"tactix_gemm"}[
+            variant.source
+        ]
         assert name in cubin, f"{name!r} missing from {variant.label()}"
         assert b"_merge" not in cubin and b"_reduce" not in cubin, variant.label()
 
