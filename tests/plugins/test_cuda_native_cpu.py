@@ -267,6 +267,43 @@ def test_a_compile_error_raises_tactix_error_with_the_log(tmp_path: Path) -> Non
     assert not (runtime.cache_dir(tmp_path) / "sm_90" / f"{bad.key()}.cubin").exists()
 
 
+def test_parallel_compile_fills_the_cache_and_reports_a_workers_error(tmp_path: Path) -> None:
+    info = geometry.H200
+    good = [plugin.gemm_variant("bfloat16", m, geometry.default_gemm_params(m, info), "sm_90") for m in (1, 32)]
+    seen: list[tuple[int, int, str]] = []
+    assert runtime.compile_all(good, lambda *a: seen.append(a), root=tmp_path, jobs=2) == 2
+    assert [(d, t) for d, t, _ in seen] == [(1, 2), (2, 2)]
+    for v in good:  # written by the worker processes, whole and valid
+        assert runtime._read_cached(runtime.cache_dir(tmp_path) / "sm_90" / f"{v.key()}.cubin") is not None
+    assert runtime.compile_all(good, root=tmp_path, jobs=2) == 0  # now cached: nothing compiled
+    bad = runtime.Variant.make("decode.cu", "sm_90", TX_BF16=1, TX_D=100, TX_TILE=64, TX_WARPS=4, TX_STAGES=3)
+    other = plugin.gemm_variant("float16", 1, geometry.default_gemm_params(1, info), "sm_90")
+    with pytest.raises(runtime.KernelCompileError) as raised:
+        runtime.compile_all([bad, other], root=tmp_path, jobs=2)
+    assert raised.value.variant == bad
+    assert "head dim must be 64, 128 or 256" in raised.value.log
+
+
+def test_module_command_compiles_every_candidate_variant_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tactix_cuda_native.__main__ import main
+
+    every = plugin.candidate_variants(geometry.H200)
+    assert set(plugin.default_variants(geometry.H200)) <= set(every)
+    for problem_m in (1, 16, 64):  # every GEMM tactic the backend enumerates has its variant in the list
+        for p in geometry.gemm_candidates(problem_m, geometry.H200):
+            assert plugin.gemm_variant("float16", problem_m, p, "sm_90") in every
+    monkeypatch.setenv("TACTIX_CACHE_DIR", str(tmp_path))
+    runtime._memory.clear()
+    assert main(["--arch", "sm_90", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    n = len(set(plugin.default_variants(geometry.H200)))
+    assert f"{n} variants for sm_90: {n} compiled" in out
+    with pytest.raises(SystemExit):
+        main(["--jobs", "0"])
+
+
 def test_warmup_command_compiles_with_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     from tactix.cli import main

@@ -365,6 +365,21 @@ def default_variants(info: DeviceInfo = H200) -> list[Variant]:
 
 
 @tactix.hookimpl
+def candidate_variants(info: DeviceInfo) -> list[Variant]:
+    """Every variant any enumerated tactic compiles to (both dtypes, every head dim and GEMM
+    m-tile count, GQA 1/4/8 for prefill): what tuning or ``python -m tactix_cuda_native --all``
+    compiles."""
+    out = list(default_variants(info))
+    for dtype in sorted(_DTYPES):
+        for d in HEAD_DIMS:
+            out += [decode_variant(dtype, d, p, info.arch) for p in decode_candidates(d, info)]
+            for gqa in (1, 4, 8):
+                out += [prefill_variant(dtype, d, p, info.arch) for p in prefill_candidates(d, info, gqa)]
+        for m in (1, 32, GEMM_MAX_M):
+            out += [gemm_variant(dtype, m, p, info.arch) for p in gemm_candidates(m, info)]
+    return list(dict.fromkeys(out))
+
+
 def tactix_warmup(backend: str, arch: str | None, progress: Callable[[int, int, str], None] | None) -> int | None:
     if backend != NAME:
         return None

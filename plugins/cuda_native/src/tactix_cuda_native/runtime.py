@@ -24,6 +24,8 @@ import functools
 import hashlib
 import importlib
 import json
+import logging
+import os
 import re
 import struct
 import threading
@@ -44,7 +46,9 @@ __all__ = [
     "LoadedModule",
     "Variant",
     "cache_dir",
+    "compile_all",
     "compile_variant",
+    "default_jobs",
     "cuda_core",
     "cuda_core_status",
     "launch",
@@ -56,6 +60,7 @@ __all__ = [
 
 KERNEL_DIR: Final = Path(__file__).resolve().parent / "kernels"
 CACHE_FORMAT: Final = 1
+_log = logging.getLogger("tactix.cuda_native")
 _MAGIC: Final = b"TXCUBIN1"
 _HEADER: Final = struct.Struct("<8sQ32s")  # magic, payload length, sha256(payload)
 _OPTIONS: Final = ("-std=c++17",)  # what ProgramOptions below sets; part of the cache key
@@ -68,6 +73,9 @@ class KernelCompileError(TactixError):
         self.variant = variant
         self.log = log
         super().__init__(f"cuda_native: NVRTC failed to compile {variant.label()} for {variant.arch}:\n{log}")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in a compile worker process, re-raised here
+        return (type(self), (self.variant, self.log))
 
 
 class CudaUnavailableError(TactixError):
@@ -309,22 +317,77 @@ def compile_variant(variant: Variant, *, root: Path | None = None) -> tuple[byte
         return cubin, True
 
 
+def _compile_in_worker(variant: Variant, root: str | None) -> bool:
+    """A worker process's job: compile into the disk cache (the parent reads the file back)."""
+    return compile_variant(variant, root=None if root is None else Path(root))[1]
+
+
+def default_jobs() -> int:
+    """Parallel compile processes: ``$TACTIX_COMPILE_JOBS``, else the CPU count up to 16."""
+    explicit = os.environ.get("TACTIX_COMPILE_JOBS")
+    if explicit:
+        try:
+            return max(1, int(explicit))
+        except ValueError:
+            raise TactixError(f"TACTIX_COMPILE_JOBS must be a positive integer, got {explicit!r}") from None
+    return max(1, min(16, os.cpu_count() or 1))
+
+
 def compile_all(
     variants: Iterable[Variant],
     progress: Callable[[int, int, str], None] | None = None,
     *,
     root: Path | None = None,
+    jobs: int | None = None,
 ) -> int:
-    """Compile (or find cached) every variant; returns how many NVRTC compiled now."""
+    """Compile (or find cached) every variant; returns how many NVRTC compiled now.
+
+    Variants missing from the disk cache are compiled by up to ``jobs`` (default `default_jobs`)
+    fresh processes at once (NVRTC only: no CUDA context is made in them); if processes cannot
+    be started, they are compiled here one by one. A compile error raises `KernelCompileError`."""
     todo = list(dict.fromkeys(variants))
+    done = 0
     compiled = 0
-    for index, variant in enumerate(todo):
+
+    def report(variant: Variant, how: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, len(todo), f"{variant.label()} {variant.arch}: {how}")
+
+    missing = []
+    for variant in todo:
+        if (str(cache_dir(root)), variant.key()) in _memory or _read_cached(_cache_path(variant, root)) is not None:
+            compile_variant(variant, root=root)
+            report(variant, "cached")
+        else:
+            missing.append(variant)
+    workers = min(jobs if jobs is not None else default_jobs(), len(missing))
+    if workers > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        t0 = time.perf_counter()
+        try:
+            ctx = multiprocessing.get_context("spawn")
+            with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+                futures = {pool.submit(_compile_in_worker, v, None if root is None else str(root)): v for v in missing}
+                for future in concurrent.futures.as_completed(futures):
+                    variant = futures[future]
+                    built = future.result()  # a KernelCompileError travels back as itself
+                    compile_variant(variant, root=root)  # into this process's memory from the file
+                    compiled += built
+                    report(variant, f"compiled ({time.perf_counter() - t0:.1f} s since start)" if built else "cached")
+            return compiled
+        except (OSError, concurrent.futures.process.BrokenProcessPool) as exc:
+            _log.warning("parallel compile failed (%s: %s); compiling one by one", type(exc).__name__, exc)
+            missing = [v for v in missing if (str(cache_dir(root)), v.key()) not in _memory]
+            done = len(todo) - len(missing)
+    for variant in missing:
         t0 = time.perf_counter()
         _, built = compile_variant(variant, root=root)
         compiled += built
-        if progress is not None:
-            how = f"compiled in {time.perf_counter() - t0:.2f} s" if built else "cached"
-            progress(index + 1, len(todo), f"{variant.label()} {variant.arch}: {how}")
+        report(variant, f"compiled in {time.perf_counter() - t0:.2f} s" if built else "cached")
     return compiled
 
 
