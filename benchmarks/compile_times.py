@@ -36,9 +36,9 @@ def _cold(root: str) -> list[dict[str, Any]]:
 
 def _warm(root: str) -> dict[str, Any]:
     import torch
+    from tactix_cuda_native import plugin, runtime
 
     import tactix
-    from tactix_cuda_native import plugin, runtime
 
     os.environ["TACTIX_CACHE_DIR"] = root
     rows = []
