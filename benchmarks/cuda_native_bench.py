@@ -269,12 +269,20 @@ def floor_row(case: BenchCase, nbytes: int, policy: MeasurementPolicy) -> dict[s
             "timed_as": timing.timed_as, "note": "read-only bandwidth floor"}  # fmt: skip
 
 
+def parser_default_cases() -> str:
+    return ",".join(CASES)
+
+
 def quick(args: argparse.Namespace) -> int:
     policy = MeasurementPolicy(warmup=3, repeat=args.repeat)
     registry = tactix.get_registry()
     active = {b.name for b in registry.active() if not b.environment()}
     cases = {c.id: c for c in suite("gpu")}
-    chosen = [cases[cid] for cid in args.cases.split(",")]
+    ids = list(QUICK) if args.cases == parser_default_cases() else args.cases.split(",")
+    unknown = [cid for cid in ids if cid not in QUICK]
+    if unknown:
+        raise SystemExit(f"--quick times {', '.join(QUICK)}; it has no candidates for {', '.join(unknown)}")
+    chosen = [cases[cid] for cid in ids]
     t0 = time.perf_counter()
     precompile(chosen)
     rows: list[dict[str, Any]] = []

@@ -364,7 +364,6 @@ def default_variants(info: DeviceInfo = H200) -> list[Variant]:
     return out
 
 
-@tactix.hookimpl
 def candidate_variants(info: DeviceInfo) -> list[Variant]:
     """Every variant any enumerated tactic compiles to (both dtypes, every head dim and GEMM
     m-tile count, GQA 1/4/8 for prefill): what tuning or ``python -m tactix_cuda_native --all``
@@ -380,6 +379,7 @@ def candidate_variants(info: DeviceInfo) -> list[Variant]:
     return list(dict.fromkeys(out))
 
 
+@tactix.hookimpl
 def tactix_warmup(backend: str, arch: str | None, progress: Callable[[int, int, str], None] | None) -> int | None:
     if backend != NAME:
         return None
