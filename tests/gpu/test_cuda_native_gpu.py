@@ -265,6 +265,7 @@ def test_decode_run_does_not_sync_and_replays_in_a_cuda_graph() -> None:
     total = case.k.shape[0]
     new_lens = [5000, 1, 2, 300]  # longest 5000: the same bucket (8192) as 5000 before
     pages = [-(-n // case.page) for n in new_lens]
+    assert sum(pages) <= total, "the cache must hold the new batch's pages"
     order = torch.randperm(total, generator=gen).tolist()
     indptr, indices = [0], []
     for count in pages:
@@ -545,8 +546,9 @@ def test_prefill_run_does_not_sync_and_replays_in_a_cuda_graph() -> None:
     # 1024, kv <= 1024), pages drawn from the same cache: the captured graph must read it
     gen = torch.Generator().manual_seed(3)
     total = case.k.shape[0]
-    new_q, new_kv = [600, 1, 400, 17], [1000, 1, 400, 500]
+    new_q, new_kv = [600, 1, 400, 17], [900, 1, 400, 300]
     pages = [-(-n // case.page) for n in new_kv]
+    assert sum(pages) <= total, "the cache must hold the new batch's pages"
     order = torch.randperm(total, generator=gen).tolist()
     indptr, indices = [0], []
     for count in pages:
