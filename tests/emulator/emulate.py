@@ -4,7 +4,9 @@ The same ``kernels/*.cu`` text the GPU runs, compiled with ``-DTX_EMULATE`` and 
 parameters as a `runtime.Variant`, into a shared library per variant (cached under the
 system's temporary directory, keyed by the sources' hash). Inputs are CPU tensors; the host
 metadata comes from the plugin's own functions (`geometry.prefill_work`, `plugin.prefill_lists`,
-`plugin.prefill_scalars`), so what runs here is the plan's data as well as the kernel's code.
+`plugin.prefill_scalars`; for decode `DecodePlan` repeats `plugin.CudaNativeDecodePlan` step by
+step with `geometry` and `plugin._pack`), so what runs here is the plan's data as well as the
+kernel's code.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import hashlib
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from tactix import PagedBatch
-from tactix.problems import DecodeProblem, PrefillProblem
+from tactix.problems import DecodeProblem, PrefillProblem, bucket_size
 
 HERE = Path(__file__).resolve().parent
 
@@ -50,7 +53,7 @@ def _library(source: str, defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
             raise RuntimeError(f"g++ failed for {source} {defines}:\n{done.stderr[-4000:]}")
         tmp.replace(out)
     lib = ctypes.CDLL(str(out))
-    for name in ("emu_prefill", "emu_decode", "emu_decode_merge"):
+    for name in ("emu_prefill", "emu_decode"):
         if hasattr(lib, name):
             getattr(lib, name).restype = ctypes.c_char_p
     return lib
@@ -97,58 +100,149 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
     out = torch.full((rows, problem.num_qo_heads, problem.head_dim_vo), float("nan"), dtype=q.dtype)
     lse = torch.full((rows, problem.num_qo_heads), float("nan"), dtype=torch.float32) if return_lse else None
     grid = geometry.prefill_grid(len(work.items), problem.num_qo_heads, pack)[0]
-    args = _args([grid, 32 * params.warps, q, q.stride(0), q.stride(1), k, v, *strides, out, lse, items_t,
-                  num_items, reqs_t, indices, *plugin.prefill_scalars(problem, pack)])  # fmt: skip
-    args[0] = ctypes.c_uint(grid)
-    args[1] = ctypes.c_int(32 * params.warps)
-    err = lib.emu_prefill(*args)
+    smem = geometry.prefill_smem_bytes(problem.head_dim_qk, params.q_tile, params.kv_tile, params.stages)
+    args = _args([q, q.stride(0), q.stride(1), k, v, *strides, out, lse, items_t, num_items, reqs_t, indices,
+                  *plugin.prefill_scalars(problem, pack)])  # fmt: skip
+    err = lib.emu_prefill(ctypes.c_uint(grid), ctypes.c_int(32 * params.warps), ctypes.c_longlong(smem), *args)
     if err:
         raise RuntimeError(f"emulated kernel misuse: {err.decode()}")
     return out, lse, work
 
 
-def run_decode(problem: DecodeProblem, batch: PagedBatch, tactic: Any, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor, *, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
-    """The decode kernel (and its merge) on the emulation, with the plan's own work list."""
-    from tactix_cuda_native import geometry, plugin
+@dataclass(frozen=True)
+class Schedule:
+    """How the emulation runs a grid's CTAs (tx_emulate.h, `txe::Schedule`).
 
-    info = geometry.H200
-    params = (
-        geometry.default_decode_params(problem.head_dim_qk, info)
-        if tactic.is_default
-        else geometry.DecodeParams.from_tactic(tactic)
-    )
-    variant = plugin.decode_variant(problem.q_dtype, problem.head_dim_qk, params, "sm_90")
-    lib = _library("emu_decode.cpp", variant.defines)
-    hq, hkv, d, gqa = problem.num_qo_heads, problem.num_kv_heads, problem.head_dim_qk, problem.gqa_ratio
-    units = hkv * geometry.q_tiles(gqa)
-    ranges = geometry.effective_lengths(batch.kv_lens_list, problem.window_left)
-    smem = geometry.decode_smem_bytes(d, params.tile, params.warps, params.stages)
-    slots = info.sms * geometry.ctas_per_sm(info, smem, 32 * params.warps)
-    chunk = params.kv_chunk or geometry.decode_chunk([e - s for s, e in ranges], units, params.tile, slots)
-    work = geometry.decode_work(ranges, chunk)
-    i32 = torch.int32
-    items = torch.tensor(work.items, dtype=i32).reshape(-1)
-    splits = torch.tensor(work.splits, dtype=i32).reshape(-1)
-    page_base = torch.tensor(batch.kv_indptr_list[:-1], dtype=i32)
-    indices = batch.kv_indices.to(i32).contiguous()
-    part_o = torch.zeros(max(work.slots, 1) * hq * d, dtype=torch.float32)
-    part_lse = torch.zeros(max(work.slots, 1) * hq, dtype=torch.float32)
-    strides = plugin._cache_strides(problem.kv_layout, k, v)
-    b = batch.batch_size
-    out = torch.full((b, hq, d), float("nan"), dtype=q.dtype)
-    lse = torch.full((b, hq), float("nan"), dtype=torch.float32) if return_lse else None
-    shift = geometry.log2_exact(problem.page_size)
-    gx, gy, _ = geometry.decode_grid(len(work.items), hkv, gqa)
-    num_items = torch.tensor([len(work.items)], dtype=i32)  # kept alive: the kernel reads it
-    args = _args([q, q.stride(0), q.stride(1), k, v, *strides, out, lse, items, num_items, page_base, indices,
-                  part_o, part_lse, hq, gqa, geometry.q_tiles(gqa), shift, problem.sm_scale * 1.4426950408889634,
-                  float(problem.logits_soft_cap)])  # fmt: skip
-    err = lib.emu_decode(ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_int(32 * params.warps), *args)
-    if not err and work.needs_merge:
-        mx, my, _ = geometry.merge_grid(b, hq, d)
-        err = lib.emu_decode_merge(ctypes.c_uint(mx), ctypes.c_uint(my), *_args([part_o, part_lse, splits, out, lse,
-                                                                                  hq]))  # fmt: skip
-    if err:
-        raise RuntimeError(f"emulated kernel misuse: {err.decode()}")
-    return out, lse, work
+    ``order``: the order CTAs start in (``grid``: x fastest, as the GPU dispatches them);
+    ``resident``: CTAs in flight at once (their threads interleave at every synchronisation
+    point, fence and atomic); ``seed``: 0 steps the resident CTAs in turn, otherwise picks the
+    next one at random (and shuffles the ``shuffled`` order); ``park``: a CTA that has just done
+    an atomic (drawn a ticket) waits while any other resident CTA can run.
+    """
+
+    order: Literal["grid", "reversed", "shuffled"] = "grid"
+    resident: int = 1
+    seed: int = 0
+    park: bool = False
+
+    def args(self) -> list[Any]:
+        code = ("grid", "reversed", "shuffled").index(self.order)
+        return [ctypes.c_int(self.resident), ctypes.c_int(code), ctypes.c_uint(self.seed), ctypes.c_int(self.park)]
+
+
+# one CTA at a time in grid order, then backwards (a request's pieces are merged by the other end
+# of the grid), then overlapping CTAs: in turn, at random from a shuffled start (tickets drawn in
+# any order, merges early in the launch while other CTAs still run), and with every CTA held back
+# right after its ticket (the last ticket drawn, and merged, before the others go on)
+SCHEDULES: tuple[Schedule, ...] = (
+    Schedule(),
+    Schedule("reversed"),
+    Schedule("grid", resident=8),
+    Schedule("shuffled", resident=5, seed=1),
+    Schedule("grid", resident=64, park=True),
+    Schedule("shuffled", resident=64, seed=2, park=True),
+)
+
+_LOG2E = 1.4426950408889634
+
+
+class DecodePlan:
+    """`plugin.CudaNativeDecodePlan` on the CPU, for the H200's geometry: the same steps with the
+    same functions (parameters, chunk, work list, the packed metadata and its capacities, the
+    workspace and the ticket counters, the grid), the GPU buffers being CPU tensors. What the
+    GPU leaves undefined starts as NaN here (``torch.empty``: the partial outputs and LSEs).
+    ``graph``: the CUDA-graph sizing (bucketed capacities, idle CTAs past the work list);
+    ``previous``: a graph-mode re-plan writes into that plan's buffers, counters included."""
+
+    packed: torch.Tensor  # all int32 metadata in one buffer (plugin._pack)
+    part_o: torch.Tensor  # workspace: partial outputs of split requests
+    part_lse: torch.Tensor
+    counters: torch.Tensor  # one per request and (KV head, q tile); zero between launches
+
+    def __init__(self, problem: DecodeProblem, batch: PagedBatch, tactic: Any, *, graph: bool = False,
+                 previous: DecodePlan | None = None) -> None:  # fmt: skip
+        from tactix_cuda_native import geometry, plugin
+
+        info = geometry.H200
+        self.problem = problem
+        b, hq, hkv, d = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim_qk
+        gqa = problem.gqa_ratio
+        units = hkv * geometry.q_tiles(gqa)
+        ranges = geometry.effective_lengths(batch.kv_lens_list, problem.window_left)
+        longest_cap = bucket_size(batch.max_kv_len) if graph else batch.max_kv_len
+        attended_cap = longest_cap if problem.window_left < 0 else min(longest_cap, problem.window_left + 1)
+        lengths = [attended_cap] * b if graph else [e - s for s, e in ranges]
+        if tactic.is_default:
+            params = geometry.default_decode_params(d, info, small=geometry.decode_is_small(lengths, units, info))
+        else:
+            params = geometry.DecodeParams.from_tactic(tactic)
+        self.params = params
+        self.lib = _library("emu_decode.cpp", plugin.decode_variant(problem.q_dtype, d, params, info.arch).defines)
+        self.smem = geometry.decode_smem_bytes(d, params.tile, params.warps, params.stages)
+        self.threads = 32 * params.warps
+        slots = info.sms * geometry.ctas_per_sm(info, self.smem, self.threads)  # no driver here: the estimate
+        chunk = params.kv_chunk or geometry.decode_chunk(lengths, units, params.tile, slots)
+        work = geometry.decode_work(ranges, chunk)
+        if graph:
+            item_cap = geometry.decode_capacity(b, attended_cap, chunk)
+            slot_cap = item_cap
+            page_cap = b * -(-longest_cap // problem.page_size)
+        else:
+            item_cap, slot_cap, page_cap = len(work.items), work.slots, batch.num_page_entries
+        self.work = work
+        self.chunk = chunk
+        self._geometry = (b, hq, hkv, d, problem.page_size, item_cap, slot_cap, page_cap, params)
+
+        items = torch.tensor(geometry.decode_items(work, batch.kv_indptr_list), dtype=torch.int32)
+        parts = [
+            ("items", items, geometry.DECODE_ITEM_INTS * item_cap),
+            ("num_items", torch.tensor([len(work.items)], dtype=torch.int32), 1),
+        ]
+        host_indices = batch.indices_on_host
+        if host_indices or graph:
+            parts.append(("indices", batch.kv_indices if host_indices else torch.zeros(0), page_cap))
+        host, where = plugin._pack(parts)
+        if graph and previous is not None:
+            assert previous._geometry == self._geometry, "the plugin refuses this re-plan"
+            previous.packed.copy_(host)
+            self.packed = previous.packed
+            self.part_o, self.part_lse, self.counters = previous.part_o, previous.part_lse, previous.counters
+        else:
+            self.packed = host
+            self.part_o = torch.full((max(slot_cap, 1) * hq * d,), float("nan"), dtype=torch.float32)
+            self.part_lse = torch.full((max(slot_cap, 1) * hq,), float("nan"), dtype=torch.float32)
+            grid_y = geometry.decode_grid(1, hkv, gqa)[1]
+            self.counters = torch.zeros(b * grid_y, dtype=torch.int32)
+        view = {name: self.packed[o : o + n] for name, (o, n) in where.items()}
+        indices = view.get("indices", batch.kv_indices)
+        self._buffers = (view["items"], view["num_items"], indices, self.part_o, self.part_lse, self.counters)
+        shift = geometry.log2_exact(problem.page_size)
+        assert shift is not None
+        self._scalars = (hq, gqa, geometry.q_tiles(gqa), shift, problem.sm_scale * _LOG2E,
+                         float(problem.logits_soft_cap))  # fmt: skip
+        self.grid = geometry.decode_grid(item_cap, hkv, gqa)
+        # every CTA of the grid reads a whole item record, idle ones included (decode.cu)
+        assert view["items"].numel() >= geometry.DECODE_ITEM_INTS * self.grid[0]
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+            schedule: Schedule = SCHEDULES[0]) -> None:  # fmt: skip
+        """`plugin.CudaNativeDecodePlan.run`: the same argument list, launched on the emulation.
+
+        The workspace is NaN again before each launch (on the GPU it holds the previous launch's
+        partials, here identical ones): a partial read before its CTA wrote it in this launch shows.
+        """
+        from tactix_cuda_native import plugin
+
+        self.part_o.fill_(float("nan"))
+        self.part_lse.fill_(float("nan"))
+
+        strides = plugin._cache_strides(self.problem.kv_layout, k, v)
+        if not (q.stride(2) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0) or q.data_ptr() % 16:
+            q = q.contiguous().clone()
+        assert (k.data_ptr() | v.data_ptr() | out.data_ptr()) % 16 == 0
+        args = _args([q, q.stride(0), q.stride(1), k, v, *strides, out, lse, *self._buffers, *self._scalars])
+        gx, gy, gz = self.grid
+        err = self.lib.emu_decode(ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(gz), ctypes.c_int(self.threads),
+                                  ctypes.c_longlong(self.smem), *schedule.args(), *args)  # fmt: skip
+        if err:
+            raise RuntimeError(f"emulated kernel misuse: {err.decode()}")

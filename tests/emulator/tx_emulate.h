@@ -1,15 +1,28 @@
 // A CPU emulation of the few CUDA features the cuda_native kernels use, so that the kernel
 // sources themselves (kernels/*.cu, compiled with g++ and TX_EMULATE) run on a machine without
-// a GPU. Tests only: it checks indexing, fragment layouts, masking, pipelining and epilogues,
-// not speed.
+// a GPU. Tests only: it checks indexing, fragment layouts, masking, pipelining, epilogues and
+// the cross-CTA ticket protocol, not speed.
 //
-// Every CUDA thread of a CTA is a fiber (ucontext) on one OS thread, scheduled round-robin; a
-// fiber yields only at synchronisation points: __syncthreads, __syncwarp and the warp-collective
-// operations (ldmatrix, mma.sync, shuffles), which exchange their operands through per-warp
-// slots between two warp barriers. cp.async copies are queued per thread and land when that
-// thread waits for their group (the latest moment the hardware allows), or at once with
-// TXE_EAGER_COPIES=1; shared memory is filled with 0xFF (NaN in bf16 and fp16) before each CTA,
-// so reading a tile before its copies have landed, or a row never written, shows up as NaN.
+// Every CUDA thread of a CTA is a fiber (ucontext) on one OS thread; a fiber yields only at
+// synchronisation points: __syncthreads, __syncwarp, the warp-collective operations (ldmatrix,
+// mma.sync, shuffles), which exchange their operands through per-warp slots between two warp
+// barriers, and __threadfence and atomics (so that other CTAs may run in between). A scheduling
+// step ("round") resumes each unfinished thread of one CTA once. Several CTAs may be resident at
+// once (Schedule::resident): each has its own barriers, warp slots and shared memory (swapped in
+// and out of `smem` when the scheduler moves to another CTA), and the scheduler steps them in
+// turn or, with a seed, at random, so CTAs overlap the way they do on a GPU and a CTA that
+// draws the last ticket of a counter may do so early or late. CTAs start in grid order (x
+// fastest), reversed, or shuffled. Global memory is plain host memory: sequentially consistent.
+// What the memory model asks of the ticket protocol (kernels/decode.cu, gemm.cu) is checked
+// instead: a thread's atomic must come after a __threadfence of that thread (its CTA's results
+// are published), and a ld.global.cg after its CTA's atomic must come after a __threadfence
+// following it (the other CTAs' results are acquired).
+//
+// cp.async copies are queued per thread and land when that thread waits for their group (the
+// latest moment the hardware allows), or at once with TXE_EAGER_COPIES=1; a CTA's shared memory
+// is filled with 0xFF (NaN in bf16 and fp16) when it starts, so reading a tile before its copies
+// have landed, or a row never written, shows up as NaN. Shared memory past the launch's dynamic
+// size must stay untouched (checked when each CTA ends).
 //
 // Fragment layouts follow the PTX ISA (mma.m16n8k16 with .row.col and 16-bit operands, fp32
 // accumulators; ldmatrix .m8n8.x4 .b16 with and without .trans).
@@ -17,12 +30,15 @@
 
 #include <ucontext.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <memory>
+#include <random>
 #include <vector>
 
 #define TX_EMULATE 1
@@ -51,13 +67,16 @@ struct Copy {
   int bytes;
 };
 
+constexpr size_t STACK_BYTES = 256 * 1024;
+
 struct Thread {
   ucontext_t ctx;
-  std::vector<char> stack;
+  std::unique_ptr<char[]> stack{new char[STACK_BYTES]};  // untouched until used
   Dim3 tid;
   bool done = false;
   std::vector<Copy> open;               // issued, not yet committed
   std::deque<std::vector<Copy>> groups;  // committed, not yet landed
+  unsigned long long fenced = 0;        // event number of its last __threadfence
 };
 
 struct Barrier {
@@ -71,17 +90,44 @@ struct Slots {
   const void* p;
 };
 
+struct Cta {
+  Dim3 idx{0, 0, 0};
+  std::vector<Thread> threads;
+  Barrier bar;
+  std::vector<Barrier> warp_bars;
+  std::vector<Slots> slots;  // one per thread
+  int live = 0;
+  unsigned long long started = 0;    // event number when it started
+  unsigned long long ticket = 0;     // event number of its last atomic (0: none)
+  bool parked = false;               // held back after an atomic (Schedule::park)
+  std::vector<unsigned char> saved;  // its shared memory while another CTA's is in `smem`
+};
+
+// How a launch runs its grid. order: 0 grid order (x fastest, as the GPU dispatches), 1 reversed,
+// 2 shuffled with `seed`; resident: CTAs in flight at once; seed (with resident > 1): 0 steps the
+// resident CTAs in turn, otherwise in a random order drawn from it; park: a CTA whose thread has
+// just done an atomic waits while any other resident CTA can run, and when all wait, the one
+// with the latest atomic goes on first (the longest delay the GPU allows between a ticket and
+// what its CTA does next: the last ticket is drawn, and its merge done, before the CTAs that
+// drew the others get past them).
+struct Schedule {
+  int resident = 1;
+  int order = 0;
+  unsigned seed = 0;
+  bool park = false;
+  size_t smem_bytes = sizeof(smem);  // the launch's dynamic shared memory
+};
+
 inline Thread* cur = nullptr;
-inline Dim3 block_idx{0, 0, 0};
+inline Cta* cta = nullptr;  // the CTA being stepped
+inline Dim3 grid_dim{0, 0, 0};
 inline ucontext_t sched_ctx;
-inline std::vector<Thread*> threads;
-inline Barrier block_bar;
-inline std::vector<Barrier> warp_bars;
-inline std::vector<Slots> slots;  // one per thread
 inline std::function<void()> body;
 inline bool eager = false;
-inline int live = 0;
-inline const char* error = nullptr;  // the first misuse seen (the launch returns it)
+inline bool park = false;
+inline size_t smem_size = sizeof(smem);
+inline unsigned long long events = 0;  // fences, atomics and CTA starts, numbered in order
+inline const char* error = nullptr;    // the first misuse seen (the launch returns it)
 
 inline void fail(const char* what) {
   if (error == nullptr) error = what;
@@ -110,56 +156,112 @@ inline void wait(Barrier& b, int count) {
 
 inline int tid() { return (int)cur->tid.x; }
 inline int lane() { return tid() & 31; }
-inline void warp_barrier() { wait(warp_bars[tid() >> 5], 32); }
-inline Slots& my_slot() { return slots[tid()]; }
-inline Slots& lane_slot(int l) { return slots[(tid() & ~31) + l]; }
+inline void warp_barrier() { wait(cta->warp_bars[tid() >> 5], 32); }
+inline Slots& my_slot() { return cta->slots[tid()]; }
+inline Slots& lane_slot(int l) { return cta->slots[(tid() & ~31) + l]; }
 
 inline void entry() {
   body();
   cur->done = true;
-  --live;
+  --cta->live;
   swapcontext(&cur->ctx, &sched_ctx);
 }
 
-// Run `kernel` once per CTA of the grid, with `nthreads` threads each.
-inline const char* launch(unsigned gx, unsigned gy, int nthreads, std::function<void()> kernel) {
+inline void start(Cta& c, Dim3 idx) {
+  c.idx = idx;
+  c.bar = Barrier{};
+  c.warp_bars.assign((c.threads.size() + 31) / 32, Barrier{});
+  c.slots.assign(c.threads.size(), Slots{});
+  c.live = (int)c.threads.size();
+  c.started = ++events;
+  c.ticket = 0;
+  c.parked = false;
+  c.saved.assign(smem_size, 0xFF);
+  for (size_t i = 0; i < c.threads.size(); ++i) {
+    Thread& t = c.threads[i];
+    t.tid = {(unsigned)i, 0, 0};
+    t.done = false;
+    t.open.clear();
+    t.groups.clear();
+    t.fenced = 0;
+    getcontext(&t.ctx);
+    t.ctx.uc_stack.ss_sp = t.stack.get();
+    t.ctx.uc_stack.ss_size = STACK_BYTES;
+    t.ctx.uc_link = nullptr;
+    makecontext(&t.ctx, entry, 0);
+  }
+}
+
+// Run `kernel` once per CTA of the grid, with `nthreads` threads each, as `schedule` says.
+inline const char* launch(Dim3 grid, int nthreads, std::function<void()> kernel, Schedule schedule = {}) {
   error = nullptr;
   const char* env = std::getenv("TXE_EAGER_COPIES");
   eager = env != nullptr && env[0] == '1';
+  if (schedule.smem_bytes > sizeof(smem)) return "launch: more dynamic shared memory than the emulation has";
   body = std::move(kernel);
-  std::vector<Thread> pool(nthreads);
-  for (auto& t : pool) t.stack.resize(256 * 1024);
-  slots.assign(nthreads, Slots{});
-  for (unsigned by = 0; by < gy; ++by) {
-    for (unsigned bx = 0; bx < gx; ++bx) {
-      block_idx = {bx, by, 0};
-      std::memset(smem, 0xFF, sizeof(smem));
-      block_bar = Barrier{};
-      warp_bars.assign((nthreads + 31) / 32, Barrier{});
-      threads.clear();
-      for (int i = 0; i < nthreads; ++i) {
-        Thread& t = pool[i];
-        t.tid = {(unsigned)i, 0, 0};
-        t.done = false;
-        t.open.clear();
-        t.groups.clear();
-        getcontext(&t.ctx);
-        t.ctx.uc_stack.ss_sp = t.stack.data();
-        t.ctx.uc_stack.ss_size = t.stack.size();
-        t.ctx.uc_link = nullptr;
-        makecontext(&t.ctx, entry, 0);
-        threads.push_back(&t);
-      }
-      live = nthreads;
-      while (live > 0) {
-        for (Thread* t : threads) {
-          if (t->done) continue;
-          cur = t;
-          swapcontext(&sched_ctx, &t->ctx);
-        }
-      }
+  park = schedule.park;
+  grid_dim = grid;
+  smem_size = schedule.smem_bytes;
+  std::vector<Dim3> order;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) order.push_back({x, y, z});
+  if (schedule.order == 1) std::reverse(order.begin(), order.end());
+  if (schedule.order == 2) std::shuffle(order.begin(), order.end(), std::mt19937(schedule.seed));
+  std::mt19937 pick(schedule.seed);
+  const size_t resident = std::max<size_t>(1, std::min<size_t>(schedule.resident, order.size()));
+  std::vector<std::unique_ptr<Cta>> pool;
+  std::vector<Cta*> active;
+  size_t next = 0;
+  for (size_t i = 0; i < resident && next < order.size(); ++i) {
+    pool.push_back(std::make_unique<Cta>());
+    pool.back()->threads = std::vector<Thread>(nthreads);
+    start(*pool.back(), order[next++]);
+    active.push_back(pool.back().get());
+  }
+  std::memset(smem, 0xFF, sizeof(smem));
+  Cta* loaded = nullptr;  // whose shared memory is in `smem`
+  size_t turn = 0;
+  std::vector<size_t> runnable;
+  while (!active.empty()) {
+    runnable.clear();
+    for (size_t j = 0; j < active.size(); ++j)
+      if (!active[j]->parked) runnable.push_back(j);
+    if (runnable.empty()) {  // every resident CTA is parked: the latest ticket goes on first
+      size_t last = 0;
+      for (size_t j = 1; j < active.size(); ++j)
+        if (active[j]->ticket > active[last]->ticket) last = j;
+      active[last]->parked = false;
+      runnable.push_back(last);
+    }
+    const size_t i = runnable[schedule.seed != 0 ? pick() % runnable.size() : turn++ % runnable.size()];
+    Cta* c = active[i];
+    if (loaded != c) {
+      if (loaded != nullptr) std::memcpy(loaded->saved.data(), smem, smem_size);
+      std::memcpy(smem, c->saved.data(), smem_size);
+      loaded = c;
+    }
+    cta = c;
+    for (Thread& t : c->threads) {
+      if (t.done) continue;
+      cur = &t;
+      swapcontext(&sched_ctx, &t.ctx);
+    }
+    if (c->live > 0) continue;
+    static const std::vector<unsigned char> unwritten(sizeof(smem), 0xFF);
+    if (std::memcmp(smem + smem_size, unwritten.data(), sizeof(smem) - smem_size) != 0) {
+      fail("shared memory written past the launch's dynamic size");
+      std::memset(smem + smem_size, 0xFF, sizeof(smem) - smem_size);
+    }
+    loaded = nullptr;
+    if (next < order.size()) {
+      start(*c, order[next++]);
+    } else {
+      active.erase(active.begin() + (long)i);
     }
   }
+  cur = nullptr;
+  cta = nullptr;
   return error;
 }
 
@@ -174,16 +276,36 @@ inline float from_bits(u32 u) {
   return f;
 }
 
+inline void check_aligned(const void* p, size_t n, const char* what) {
+  if ((uintptr_t)p % n != 0) fail(what);
+}
+
 }  // namespace txe
 
 #define threadIdx (txe::cur->tid)
-#define blockIdx (txe::block_idx)
+#define blockIdx (txe::cta->idx)
+#define gridDim (txe::grid_dim)
+
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+static inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 
 static inline float __int_as_float(int i) { return txe::from_bits((u32)i); }
 static inline float __uint_as_float(u32 u) { return txe::from_bits(u); }
 static inline u32 __float_as_uint(float f) { return txe::bits(f); }
 template <class T>
 static inline T __ldg(const T* p) {
+  txe::check_aligned(p, alignof(T), "__ldg: unaligned address");
+  return *p;
+}
+// ld.global.cg: reads L2, where other CTAs' results are; after this CTA's ticket it must follow a
+// __threadfence of the reading thread
+template <class T>
+static inline T __ldcg(const T* p) {
+  txe::check_aligned(p, alignof(T), "__ldcg: unaligned address");
+  if (txe::cta->ticket != 0 && txe::cur->fenced < txe::cta->ticket)
+    txe::fail("__ldcg after the CTA's atomic ticket with no __threadfence of this thread in between");
   return *p;
 }
 static inline int min(int a, int b) { return a < b ? a : b; }
@@ -192,8 +314,43 @@ using std::fmaf;
 using std::fmaxf;
 
 // threads that have exited no longer count (as on the GPU); the kernels exit only past their last barrier
-static inline void __syncthreads() { txe::wait(txe::block_bar, txe::live); }
+static inline void __syncthreads() { txe::wait(txe::cta->bar, txe::cta->live); }
 static inline void __syncwarp() { txe::warp_barrier(); }
+
+static inline void __threadfence() {
+  txe::cur->fenced = ++txe::events;
+  txe::yield();
+}
+
+// Atomics on global memory: other CTAs may run just before and just after. A ticket publishes
+// the thread's CTA's results, so a __threadfence of the thread must come first.
+template <class T, class F>
+static inline T tx_emu_atomic(T* p, F f) {
+  txe::check_aligned(p, sizeof(T), "atomic: unaligned address");
+  if (txe::cur->fenced <= txe::cta->started) txe::fail("atomic with no __threadfence of this thread before it");
+  txe::yield();
+  const T old = *p;
+  *p = f(old);
+  txe::cta->ticket = ++txe::events;
+  if (txe::park) txe::cta->parked = true;
+  txe::yield();
+  return old;
+}
+static inline int atomicAdd(int* p, int v) {
+  return tx_emu_atomic(p, [v](int old) { return (int)((unsigned)old + (unsigned)v); });
+}
+static inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  return tx_emu_atomic(p, [v](unsigned old) { return old + v; });
+}
+static inline int atomicExch(int* p, int v) {
+  return tx_emu_atomic(p, [v](int) { return v; });
+}
+static inline unsigned atomicExch(unsigned* p, unsigned v) {
+  return tx_emu_atomic(p, [v](unsigned) { return v; });
+}
+static inline int atomicCAS(int* p, int compare, int v) {
+  return tx_emu_atomic(p, [compare, v](int old) { return old == compare ? v : old; });
+}
 
 static inline float __shfl_xor_sync(unsigned, float v, int mask) {
   txe::my_slot().f[0] = v;
@@ -208,7 +365,7 @@ static inline float __shfl_xor_sync(unsigned, float v, int mask) {
 TX_DEVICE u32 tx_smem_addr(const void* p) { return (u32)((const unsigned char*)p - smem); }
 
 TX_DEVICE void tx_cp_async16(u32 dst, const void* src, int src_bytes) {
-  if (dst % 16 != 0 || dst + 16 > sizeof(smem)) return txe::fail("cp.async: bad shared address");
+  if (dst % 16 != 0 || dst + 16 > txe::smem_size) return txe::fail("cp.async: bad shared address");
   if (src_bytes > 0 && ((uintptr_t)src % 16) != 0) return txe::fail("cp.async: unaligned global address");
   const txe::Copy c{dst, src, src_bytes};
   if (txe::eager) {
@@ -216,6 +373,16 @@ TX_DEVICE void tx_cp_async16(u32 dst, const void* src, int src_bytes) {
   } else {
     txe::cur->open.push_back(c);
   }
+}
+// L2 hints (256-byte prefetch, cache policies) change nothing a kernel can observe: the plain copy
+TX_DEVICE void tx_cp_async16_stream(u32 dst, const void* src, int src_bytes) { tx_cp_async16(dst, src, src_bytes); }
+TX_DEVICE void tx_cp_async16_hint(u32 dst, const void* src, int src_bytes, unsigned long long) {
+  tx_cp_async16(dst, src, src_bytes);
+}
+TX_DEVICE unsigned long long tx_l2_policy(bool evict_first) { return evict_first ? 1 : 0; }
+TX_DEVICE void tx_ldg4(const int* p, int& a, int& b, int& c, int& d) {
+  txe::check_aligned(p, 16, "ld.global.nc.v4: unaligned address");
+  a = p[0], b = p[1], c = p[2], d = p[3];
 }
 TX_DEVICE void tx_cp_async_commit() {
   txe::cur->groups.push_back(std::move(txe::cur->open));
@@ -239,7 +406,7 @@ static inline u16 tx_emu_load16(u32 addr) {
 // lane l gets, from matrix i (rows at the addresses of lanes 8i..8i+7): row l / 4, columns
 // 2 (l % 4) and 2 (l % 4) + 1 (.trans: column l / 4, rows 2 (l % 4) and 2 (l % 4) + 1)
 static inline void tx_emu_ldmatrix(u32 addr, u32* r, bool trans) {
-  if (addr % 16 != 0 || addr + 16 > sizeof(smem)) txe::fail("ldmatrix: bad row address");
+  if (addr % 16 != 0 || addr + 16 > txe::smem_size) txe::fail("ldmatrix: bad row address");
   txe::my_slot().u[0] = addr;
   txe::warp_barrier();
   const int l = txe::lane();

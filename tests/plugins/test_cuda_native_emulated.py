@@ -4,11 +4,16 @@ without a GPU.
 
 The emulation is checked first on the decode kernel, which is proven on the H200 (it passes
 there against the same oracle): the same fragment layouts (ldmatrix with and without .trans,
-mma.sync m16n8k16), cp.async groups and shuffles serve both kernels. The prefill runs use the
-plan's own host data (`geometry.prefill_work`, `plugin.prefill_lists`, `plugin.prefill_scalars`).
-cp.async copies land when their thread waits for them (the latest legal moment) or, with
-TXE_EAGER_COPIES=1, at once (the earliest); shared memory starts as NaN for every CTA.
-What this cannot show: speed, and anything of the real memory model beyond program order.
+mma.sync m16n8k16), cp.async groups and shuffles serve both kernels. The decode runs are launched
+as the plugin's plan launches them (`emulate.DecodePlan`), and split requests are merged inside
+the kernel by the CTA that draws the last ticket: they run under several CTA schedules (one at a
+time, overlapping, held back after their tickets), which must all give the same bits. The
+prefill runs use the plan's own host data (`geometry.prefill_work`, `plugin.prefill_lists`,
+`plugin.prefill_scalars`). cp.async copies land when their thread waits for them (the latest
+legal moment) or, with TXE_EAGER_COPIES=1, at once (the earliest); shared memory starts as NaN
+for every CTA, and so does the decode workspace before each launch.
+What this cannot show: speed, and the real memory model: global memory is sequentially
+consistent here; the fences a ticket needs are checked by rule (tx_emulate.h), not by effect.
 """
 
 from __future__ import annotations
@@ -106,17 +111,8 @@ def prefill_case(q_lens: list[int], kv_lens: list[int], *, page: int = 16, hq: i
 # -- the emulation itself, on the kernel proven on the H200 ------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("lens", "kw"),
-    [
-        ([1, 17, 300, 64], {}),
-        ([1, 17, 300, 64], {"d": 128, "page": 1, "layout": "NHD", "hq": 4, "hkv": 4, "window": 20, "cap": 10.0}),
-        ([700, 5], {"tactic": {"tile": 64, "warps": 4, "stages": 3, "kv_chunk": 128}}),
-        ([33, 2], {"d": 256, "page": 128, "dtype": torch.float16}),
-    ],
-)
-def test_emulation_reproduces_the_h200_proven_decode_kernel(lens: list[int], kw: dict[str, Any]) -> None:
-    gen = torch.Generator().manual_seed(1)
+def _decode_case(lens: list[int], kw: dict[str, Any], seed: int = 1) -> tuple[Any, ...]:
+    gen = torch.Generator().manual_seed(seed)
     d, page, layout, hq, hkv = kw.get("d", 64), kw.get("page", 16), kw.get("layout", "HND"), kw.get("hq", 8), kw.get(
         "hkv", 2)  # fmt: skip
     dtype = kw.get("dtype", torch.bfloat16)
@@ -129,15 +125,81 @@ def test_emulation_reproduces_the_h200_proven_decode_kernel(lens: list[int], kw:
         page_size=page, causal=False, sm_scale=None, window_left=window, logits_soft_cap=cap, q_data_type=dtype,
         kv_data_type=None, o_data_type=None, return_lse=True,
     )  # fmt: skip
-    tactic = kw.get("tactic")
-    t = Tactic.default("cuda_native") if tactic is None else Tactic(backend="cuda_native", kernel="decode",
-                                                                     params=tactic)  # fmt: skip
-    out, lse, _ = emulate.run_decode(problem, batch, t, q, k, v, return_lse=True)  # type: ignore[arg-type]
     ref, ref_lse = attention_reference(q, k, v, torch.arange(len(lens) + 1, dtype=torch.int32), indptr, indices,
                                        last, kv_layout=layout, causal=False, sm_scale=problem.sm_scale,
                                        window_left=window, logits_soft_cap=cap)  # fmt: skip
-    assert relative_error(out, ref) <= tolerance_for(dtype)
-    assert lse is not None and lse_error(lse, ref_lse) <= LSE_TOLERANCE[str(dtype)[6:]]
+    return problem, batch, q, k, v, ref, ref_lse
+
+
+def _decode_run(plan: emulate.DecodePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, lse: bool,
+                schedule: emulate.Schedule) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """One launch into NaN-filled outputs; the ticket counters are zero before and after it."""
+    b, hq, d = q.shape
+    out = torch.full((b, hq, d), float("nan"), dtype=q.dtype)
+    lse_t = torch.full((b, hq), float("nan"), dtype=torch.float32) if lse else None
+    assert not plan.counters.any(), "counters not zero before the launch"
+    plan.run(q, k, v, out, lse_t, schedule)
+    assert not plan.counters.any(), f"{schedule}: counters {plan.counters.tolist()} not reset by the merging CTAs"
+    return out, lse_t
+
+
+DECODE_CASES = [
+    # (lens, options, whether a request is split: its partials merged inside the kernel)
+    ([1, 17, 300, 64], {}, True),
+    ([1, 17, 300, 64], {"d": 128, "page": 1, "layout": "NHD", "hq": 4, "hkv": 4, "window": 20, "cap": 10.0}, False),
+    ([700, 5], {"tactic": {"tile": 64, "warps": 4, "stages": 3, "kv_chunk": 128}}, True),
+    ([33, 2], {"d": 256, "page": 128, "dtype": torch.float16}, False),
+]
+
+
+@pytest.mark.parametrize(("lens", "kw", "split"), DECODE_CASES)
+def test_emulation_reproduces_the_h200_proven_decode_kernel(lens: list[int], kw: dict[str, Any], split: bool) -> None:
+    """The kernel as the plugin launches it (`emulate.DecodePlan` repeats the plan's steps), under
+    every schedule of `emulate.SCHEDULES`: one CTA at a time forwards and backwards, and CTAs
+    overlapping (tickets drawn in any order, merges early and late). Each launch matches the
+    oracle, leaves the counters at zero (so the next launch, a CUDA-graph replay, starts clean)
+    and, merged in slot order whoever merges, is bitwise the same as the first."""
+    problem, batch, q, k, v, ref, ref_lse = _decode_case(lens, kw)
+    dtype = q.dtype
+    tactic = kw.get("tactic")
+    t = Tactic.default("cuda_native") if tactic is None else Tactic(backend="cuda_native", kernel="decode",
+                                                                     params=tactic)  # fmt: skip
+    assert plugin._reasons(problem, t, H200) == []  # type: ignore[arg-type]
+    plan = emulate.DecodePlan(problem, batch, t)  # type: ignore[arg-type]
+    assert any(count > 1 for _, count in plan.work.splits) == split, plan.work
+    first: tuple[torch.Tensor, torch.Tensor] | None = None
+    for schedule in emulate.SCHEDULES:
+        out, lse = _decode_run(plan, q, k, v, lse=True, schedule=schedule)
+        assert lse is not None
+        err, lerr = relative_error(out, ref), lse_error(lse, ref_lse)
+        assert err <= tolerance_for(dtype), f"{schedule}: relative error {err:.3e}"
+        assert lerr <= LSE_TOLERANCE[str(dtype)[6:]], f"{schedule}: LSE error {lerr:.3e}"
+        if first is None:
+            first = out, lse
+        else:
+            assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), f"{schedule}: not bitwise the same"
+    assert first is not None
+    # without an LSE output (a null pointer): the same output
+    out, _ = _decode_run(plan, q, k, v, lse=False, schedule=emulate.SCHEDULES[-1])
+    assert torch.equal(out, first[0])
+
+
+def test_emulated_decode_graph_mode_replays_and_replans() -> None:
+    """CUDA-graph sizing: capacities from the kv-length bucket (idle CTAs past the work list, whose
+    item records are still read), replays into the same counters, then a re-plan of another
+    batch of the bucket into the same buffers (counters included) and more replays."""
+    kw: dict[str, Any] = {"tactic": {"tile": 64, "warps": 4, "stages": 2, "kv_chunk": 128}, "hq": 8, "hkv": 2}
+    plan = None
+    for lens, seed in (([700, 5, 260], 1), ([300, 1000, 64], 2)):
+        problem, batch, q, k, v, ref, ref_lse = _decode_case(lens, kw, seed=seed)
+        t = Tactic(backend="cuda_native", kernel="decode", params=kw["tactic"])
+        plan = emulate.DecodePlan(problem, batch, t, graph=True, previous=plan)  # type: ignore[arg-type]
+        assert plan.grid[0] > len(plan.work.items) and plan.work.needs_merge
+        for schedule in emulate.SCHEDULES[2:]:
+            out, lse = _decode_run(plan, q, k, v, lse=True, schedule=schedule)
+            assert lse is not None
+            assert relative_error(out, ref) <= tolerance_for(q.dtype), f"{lens} {schedule}"
+            assert lse_error(lse, ref_lse) <= LSE_TOLERANCE["bfloat16"], f"{lens} {schedule}"
 
 
 # -- prefill ---------------------------------------------------------------------------------
