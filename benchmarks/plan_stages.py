@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import statistics
 import time
@@ -56,6 +57,12 @@ def main() -> None:
             w.plan(b[0], b[1], b[2], 32, 8, 128, 16, q_data_type=torch.bfloat16)
 
         timed("whole plan()", full)
+        gc.disable()
+        timed("whole plan(), gc off", full)
+        gc.enable()
+        same = batches[0]
+        timed("whole plan(), same batch", lambda w=wrapper, b=same: w.plan(b[0], b[1], b[2], 32, 8, 128, 16,
+                                                                    q_data_type=torch.bfloat16))  # fmt: skip
         b0 = batches[0]
         timed("PagedBatch.build", lambda b=b0: PagedBatch.build(  # type: ignore[misc]
             qo_indptr=None, kv_indptr=b[0], kv_indices=b[1], kv_last_page_len=b[2], page_size=16, device=dev,
@@ -94,6 +101,7 @@ def main() -> None:
                 wrapper.plan(b[0], b[1], b[2], 32, 8, 128, 16, q_data_type=torch.bfloat16)
         profile.disable()
         pstats.Stats(profile).sort_stats("cumulative").print_stats(40)
+        pstats.Stats(profile).sort_stats("tottime").print_stats(40)
 
 
 if __name__ == "__main__":
