@@ -264,7 +264,7 @@ class _PagedAttention(Planned):
             backend=chosen_backend,
             tactic=chosen_tactic,
             options=options,
-            previous=self._selection if self._use_cuda_graph else None,
+            previous=self._selection,  # eager plans may reuse its buffers too (same backend only)
         )
 
         rows = batch.num_qo_tokens

@@ -13,8 +13,8 @@ Tactics are the kernels' compile-time and launch parameters:
   "splits": 0})`` (``splits`` 0: chosen from the shape by `geometry.gemm_splits`);
 * both take an optional ``"l2"``: 1 (the default, left out of the params) streams the KV cache
   with an L2 evict_first policy, 0 with evict_normal (L2's default, same copy form), 2 adds a
-  256-byte L2 prefetch; the GEMM's weight gets no policy (l2 0 and 1 are one kernel, 2 adds the prefetch): ptxas miscompiles
-  its cp.async with one for some shapes on sm_90 (kernels/common.cuh).
+  256-byte L2 prefetch; the GEMM's weight gets no policy (l2 0 and 1 are one kernel, 2 adds the
+  prefetch): ptxas miscompiles its cp.async with one for some shapes on sm_90 (kernels/common.cuh).
 
 The default tactic is the heuristic of `geometry` for the problem and the GPU. Plans do all host
 work — the work list, the device metadata in one transfer, the workspace — and ``run`` only

@@ -149,7 +149,30 @@ def _params_reasons(tactic: Tactic, kernel: str = "sdpa") -> list[str]:
     return []
 
 
+def _static_sig(problem: PrefillProblem | DecodeProblem) -> tuple[Any, ...]:
+    """Every field of an attention problem but its batch sizes (what reasons and graph keys read)."""
+    return (problem.__class__, problem.q_dtype, problem.kv_dtype, problem.out_dtype, problem.num_qo_heads,
+            problem.num_kv_heads, problem.head_dim_qk, problem.head_dim_vo, problem.page_size, problem.kv_layout,
+            problem.window_left, problem.sm_scale, problem.logits_soft_cap, problem.return_lse,
+            problem.deterministic, getattr(problem, "causal", False))  # fmt: skip
+
+
+_reasons_memo: dict[tuple[Any, ...], tuple[str, ...]] = {}
+
+
 def _attention_reasons(problem: PrefillProblem | DecodeProblem) -> list[str]:
+    """Why cuDNN cannot serve ``problem`` (none of it depends on the batch), remembered per set of
+    static fields and device: checks and plans ask for every batch."""
+    sig = (_static_sig(problem), torch.cuda.current_device() if cuda_available() else -1)
+    found = _reasons_memo.get(sig)
+    if found is None:
+        if len(_reasons_memo) >= 1024:
+            _reasons_memo.clear()
+        found = _reasons_memo[sig] = tuple(_attention_reasons_now(problem))
+    return list(found)
+
+
+def _attention_reasons_now(problem: PrefillProblem | DecodeProblem) -> list[str]:
     out = []
     if problem.kv_dtype != problem.q_dtype or problem.out_dtype != problem.q_dtype:
         out.append("q, kv and out dtypes must be the same")
@@ -275,8 +298,28 @@ def _knob_items(tactic: Tactic) -> tuple[tuple[str, int], ...]:
     return tuple(sorted((str(k), int(v)) for k, v in knobs.items()))  # type: ignore[arg-type]
 
 
+_keys_memo: dict[tuple[Any, ...], tuple[Tactic, GraphKey]] = {}
+
+
 def _key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: int, max_kv: int, pages: int,
          k_strides: Strides, v_strides: Strides, tactic: Tactic) -> GraphKey:  # fmt: skip
+    """The graph key of a batch's buckets, remembered (a 21-field frozen dataclass costs microseconds)."""
+    decode = isinstance(problem, DecodeProblem)
+    sig = (_static_sig(problem), batch_size if decode else bucket_size(batch_size),
+           1 if decode else bucket_size(max(max_q, 1)), bucket_size(max_kv), bucket_size(pages), k_strides, v_strides,
+           id(tactic))  # fmt: skip
+    found = _keys_memo.get(sig)
+    if found is not None and found[0] is tactic:  # the entry holds the tactic: its id is not reused
+        return found[1]
+    key = _make_key(problem, batch_size, max_q, max_kv, pages, k_strides, v_strides, tactic)
+    if len(_keys_memo) >= 4096:
+        _keys_memo.clear()
+    _keys_memo[sig] = (tactic, key)
+    return key
+
+
+def _make_key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: int, max_kv: int, pages: int,
+              k_strides: Strides, v_strides: Strides, tactic: Tactic) -> GraphKey:  # fmt: skip
     max_kv_b = bucket_size(max_kv)
     decode = isinstance(problem, DecodeProblem)
     return GraphKey(
@@ -399,6 +442,52 @@ def gather_table(ext: torch.Tensor, row_starts: torch.Tensor, out: torch.Tensor)
     torch.index_select(ext.unfold(0, width, 1), 0, row_starts, out=out)
 
 
+class _Staging:
+    """The metadata buffers one wrapper's plans reuse: two slots, each a pinned host buffer and a
+    device buffer of ``capacity`` int32.
+
+    A plan packs its metadata into a host slot with one C-level copy and sends it with one
+    ``copy_``; successive eager plans alternate between the slots (a plan's device slot is
+    rewritten two plans later, stream-ordered after the runs enqueued before that plan, as
+    FlashInfer's plan rewrites its workspace), and CUDA-graph plans always use slot 0 (the
+    captured graph reads its addresses). A host slot whose last transfer has not run yet (the host
+    far ahead of the GPU) is replaced by a fresh pinned buffer rather than waited for.
+    """
+
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        self.device = device
+        self.capacity = capacity
+        self._host = [torch.empty(capacity, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self._dev = [torch.empty(capacity, dtype=torch.int32, device=device) for _ in range(2)]
+        self._dev_ptr = [t.data_ptr() for t in self._dev]
+        self._sent: list[torch.cuda.Event | None] = [None, None]
+        self._next = 0
+
+    @classmethod
+    def reuse(cls, old: _Staging | None, device: torch.device, size: int) -> _Staging:
+        """``old`` when it holds ``size`` entries on ``device`` (in CUDA-graph mode it always does:
+        the buckets, which fix the size, cannot change), else new slots."""
+        if old is not None and old.device == device and size <= old.capacity:
+            return old
+        return cls(device, max(size + (-size % 4096), 2 * old.capacity if old is not None else 0))
+
+    def send(self, payload: array.array[int], *, graph: bool) -> int:
+        """Copy ``payload`` to a device slot (enqueued on the current stream); its device address."""
+        slot = 0 if graph else self._next
+        self._next = 1 - slot
+        sent = self._sent[slot]
+        if sent is not None and not sent.query():  # type: ignore[no-untyped-call]
+            self._host[slot] = torch.empty(self.capacity, dtype=torch.int32, pin_memory=True)
+        host = self._host[slot]
+        count = len(payload)
+        ctypes.memmove(host.data_ptr(), payload.buffer_info()[0], 4 * count)
+        self._dev[slot][:count].copy_(host[:count], non_blocking=True)
+        if sent is None:
+            sent = self._sent[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        sent.record(torch.cuda.current_stream(self.device))
+        return self._dev_ptr[slot]
+
+
 class CudnnAttentionPlan:
     """Device metadata for one batch plus the graph(s) that read it.
 
@@ -413,8 +502,8 @@ class CudnnAttentionPlan:
     """
 
     _shape: tuple[int, int, int, int]  # batch size, longest q, longest kv, container pages
-    _small: torch.Tensor  # device: lengths, offsets and row starts
-    _table: torch.Tensor  # device: the padded page table [batch, width]
+    _small: torch.Tensor | None  # device: lengths, offsets and row starts (None: in the staging slot)
+    _table: torch.Tensor | None  # device: the padded page table [batch, width] (None: in the staging slot)
     _base_key: GraphKey
 
     def __init__(self, problem: PrefillProblem | DecodeProblem, batch: PagedBatch, tactic: Tactic,
@@ -444,6 +533,10 @@ class CudnnAttentionPlan:
                 raise UnsupportedProblemError(NAME, problem, [
                     "in CUDA-graph mode a re-plan must keep the graph's buckets (batch, lengths, pages)"])  # fmt: skip
         self._base_key = base
+        self._graph_mode = bool(options["use_cuda_graph"])
+        self._staging: _Staging | None = previous._staging if isinstance(previous, CudnnAttentionPlan) else None
+        self._small: torch.Tensor | None = None
+        self._table: torch.Tensor | None = None
         self._fill_metadata(batch, base, previous if graph_mode else None)  # type: ignore[arg-type]
         graph, self.built = graph_cache.get(base, self.handle)
         self._graphs: dict[tuple[tuple[int, ...], tuple[int, ...]], BuiltGraph] = {}
@@ -465,18 +558,23 @@ class CudnnAttentionPlan:
         indices = batch.kv_indices
         n = len(flat)
         if indices.device.type == "cpu" and nnz <= _HOST_TABLE_ENTRIES:
-            # the whole page table laid out on the host with C-level array copies, one pinned
-            # buffer, one transfer (torch.tensor(list) costs ~90 ns per element; this ~1)
+            # the whole page table laid out on the host with C-level array copies and sent in one
+            # transfer through the wrapper's staging slots (torch.tensor(list) costs ~90 ns per
+            # element; this ~1, and no allocation once the slots are large enough)
             packed_host = array.array("i", flat)
             packed_host += host_table(indices, batch.kv_indptr_list, b, width)
-            staging = torch.empty(len(packed_host), dtype=torch.int32, pin_memory=True)
-            staging.copy_(torch.frombuffer(packed_host, dtype=torch.int32))
-            packed = staging.to(self.device, non_blocking=True)
-            small, table = packed[:n], packed[n:].view(b, width)
-            if previous is not None:  # CUDA-graph mode: same addresses, new contents
-                previous._small.copy_(small)
-                previous._table.copy_(table)
-                small, table = previous._small, previous._table
+            if previous is not None and previous._staging is None:
+                raise UnsupportedProblemError(NAME, self.problem, [
+                    "in CUDA-graph mode a re-plan must keep the graph's buckets (page entries)"])  # fmt: skip
+            mine = self._staging = _Staging.reuse(self._staging, self.device, len(packed_host))
+            base = mine.send(packed_host, graph=self._graph_mode)
+            self._fixed = {UID_SEQ_Q: base + 4 * offsets[0], UID_SEQ_KV: base + 4 * offsets[1], UID_TABLE: base + 4 * n}
+            if key.ragged_q:
+                self._fixed[UID_Q_OFF] = base + 4 * offsets[3]
+                self._fixed[UID_O_OFF] = base + 4 * offsets[4]
+                if key.lse:
+                    self._fixed[UID_STATS_OFF] = base + 4 * offsets[5]
+            return
         else:
             small_host = torch.tensor(flat, dtype=torch.int32)
             if indices.device.type == "cpu":
@@ -487,6 +585,9 @@ class CudnnAttentionPlan:
                 small = small_host.pin_memory().to(self.device, non_blocking=True)
                 ext = torch.cat([indices, _zeros(width, self.device)])
             if previous is not None:  # CUDA-graph mode: same addresses, new contents
+                if previous._small is None or previous._table is None:
+                    raise UnsupportedProblemError(NAME, self.problem, [
+                        "in CUDA-graph mode a re-plan must keep the graph's buckets (page entries)"])  # fmt: skip
                 previous._small.copy_(small)
                 small, table = previous._small, previous._table
             else:

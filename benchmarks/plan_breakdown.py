@@ -1,0 +1,120 @@
+"""Where the time of real ``plan()`` calls goes: inclusive time per function, inside whole plans.
+
+    python benchmarks/plan_breakdown.py [--backend cudnn] [--plans 400]
+
+`plan_stages.py` times each stage alone, in a tight loop; this wraps the functions a plan calls
+with timers and runs whole plans over changing batches (decode, 8 and 64 requests), so the
+figures add up to the whole and the remainder of each function is visible. The timers add
+about 0.2 us per wrapped call; the last column is per plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from plan_time import batch
+
+import tactix
+from tactix import attention, registry, selection
+from tactix import batch as batch_module
+
+_spent: dict[str, float] = defaultdict(float)
+
+
+def _wrap(owner: Any, name: str, label: str, *, static: bool = False, classmethod_: bool = False) -> None:
+    original = owner.__dict__[name]
+    fn: Callable[..., Any] = original.__func__ if classmethod_ or static else original
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _spent[label] += time.perf_counter() - t0
+
+    setattr(owner, name, classmethod(timed) if classmethod_ else staticmethod(timed) if static else timed)
+
+
+def instrument(backend: str) -> None:
+    _wrap(attention._PagedAttention, "_plan", "_plan (whole)")
+    attention.attention_problem = _timed_fn(attention.attention_problem, "  attention_problem")
+    _wrap(batch_module.PagedBatch, "build", "    PagedBatch.build", classmethod_=True)
+    attention.select_and_plan = _timed_fn(attention.select_and_plan, "  select_and_plan")
+    selection._stored = _timed_fn(selection._stored, "    _stored")
+    _wrap(registry.Backend, "check", "    Backend.check")
+    _wrap(registry.Backend, "plan", "    Backend.plan")
+    if backend == "cudnn":
+        from tactix_cudnn import plugin
+        from tactix_cudnn.graphs import graph_cache
+
+        _wrap(plugin.CudnnAttentionPlan, "__init__", "      CudnnAttentionPlan.__init__")
+        _wrap(plugin.CudnnAttentionPlan, "_fill_metadata", "        _fill_metadata")
+        _wrap(plugin.CudnnAttentionPlan, "_key", "        _key")
+        plugin.host_metadata = _timed_fn(plugin.host_metadata, "          host_metadata")
+        plugin.host_table = _timed_fn(plugin.host_table, "          host_table")
+        plugin.handle_for = _timed_fn(plugin.handle_for, "        handle_for")
+        plugin._attention_reasons = _timed_fn(plugin._attention_reasons, "      _attention_reasons (check+plan)")
+        graph_cache.get = _timed_fn(graph_cache.get, "        graph_cache.get")
+
+
+def _timed_fn(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _spent[label] += time.perf_counter() - t0
+
+    return timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="cudnn")
+    parser.add_argument("--plans", type=int, default=400)
+    args = parser.parse_args()
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    for count, lo, hi in ((8, 900, 1000), (64, 4100, 8000)):
+        batches = [batch(i, count, lo, hi) for i in range(50)]
+        wrapper = tactix.PagedDecode("HND", backend=args.backend, device=dev)
+
+        def plan(i: int, w: tactix.PagedDecode = wrapper, bs: list[tuple[torch.Tensor, ...]] = batches) -> None:
+            b = bs[i % len(bs)]
+            w.plan(b[0], b[1], b[2], 32, 8, 128, 16, q_data_type=torch.bfloat16)
+
+        for i in range(50):
+            plan(i)
+        samples = []
+        for i in range(args.plans):
+            t0 = time.perf_counter()
+            plan(i)
+            samples.append(time.perf_counter() - t0)
+        plain = statistics.median(samples) * 1e6
+        if not _spent:
+            instrument(args.backend)
+        for i in range(50):
+            plan(i)
+        _spent.clear()
+        gc.collect()
+        t0 = time.perf_counter()
+        for i in range(args.plans):
+            plan(i)
+        whole = (time.perf_counter() - t0) / args.plans * 1e6
+        print(f"== {args.backend} decode, batch {count}: plan() median {plain:.1f} us uninstrumented; "
+              f"instrumented mean {whole:.1f} us")  # fmt: skip
+        for label, spent in _spent.items():
+            print(f"{label:44} {spent / args.plans * 1e6:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
