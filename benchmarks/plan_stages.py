@@ -82,8 +82,10 @@ def main() -> None:
         made = plugin.CudnnAttentionPlan(problem, pb, default, options)
         key = made._base_key
         timed("  host_metadata", lambda: plugin.host_metadata(problem, pb, key))
-        timed("  host_table", lambda: plugin.host_table(pb.kv_indices, pb.kv_indptr_list, key.batch,
-                                                                    key.table_width))  # fmt: skip
+        table = torch.empty(key.batch * key.table_width, dtype=torch.int32)
+        src = pb.kv_indices.data_ptr()
+        timed("  write_table", lambda: plugin.write_table(table.data_ptr(), src, pb.kv_indptr_list, key.batch,
+                                                          key.table_width))  # fmt: skip
         timed("  pinned empty", lambda: torch.empty(4096, dtype=torch.int32, pin_memory=True))
         staging = torch.empty(4096, dtype=torch.int32, pin_memory=True)
         timed("  pinned -> device", lambda: staging.to(dev, non_blocking=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections.abc import Iterator
@@ -156,3 +157,32 @@ def test_cuda_graph_mode_rewrites_buffers_in_place_within_a_bucket() -> None:
         assert relative_error(wrapper.run(q, (k, v)), ref) < 1e-5
     with pytest.raises(tactix.UnsupportedProblemError, match="CUDA-graph mode"):
         wrapper.plan(i32(0, 1, 2, 3), i32(1, 2, 3), i32(1, 1, 1), 4, 2, 16, 4, q_data_type=torch.float32)
+
+
+def test_a_replan_with_the_same_arguments_gives_the_problem_a_fresh_validation_gives() -> None:
+    """The wrapper's memo of validated arguments: the problem of a re-plan equals (and hashes,
+    keys and prints like) the one `attention_problem` builds from scratch for that batch."""
+    from tactix.attention import attention_problem
+
+    memo: dict[tuple[object, ...], object] = {}
+    for op in ("decode", "prefill"):
+        for lens in ([5, 40, 17], [300], [1, 2, 3, 4, 5, 6, 7, 8, 9]):
+            pages = [-(-n // 16) for n in lens]
+            indptr = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32)
+            kw = dict(device=torch.device("cpu"), kv_layout="NHD",
+                      qo_indptr=None if op == "decode" else torch.tensor([0, *itertools.accumulate(lens)],
+                                                                         dtype=torch.int32),
+                      paged_kv_indptr=indptr, paged_kv_indices=torch.arange(int(indptr[-1]), dtype=torch.int32),
+                      paged_kv_last_page_len=torch.tensor([(n - 1) % 16 + 1 for n in lens], dtype=torch.int32),
+                      num_qo_heads=8, num_kv_heads=2, head_dim_qk=64, head_dim_vo=None, page_size=16,
+                      causal=op == "prefill", sm_scale=None, window_left=-1, logits_soft_cap=None,
+                      q_data_type=torch.float32, kv_data_type=None, o_data_type=None, return_lse=False)  # fmt: skip
+            fresh, _ = attention_problem(op, **kw)  # type: ignore[arg-type]
+            remembered, batch = attention_problem(op, **kw, memo=memo)  # type: ignore[arg-type]
+            assert remembered == fresh and hash(remembered) == hash(fresh)
+            assert remembered.key_json() == fresh.key_json() and str(remembered) == str(fresh)
+            assert remembered.batch_size == len(lens) and remembered.max_kv_len == max(lens)
+            assert type(remembered) is type(fresh) and batch.batch_size == len(lens)
+    # an argument of another type is validated again, not served from the memo
+    with pytest.raises(tactix.InvalidArgumentError, match="num_qo_heads"):
+        attention_problem("decode", **{**kw, "qo_indptr": None, "num_qo_heads": 8.0}, memo=memo)  # type: ignore[arg-type]

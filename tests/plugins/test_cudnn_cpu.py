@@ -150,7 +150,9 @@ def test_plan_metadata_and_page_table_match_the_batch() -> None:
         assert table[r, :n].tolist() == indices[kv_indptr[r] : kv_indptr[r] + n].tolist()
     assert int(table.min()) >= 0 and int(table.max()) < len(indices) + 7  # every entry a valid page
     # small batches lay the table out on the host instead: the same rows, zeros past each request
-    host = torch.tensor(plugin.host_table(indices, kv_indptr.tolist(), key.batch, key.table_width))
+    host = torch.full((key.batch * key.table_width,), -1, dtype=torch.int32)
+    src = indices.to(torch.int32).contiguous()
+    plugin.write_table(host.data_ptr(), src.data_ptr(), kv_indptr.tolist(), key.batch, key.table_width)
     host = host.view(key.batch, key.table_width)
     for r in range(key.batch):
         n = pages[r] if r < len(pages) else 0

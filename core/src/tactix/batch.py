@@ -33,7 +33,7 @@ def _index_array(value: object, argument: str, device: torch.device) -> torch.Te
         raise InvalidArgumentError(argument, "of dtype int32 or int64", value.dtype)
     if value.dim() != 1:
         raise InvalidArgumentError(argument, "1-D", f"shape {tuple(value.shape)}")
-    if value.device.type != "cpu" and value.device != device:
+    if not value.is_cpu and value.device != device:
         raise InvalidArgumentError(argument, f"on the CPU or on {device}", value.device)
     return value
 
@@ -122,8 +122,8 @@ class PagedBatch:
         qo_t = None if qo_indptr is None else _index_array(qo_indptr, "qo_indptr", device)
 
         # One transfer brings device-resident indptrs to the host (their values decide shapes).
-        small = [kv_indptr_t, last_t] + ([] if qo_t is None else [qo_t])
-        if any(t.device.type != "cpu" for t in small):
+        small = [kv_indptr_t, last_t] if qo_t is None else [kv_indptr_t, last_t, qo_t]
+        if not (kv_indptr_t.is_cpu and last_t.is_cpu and (qo_t is None or qo_t.is_cpu)):
             sizes = [t.numel() for t in small]
             host = torch.cat([t.to(device, torch.int64) for t in small]).cpu()
             small = list(torch.split(host, sizes))
@@ -150,9 +150,12 @@ class PagedBatch:
             )
         # each check is one C-level min/max over the list; the loop that names the culprit runs
         # only when a check fails
-        qo_lens_list = [b - a for a, b in itertools.pairwise(qo_list)]
+        qo_lens_list = [1] * batch_size if qo_t is None else [b - a for a, b in itertools.pairwise(qo_list)]
         num_pages = [b - a for a, b in itertools.pairwise(kv_list)]
-        for name, indptr, steps in (("qo_indptr", qo_list, qo_lens_list), (kv_indptr_name, kv_list, num_pages)):
+        checked: tuple[tuple[str, list[int], list[int]], ...] = ((kv_indptr_name, kv_list, num_pages),)
+        if qo_t is not None:
+            checked += (("qo_indptr", qo_list, qo_lens_list),)
+        for name, indptr, steps in checked:
             if indptr[0] != 0:
                 raise InvalidArgumentError(name, "a CSR offset array starting at 0", f"{name}[0] = {indptr[0]}")
             if min(steps) < 0:
@@ -188,7 +191,7 @@ class PagedBatch:
         if indices_t.numel() != nnz:
             indices_t = indices_t[:nnz]
         max_page_index: int | None = None
-        if indices_t.device.type == "cpu":
+        if indices_t.is_cpu:
             if nnz:  # checked before narrowing to int32, so a huge int64 index cannot wrap into range
                 lo_t, hi_t = indices_t.aminmax()
                 lo, hi = int(lo_t), int(hi_t)

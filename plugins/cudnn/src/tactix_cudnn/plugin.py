@@ -14,6 +14,7 @@ import ctypes
 import dataclasses
 import functools
 import threading
+from collections.abc import Callable
 from typing import Any, Final
 
 import torch
@@ -414,22 +415,18 @@ def host_metadata(
 
 
 _HOST_TABLE_ENTRIES: Final = 1 << 20
-"""Up to this many page entries the table is laid out on the host (array copies, one transfer);
-larger batches send the CSR indices and gather the table on the device."""
+"""Up to this many page entries host indices go through the wrapper's staging slots (`_Staging`);
+larger batches send the CSR indices in a buffer of their own and gather the table on the device."""
 
 
-def host_table(indices: torch.Tensor, indptr: list[int], rows: int, width: int) -> array.array[int]:
-    """The padded page table ``[rows, width]`` (zeros past each request's pages), laid out with
-    C-level copies: each request's pages are one slice of the CSR indices."""
-    src = array.array("i")
-    if len(indptr) > 1 and indptr[-1]:
-        contiguous = indices.contiguous()
-        src.frombytes(ctypes.string_at(contiguous.data_ptr(), indptr[-1] * 4))
-    table = array.array("i", bytes(4 * rows * width))
+def write_table(dst: int, src: int, indptr: list[int], rows: int, width: int) -> None:
+    """Write the padded page table ``[rows, width]`` at address ``dst`` from the int32 CSR indices
+    at ``src``: zeros (page 0, a valid page) everywhere, then each request's pages, one C-level
+    copy per request."""
+    ctypes.memset(dst, 0, 4 * rows * width)
     for r in range(len(indptr) - 1):
-        start, end = indptr[r], indptr[r + 1]
-        table[r * width : r * width + end - start] = src[start:end]
-    return table
+        start = indptr[r]
+        ctypes.memmove(dst + 4 * r * width, src + 4 * start, 4 * (indptr[r + 1] - start))
 
 
 def gather_table(ext: torch.Tensor, row_starts: torch.Tensor, out: torch.Tensor) -> None:
@@ -442,50 +439,64 @@ def gather_table(ext: torch.Tensor, row_starts: torch.Tensor, out: torch.Tensor)
     torch.index_select(ext.unfold(0, width, 1), 0, row_starts, out=out)
 
 
-class _Staging:
-    """The metadata buffers one wrapper's plans reuse: two slots, each a pinned host buffer and a
-    device buffer of ``capacity`` int32.
+_HOST_ROWS: Final = 16
+"""Up to this many table rows the page table is laid out on the host (one C-level copy per row);
+larger batches send the CSR indices in the same transfer and gather the rows on the device (one
+kernel, whatever the batch size)."""
 
-    A plan packs its metadata into a host slot with one C-level copy and sends it with one
-    ``copy_``; successive eager plans alternate between the slots (a plan's device slot is
-    rewritten two plans later, stream-ordered after the runs enqueued before that plan, as
-    FlashInfer's plan rewrites its workspace), and CUDA-graph plans always use slot 0 (the
-    captured graph reads its addresses). A host slot whose last transfer has not run yet (the host
-    far ahead of the GPU) is replaced by a fresh pinned buffer rather than waited for.
+
+class _Staging:
+    """The device metadata buffers one wrapper's plans reuse, and their transfers.
+
+    Two device slots of ``capacity`` int32 (plus, for batches gathered on the device, a table
+    buffer each): successive eager plans alternate between them, so a slot is rewritten two plans
+    later, by a transfer enqueued on the current stream after the runs enqueued before that plan
+    (as FlashInfer's plan rewrites its workspace: plan and run on one stream, or synchronise).
+    CUDA-graph plans always use slot 0, whose addresses the captured graph reads.
+
+    Each transfer comes from a fresh pinned buffer of torch's caching host allocator, which hands
+    a buffer out again only after the copy that read it has run; the copy is one ``copy_`` of the
+    whole slot (a few KB to a few hundred, never more than the largest batch's metadata).
     """
 
-    def __init__(self, device: torch.device, capacity: int) -> None:
+    def __init__(self, device: torch.device, capacity: int, table: int) -> None:
         self.device = device
         self.capacity = capacity
-        self._host = [torch.empty(capacity, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.table_capacity = table
         self._dev = [torch.empty(capacity, dtype=torch.int32, device=device) for _ in range(2)]
         self._dev_ptr = [t.data_ptr() for t in self._dev]
-        self._sent: list[torch.cuda.Event | None] = [None, None]
+        self._tables = [torch.empty(max(table, 1), dtype=torch.int32, device=device) for _ in range(2)]
         self._next = 0
 
     @classmethod
-    def reuse(cls, old: _Staging | None, device: torch.device, size: int) -> _Staging:
-        """``old`` when it holds ``size`` entries on ``device`` (in CUDA-graph mode it always does:
-        the buckets, which fix the size, cannot change), else new slots."""
-        if old is not None and old.device == device and size <= old.capacity:
+    def reuse(cls, old: _Staging | None, device: torch.device, size: int, table: int) -> _Staging:
+        """``old`` when it holds ``size`` entries (and a gathered table of ``table``) on ``device``;
+        in CUDA-graph mode it always does (the buckets, which fix both, cannot change)."""
+        if old is not None and old.device == device and size <= old.capacity and table <= old.table_capacity:
             return old
-        return cls(device, max(size + (-size % 4096), 2 * old.capacity if old is not None else 0))
+        grow = 2 * old.capacity if old is not None else 0
+        return cls(device, max(size + (-size % 1024), grow), max(table, old.table_capacity if old else 0))
 
-    def send(self, payload: array.array[int], *, graph: bool) -> int:
-        """Copy ``payload`` to a device slot (enqueued on the current stream); its device address."""
-        slot = 0 if graph else self._next
-        self._next = 1 - slot
-        sent = self._sent[slot]
-        if sent is not None and not sent.query():  # type: ignore[no-untyped-call]
-            self._host[slot] = torch.empty(self.capacity, dtype=torch.int32, pin_memory=True)
-        host = self._host[slot]
-        count = len(payload)
-        ctypes.memmove(host.data_ptr(), payload.buffer_info()[0], 4 * count)
-        self._dev[slot][:count].copy_(host[:count], non_blocking=True)
-        if sent is None:
-            sent = self._sent[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        sent.record(torch.cuda.current_stream(self.device))
+    def slot(self, graph: bool) -> int:
+        chosen = 0 if graph else self._next
+        self._next = 1 - chosen
+        return chosen
+
+    def send(self, slot: int, fill: Callable[[int], None]) -> int:
+        """A pinned buffer of the slot's size, written by ``fill(address)``, then copied to the slot
+        (enqueued on the current stream); the slot's device address."""
+        host = torch.empty(self.capacity, dtype=torch.int32, pin_memory=True)
+        fill(host.data_ptr())
+        self._dev[slot].copy_(host, non_blocking=True)
         return self._dev_ptr[slot]
+
+    def gather(self, slot: int, count: int, rows: int, width: int, starts_at: int) -> int:
+        """The page table ``[rows, width]`` gathered on the device from the CSR indices that
+        ``send`` put at ``count`` (``starts_at``: the rows' first entries); its device address."""
+        packed = self._dev[slot]
+        table = self._tables[slot][: rows * width].view(rows, width)
+        gather_table(packed[count:], packed[starts_at : starts_at + rows], out=table)
+        return table.data_ptr()
 
 
 class CudnnAttentionPlan:
@@ -558,17 +569,41 @@ class CudnnAttentionPlan:
         indices = batch.kv_indices
         n = len(flat)
         if indices.device.type == "cpu" and nnz <= _HOST_TABLE_ENTRIES:
-            # the whole page table laid out on the host with C-level array copies and sent in one
-            # transfer through the wrapper's staging slots (torch.tensor(list) costs ~90 ns per
-            # element; this ~1, and no allocation once the slots are large enough)
-            packed_host = array.array("i", flat)
-            packed_host += host_table(indices, batch.kv_indptr_list, b, width)
+            # one pinned buffer written with C-level copies and one transfer into the wrapper's
+            # staging slot: [small | the page table] for a few rows, else [small | the CSR
+            # indices | width zeros] and one gather on the device (torch.tensor(list) costs
+            # ~90 ns per element; this ~1)
             if previous is not None and previous._staging is None:
                 raise UnsupportedProblemError(NAME, self.problem, [
                     "in CUDA-graph mode a re-plan must keep the graph's buckets (page entries)"])  # fmt: skip
-            mine = self._staging = _Staging.reuse(self._staging, self.device, len(packed_host))
-            base = mine.send(packed_host, graph=self._graph_mode)
-            self._fixed = {UID_SEQ_Q: base + 4 * offsets[0], UID_SEQ_KV: base + 4 * offsets[1], UID_TABLE: base + 4 * n}
+            on_host = b <= _HOST_ROWS
+            # sized by the buckets alone (nnz <= rows x width), so that CUDA-graph re-plans of the
+            # same buckets keep the slot and its addresses
+            size = n + b * width + (0 if on_host else width)
+            mine = _Staging.reuse(self._staging, self.device, size, 0 if on_host else b * width)
+            if previous is not None and mine is not self._staging:
+                raise UnsupportedProblemError(NAME, self.problem, [
+                    "in CUDA-graph mode a re-plan must keep the graph's buckets (metadata size)"])  # fmt: skip
+            self._staging = mine
+            small_bytes = array.array("i", flat)
+            small_src = small_bytes.buffer_info()[0]
+            if indices.dtype != torch.int32 or not indices.is_contiguous():
+                indices = indices.to(torch.int32).contiguous()
+            src = indices.data_ptr()
+            indptr = batch.kv_indptr_list
+
+            def fill(dst: int) -> None:
+                ctypes.memmove(dst, small_src, 4 * n)
+                if on_host:
+                    write_table(dst + 4 * n, src, indptr, b, width)
+                else:
+                    ctypes.memmove(dst + 4 * n, src, 4 * nnz)
+                    ctypes.memset(dst + 4 * (n + nnz), 0, 4 * width)
+
+            slot = mine.slot(self._graph_mode)
+            base = mine.send(slot, fill)
+            table_ptr = base + 4 * n if on_host else mine.gather(slot, n, b, width, offsets[2])
+            self._fixed = {UID_SEQ_Q: base + 4 * offsets[0], UID_SEQ_KV: base + 4 * offsets[1], UID_TABLE: table_ptr}
             if key.ragged_q:
                 self._fixed[UID_Q_OFF] = base + 4 * offsets[3]
                 self._fixed[UID_O_OFF] = base + 4 * offsets[4]
