@@ -154,3 +154,36 @@ def test_deterministic_false_admits_the_split_kv_decode_plan() -> None:
     split_kv = tactix.Tactic(backend="cudnn", kernel="sdpa", params={"engine": 8, "knobs": {"KERNEL_CFG": 35}})
     with pytest.raises(tactix.UnsupportedProblemError, match="not run-to-run deterministic"):
         strict.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16, tactic=split_kv)
+
+
+@pytest.mark.parametrize("batch_size", [4, 40], ids=["table-on-host", "table-gathered-on-device"])
+def test_replans_far_ahead_of_the_gpu_keep_every_batch_metadata(batch_size: int) -> None:
+    """Plans reuse the wrapper's staging (two device slots, a ring of pinned buffers): with the GPU
+    held back by a long kernel, each plan's transfer waits while the next plans write theirs. Every
+    run must still read its own batch's metadata, and the ring grows rather than the host waiting."""
+    wrapper = tactix.PagedDecode("HND", backend="cudnn", device="cuda")
+    gen = torch.Generator().manual_seed(batch_size)
+    cases = []
+    for seed in range(6):
+        lens = torch.randint(1, 1500, (batch_size,), generator=gen).tolist()
+        indptr, indices, last, pages = _batch(lens, seed=seed)
+        k = torch.randn(int(pages), 8, 16, 128, generator=gen).cuda().bfloat16()
+        v = torch.randn(int(pages), 8, 16, 128, generator=gen).cuda().bfloat16()
+        q = torch.randn(batch_size, 32, 128, generator=gen).cuda().bfloat16()
+        cases.append((indptr, indices, last, q, k, v))
+    wrapper.plan(*cases[0][:3], 32, 8, 128, 16, q_data_type=torch.bfloat16)  # builds the graph first
+    torch.cuda.synchronize()
+    outs = []
+    torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # ~0.1 s on the device
+    for indptr, indices, last, q, k, v in cases:
+        wrapper.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
+        outs.append(wrapper.run(q, (k, v)))
+    staging = wrapper.plan_object._staging
+    grew = len(staging._host)
+    torch.cuda.synchronize()
+    assert grew >= 3, f"{grew} pinned buffers: plans waited for the GPU instead of growing the ring"
+    for (indptr, indices, last, q, k, v), out in zip(cases, outs, strict=True):
+        qo = torch.arange(batch_size + 1, dtype=torch.int32)
+        ref, _ = attention_reference(q, k, v, qo, indptr, indices, last, kv_layout="HND", causal=False,
+                                     sm_scale=1 / math.sqrt(128))  # fmt: skip
+        assert relative_error(out, ref) < tolerance_for(torch.bfloat16)

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -236,3 +237,20 @@ def test_shape_override_gate() -> None:
     assert not ok and "no is_override_shape_enabled flag" in why
     ok, why = shape_override(library=92200, module=BrokenFrontend())
     assert not ok and "cannot ask the cuDNN frontend" in why and "cudnnGetVersion" in why
+
+
+def test_the_plan_path_finds_the_cuda_runtime_torch_mapped(tmp_path: Path) -> None:
+    from tactix_cudnn import cudart
+
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n"
+        "7f02-7f03 r-xp 00000000 08:01 2 /site/nvidia/cu13/lib/libcudart.so.13\n"
+        "7f04-7f05 rw-p 00000000 00:00 0\n"
+    )
+    assert cudart._loaded_cudart(str(maps)) == "/site/nvidia/cu13/lib/libcudart.so.13"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n")
+    assert cudart._loaded_cudart(str(maps)) is None
+    assert cudart._loaded_cudart(str(tmp_path / "missing")) is None
+    if not torch.cuda.is_available():
+        assert cudart.runtime() is None  # then plans use torch's copy and events

@@ -10,6 +10,7 @@ fp8 per-tensor scales and bias fused as pointwise nodes.
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -23,7 +24,7 @@ import tactix
 from tactix import PagedBatch, PlanOptions, Tactic, UnsupportedProblemError
 from tactix.devices import cuda_available
 from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem, bucket_size
-from tactix_cudnn import __version__
+from tactix_cudnn import __version__, cudart
 from tactix_cudnn.graphs import (
     UID_A,
     UID_B,
@@ -150,12 +151,21 @@ def _params_reasons(tactic: Tactic, kernel: str = "sdpa") -> list[str]:
     return []
 
 
+def _causal(problem: PrefillProblem | DecodeProblem) -> bool:
+    """(A missing attribute of a pydantic model costs ~2 us through ``getattr(..., default)``.)"""
+    return problem.causal if isinstance(problem, PrefillProblem) else False
+
+
+def _max_q(problem: PrefillProblem | DecodeProblem) -> int:
+    return problem.max_qo_len if isinstance(problem, PrefillProblem) else 1
+
+
 def _static_sig(problem: PrefillProblem | DecodeProblem) -> tuple[Any, ...]:
     """Every field of an attention problem but its batch sizes (what reasons and graph keys read)."""
     return (problem.__class__, problem.q_dtype, problem.kv_dtype, problem.out_dtype, problem.num_qo_heads,
             problem.num_kv_heads, problem.head_dim_qk, problem.head_dim_vo, problem.page_size, problem.kv_layout,
             problem.window_left, problem.sm_scale, problem.logits_soft_cap, problem.return_lse,
-            problem.deterministic, getattr(problem, "causal", False))  # fmt: skip
+            problem.deterministic, _causal(problem))  # fmt: skip
 
 
 _reasons_memo: dict[tuple[Any, ...], tuple[str, ...]] = {}
@@ -190,7 +200,7 @@ def _attention_reasons_now(problem: PrefillProblem | DecodeProblem) -> list[str]
         # LSE of all but one query head per GQA group unwritten
         out.append("LSE from GQA decode: cuDNN's decode engine writes it for one query head per group only")
     features = ["sdpa", "paged_kv", "ragged_paged"]
-    if getattr(problem, "causal", False) or problem.window_left >= 0:
+    if _causal(problem) or problem.window_left >= 0:
         features.append("bottom_right_causal")
     if problem.window_left >= 0:
         features.append("sliding_window")
@@ -211,7 +221,7 @@ def tactix_check(backend: str, problem: Problem, tactic: Tactic) -> list[str] | 
         return _params_reasons(tactic, "matmul") + _gemm_reasons(problem)
     reasons = _params_reasons(tactic) + _attention_reasons(problem)
     if not reasons and not tactic.is_default:
-        probe = _key(problem, problem.batch_size, getattr(problem, "max_qo_len", 1), problem.max_kv_len, 1,
+        probe = _key(problem, problem.batch_size, _max_q(problem), problem.max_kv_len, 1,
                      (0, 0, 0, 0), (0, 0, 0, 0), Tactic.default(NAME))  # fmt: skip
         why = exclusion(excluded_plans(probe), int(tactic.params["engine"]), _knob_items(tactic))  # type: ignore[arg-type]
         if why:
@@ -338,7 +348,7 @@ def _make_key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: i
         max_q=1 if decode else bucket_size(max(max_q, 1)),
         max_kv=max_kv_b,
         table_width=-(-max_kv_b // problem.page_size),
-        causal=bool(getattr(problem, "causal", False)),
+        causal=_causal(problem),
         window=problem.window_left,
         scale=problem.sm_scale,
         lse=problem.return_lse,
@@ -361,7 +371,7 @@ def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
         return _tactics("matmul", gemm_key)
     if tactix_environment(NAME) or _attention_reasons(problem):
         return []
-    max_q = getattr(problem, "max_qo_len", 1)
+    max_q = _max_q(problem)
     key = _key(problem, problem.batch_size, max_q, problem.max_kv_len,
                problem.batch_size * -(-problem.max_kv_len // problem.page_size),
                _contiguous_strides(problem, problem.head_dim_qk), _contiguous_strides(problem, problem.head_dim_vo),
@@ -445,6 +455,35 @@ larger batches send the CSR indices in the same transfer and gather the rows on 
 kernel, whatever the batch size)."""
 
 
+class _HostBuffer:
+    """A pinned int32 buffer and the event recorded after the last transfer that read it."""
+
+    def __init__(self, capacity: int, device_index: int) -> None:
+        self.tensor = torch.empty(capacity, dtype=torch.int32, pin_memory=True)
+        self.ptr = self.tensor.data_ptr()
+        rt = cudart.runtime()
+        self.event: Any = rt.event(device_index) if rt is not None else torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self.pending = False
+
+    def free(self) -> bool:
+        if not self.pending:
+            return True
+        rt = cudart.runtime()
+        self.pending = not (rt.done(self.event) if rt is not None else self.event.query())
+        return not self.pending
+
+    def release(self) -> None:
+        """Wait for the last transfer (the pinned memory goes back to torch's allocator next)."""
+        rt = cudart.runtime()
+        if rt is not None:
+            if self.pending:
+                rt.synchronize(self.event)
+            rt.destroy(self.event)
+        elif self.pending:
+            self.event.synchronize()
+        self.pending = False
+
+
 class _Staging:
     """The device metadata buffers one wrapper's plans reuse, and their transfers.
 
@@ -454,19 +493,29 @@ class _Staging:
     (as FlashInfer's plan rewrites its workspace: plan and run on one stream, or synchronise).
     CUDA-graph plans always use slot 0, whose addresses the captured graph reads.
 
-    Each transfer comes from a fresh pinned buffer of torch's caching host allocator, which hands
-    a buffer out again only after the copy that read it has run; the copy is one ``copy_`` of the
-    whole slot (a few KB to a few hundred, never more than the largest batch's metadata).
+    Transfers come from a ring of pinned host buffers, each with an event recorded after its
+    transfer: a buffer is written again only once its last transfer has run, and when every one
+    is still waiting (the host far ahead of the GPU) the ring grows instead of waiting. The copy
+    and the events go straight to the CUDA runtime torch loaded (`cudart`), else through torch.
     """
 
     def __init__(self, device: torch.device, capacity: int, table: int) -> None:
         self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.capacity = capacity
         self.table_capacity = table
         self._dev = [torch.empty(capacity, dtype=torch.int32, device=device) for _ in range(2)]
         self._dev_ptr = [t.data_ptr() for t in self._dev]
         self._tables = [torch.empty(max(table, 1), dtype=torch.int32, device=device) for _ in range(2)]
+        self._host: list[_HostBuffer] = []
+        self._host_next = 0
         self._next = 0
+        self._views: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def __del__(self) -> None:
+        for buffer in getattr(self, "_host", []):
+            with contextlib.suppress(Exception):  # interpreter shutdown or a broken context
+                buffer.release()
 
     @classmethod
     def reuse(cls, old: _Staging | None, device: torch.device, size: int, table: int) -> _Staging:
@@ -482,20 +531,47 @@ class _Staging:
         self._next = 1 - chosen
         return chosen
 
-    def send(self, slot: int, fill: Callable[[int], None]) -> int:
-        """A pinned buffer of the slot's size, written by ``fill(address)``, then copied to the slot
-        (enqueued on the current stream); the slot's device address."""
-        host = torch.empty(self.capacity, dtype=torch.int32, pin_memory=True)
-        fill(host.data_ptr())
-        self._dev[slot].copy_(host, non_blocking=True)
+    def _free_host(self) -> _HostBuffer:
+        ring = self._host
+        for step in range(len(ring)):
+            at = (self._host_next + step) % len(ring)
+            if ring[at].free():
+                self._host_next = (at + 1) % len(ring)
+                return ring[at]
+        buffer = _HostBuffer(self.capacity, self.index)
+        ring.insert(self._host_next, buffer)
+        self._host_next = (self._host_next + 1) % len(ring)
+        return buffer
+
+    def send(self, slot: int, size: int, fill: Callable[[int], None]) -> int:
+        """``size`` int32 written by ``fill(address)`` into a free pinned buffer, then copied to the
+        slot (enqueued on the current stream); the slot's device address."""
+        buffer = self._free_host()
+        fill(buffer.ptr)
+        rt = cudart.runtime()
+        if rt is not None:
+            stream = cudart.raw_stream(self.index)
+            rt.copy_to_device(self._dev_ptr[slot], buffer.ptr, 4 * size, stream)
+            rt.record(buffer.event, stream)
+        else:
+            self._dev[slot][:size].copy_(buffer.tensor[:size], non_blocking=True)
+            buffer.event.record(torch.cuda.current_stream(self.device))
+        buffer.pending = True
         return self._dev_ptr[slot]
 
     def gather(self, slot: int, count: int, rows: int, width: int, starts_at: int) -> int:
         """The page table ``[rows, width]`` gathered on the device from the CSR indices that
         ``send`` put at ``count`` (``starts_at``: the rows' first entries); its device address."""
-        packed = self._dev[slot]
-        table = self._tables[slot][: rows * width].view(rows, width)
-        gather_table(packed[count:], packed[starts_at : starts_at + rows], out=table)
+        key = (slot, count, rows, width, starts_at)
+        views = self._views.get(key)
+        if views is None:  # the offsets are fixed by the buckets: a few sets per wrapper
+            if len(self._views) >= 64:
+                self._views.clear()
+            packed = self._dev[slot]
+            views = self._views[key] = (packed[count:].unfold(0, width, 1), packed[starts_at : starts_at + rows],
+                                        self._tables[slot][: rows * width].view(rows, width))  # fmt: skip
+        windows, starts, table = views
+        torch.index_select(windows, 0, starts, out=table)
         return table.data_ptr()
 
 
@@ -601,7 +677,7 @@ class CudnnAttentionPlan:
                     ctypes.memset(dst + 4 * (n + nnz), 0, 4 * width)
 
             slot = mine.slot(self._graph_mode)
-            base = mine.send(slot, fill)
+            base = mine.send(slot, n + (b * width if on_host else nnz + width), fill)
             table_ptr = base + 4 * n if on_host else mine.gather(slot, n, b, width, offsets[2])
             self._fixed = {UID_SEQ_Q: base + 4 * offsets[0], UID_SEQ_KV: base + 4 * offsets[1], UID_TABLE: table_ptr}
             if key.ragged_q:
