@@ -112,7 +112,9 @@ class DecodeParams:
     def reasons(self, head_dim: int, info: DeviceInfo) -> list[str]:
         out = []
         if self.l2 not in L2_HINTS:
-            out.append(f"l2 must be 0 (evict_normal), 1 (evict_first) or 2 (evict_first + 256B prefetch) (got {self.l2})")
+            out.append(
+                f"l2 must be 0 (evict_normal), 1 (evict_first) or 2 (evict_first + 256B prefetch) (got {self.l2})"
+            )
         if self.warps not in (2, 4, 8):
             out.append(f"warps must be 2, 4 or 8 (got {self.warps})")
         elif self.tile % self.warps or self.tile // self.warps not in (16, 32):
