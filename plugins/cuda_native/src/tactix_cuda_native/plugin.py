@@ -460,10 +460,9 @@ class CudaNativeDecodePlan:
         self.chunk = chunk
         self._geometry = (b, hq, hkv, d, problem.page_size, item_cap, slot_cap, page_cap, params)
 
-        items = torch.tensor(decode_items(work, batch.kv_indptr_list), dtype=torch.int32)
         parts = [
-            ("items", items, DECODE_ITEM_INTS * item_cap),
-            ("num_items", torch.tensor([len(work.items)], dtype=torch.int32), 1),
+            ("items", _int32(decode_items(work, batch.kv_indptr_list)), DECODE_ITEM_INTS * item_cap),
+            ("num_items", _int32([len(work.items)]), 1),
         ]
         host_indices = batch.indices_on_host
         if host_indices or graph:

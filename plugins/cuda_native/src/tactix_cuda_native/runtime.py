@@ -480,10 +480,24 @@ def stream_for(device_index: int, handle: int) -> Any:
     return stream
 
 
+_resident: dict[tuple[int, int, int], tuple[Any, int | None]] = {}
+
+
 def resident_ctas(kernel: Any, threads: int, smem: int) -> int | None:
     """CTAs of ``kernel`` one SM holds at once with ``threads`` threads and ``smem`` bytes of dynamic
     shared memory (the driver's occupancy calculator: registers, shared memory, the carveout), or
-    None where this cuda.core cannot ask."""
+    None where this cuda.core cannot ask. Asked once per kernel and launch shape (plans ask every
+    batch)."""
+    key = (id(kernel), threads, smem)
+    found = _resident.get(key)
+    if found is not None and found[0] is kernel:  # the entry holds the kernel: its id is not reused
+        return found[1]
+    value = _ask_resident(kernel, threads, smem)
+    _resident[key] = (kernel, value)
+    return value
+
+
+def _ask_resident(kernel: Any, threads: int, smem: int) -> int | None:
     try:
         value = int(kernel.occupancy.max_active_blocks_per_multiprocessor(threads, smem))
     except Exception:  # an older cuda.core without Kernel.occupancy, or a driver refusal
@@ -491,7 +505,9 @@ def resident_ctas(kernel: Any, threads: int, smem: int) -> int | None:
     return value if value > 0 else None
 
 
+@functools.lru_cache(maxsize=1024)
 def launch_config(grid: tuple[int, int, int], block: int, smem: int) -> Any:
+    """The cuda.core launch configuration (immutable once made, so shared between plans)."""
     return cuda_core().LaunchConfig(grid=grid, block=(block, 1, 1), shmem_size=smem)
 
 
