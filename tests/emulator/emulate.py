@@ -81,7 +81,7 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
         else geometry.PrefillParams.from_tactic(tactic)
     )
     variant = plugin.prefill_variant(problem.q_dtype, problem.head_dim_qk, params, "sm_90")
-    lib = _library("emu_prefill.cpp", variant.defines)
+    lib = _library("emu_prefill_sm90.cpp" if variant.source == "prefill_sm90.cu" else "emu_prefill.cpp", variant.defines)
     pack = geometry.prefill_pack(problem.gqa_ratio, params.q_tile, params.pack)
     work = geometry.prefill_work(batch.qo_lens_list, batch.kv_lens_list, q_tile=params.q_tile,
                                  kv_tile=params.kv_tile, pack=pack, causal=problem.causal,
@@ -97,10 +97,10 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
     out = torch.full((rows, problem.num_qo_heads, problem.head_dim_vo), float("nan"), dtype=q.dtype)
     lse = torch.full((rows, problem.num_qo_heads), float("nan"), dtype=torch.float32) if return_lse else None
     grid = geometry.prefill_grid(len(work.items), problem.num_qo_heads, pack)[0]
-    args = _args([grid, 32 * params.warps, q, q.stride(0), q.stride(1), k, v, *strides, out, lse, items_t,
+    args = _args([grid, params.threads, q, q.stride(0), q.stride(1), k, v, *strides, out, lse, items_t,
                   num_items, reqs_t, indices, *plugin.prefill_scalars(problem, pack)])  # fmt: skip
     args[0] = ctypes.c_uint(grid)
-    args[1] = ctypes.c_int(32 * params.warps)
+    args[1] = ctypes.c_int(params.threads)
     err = lib.emu_prefill(*args)
     if err:
         raise RuntimeError(f"emulated kernel misuse: {err.decode()}")
