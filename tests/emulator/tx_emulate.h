@@ -87,7 +87,8 @@ struct MBar {
   bool init = false;
   int expected = 0, pending = 0;
   unsigned phase = 0;
-  std::deque<std::vector<Copy>> async;  // cp.async.mbarrier.arrive: arrivals waiting for their copies
+  std::deque<std::pair<int, std::vector<Copy>>> async;  // cp.async.mbarrier.arrive: (thread, its copies)
+  std::vector<int> arrived;                             // threads that arrived in this phase
 };
 
 struct Barrier {
@@ -389,20 +390,28 @@ inline MBar& mbar(u32 addr) {
   return b;
 }
 
-inline void mbar_arrive(MBar& b) {
+// The kernels' protocol: a thread arrives at most once per phase (a second arrival would count
+// towards a phase other threads have not finished, e.g. a warpgroup racing over skipped tiles).
+inline void mbar_arrive(MBar& b, int thread) {
   if (b.pending <= 0) return fail("mbarrier: more arrivals than its count in one phase");
+  for (int t : b.arrived) {
+    if (t == thread) return fail("mbarrier: a thread arrived twice in one phase");
+  }
+  b.arrived.push_back(thread);
   if (--b.pending == 0) {
     b.phase ^= 1;
     b.pending = b.expected;
+    b.arrived.clear();
   }
 }
 
 // the copies of pending cp.async arrivals land, then those arrivals count
 inline void mbar_settle(MBar& b) {
   while (!b.async.empty()) {
-    for (const Copy& c : b.async.front()) land(c);
+    for (const Copy& c : b.async.front().second) land(c);
+    const int thread = b.async.front().first;
     b.async.pop_front();
-    mbar_arrive(b);
+    mbar_arrive(b, thread);
   }
 }
 
@@ -496,7 +505,7 @@ TX_DEVICE void tx_mbar_init(u32 bar, u32 count) {
   b.expected = b.pending = (int)count;
 }
 TX_DEVICE void tx_mbar_init_fence() {}
-TX_DEVICE void tx_mbar_arrive(u32 bar) { txe::mbar_arrive(txe::mbar(bar)); }
+TX_DEVICE void tx_mbar_arrive(u32 bar) { txe::mbar_arrive(txe::mbar(bar), txe::tid()); }
 TX_DEVICE void tx_mbar_wait(u32 bar, u32 parity) {
   txe::MBar& b = txe::mbar(bar);
   long spins = 0;
@@ -514,7 +523,7 @@ TX_DEVICE void tx_cp_async_mbar_arrive(u32 bar) {
   mine.insert(mine.end(), txe::cur->open.begin(), txe::cur->open.end());
   txe::cur->groups.clear();
   txe::cur->open.clear();
-  b.async.push_back(std::move(mine));
+  b.async.emplace_back(txe::tid(), std::move(mine));
   if (txe::eager) txe::mbar_settle(b);
 }
 TX_DEVICE void tx_fence_proxy_async() {}

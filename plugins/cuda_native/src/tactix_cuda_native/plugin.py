@@ -339,6 +339,7 @@ def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str)
             TX_QTILE=params.q_tile,
             TX_KVTILE=params.kv_tile,
             TX_STAGES=params.stages,
+            TX_SMEM=params.smem_bytes(head_dim),  # the kernel asserts that its layout has this size
         )
     return Variant.make(
         "prefill.cu",

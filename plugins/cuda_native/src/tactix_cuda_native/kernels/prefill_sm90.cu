@@ -7,15 +7,18 @@
 // TX_QTILE rows is (token t0 + r / pack, query head head0 + r % pack), as in prefill.cu.
 //
 // Warps: TX_QTILE / 64 consumer warpgroups (4 warps each; warpgroup w owns rows
-// [64 w, 64 w + 64)) and one producer warp after them. The producer walks the CTA's key range
-// [kv_lo, kv_hi) in tiles of TX_KVTILE keys: it looks up each key's page (one tile ahead),
-// writes the K and V row pointers of the tile to shared memory, then gathers the rows with
-// cp.async (16-byte chunks; a half-warp per 256-byte row at d128, so every warp instruction
-// reads whole rows) into a TX_STAGES-deep ring. Each K and each V tile has a "full" mbarrier
-// (32 arrivals: every producer lane's cp.async.mbarrier.arrive.noinc, which fires when that
-// lane's copies have landed) and an "empty" mbarrier (one arrival per consumer warp), so K of
-// tile i + 1 streams in while V of tile i is still in use. Keys past kv_hi read the row of key
-// kv_hi - 1 (real data, masked later), so every copy is a whole 16 bytes.
+// [64 w, 64 w + 64)) and a producer warpgroup after them. With two consumer warpgroups the 384
+// threads launch with 168 registers each; setmaxnreg then moves registers from the producer (40)
+// to the consumers (232), which hold O, S and P. The producer walks the CTA's key range
+// [kv_lo, kv_hi) in tiles of TX_KVTILE keys, each of its warps a quarter of every tile: a lane
+// looks up its key's page (one tile ahead) and writes the key's K and V row pointers to shared
+// memory; then the warp gathers the rows with cp.async (16-byte chunks; at d128 a half-warp per
+// 256-byte row, so every warp instruction reads whole rows) into a TX_STAGES-deep ring. Each K
+// and each V tile has a "full" mbarrier (128 arrivals: every producer thread's
+// cp.async.mbarrier.arrive.noinc, which fires once that thread's copies have landed) and an
+// "empty" mbarrier (one arrival per consumer warp), so K of tile i + 1 streams in while V of
+// tile i is still in use. Keys past kv_hi read the row of key kv_hi - 1 (real data, masked
+// later), so every copy is a whole 16 bytes.
 //
 // Shared-memory tiles use the 128-byte swizzle wgmma descriptors read: a tile of R rows of D
 // 16-bit elements is D / 64 column blocks of R x 128 bytes; 16-byte chunk c of row r of a block
@@ -44,7 +47,8 @@
 // [row pointers: TX_KVTILE x (K, V)] [mbarriers: 4 x stages] (geometry.prefill_smem_bytes).
 //
 // Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_QTILE (64, 128), TX_KVTILE (64, 128),
-// TX_STAGES (2..4). Needs sm_90a (wgmma); kernels/prefill.cu serves other GPUs.
+// TX_STAGES (2..4), TX_SMEM (optional: the size the host computed, checked against the layout).
+// Needs sm_90a (wgmma); kernels/prefill.cu serves other GPUs.
 #include "common.cuh"
 
 #ifndef TX_D
@@ -92,6 +96,9 @@ static_assert(BK == 64 || BK == 128, "TX_KVTILE must be 64 or 128");
 static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 stages");
 static_assert(CH <= 32 && RW % RPI == 0 && RW <= 32, "whole rows per producer warp pass, one key per lane");
 static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "the register hand-over must balance");
+#ifdef TX_SMEM  // the dynamic shared memory the plan launches with (geometry.prefill_smem_bytes)
+static_assert(BARS + 4 * STAGES * 8 == TX_SMEM, "geometry.prefill_smem_bytes disagrees with this kernel's layout");
+#endif
 
 #ifndef TX_EMULATE
 #if TX_BF16
