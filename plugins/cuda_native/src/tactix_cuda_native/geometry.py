@@ -422,7 +422,9 @@ _PREFILL_DEFAULTS: Final = {64: (128, 64, 4, 3), 128: (128, 32, 4, 3), 256: (64,
 
 _WGMMA_DEFAULTS: Final = {64: (128, 128, 8, 3), 128: (128, 128, 8, 2), 256: (128, 64, 8, 2)}
 """wgmma (sm_90): two consumer warpgroups of 64 rows (FlashAttention-3's 128 x 128 tile for d128),
-the deepest ring that fits one CTA per SM (the 384 threads take every register)."""
+one CTA per SM (the 384 threads take every register). The candidates with one consumer
+warpgroup (q_tile 64) launch with 128 registers a thread up to d128, so two CTAs share an SM
+where their shared memory fits (d128: kv_tile 64, 2 stages)."""
 
 
 def default_prefill_params(head_dim: int, info: DeviceInfo, mma: str | None = None) -> PrefillParams:
@@ -453,7 +455,7 @@ _PREFILL_SHAPES: Final = {
 
 _WGMMA_SHAPES: Final = {
     64: [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 128, 4, 3)],
-    128: [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 2), (64, 64, 4, 4)],
+    128: [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 2), (64, 64, 4, 2)],
     256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3)],
 }
 

@@ -9,7 +9,9 @@
 // Warps: TX_QTILE / 64 consumer warpgroups (4 warps each; warpgroup w owns rows
 // [64 w, 64 w + 64)) and a producer warpgroup after them. With two consumer warpgroups the 384
 // threads launch with 168 registers each; setmaxnreg then moves registers from the producer (40)
-// to the consumers (232), which hold O, S and P. The producer walks the CTA's key range
+// to the consumers (232), which hold O, S and P. With one (up to d128), 256 threads launch with
+// 128 (two CTAs fit an SM where shared memory allows: one's prologue and epilogue overlap the
+// other's loop) and the consumers get 216. The producer walks the CTA's key range
 // [kv_lo, kv_hi) in tiles of TX_KVTILE keys, each of its warps a quarter of every tile: a lane
 // looks up its key's page (one tile ahead) and writes the key's K and V row pointers to shared
 // memory; then the warp gathers the rows with cp.async (16-byte chunks; at d128 a half-warp per
@@ -83,9 +85,15 @@ constexpr int BARS = ROWP + BK * 16;                    // [4][STAGES] mbarriers
 constexpr int FULL_K = 0, FULL_V = 1, EMPTY_K = 2, EMPTY_V = 3;
 constexpr int RW = BK / 4;                   // rows of a tile per producer warp
 constexpr int RPI = CH >= 32 ? 1 : 32 / CH;  // rows per producer warp instruction (CH lanes per row)
-// registers per thread after setmaxnreg with two consumer warpgroups (384 threads launch with
-// 168): the producer gives back 128, the consumers take them (2 x 64 each)
-constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+// Registers per thread after setmaxnreg. Two consumer warpgroups (384 threads, launched with 168
+// each): the producer gives back 128, the consumers take 64 each. One consumer warpgroup up to
+// d128 (256 threads, launched with 128 each so that two CTAs fit an SM): the producer gives 88 to
+// it. One consumer warpgroup at d256 (its m64n256k16 needs more than 128 at launch): no exchange.
+constexpr bool TWO_CTAS = CWG == 1 && D <= 128;
+constexpr bool REBALANCE = CWG == 2 || TWO_CTAS;
+constexpr int LAUNCH_REGS = CWG == 2 ? 168 : 128;
+constexpr int MIN_CTAS = TWO_CTAS ? 2 : 1;
+constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = CWG == 2 ? 232 : 216;
 constexpr float LN2 = 0.6931471805599453f;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr int NO_LOWER = -(1 << 30);
@@ -95,7 +103,8 @@ static_assert(BQ == 64 || BQ == 128, "TX_QTILE must be 64 or 128 (one or two con
 static_assert(BK == 64 || BK == 128, "TX_KVTILE must be 64 or 128");
 static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 stages");
 static_assert(CH <= 32 && RW % RPI == 0 && RW <= 32, "whole rows per producer warp pass, one key per lane");
-static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "the register hand-over must balance");
+static_assert(!REBALANCE || PRODUCER_REGS + CWG * CONSUMER_REGS <= (CWG + 1) * LAUNCH_REGS,
+              "the register hand-over must balance");
 #ifdef TX_SMEM  // the dynamic shared memory the plan launches with (geometry.prefill_smem_bytes)
 static_assert(BARS + 4 * STAGES * 8 == TX_SMEM, "geometry.prefill_smem_bytes disagrees with this kernel's layout");
 #endif
@@ -233,7 +242,7 @@ TX_DEVICE u32 sw128(int row, int ch, int rows) {
   return (u32)((ch >> 3) * rows * 128 + row * 128 + (((ch & 7) ^ (row & 7)) << 4));
 }
 
-extern "C" __global__ void __launch_bounds__(NT, 1) tactix_prefill(
+extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     const u16* __restrict__ q, i64 q_st, i64 q_sh, const u16* __restrict__ k, const u16* __restrict__ v, i64 k_sp,
     i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh, u16* __restrict__ out, float* __restrict__ lse,
     const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ reqs,
@@ -280,7 +289,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tactix_prefill(
 
   if (tid >= PRODUCER) {
     // ---- producer warpgroup: page lookups, row pointers, cp.async gathers --------------------
-    if (CWG == 2) tx_setmaxnreg_dec<PRODUCER_REGS>();
+    if (REBALANCE) tx_setmaxnreg_dec<PRODUCER_REGS>();
     const int pw = (tid - PRODUCER) >> 5, lane = tid & 31;
     const u16* kh = k + (head0 / (int)gqa) * k_sh;
     const u16* vh = v + (head0 / (int)gqa) * v_sh;
@@ -327,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tactix_prefill(
   }
 
   // ---- consumer warpgroups --------------------------------------------------------------
-  if (CWG == 2) tx_setmaxnreg_inc<CONSUMER_REGS>();
+  if (REBALANCE) tx_setmaxnreg_inc<CONSUMER_REGS>();
   const int wg = tid >> 7;
   if (wg >= nwg) return;  // no valid row: computes nothing, counted by no barrier
   const int wtid = tid & 127, warp = wtid >> 5, lane = tid & 31;
