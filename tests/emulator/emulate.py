@@ -84,7 +84,8 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
         else geometry.PrefillParams.from_tactic(tactic)
     )
     variant = plugin.prefill_variant(problem.q_dtype, problem.head_dim_qk, params, "sm_90")
-    lib = _library("emu_prefill.cpp", variant.defines)
+    runner = "emu_prefill_sm90.cpp" if variant.source == "prefill_sm90.cu" else "emu_prefill.cpp"
+    lib = _library(runner, variant.defines)
     pack = geometry.prefill_pack(problem.gqa_ratio, params.q_tile, params.pack)
     work = geometry.prefill_work(batch.qo_lens_list, batch.kv_lens_list, q_tile=params.q_tile,
                                  kv_tile=params.kv_tile, pack=pack, causal=problem.causal,

@@ -26,6 +26,17 @@
 //
 // Fragment layouts follow the PTX ISA (mma.m16n8k16 with .row.col and 16-bit operands, fp32
 // accumulators; ldmatrix .m8n8.x4 .b16 with and without .trans).
+//
+// Hopper (kernels/prefill_sm90.cu): mbarriers (init, arrive, try_wait.parity, and
+// cp.async.mbarrier.arrive.noinc, whose arrival waits for the thread's copies: they land when a
+// thread waits on that barrier, or at once with TXE_EAGER_COPIES=1), named barriers (bar.sync id,
+// count), and wgmma.mma_async m64nNk16 with fp32 accumulators: A from shared memory (K-major) or
+// from registers, B from shared memory K-major or MN-major, through 64-bit matrix descriptors
+// with the 128-byte swizzle (address bits [4:6] ^= bits [7:9]), decoded as the PTX ISA defines
+// them. A wgmma runs when its warpgroup waits for its group (wgmma.wait_group: the latest moment
+// the hardware allows), reading the A registers and shared memory as they are then: a kernel that
+// touches them before the wait, or lets the producer overwrite a stage too early, computes garbage.
+// Proxy fences, wgmma.fence and setmaxnreg have nothing to emulate.
 #pragma once
 
 #include <ucontext.h>
@@ -52,6 +63,7 @@
 
 typedef unsigned int u32;
 typedef unsigned short u16;
+typedef unsigned long long u64;
 
 alignas(1024) unsigned char smem[256 * 1024];
 
@@ -151,7 +163,11 @@ inline void wait(Barrier& b, int count) {
     ++b.gen;
     return;
   }
-  while (b.gen == gen) yield();
+  long spins = 0;
+  while (b.gen == gen && error == nullptr) {
+    if (++spins > SPIN_LIMIT) return fail("deadlock: a barrier never completes");
+    yield();
+  }
 }
 
 inline int tid() { return (int)cur->tid.x; }
@@ -500,3 +516,202 @@ TX_DEVICE float tx_to_float(u16 h) { return tx_emu_half_to_float(h); }
 TX_DEVICE float tx_exp2(float x) { return std::exp2(x); }
 TX_DEVICE float tx_log2(float x) { return std::log2(x); }
 TX_DEVICE float tx_rcp(float x) { return 1.0f / x; }
+
+// ---- Hopper: the PTX wrappers of kernels/prefill_sm90.cu -----------------------------------
+
+TX_DEVICE void tx_trap() { txe::fail("trap"); }
+
+namespace txe {
+
+inline MBar& mbar(u32 addr) {
+  MBar& b = mbars[addr];
+  if (!b.init) fail("mbarrier: used before mbarrier.init");
+  return b;
+}
+
+// The kernels' protocol: a thread arrives at most once per phase (a second arrival would count
+// towards a phase other threads have not finished, e.g. a warpgroup racing over skipped tiles).
+inline void mbar_arrive(MBar& b, int thread) {
+  if (b.pending <= 0) return fail("mbarrier: more arrivals than its count in one phase");
+  for (int t : b.arrived) {
+    if (t == thread) return fail("mbarrier: a thread arrived twice in one phase");
+  }
+  b.arrived.push_back(thread);
+  if (--b.pending == 0) {
+    b.phase ^= 1;
+    b.pending = b.expected;
+    b.arrived.clear();
+  }
+}
+
+// the copies of pending cp.async arrivals land, then those arrivals count
+inline void mbar_settle(MBar& b) {
+  while (!b.async.empty()) {
+    for (const Copy& c : b.async.front().second) land(c);
+    const int thread = b.async.front().first;
+    b.async.pop_front();
+    mbar_arrive(b, thread);
+  }
+}
+
+// d (+)= A * B for the 128 threads of a warpgroup: ops[t] is thread t's record of the same wgmma
+inline u32 swizzle128(u32 addr) { return addr ^ (((addr >> 7) & 7) << 4); }
+
+inline float smem_elem(u32 addr) {
+  if (addr + 2 > sizeof(smem)) {
+    fail("wgmma: operand outside shared memory");
+    return 0.f;
+  }
+  u16 h;
+  std::memcpy(&h, smem + addr, 2);
+#if TX_BF16
+  return from_bits(((u32)h) << 16);
+#else
+  _Float16 x;
+  std::memcpy(&x, &h, 2);
+  return (float)x;
+#endif
+}
+
+struct Desc {
+  u32 start, lbo, sbo;
+};
+
+inline Desc decode(u64 desc) {
+  if ((desc >> 62) != 1) fail("wgmma: descriptor swizzle mode is not 128B (1)");
+  if (((desc >> 49) & 7) != 0) fail("wgmma: descriptor base offset is not 0");
+  return {(u32)(desc & 0x3FFF) << 4, (u32)((desc >> 16) & 0x3FFF) << 4, (u32)((desc >> 32) & 0x3FFF) << 4};
+}
+
+// element (mn, k) of a K-major operand: 8-row groups SBO apart, rows 128 bytes apart, k contiguous
+inline float k_major(const Desc& d, int mn, int k) {
+  return smem_elem(swizzle128(d.start + (mn / 8) * d.sbo + (mn % 8) * 128 + 2 * k));
+}
+// element (k, n) of an MN-major operand: 64-element column blocks LBO apart, 8-row k groups SBO
+// apart, k rows 128 bytes apart, n contiguous
+inline float mn_major(const Desc& d, int k, int n) {
+  return smem_elem(swizzle128(d.start + (n / 64) * d.lbo + (k / 8) * d.sbo + (k % 8) * 128 + 2 * (n % 64)));
+}
+
+inline float half_lo(u32 v) { return tx_emu_half_to_float((u16)(v & 0xffff)); }
+inline float half_hi(u32 v) { return tx_emu_half_to_float((u16)(v >> 16)); }
+
+inline void wgmma_run(const WgOp* ops) {
+  const WgOp& op = ops[0];
+  for (int t = 1; t < 128; ++t) {
+    const WgOp& o = ops[t];
+    if (o.n != op.n || (o.a == nullptr) != (op.a == nullptr) || o.desc_b != op.desc_b || o.trans_b != op.trans_b ||
+        (op.a == nullptr && o.desc_a != op.desc_a) || o.scale_d != op.scale_d)
+      return fail("wgmma: the threads of a warpgroup issued different operations");
+  }
+  static float A[64][16], B[16][256];
+  if (op.a == nullptr) {
+    const Desc da = decode(op.desc_a);
+    for (int m = 0; m < 64; ++m)
+      for (int k = 0; k < 16; ++k) A[m][k] = k_major(da, m, k);
+  } else {
+    for (int t = 0; t < 128; ++t) {  // the A fragment: the accumulator layout of a 64 x 16 tile
+      const int row = 16 * (t / 32) + (t % 32) / 4, col = 2 * (t % 4);
+      const u32* a = ops[t].a;
+      A[row][col] = half_lo(a[0]), A[row][col + 1] = half_hi(a[0]);
+      A[row + 8][col] = half_lo(a[1]), A[row + 8][col + 1] = half_hi(a[1]);
+      A[row][col + 8] = half_lo(a[2]), A[row][col + 9] = half_hi(a[2]);
+      A[row + 8][col + 8] = half_lo(a[3]), A[row + 8][col + 9] = half_hi(a[3]);
+    }
+  }
+  const Desc db = decode(op.desc_b);
+  for (int k = 0; k < 16; ++k)
+    for (int n = 0; n < op.n; ++n) B[k][n] = op.trans_b ? mn_major(db, k, n) : k_major(db, n, k);
+  for (int t = 0; t < 128; ++t) {
+    float* d = ops[t].d;
+    for (int i = 0; i < op.n / 2; ++i) {  // register i: row 16 warp + lane / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (lane % 4) + i % 2
+      const int row = 16 * (t / 32) + (t % 32) / 4 + 8 * ((i >> 1) & 1);
+      const int col = 8 * (i >> 2) + 2 * (t % 4) + (i & 1);
+      float acc = op.scale_d ? d[i] : 0.f;
+      for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+      d[i] = acc;
+    }
+  }
+}
+
+}  // namespace txe
+
+TX_DEVICE void tx_mbar_init(u32 bar, u32 count) {
+  if (bar % 8) return txe::fail("mbarrier: not 8-byte aligned");
+  txe::MBar& b = txe::mbars[bar];
+  b = txe::MBar{};
+  b.init = true;
+  b.expected = b.pending = (int)count;
+}
+TX_DEVICE void tx_mbar_init_fence() {}
+TX_DEVICE void tx_mbar_arrive(u32 bar) { txe::mbar_arrive(txe::mbar(bar), txe::tid()); }
+TX_DEVICE void tx_mbar_wait(u32 bar, u32 parity) {
+  txe::MBar& b = txe::mbar(bar);
+  long spins = 0;
+  for (;;) {
+    txe::mbar_settle(b);
+    if ((b.phase & 1) != (parity & 1) || txe::error != nullptr) return;  // the phase of that parity completed
+    if (++spins > txe::SPIN_LIMIT) return txe::fail("deadlock: an mbarrier phase never completes");
+    txe::yield();
+  }
+}
+TX_DEVICE void tx_cp_async_mbar_arrive(u32 bar) {
+  txe::MBar& b = txe::mbar(bar);
+  std::vector<txe::Copy> mine;  // every copy this thread issued and that has not landed
+  for (auto& g : txe::cur->groups) mine.insert(mine.end(), g.begin(), g.end());
+  mine.insert(mine.end(), txe::cur->open.begin(), txe::cur->open.end());
+  txe::cur->groups.clear();
+  txe::cur->open.clear();
+  b.async.emplace_back(txe::tid(), std::move(mine));
+  if (txe::eager) txe::mbar_settle(b);
+}
+TX_DEVICE void tx_fence_proxy_async() {}
+TX_DEVICE void tx_bar_sync(int id, int count) {
+  if (id < 0 || id >= 16 || count % 32) return txe::fail("bar.sync: bad barrier id or count");
+  txe::wait(txe::named_bars[id], count);
+}
+template <int N>
+TX_DEVICE void tx_setmaxnreg_dec() {}
+template <int N>
+TX_DEVICE void tx_setmaxnreg_inc() {}
+TX_DEVICE void tx_reg_fence(float&) {}
+TX_DEVICE void tx_reg_fence(u32&) {}
+TX_DEVICE void tx_wgmma_fence() {}
+template <int N>
+TX_DEVICE void tx_wgmma_ss(float* d, u64 desc_a, u64 desc_b, int scale_d) {
+  txe::cur->wg_open.push_back({N, d, nullptr, desc_a, desc_b, scale_d, 0});
+}
+template <int N>
+TX_DEVICE void tx_wgmma_rs_t(float* d, const u32* a, u64 desc_b, int scale_d) {
+  txe::cur->wg_open.push_back({N, d, a, 0, desc_b, scale_d, 1});
+}
+TX_DEVICE void tx_wgmma_commit() {
+  txe::cur->wg_groups.push_back(std::move(txe::cur->wg_open));
+  txe::cur->wg_open.clear();
+}
+// the warpgroup meets; its first thread runs every group but the newest N of all 128 threads
+template <int N>
+TX_DEVICE void tx_wgmma_wait() {
+  if (!txe::cur->wg_open.empty()) txe::fail("wgmma: wait_group with wgmma not yet committed");
+  const int wg = txe::tid() / 128;
+  txe::wait(txe::wg_bars[wg], 128);
+  if (txe::tid() % 128 == 0) {
+    std::vector<txe::Thread*> members(txe::threads.begin() + 128 * wg, txe::threads.begin() + 128 * wg + 128);
+    for (txe::Thread* t : members) {
+      if (t->wg_groups.size() != members[0]->wg_groups.size()) txe::fail("wgmma: warpgroup threads disagree on groups");
+    }
+    std::vector<txe::WgOp> ops(128);
+    while (txe::error == nullptr && members[0]->wg_groups.size() > (size_t)N) {
+      const size_t count = members[0]->wg_groups.front().size();
+      for (size_t j = 0; j < count && txe::error == nullptr; ++j) {
+        for (int t = 0; t < 128; ++t) {
+          if (members[t]->wg_groups.front().size() != count) return txe::fail("wgmma: warpgroup groups differ");
+          ops[t] = members[t]->wg_groups.front()[j];
+        }
+        txe::wgmma_run(ops.data());
+      }
+      for (txe::Thread* t : members) t->wg_groups.pop_front();
+    }
+  }
+  txe::wait(txe::wg_bars[wg], 128);
+}

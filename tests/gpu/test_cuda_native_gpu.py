@@ -408,20 +408,44 @@ class PrefillCase:
 # q lengths 1, around and off the tile sizes; prefixes 0 (fresh prompt) to 1000 (chunked prefill)
 PREFILL_Q = [1, 15, 16, 17, 100, 129, 300, 64]
 PREFILL_KV = [1, 18, 16, 57, 100, 329, 1300, 64]
+MMAS = ["sync", "wgmma"]  # kernels/prefill.cu (mma.sync) and kernels/prefill_sm90.cu (Hopper wgmma)
 
 
+def prefill_tactic(mma: str, d: int = 128) -> tactix.Tactic:
+    """The default tactic of one prefill kernel on this GPU (wgmma is the default on Hopper);
+    skips the test where the GPU has no wgmma."""
+    info = plugin.device_info(torch.cuda.current_device())
+    params = geometry.default_prefill_params(d, info, mma)
+    reasons = params.reasons(d, info)
+    if reasons:
+        pytest.skip(f"prefill mma {mma!r} d{d} not on this GPU: {reasons}")
+    return params.to_tactic()
+
+
+@pytest.mark.parametrize("mma", MMAS)
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("page", [1, 16, 128])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("heads", [(8, 8), (32, 8), (32, 4)], ids=["gqa1", "gqa4", "gqa8"])
-def test_prefill_matches_oracle(d: int, page: int, layout: str, heads: tuple[int, int]) -> None:
+def test_prefill_matches_oracle(d: int, page: int, layout: str, heads: tuple[int, int], mma: str) -> None:
+    tactic = prefill_tactic(mma, d)
     case = PrefillCase(PREFILL_Q, PREFILL_KV, page=page, hq=heads[0], hkv=heads[1], d=d, layout=layout, seed=d + page)
     w = case.wrapper()
-    case.plan(w, return_lse=True)
-    assert w.backend == "cuda_native"
+    case.plan(w, return_lse=True, tactic=tactic)
+    assert w.backend == "cuda_native" and w.tactic == tactic
     case.check(w, "prefill causal chunked", return_lse=True)
 
 
+def test_prefill_default_is_wgmma_on_hopper() -> None:
+    case = PrefillCase([17, 5], [17, 40], seed=36)
+    w = case.wrapper()
+    case.plan(w, return_lse=True)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert (w.tactic.params.get("mma") == "wgmma") == hopper, w.tactic
+    case.check(w, "default tactic", return_lse=True)
+
+
+@pytest.mark.parametrize("mma", MMAS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize(
     "features",
@@ -436,55 +460,64 @@ def test_prefill_matches_oracle(d: int, page: int, layout: str, heads: tuple[int
     ],
     ids=["noncausal", "win0", "win37", "noncausal-win64", "cap30", "noncausal-cap5-win100", "scale0.3"],
 )
-def test_prefill_masks_softcap_scale_and_lse(dtype: torch.dtype, features: dict[str, Any]) -> None:
+def test_prefill_masks_softcap_scale_and_lse(dtype: torch.dtype, features: dict[str, Any], mma: str) -> None:
+    tactic = prefill_tactic(mma)
     case = PrefillCase(PREFILL_Q, PREFILL_KV, dtype=dtype, layout="NHD", seed=3)
     w = case.wrapper()
-    case.plan(w, return_lse=True, **features)
+    case.plan(w, return_lse=True, tactic=tactic, **features)
     case.check(w, f"prefill {features}", return_lse=True, **features)
 
 
-def test_prefill_non_causal_with_q_longer_than_kv_and_empty_requests() -> None:
+@pytest.mark.parametrize("mma", MMAS)
+def test_prefill_non_causal_with_q_longer_than_kv_and_empty_requests(mma: str) -> None:
+    tactic = prefill_tactic(mma)
     case = PrefillCase([40, 0, 1, 300, 0], [3, 5, 1, 17, 9], seed=4)
     for features in ({"causal": False}, {"causal": False, "window_left": 2}):
         w = case.wrapper()
-        case.plan(w, return_lse=True, **features)
+        case.plan(w, return_lse=True, tactic=tactic, **features)
         case.check(w, f"q longer than kv {features}", return_lse=True, **features)
 
 
-def test_prefill_5d_cache_strided_q_and_fp16_every_head_dim() -> None:
+@pytest.mark.parametrize("mma", MMAS)
+def test_prefill_5d_cache_strided_q_and_fp16_every_head_dim(mma: str) -> None:
     for layout in ("NHD", "HND"):
         case = PrefillCase(PREFILL_Q, PREFILL_KV, layout=layout, five_d=True, q_view=True, seed=5)
         w = case.wrapper()
-        case.plan(w, return_lse=True)
+        case.plan(w, return_lse=True, tactic=prefill_tactic(mma))
         case.check(w, "5-D cache + QKV view of q", return_lse=True)
     for d in (64, 128, 256):
         case = PrefillCase(PREFILL_Q, PREFILL_KV, page=1, d=d, dtype=torch.float16, seed=d)
         w = case.wrapper()
-        case.plan(w)
+        case.plan(w, tactic=prefill_tactic(mma, d))
         case.check(w, "fp16")
 
 
+@pytest.mark.parametrize("mma", MMAS)
 @pytest.mark.parametrize("heads", [(32, 1), (64, 2), (24, 8), (40, 2), (6, 2)],
                          ids=["gqa32", "gqa32b", "gqa3", "gqa20", "gqa3b"])  # fmt: skip
-def test_prefill_gqa_ratios_and_head_packing(heads: tuple[int, int]) -> None:
+def test_prefill_gqa_ratios_and_head_packing(heads: tuple[int, int], mma: str) -> None:
     """Ratios that do not divide the tile (3, 20) and groups above 16 heads; pack 1 and auto."""
+    base = prefill_tactic(mma)
     case = PrefillCase([1, 77, 300, 5], [1, 100, 300, 900], hq=heads[0], hkv=heads[1], seed=7)
     for pack in (0, 1):
         w = case.wrapper()
-        tactic = {"backend": "cuda_native", "kernel": "prefill", "params": {"q_tile": 128, "kv_tile": 32, "warps": 4,
-                                                                               "stages": 3, "pack": pack}}  # fmt: skip
+        tactic = base.model_copy(update={"params": {**base.params, "pack": pack}})
         case.plan(w, return_lse=True, tactic=tactic)
         assert w.plan_object.pack == (geometry.prefill_pack(heads[0] // heads[1], 128) if pack == 0 else 1)
         case.check(w, f"GQA pack {pack}", return_lse=True)
 
 
-def test_every_enumerated_prefill_tactic() -> None:
+@pytest.mark.parametrize("mma", MMAS)
+def test_every_enumerated_prefill_tactic(mma: str) -> None:
+    """Every tactic the backend enumerates for this GPU, of one kernel (select the Hopper one
+    with ``-k wgmma``)."""
     backend = tactix.get_registry().get("cuda_native")
+    prefill_tactic(mma)  # skips where this GPU has no such kernel
     for d in (64, 128, 256):
         case = PrefillCase(PREFILL_Q, PREFILL_KV, d=d, seed=17)
         probe = case.wrapper()
         case.plan(probe)
-        tactics = [t for t in backend.tactics(probe.problem) if not t.is_default]
+        tactics = [t for t in backend.tactics(probe.problem) if not t.is_default and t.params.get("mma", "sync") == mma]
         assert tactics
         for tactic in tactics:
             for features in ({"causal": True}, {"causal": False, "window_left": 50}):
@@ -494,24 +527,47 @@ def test_every_enumerated_prefill_tactic() -> None:
                 case.check(w, f"tactic {tactic} {features}", return_lse=True, **features)
 
 
-def test_prefill_benchmark_like_shapes_and_determinism() -> None:
+def test_wgmma_prefill_long_keys_both_warpgroups_and_idle_ones() -> None:
+    """The Hopper kernel's pipeline over many tiles (every ring slot reused, both mbarrier
+    parities), one head per CTA so that the two consumer warpgroups own different tokens (one
+    skips tiles the other computes: causal diagonal, window edge), requests short enough to leave
+    a warpgroup idle, and a 5-D cache, for every wgmma tile shape enumerated."""
+    prefill_tactic("wgmma")
+    info = plugin.device_info(torch.cuda.current_device())
+    shapes = {(p.q_tile, p.kv_tile, p.warps, p.stages) for p in geometry.prefill_candidates(128, info, 4)
+              if p.mma == "wgmma"}  # fmt: skip
+    assert shapes
+    case = PrefillCase([700, 3, 129, 1], [3000, 900, 129, 2000], hq=8, hkv=2, layout="NHD", five_d=True, seed=41)
+    for q_tile, kv_tile, warps, stages in sorted(shapes):
+        for pack, features in ((1, {"causal": True}), (1, {"causal": True, "window_left": 90}), (0, {"causal": False})):
+            params = geometry.PrefillParams(q_tile, kv_tile, warps, stages, pack=pack, mma="wgmma")
+            w = case.wrapper()
+            case.plan(w, return_lse=True, tactic=params.to_tactic(), **features)
+            case.check(w, f"wgmma pipeline {features}", return_lse=True, **features)
+
+
+@pytest.mark.parametrize("mma", MMAS)
+def test_prefill_benchmark_like_shapes_and_determinism(mma: str) -> None:
     """P3-like ragged lengths and a P4-like chunk over a long prefix; bitwise equal on a rerun."""
+    tactic = prefill_tactic(mma)
     torch.manual_seed(3)
     q = torch.randint(64, 2048, (16,)).tolist()
     for q_lens, kv_lens in ((q, q), ([512] * 2, [4608] * 2)):
         case = PrefillCase(q_lens, kv_lens, seed=23)
         w = case.wrapper()
-        case.plan(w, return_lse=True)
+        case.plan(w, return_lse=True, tactic=tactic)
         case.check(w, "benchmark-like", return_lse=True)
         first, first_lse = case.run(w, True)
         again, again_lse = case.run(w, True)
         assert torch.equal(first, again) and first_lse is not None and torch.equal(first_lse, again_lse)
 
 
-def test_prefill_run_does_not_sync_and_replays_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("mma", MMAS)
+def test_prefill_run_does_not_sync_and_replays_in_a_cuda_graph(mma: str) -> None:
+    tactic = prefill_tactic(mma)
     case = PrefillCase([1, 300, 700, 17], [1, 900, 700, 40], seed=19)
     w = case.wrapper(graph=True)
-    case.plan(w, return_lse=True)
+    case.plan(w, return_lse=True, tactic=tactic)
     rows = case.q.shape[0]
     out = torch.empty(rows, case.hq, case.d, device=CUDA, dtype=case.dtype)
     lse = torch.empty(rows, case.hq, device=CUDA)
@@ -562,7 +618,7 @@ def test_prefill_run_does_not_sync_and_replays_in_a_cuda_graph() -> None:
     case.v.copy_(torch.randn(case.v.shape, generator=gen).to(CUDA, case.dtype))
     assert sum(new_q) == rows  # the same q and out buffers (their shape is the number of rows)
     w.plan(qo_t, indptr_t, indices_t, last_t, case.hq, case.hkv, case.d, case.page, q_data_type=case.dtype,
-           causal=True, return_lse=True)  # fmt: skip
+           causal=True, return_lse=True, tactic=tactic)  # fmt: skip
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -573,7 +629,7 @@ def test_prefill_run_does_not_sync_and_replays_in_a_cuda_graph() -> None:
     with pytest.raises(tactix.UnsupportedProblemError, match="CUDA-graph mode"):
         longer = PrefillCase([1015, 1, 1, 1], [5000, 1, 1, 1], seed=31)
         w.plan(longer.qo_indptr, longer.indptr, longer.indices, longer.last, case.hq, case.hkv, case.d, case.page,
-               q_data_type=case.dtype, causal=True, return_lse=True)  # fmt: skip
+               q_data_type=case.dtype, causal=True, return_lse=True, tactic=tactic)  # fmt: skip
 
 
 def test_untuned_auto_prefers_cudnn_for_prefill_when_it_is_there() -> None:

@@ -63,7 +63,9 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
     # bf16 and fp16: prefill for each head dim, decode for each head dim (large and small batches),
     # GEMM for 1, 2 and 4 m-tiles
     assert len(variants) == len(set(variants)) == 2 * (3 * len(geometry.HEAD_DIMS) + 3)
-    assert {v.arch for v in variants} == {"sm_90"}
+    # prefill on the H200 is the wgmma kernel, compiled for the arch-specific sm_90a
+    assert {(v.source, v.arch) for v in variants} == {
+        ("decode.cu", "sm_90"), ("gemm.cu", "sm_90"), ("prefill_sm90.cu", "sm_90a")}  # fmt: skip
     seen = []
     compiled = runtime.compile_all(
         variants, lambda done, total, label: seen.append((done, total, label)), root=cache_root
@@ -77,9 +79,8 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
     # the kernel the plans look up by name is in each (split work is merged in the same kernel)
     for variant in variants:
         cubin, _ = runtime.compile_variant(variant, root=cache_root)
-        name = {"decode.cu": b"tactix_decode", "prefill.cu": b"tactix_prefill", "gemm.cu": b"tactix_gemm"}[
-            variant.source
-        ]
+        name = {"decode.cu": b"tactix_decode", "prefill.cu": b"tactix_prefill", "prefill_sm90.cu": b"tactix_prefill",
+                "gemm.cu": b"tactix_gemm"}[variant.source]  # fmt: skip
         assert name in cubin, f"{name!r} missing from {variant.label()}"
         assert b"_merge" not in cubin and b"_reduce" not in cubin, variant.label()
 
@@ -200,7 +201,7 @@ def test_variants_do_not_spill(cache_root: Path, tmp_path: Path) -> None:
         if stack or local:
             spills.append(f"{variant.label()}: {registers} registers, stack {stack}, local {local}")
         sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
-        listed = re.findall(r"\bLDGSTS[^;]*;", sass)
+        listed = re.findall(r"(?<![.\w])LDGSTS\b[^;]*;", sass)  # not ARRIVES.LDGSTSBAR (cp.async.mbarrier.arrive)
         with_ur = sum(bool(re.search(r"\[R\d+\+UR\d+", i)) for i in listed)
         assert (len(listed) - with_ur, with_ur) == _ldgsts_forms(cubin), variant.label()
     assert not spills, "\n".join(spills)
@@ -254,7 +255,12 @@ def test_cache_key_covers_every_compile_input() -> None:
     # headers are inlined into the hashed text, so editing common.cuh changes every key
     assert "tx_cp_async16" in runtime.source_text("decode.cu")
     assert "#include" not in runtime.source_text("gemm.cu")
-    assert set(runtime.sources()) == {"common.cuh", "decode.cu", "gemm.cu", "prefill.cu"}
+    assert set(runtime.sources()) == {"common.cuh", "decode.cu", "gemm.cu", "prefill.cu", "prefill_sm90.cu"}
+    # the arch is part of the key: the wgmma kernel's sm_90a cubin is not an sm_90 one
+    wgmma = geometry.default_prefill_params(128, H200)
+    assert plugin.prefill_variant("bfloat16", 128, wgmma, "sm_90").arch == "sm_90a"
+    assert plugin.prefill_variant("bfloat16", 128, wgmma, "sm_90a") == plugin.prefill_variant("bfloat16", 128, wgmma,
+                                                                                              "sm_90")  # fmt: skip
 
 
 def test_a_compile_error_raises_tactix_error_with_the_log(tmp_path: Path) -> None:
@@ -314,8 +320,9 @@ def test_warmup_command_compiles_with_progress(tmp_path: Path, monkeypatch: pyte
     captured = capsys.readouterr()
     total = len(plugin.default_variants(H200))
     assert f"cuda_native: {total} compiled now" in captured.out
-    assert f"[{total}/{total}]" in captured.err and "decode.cu" in captured.err and "prefill.cu" in captured.err
-    assert len(list((tmp_path / "cuda_native" / "v1" / "sm_90").glob("*.cubin"))) == total
+    assert f"[{total}/{total}]" in captured.err and "decode.cu" in captured.err and "prefill_sm90.cu" in captured.err
+    cubins = [p for arch in ("sm_90", "sm_90a") for p in (tmp_path / "cuda_native" / "v1" / arch).glob("*.cubin")]
+    assert len(cubins) == total
     assert main(["warmup", "cuda_native", "--arch", "sm_90"]) == 0
     assert "cuda_native: 0 compiled now" in capsys.readouterr().out
     assert main(["warmup", "cuda_native", "--arch", "hopper"]) == 2
@@ -547,18 +554,90 @@ def test_gemm_splits_and_grids() -> None:
 # -- prefill ---------------------------------------------------------------------------------
 
 
-def test_prefill_variants_compile_without_spills() -> None:
-    """Every default prefill variant (both dtypes) and every tuning candidate (bf16) for sm_90:
-    no local-memory spills and no stack frame, per ptxas' own report."""
-    variants = {v for v in plugin.default_variants(H200) if v.source == "prefill.cu"}
+def _prefill_variants() -> list[runtime.Variant]:
+    """Every default prefill variant (both dtypes; on the H200 the wgmma kernel), the mma.sync
+    defaults (both dtypes) and every tuning candidate of both kernels (bf16)."""
+    variants = {v for v in plugin.default_variants(H200) if v.source.startswith("prefill")}
     for d in geometry.HEAD_DIMS:
+        for dtype in ("bfloat16", "float16"):
+            variants.add(plugin.prefill_variant(dtype, d, geometry.default_prefill_params(d, H200, "sync"), "sm_90"))
         for p in geometry.prefill_candidates(d, H200, gqa=4):
             variants.add(plugin.prefill_variant("bfloat16", d, p, "sm_90"))
-    assert len(variants) >= 6 + 12
-    for variant in sorted(variants, key=lambda v: v.label()):
+    return sorted(variants, key=lambda v: v.label())
+
+
+def test_prefill_variants_compile_without_spills() -> None:
+    """Every prefill variant a plan or the tuner can ask for on an H200, for sm_90 (mma.sync) and
+    sm_90a (wgmma): no local-memory spills, no stack frame, and no wgmma serialized by ptxas (it
+    does that, with an advisory, where it cannot keep the accumulators in place across the
+    asynchronous issue and wait), per ptxas' own report."""
+    variants = _prefill_variants()
+    wgmma = [v for v in variants if v.source == "prefill_sm90.cu"]
+    assert len(variants) >= 6 + 12 + 6 and len(wgmma) >= 6 + 9
+    assert {v.arch for v in wgmma} == {"sm_90a"} and {v.arch for v in variants if v not in wgmma} == {"sm_90"}
+    for variant in variants:
         usage = runtime.resource_usage(variant)["tactix_prefill"]
         assert usage["spill_stores"] == usage["spill_loads"] == usage["stack"] == 0, (variant.label(), usage)
+        assert usage["wgmma_serialized"] == 0, (variant.label(), usage)
         assert usage["registers"] <= 255
+
+
+def test_resource_usage_sees_serialized_wgmma() -> None:
+    """The check above is not vacuous: d256 with 128-key tiles (refused by the tactic rules: O, S
+    and P need 224 registers) makes ptxas spill and serialize the wgmma."""
+    variant = runtime.Variant.make("prefill_sm90.cu", "sm_90a", TX_BF16=1, TX_D=256, TX_QTILE=128, TX_KVTILE=128,
+                                   TX_STAGES=2)  # fmt: skip
+    usage = runtime.resource_usage(variant)["tactix_prefill"]
+    if not usage["wgmma_serialized"]:
+        pytest.skip(f"NVRTC {runtime.nvrtc_version()} no longer serializes this variant: the check is unproven")
+    assert usage["spill_stores"] > 0
+    params = geometry.PrefillParams(128, 128, 8, 2, mma="wgmma")
+    assert "at most 176 fit" in params.reasons(256, H200)[0]
+
+
+_HGMMA_SS, _HGMMA_RS = 0x9F0, 0xDF0  # sm_90 opcodes (low 12 bits): wgmma with A from shared memory, from registers
+
+
+def _opcodes(cubin: bytes, *opcodes: int) -> list[int]:
+    counts = [0] * len(opcodes)
+    for text in _text_sections(cubin).values():
+        for at in range(0, len(text), 16):
+            op = int.from_bytes(text[at : at + 8], "little") & 0xFFF
+            for i, want in enumerate(opcodes):
+                counts[i] += op == want
+    return counts
+
+
+def test_wgmma_variants_run_on_the_tensor_cores_asynchronously(cache_root: Path) -> None:
+    """The SASS of every wgmma variant has HGMMA with A from shared memory (S = Q K^T: D / 16 per
+    tile) and from registers (O += P V: kv_tile / 16), and the mma.sync kernel none (the opcode
+    reader finds what it should). Opcodes read off cuobjdump's listing of an sm_90a cubin."""
+    for variant in _prefill_variants():
+        cubin, _ = runtime.compile_variant(variant, root=cache_root)
+        ss, rs = _opcodes(cubin, _HGMMA_SS, _HGMMA_RS)
+        defines = dict(variant.defines)
+        if variant.source == "prefill_sm90.cu":
+            assert (ss, rs) == (int(defines["TX_D"]) // 16, int(defines["TX_KVTILE"]) // 16), variant.label()
+        else:
+            assert ss == rs == 0, variant.label()
+
+
+def test_wgmma_smem_layout_matches_the_plan(tmp_path: Path) -> None:
+    """The plan launches with `geometry.prefill_smem_bytes`; the kernel static_asserts that its own
+    layout (Q, the K/V ring, row pointers, mbarriers) has that size (TX_SMEM), so every variant
+    compiled above agrees with it, and a wrong size does not compile."""
+    params = geometry.PrefillParams(128, 128, 8, 2, mma="wgmma")
+    assert params.smem_bytes(128) == 128 * 256 + 2 * 2 * 128 * 256 + 128 * 16 + 4 * 2 * 8 == 165952
+    assert params.threads == 384 and geometry.PrefillParams(64, 64, 4, 2, mma="wgmma").threads == 256
+    variant = plugin.prefill_variant("bfloat16", 128, params, "sm_90")
+    assert dict(variant.defines)["TX_SMEM"] == "165952"
+    wrong = runtime.Variant(variant.source, tuple((k, "165936" if k == "TX_SMEM" else v) for k, v in variant.defines),
+                            variant.arch)  # fmt: skip
+    with pytest.raises(runtime.KernelCompileError) as info:
+        runtime.compile_variant(wrong, root=tmp_path)
+    assert "prefill_smem_bytes disagrees" in info.value.log
+    # every candidate fits the H200's 227 KB; the deepest d128 ring just does
+    assert max(p.smem_bytes(128) for p in geometry.prefill_candidates(128, H200)) == 231520 <= H200.smem_per_block
 
 
 def test_prefill_tactics_are_enumerated_valid_and_round_trip() -> None:
@@ -571,22 +650,43 @@ def test_prefill_tactics_are_enumerated_valid_and_round_trip() -> None:
             assert len(set(tactics)) == len(tactics)
             assert all(plugin._reasons(problem, t, H200) == [] for t in tactics), problem
             default = geometry.default_prefill_params(d, H200)
-            assert default.to_tactic() in tactics
+            assert default.mma == "wgmma" and default.to_tactic() in tactics
+            assert geometry.default_prefill_params(d, H200, "sync").to_tactic() in tactics
+            # both kernels, so the tuner compares them; "sync" stays implicit in the params
+            assert {t.params.get("mma", "sync") for t in tactics} == {"sync", "wgmma"}
+            assert all(t.params.get("mma") in (None, "wgmma") for t in tactics)
             assert {t.params["sched"] for t in tactics} == {0, 1, 2}
             assert ({t.params["pack"] for t in tactics} == {0, 1}) == (hq > hkv)
             for t in tactics:
                 assert tactix.tactics.parse_tactic(t.to_json()) == t
                 assert geometry.PrefillParams.from_tactic(t).to_tactic() == t
     assert backend.tactics(prefill())[0] == tactix.Tactic.default("cuda_native")
-    # defaults: 32 rows per warp where the accumulators fit, two CTAs per H200 SM
-    for d, want in ((64, (128, 64, 4, 3)), (128, (128, 32, 4, 3)), (256, (64, 32, 4, 2))):
+    # a tactic stored before the wgmma kernel existed still means the mma.sync kernel
+    old = tactix.tactics.parse_tactic('{"backend":"cuda_native","kernel":"prefill","params":{"pack":0,"q_tile":128,'
+                                      '"sched":0,"stages":3,"kv_tile":32,"warps":4},"schema_version":1}')  # fmt: skip
+    assert geometry.PrefillParams.from_tactic(old) == geometry.PrefillParams(128, 32, 4, 3)
+    assert geometry.PrefillParams(128, 32, 4, 3).to_tactic() == old
+    wg = geometry.PrefillParams(128, 128, 8, 2, mma="wgmma").to_tactic()
+    assert wg.to_json() == ('{"backend":"cuda_native","kernel":"prefill","params":{"kv_tile":128,"mma":"wgmma",'
+                            '"pack":0,"q_tile":128,"sched":0,"stages":2,"warps":8},"schema_version":1}')  # fmt: skip
+    # defaults on the H200: the wgmma kernel, two consumer warpgroups; mma.sync: 32 rows per warp
+    # where the accumulators fit, two CTAs per H200 SM
+    for d, want in ((64, (128, 128, 8, 3)), (128, (128, 128, 8, 2)), (256, (128, 64, 8, 2))):
         p = geometry.default_prefill_params(d, H200)
-        assert (p.q_tile, p.kv_tile, p.warps, p.stages) == want
+        assert (p.q_tile, p.kv_tile, p.warps, p.stages, p.mma) == (*want, "wgmma")
+    for d, want in ((64, (128, 64, 4, 3)), (128, (128, 32, 4, 3)), (256, (64, 32, 4, 2))):
+        p = geometry.default_prefill_params(d, H200, "sync")
+        assert (p.q_tile, p.kv_tile, p.warps, p.stages, p.mma) == (*want, "sync")
         smem = geometry.prefill_smem_bytes(d, p.q_tile, p.kv_tile, p.stages)
         assert geometry.ctas_per_sm(H200, smem, 32 * p.warps) >= 2
-    small = DeviceInfo(sms=84, smem_per_block=101376, smem_per_sm=102400, arch="sm_86")
-    for d in geometry.HEAD_DIMS:
-        assert geometry.default_prefill_params(d, small).reasons(d, small) == [], d
+    # other GPUs: the mma.sync kernel only (wgmma needs sm_90)
+    for info in (DeviceInfo(sms=84, smem_per_block=101376, smem_per_sm=102400, arch="sm_86"),
+                 DeviceInfo(sms=108, smem_per_block=232448, smem_per_sm=233472, arch="sm_80")):  # fmt: skip
+        for d in geometry.HEAD_DIMS:
+            p = geometry.default_prefill_params(d, info)
+            assert p.mma == "sync" and p.reasons(d, info) == [], (d, info.arch)
+            assert all(c.mma == "sync" for c in geometry.prefill_candidates(d, info, 4))
+    assert geometry.wgmma_arch("sm_90") == geometry.wgmma_arch("sm_90a") == "sm_90a"
 
 
 def test_bad_prefill_tactics_and_problems_give_reasons() -> None:
@@ -611,7 +711,24 @@ def test_bad_prefill_tactics_and_problems_give_reasons() -> None:
     assert "shared memory" in reasons({"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 4}, d256)[0]
     assert "must be integers" in reasons({**ok, "warps": "4"})[0]
     assert "must be integers" in reasons({**ok, "sched": True})[0]
+    # the wgmma kernel
+    wg = {"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma"}
+    assert reasons(wg) == [] and reasons({**ok, "mma": "sync"}) == []
+    assert reasons({**wg, "q_tile": 64, "warps": 4, "stages": 4, "kv_tile": 64, "pack": 4, "sched": 2}) == []
+    assert "mma must be 'sync' or 'wgmma'" in reasons({**wg, "mma": "hgmma"})[0]
+    assert "mma must be 'sync' or 'wgmma'" in reasons({**wg, "mma": "WGMMA"})[0]
+    assert "param mma must be" in reasons({**wg, "mma": 1})[0]
+    assert "warps q_tile / 16" in reasons({**wg, "warps": 4})[0]
+    assert "warps q_tile / 16" in reasons({**wg, "q_tile": 256, "warps": 16})[0]
+    assert "kv_tile must be 64 or 128" in reasons({**wg, "kv_tile": 32})[0]
+    assert "stages must be in 2..4" in reasons({**wg, "stages": 5})[0]
+    assert "at most 176 fit" in reasons(wg, prefill(head_dim_qk=256, head_dim_vo=256))[0]
+    assert "shared memory" in reasons({**wg, "stages": 4})[0]  # 4 x 64 KB of K/V at d128
+    ampere = DeviceInfo(sms=108, smem_per_block=232448, smem_per_sm=233472, arch="sm_80")
+    tactic = tactix.Tactic(backend="cuda_native", kernel="prefill", params=wg)  # type: ignore[arg-type]
+    assert "needs a Hopper GPU (sm_90); this one is sm_80" in plugin._reasons(prefill(), tactic, ampere)[0]
     assert "prefill params must be" in reasons({"q_tile": 128})[0]
+    assert "with pack, sched and mma optional" in reasons({"q_tile": 128})[0]
     assert "prefill params must be" in reasons({**ok, "tile": 64})[0]
     assert "unknown prefill kernel" in reasons(ok, kernel="decode")[0]
     assert "takes no params" in reasons({"q_tile": 64}, kernel="default")[0]
@@ -643,11 +760,14 @@ def _oracle_pairs(q_len: int, kv_len: int, causal: bool, window: int) -> set[tup
 
 def _kernel_pairs(q_lens: list[int], kv_lens: list[int], params: geometry.PrefillParams, pack: int, hq: int,
                   causal: bool, window: int) -> dict[tuple[int, int, int, int], int]:  # fmt: skip
-    """Model of the prefill kernel's control flow (kernels/prefill.cu, same formulas): how often
-    each (request, token, head, key) enters a written row's softmax unmasked."""
+    """Model of the prefill kernels' control flow (kernels/prefill.cu and prefill_sm90.cu, same
+    formulas): how often each (request, token, head, key) enters a written row's softmax
+    unmasked. The unit that skips tiles and masks is a warp (sync) or a warpgroup of 64 rows (wgmma)."""
     work = geometry.prefill_work(q_lens, kv_lens, q_tile=params.q_tile, kv_tile=params.kv_tile, pack=pack,
                                  causal=causal, window_left=window, sched=params.sched)  # fmt: skip
-    bq, bk, wrows = params.q_tile, params.kv_tile, params.q_tile // params.warps
+    bq, bk = params.q_tile, params.kv_tile
+    units = params.q_tile // 64 if params.mma == "wgmma" else params.warps
+    wrows = params.q_tile // units
     counts: dict[tuple[int, int, int, int], int] = {}
     for (req, t0), tiles in zip(work.items, work.tiles, strict=True):
         q_len, kv_len = q_lens[req], kv_lens[req]
@@ -666,7 +786,7 @@ def _kernel_pairs(q_lens: list[int], kv_lens: list[int], params: geometry.Prefil
         ntiles = -(-(kv_hi - kv_lo) // bk)
         assert ntiles == tiles
         rowb = [(lo_of(min(r // pack, nt - 1)), hi_of(min(r // pack, nt - 1))) for r in range(bq)]
-        for w in range(params.warps):
+        for w in range(units):
             wrow0 = w * wrows
             if wrow0 // pack >= nt:
                 continue  # an idle warp: no valid row
@@ -699,17 +819,18 @@ def test_prefill_work_covers_every_allowed_pair_exactly_once(causal: bool, windo
     q_lens = [1, 5, 17, 70, 33, 1, 0, 9]
     kv_lens = [1, 40, 17, 130, 33, 64, 3, 9] if causal else [3, 2, 50, 64, 33, 1, 3, 5]
     hq, gqa = 8, 4
-    shapes = [(128, 32, 4), (64, 64, 4), (128, 64, 8), (64, 32, 2)]
-    for q_tile, kv_tile, warps in shapes:
+    shapes = [(128, 32, 4, "sync"), (64, 64, 4, "sync"), (128, 64, 8, "sync"), (64, 32, 2, "sync"),
+              (128, 128, 8, "wgmma"), (128, 64, 8, "wgmma"), (64, 64, 4, "wgmma")]  # fmt: skip
+    for q_tile, kv_tile, warps, mma in shapes:
         for pack in (1, 2, 4):
-            params = geometry.PrefillParams(q_tile, kv_tile, warps, 2, pack=pack)
+            params = geometry.PrefillParams(q_tile, kv_tile, warps, 2, pack=pack, mma=mma)
             assert params.reasons(128, H200, gqa) == []
             got = _kernel_pairs(q_lens, kv_lens, params, pack, hq, causal, window)
             want: set[tuple[int, int, int, int]] = set()
             for req, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
                 for t, key in _oracle_pairs(q_len, kv_len, causal, window):
                     want |= {(req, t, h, key) for h in range(hq)}
-            what = f"q_tile {q_tile} kv_tile {kv_tile} warps {warps} pack {pack}"
+            what = f"q_tile {q_tile} kv_tile {kv_tile} warps {warps} mma {mma} pack {pack}"
             extra = {k for k in got if k not in want}
             assert not extra, f"{what}: masked pairs let in, e.g. {sorted(extra)[:5]}"
             missing = want - set(got)

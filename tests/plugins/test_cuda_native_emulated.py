@@ -288,3 +288,48 @@ def test_emulated_prefill_every_diagonal_alignment(shape: tuple[int, int, int, i
     kv_lens = [37 + p for p in range(kv_tile + 2)]
     tactic = {"q_tile": q_tile, "kv_tile": kv_tile, "warps": warps, "stages": stages, "pack": 1}
     prefill_case(q_lens, kv_lens, hq=1, hkv=1, tactic=tactic, seed=9, **features)
+
+
+# -- the Hopper kernel (kernels/prefill_sm90.cu) -----------------------------------------------
+
+WGMMA_SHAPES = [(128, 128, 8, 2), (128, 64, 8, 3), (64, 128, 4, 2), (64, 64, 4, 4)]
+
+
+def _wgmma(shape: tuple[int, int, int, int], **extra: Any) -> dict[str, Any]:
+    q_tile, kv_tile, warps, stages = shape
+    return {"q_tile": q_tile, "kv_tile": kv_tile, "warps": warps, "stages": stages, "mma": "wgmma", **extra}
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["late-copies", "eager-copies"])
+@pytest.mark.parametrize("shape", WGMMA_SHAPES, ids=lambda s: "q{}-kv{}-s{}".format(*s[:2], s[3]))
+def test_emulated_wgmma_ring_wraps_and_warpgroups_skip(shape: tuple[int, int, int, int], eager: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Key ranges many times the ring (every slot reused, both mbarrier parities, K released a
+    tile before V), a chunk over a long prefix, and one head per CTA so that the two consumer
+    warpgroups own different tokens: with causal masks and windows one skips tiles the other
+    computes (while both keep the barrier protocol); short requests leave a warpgroup idle."""
+    monkeypatch.setenv("TXE_EAGER_COPIES", "1" if eager else "0")
+    q_lens, kv_lens = [300, 5, 129, 1], [1100, 700, 129, 900]
+    for pack, window in ((0, -1), (1, -1), (1, 90)):
+        prefill_case(q_lens, kv_lens, d=64, hq=8, hkv=2, tactic=_wgmma(shape, pack=pack), window=window,
+                     page=16 if window < 0 else 1, seed=11)  # fmt: skip
+    prefill_case([200, 3], [200, 1000], d=128, hq=2, hkv=2, tactic=_wgmma(shape), causal=False, window=300, seed=12)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_emulated_wgmma_every_head_dim_with_long_keys(d: int, dtype: torch.dtype) -> None:
+    """The default wgmma tactic for each head dim past its ring (soft-cap and LSE too)."""
+    params = geometry.default_prefill_params(d, H200)
+    assert params.mma == "wgmma"
+    prefill_case([150, 1, 64], [700, 333, 64], d=d, dtype=dtype, hq=4, hkv=2, cap=20.0, layout="NHD", seed=d)
+
+
+@pytest.mark.parametrize("shape", [(128, 128, 8, 2), (64, 64, 4, 2)], ids=["q128-kv128", "q64-kv64"])
+def test_emulated_wgmma_every_diagonal_alignment(shape: tuple[int, int, int, int]) -> None:
+    """One request per prefix length 0..kv_tile + 1 (as for the mma.sync kernel): the diagonal
+    meets every key offset of a tile, for both warpgroups."""
+    kv_tile = shape[1]
+    q_lens = [70] * (kv_tile + 2)
+    kv_lens = [70 + p for p in range(kv_tile + 2)]
+    prefill_case(q_lens, kv_lens, d=64, hq=1, hkv=1, tactic=_wgmma(shape, pack=1), seed=13)

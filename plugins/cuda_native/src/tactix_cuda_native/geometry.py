@@ -37,6 +37,7 @@ __all__ = [
     "prefill_range",
     "prefill_smem_bytes",
     "prefill_work",
+    "wgmma_arch",
 ]
 
 NAME: Final = "cuda_native"
@@ -272,17 +273,35 @@ def decode_items(work: DecodeWork, page_base: list[int]) -> list[int]:
 # -- prefill ---------------------------------------------------------------------------------
 
 PREFILL_SCHEDULES: Final = ("requests_by_work", "in_order", "longest_first")
+PREFILL_MMAS: Final = ("sync", "wgmma")
+"""The prefill kernels: "sync" kernels/prefill.cu (mma.sync, any GPU from sm_80), "wgmma"
+kernels/prefill_sm90.cu (Hopper warpgroup MMA, compiled for sm_90a)."""
+WGMMA_ARCHS: Final = ("sm_90", "sm_90a")
+WGMMA_HEAD_DIMS: Final = (64, 128, 256)
+WGMMA_ACCUMULATORS: Final = 176
+"""Registers per consumer thread the wgmma kernel's O, S and P take at most (head_dim / 2 +
+kv_tile / 2 + kv_tile / 4): d256 with 128-key tiles (224) spills at the 232 a consumer gets."""
+
+
+def wgmma_arch(arch: str) -> str:
+    """The NVRTC target of the wgmma kernel for a GPU of ``arch``: wgmma needs the arch-specific
+    ``sm_90a`` (its cubins run only on sm_90 GPUs)."""
+    return "sm_90a" if arch in WGMMA_ARCHS else arch
 
 
 @dataclass(frozen=True)
 class PrefillParams:
-    """A prefill tactic's parameters (see kernels/prefill.cu).
+    """A prefill tactic's parameters (see kernels/prefill.cu and kernels/prefill_sm90.cu).
 
-    ``q_tile``: query rows per CTA (16 or 32 per warp); ``kv_tile``: keys per pipeline stage;
-    ``warps``; ``stages``: depth of the K/V ring; ``pack``: query heads of one GQA group per CTA
-    (0: the heuristic `prefill_pack`, else a divisor of the group size up to ``q_tile``);
-    ``sched``: order of the work items (see `prefill_work`: 0 requests by work, each longest
-    first; 1 in request order; 2 longest first over the whole batch).
+    ``mma``: "sync" (mma.sync, the default: left out of the tactic's params so tactics stored
+    before the wgmma kernel existed keep matching) or "wgmma" (Hopper only). ``q_tile``: query
+    rows per CTA (sync: 16 or 32 per warp; wgmma: 64 or 128, one consumer warpgroup per 64);
+    ``kv_tile``: keys per pipeline stage; ``warps``: the warps computing (wgmma: q_tile / 16, the
+    consumer warpgroups; a producer warpgroup of 4 more gathers K/V); ``stages``: depth of the K/V
+    ring; ``pack``: query heads of one GQA group per CTA (0: the heuristic `prefill_pack`, else a
+    divisor of the group size up to ``q_tile``); ``sched``: order of the work items (see
+    `prefill_work`: 0 requests by work, each longest first; 1 in request order; 2 longest first
+    over the whole batch).
     """
 
     q_tile: int
@@ -291,17 +310,29 @@ class PrefillParams:
     stages: int
     pack: int = 0
     sched: int = 0
+    mma: str = "sync"
 
-    KEYS: ClassVar[tuple[str, ...]] = ("q_tile", "kv_tile", "warps", "stages", "pack", "sched")
+    KEYS: ClassVar[tuple[str, ...]] = ("q_tile", "kv_tile", "warps", "stages", "pack", "sched", "mma")
     REQUIRED: ClassVar[tuple[str, ...]] = ("q_tile", "kv_tile", "warps", "stages")
 
     @property
     def m_tiles(self) -> int:
-        """m16 tiles per warp."""
+        """m16 tiles per warp (sync)."""
         return self.q_tile // (16 * self.warps)
 
+    @property
+    def threads(self) -> int:
+        """Threads per CTA: the computing warps, and for wgmma the producer warpgroup."""
+        return 32 * self.warps + (128 if self.mma == "wgmma" else 0)
+
+    def smem_bytes(self, head_dim: int) -> int:
+        return prefill_smem_bytes(head_dim, self.q_tile, self.kv_tile, self.stages, self.mma)
+
     def to_tactic(self) -> Tactic:
-        return Tactic(backend=NAME, kernel="prefill", params={k: getattr(self, k) for k in self.KEYS})
+        params: dict[str, int | str] = {k: getattr(self, k) for k in self.KEYS if k != "mma"}
+        if self.mma != "sync":  # the default stays implicit
+            params["mma"] = self.mma
+        return Tactic(backend=NAME, kernel="prefill", params=params)  # type: ignore[arg-type]
 
     @classmethod
     def from_tactic(cls, tactic: Tactic) -> PrefillParams:
@@ -312,9 +343,41 @@ class PrefillParams:
             assert isinstance(value, int)  # validated by the plugin's check before a plan is made
             return value
 
-        return cls(get("q_tile"), get("kv_tile"), get("warps"), get("stages"), get("pack", 0), get("sched", 0))
+        mma = p.get("mma", "sync")
+        assert isinstance(mma, str)
+        return cls(get("q_tile"), get("kv_tile"), get("warps"), get("stages"), get("pack", 0), get("sched", 0), mma)
 
     def reasons(self, head_dim: int, info: DeviceInfo, gqa: int | None = None) -> list[str]:
+        if self.mma not in PREFILL_MMAS:
+            return [f"mma must be 'sync' or 'wgmma' (got {self.mma!r})"]
+        out = self._wgmma_reasons(head_dim, info) if self.mma == "wgmma" else self._sync_reasons()
+        if self.pack < 0:
+            out.append(f"pack must be 0 (auto) or a divisor of the GQA group size (got {self.pack})")
+        elif self.pack and gqa is not None and (gqa % self.pack or self.pack > self.q_tile):
+            out.append(f"pack {self.pack} must divide the GQA group size {gqa} and be at most q_tile {self.q_tile}")
+        if self.sched not in (0, 1, 2):
+            out.append(f"sched must be 0, 1 or 2 ({', '.join(PREFILL_SCHEDULES)}) (got {self.sched})")
+        if not out:
+            if self.mma == "sync":
+                regs = self.m_tiles * (head_dim + self.kv_tile) // 2
+                if regs > 192:
+                    out.append(
+                        f"O and S accumulators need {regs} registers per thread (q_tile {self.q_tile}, "
+                        f"{self.warps} warps, kv_tile {self.kv_tile}, head dim {head_dim}); at most 192 fit"
+                    )
+            else:
+                regs = head_dim // 2 + self.kv_tile // 2 + self.kv_tile // 4
+                if regs > WGMMA_ACCUMULATORS:
+                    out.append(
+                        f"O, S and P need {regs} registers per consumer thread (kv_tile {self.kv_tile}, head dim "
+                        f"{head_dim}); at most {WGMMA_ACCUMULATORS} fit with mma 'wgmma'"
+                    )
+            smem = self.smem_bytes(head_dim)
+            if smem > info.smem_per_block:
+                out.append(f"needs {smem} bytes of shared memory; this GPU allows {info.smem_per_block} per CTA")
+        return out
+
+    def _sync_reasons(self) -> list[str]:
         out = []
         if self.warps not in (2, 4, 8):
             out.append(f"warps must be 2, 4 or 8 (got {self.warps})")
@@ -326,38 +389,56 @@ class PrefillParams:
             out.append(f"kv_tile {self.kv_tile} exceeds the {32 * self.warps} threads of {self.warps} warps")
         if not 2 <= self.stages <= 4:
             out.append(f"stages must be in 2..4 (got {self.stages})")
-        if self.pack < 0:
-            out.append(f"pack must be 0 (auto) or a divisor of the GQA group size (got {self.pack})")
-        elif self.pack and gqa is not None and (gqa % self.pack or self.pack > self.q_tile):
-            out.append(f"pack {self.pack} must divide the GQA group size {gqa} and be at most q_tile {self.q_tile}")
-        if self.sched not in (0, 1, 2):
-            out.append(f"sched must be 0, 1 or 2 ({', '.join(PREFILL_SCHEDULES)}) (got {self.sched})")
-        if not out:
-            regs = self.m_tiles * (head_dim + self.kv_tile) // 2
-            if regs > 192:
-                out.append(
-                    f"O and S accumulators need {regs} registers per thread (q_tile {self.q_tile}, "
-                    f"{self.warps} warps, kv_tile {self.kv_tile}, head dim {head_dim}); at most 192 fit"
-                )
-            smem = prefill_smem_bytes(head_dim, self.q_tile, self.kv_tile, self.stages)
-            if smem > info.smem_per_block:
-                out.append(f"needs {smem} bytes of shared memory; this GPU allows {info.smem_per_block} per CTA")
+        return out
+
+    def _wgmma_reasons(self, head_dim: int, info: DeviceInfo) -> list[str]:
+        out = []
+        if info.arch not in WGMMA_ARCHS:
+            out.append(f"mma 'wgmma' needs a Hopper GPU (sm_90); this one is {info.arch} (use mma 'sync')")
+        if head_dim not in WGMMA_HEAD_DIMS:
+            out.append(f"mma 'wgmma' supports head dims {WGMMA_HEAD_DIMS} (got {head_dim}; use mma 'sync')")
+        if self.q_tile not in (64, 128) or self.warps != self.q_tile // 16:
+            out.append(
+                f"with mma 'wgmma' q_tile must be 64 or 128 and warps q_tile / 16, the consumer warps of 64 rows "
+                f"per warpgroup (got q_tile {self.q_tile}, warps {self.warps})"
+            )
+        if self.kv_tile not in (64, 128):
+            out.append(f"with mma 'wgmma' kv_tile must be 64 or 128 (got {self.kv_tile})")
+        if not 2 <= self.stages <= 4:
+            out.append(f"stages must be in 2..4 (got {self.stages})")
         return out
 
 
-def prefill_smem_bytes(head_dim: int, q_tile: int, kv_tile: int, stages: int) -> int:
-    """Dynamic shared memory of the prefill kernel (see the layout in kernels/prefill.cu)."""
+def prefill_smem_bytes(head_dim: int, q_tile: int, kv_tile: int, stages: int, mma: str = "sync") -> int:
+    """Dynamic shared memory of the prefill kernel (see the layouts in kernels/prefill.cu and
+    kernels/prefill_sm90.cu: for wgmma, Q + stages x (K, V) tiles + a K and a V row pointer per
+    key of a tile + four mbarriers per stage)."""
     row = head_dim * 2
+    if mma == "wgmma":
+        return q_tile * row + stages * 2 * kv_tile * row + kv_tile * 16 + 4 * stages * 8
     return q_tile * row + stages * 2 * kv_tile * row + stages * 2 * kv_tile * 8 + q_tile * 8 + 16
 
 
 _PREFILL_DEFAULTS: Final = {64: (128, 64, 4, 3), 128: (128, 32, 4, 3), 256: (64, 32, 4, 2)}
 """q_tile, kv_tile, warps, stages per head dim: two or more CTAs of 4 warps per H200 SM, no spills."""
 
+_WGMMA_DEFAULTS: Final = {64: (128, 128, 8, 3), 128: (128, 128, 8, 2), 256: (128, 64, 8, 2)}
+"""wgmma (sm_90): two consumer warpgroups of 64 rows (FlashAttention-3's 128 x 128 tile for d128),
+one CTA per SM (the 384 threads take every register). The candidates with one consumer
+warpgroup (q_tile 64) launch with 128 registers a thread up to d128, so two CTAs share an SM
+where their shared memory fits (d128: kv_tile 64, 2 stages)."""
 
-def default_prefill_params(head_dim: int, info: DeviceInfo) -> PrefillParams:
-    """The heuristic tactic: 4 warps, 32 rows per warp where the accumulators fit (d64, d128), the
-    deepest ring that still leaves two CTAs per SM; smaller tiles where shared memory is short."""
+
+def default_prefill_params(head_dim: int, info: DeviceInfo, mma: str | None = None) -> PrefillParams:
+    """The heuristic tactic: on Hopper the wgmma kernel (`_WGMMA_DEFAULTS`); elsewhere, or with
+    ``mma="sync"``, the mma.sync kernel with 4 warps, 32 rows per warp where the accumulators fit
+    (d64, d128), the deepest ring that still leaves two CTAs per SM; smaller tiles where shared
+    memory is short."""
+    shape = _WGMMA_DEFAULTS.get(head_dim)
+    if shape is not None and (mma == "wgmma" or (mma is None and info.arch in WGMMA_ARCHS)):
+        params = PrefillParams(*shape, mma="wgmma")
+        if mma == "wgmma" or not params.reasons(head_dim, info):
+            return params
     q_tile, kv_tile, warps, stages = _PREFILL_DEFAULTS.get(head_dim, (64, 32, 4, 2))
     while stages > 2 and prefill_smem_bytes(head_dim, q_tile, kv_tile, stages) > info.smem_per_block:
         stages -= 1
@@ -374,15 +455,24 @@ _PREFILL_SHAPES: Final = {
     256: [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2)],
 }
 
+_WGMMA_SHAPES: Final = {
+    64: [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 128, 4, 3)],
+    128: [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 2), (64, 64, 4, 2)],
+    256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3)],
+}
+
 
 def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1) -> list[PrefillParams]:
-    """The tactic space the tuner explores: tile shapes, then the default's with one head per CTA
-    and with work in request order (every entry valid for ``head_dim`` on ``info``)."""
+    """The tactic space the tuner explores: mma.sync tile shapes, wgmma tile shapes (on Hopper),
+    then the default's with one head per CTA and with work in request order (every entry valid
+    for ``head_dim`` on ``info``)."""
     out = [PrefillParams(*shape) for shape in _PREFILL_SHAPES.get(head_dim, [])]
+    out += [PrefillParams(*shape, mma="wgmma") for shape in _WGMMA_SHAPES.get(head_dim, [])]
     base = default_prefill_params(head_dim, info)
+    shape = (base.q_tile, base.kv_tile, base.warps, base.stages)
     if gqa > 1:
-        out.append(PrefillParams(base.q_tile, base.kv_tile, base.warps, base.stages, pack=1))
-    out += [PrefillParams(base.q_tile, base.kv_tile, base.warps, base.stages, sched=sched) for sched in (1, 2)]
+        out.append(PrefillParams(*shape, pack=1, mma=base.mma))
+    out += [PrefillParams(*shape, sched=sched, mma=base.mma) for sched in (1, 2)]
     unique = list(dict.fromkeys(out))
     return [p for p in unique if not p.reasons(head_dim, info, gqa)]
 

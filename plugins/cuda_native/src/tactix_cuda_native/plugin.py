@@ -6,7 +6,9 @@ Tactics are the kernels' compile-time and launch parameters:
 * ``Tactic(backend="cuda_native", kernel="prefill", params={"q_tile": 128, "kv_tile": 32, "warps": 4,
   "stages": 3, "pack": 0, "sched": 0})`` (``pack`` 0: the query heads of a GQA group per CTA chosen by
   `geometry.prefill_pack`; ``sched`` 0: requests by work, each one's items longest first, 1: request order,
-  2: longest first over the batch; see `geometry.prefill_work`);
+  2: longest first over the batch; see `geometry.prefill_work`); with ``"mma": "wgmma"`` the Hopper kernel
+  (kernels/prefill_sm90.cu: ``q_tile`` 64 or 128 rows, ``warps`` = q_tile / 16 consumer warps, ``kv_tile`` 64 or
+  128), the default on sm_90 for head dims 64, 128 and 256; ``mma`` left out (or "sync") is the mma.sync kernel;
 * ``Tactic(backend="cuda_native", kernel="decode", params={"tile": 64, "warps": 4, "stages": 2, "kv_chunk": 0})``
   (``kv_chunk`` 0: the split of long requests is chosen per batch by `geometry.decode_chunk`);
 * ``Tactic(backend="cuda_native", kernel="gemm", params={"bn": 32, "bk": 128, "wn": 1, "wk": 4, "stages": 4,
@@ -70,9 +72,9 @@ from tactix_cuda_native.geometry import (
     prefill_capacity,
     prefill_grid,
     prefill_pack,
-    prefill_smem_bytes,
     prefill_work,
     q_tiles,
+    wgmma_arch,
 )
 from tactix_cuda_native.runtime import (
     Variant,
@@ -144,8 +146,8 @@ def tactix_backends() -> list[tactix.BackendSpec]:
         tactix.BackendSpec(
             name=NAME,
             version=__version__,
-            description="the project's CUDA kernels (NVRTC): paged prefill (mma.sync flash attention), paged "
-            "decode with split-KV, skinny GEMM for m <= 64",
+            description="the project's CUDA kernels (NVRTC): paged prefill (flash attention: wgmma on Hopper, "
+            "mma.sync elsewhere), paged decode with split-KV, skinny GEMM for m <= 64",
             prefill=_PREFILL,
             decode=_DECODE,
             gemm=_GEMM,
@@ -237,9 +239,12 @@ def _prefill_reasons(problem: PrefillProblem, tactic: Tactic, info: DeviceInfo) 
     given = set(tactic.params)
     known = set(PrefillParams.KEYS)
     if not set(PrefillParams.REQUIRED) <= given or given - known:
-        return [*out, f"prefill params must be {sorted(known)} with pack and sched optional (got {sorted(given)})"]
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in tactic.params.values()):
-        return [*out, f"prefill params must be integers (got {tactic.params})"]
+        return [*out, f"prefill params must be {sorted(known)} with pack, sched and mma optional (got {sorted(given)})"]
+    numbers = {key: value for key, value in tactic.params.items() if key != "mma"}
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in numbers.values()):
+        return [*out, f"prefill params must be integers, mma a string (got {tactic.params})"]
+    if not isinstance(tactic.params.get("mma", "sync"), str):
+        return [*out, f"prefill param mma must be 'sync' or 'wgmma' (got {tactic.params['mma']!r})"]
     return out + PrefillParams.from_tactic(tactic).reasons(problem.head_dim_qk, info, problem.gqa_ratio)
 
 
@@ -322,7 +327,20 @@ def decode_variant(dtype: str, head_dim: int, params: DecodeParams, arch: str) -
 
 
 def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str) -> Variant:
-    """``pack`` and ``sched`` are launch-time choices: every value shares one compiled variant."""
+    """``pack`` and ``sched`` are launch-time choices: every value shares one compiled variant.
+    ``mma`` "wgmma" is kernels/prefill_sm90.cu, compiled for the arch-specific target (sm_90a) of
+    an sm_90 ``arch``; its warps are implied by the tiles (one consumer warpgroup per 64 rows)."""
+    if params.mma == "wgmma":
+        return Variant.make(
+            "prefill_sm90.cu",
+            wgmma_arch(arch),
+            TX_BF16=_bf16(dtype),
+            TX_D=head_dim,
+            TX_QTILE=params.q_tile,
+            TX_KVTILE=params.kv_tile,
+            TX_STAGES=params.stages,
+            TX_SMEM=params.smem_bytes(head_dim),  # the kernel asserts that its layout has this size
+        )
     return Variant.make(
         "prefill.cu",
         arch,
@@ -637,7 +655,7 @@ class CudaNativePrefillPlan:
         params = default_prefill_params(d, info) if tactic.is_default else PrefillParams.from_tactic(tactic)
         self.tactic = params.to_tactic()
         module, self.built = load(prefill_variant(problem.q_dtype, d, params, info.arch), index)
-        smem = prefill_smem_bytes(d, params.q_tile, params.kv_tile, params.stages)
+        smem = params.smem_bytes(d)
         self._kernel = module.kernel("tactix_prefill", smem)
 
         graph = options["use_cuda_graph"]
@@ -689,7 +707,7 @@ class CudaNativePrefillPlan:
         self._ptrs = (view["items"].data_ptr(), view["num_items"].data_ptr(), view["reqs"].data_ptr(),
                       indices.data_ptr())  # fmt: skip
         self._launch = graph or bool(work.items)
-        self._cfg = launch_config(prefill_grid(item_cap, hq, pack), 32 * params.warps, smem)
+        self._cfg = launch_config(prefill_grid(item_cap, hq, pack), params.threads, smem)
         self._index = index
         self._seen: tuple[Any, ...] | None = None
         self._strides: tuple[int, ...] = ()

@@ -258,8 +258,15 @@ _PTXAS_INFO = re.compile(
 )
 
 
+# ptxas' advisory when it cannot keep wgmma asynchronous (it then waits after each one): e.g.
+# "(C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient
+# register resources for the function 'tactix_prefill'"
+_WGMMA_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized[^\n]*?function '(\w+)'")
+
+
 def resource_usage(variant: Variant) -> dict[str, dict[str, int]]:
-    """Per kernel of ``variant``: registers, stack frame and spill bytes, from ptxas' report.
+    """Per kernel of ``variant``: registers, stack frame and spill bytes, from ptxas' report, and
+    ``wgmma_serialized`` 1 where ptxas had to serialize the kernel's wgmma instructions.
 
     Compiles afresh with ``-v`` (no cache): for tests and tuning tables, not for plans.
     """
@@ -276,13 +283,16 @@ def resource_usage(variant: Variant) -> dict[str, dict[str, int]]:
         cc.Program(source_text(variant.source), "c++", options).compile("cubin", logs=log)
     except Exception as exc:
         raise KernelCompileError(variant, "\n".join((str(exc), "".join(log.parts)))) from exc
+    text = "".join(log.parts)
+    serialized = set(_WGMMA_SERIALIZED.findall(text))
     out = {}
-    for m in _PTXAS_INFO.finditer("".join(log.parts)):
+    for m in _PTXAS_INFO.finditer(text):
         out[m.group(1)] = {
             "registers": int(m.group(5)),
             "stack": int(m.group(2)),
             "spill_stores": int(m.group(3)),
             "spill_loads": int(m.group(4)),
+            "wgmma_serialized": int(m.group(1) in serialized),
         }
     return out
 

@@ -1,0 +1,514 @@
+// Paged prefill attention for Hopper (sm_90a): wgmma (warpgroup MMA) with a warp-specialised
+// cp.async pipeline. Same arguments, work list and semantics as kernels/prefill.cu (the
+// mma.sync kernel), so the plan launches either one.
+//
+// Work item = (request, first query token of a q tile); grid x = item x head group, heads
+// fastest; CTAs past `num_items` exit at once (CUDA-graph capacity). Row r of the CTA's
+// TX_QTILE rows is (token t0 + r / pack, query head head0 + r % pack), as in prefill.cu.
+//
+// Warps: TX_QTILE / 64 consumer warpgroups (4 warps each; warpgroup w owns rows
+// [64 w, 64 w + 64)) and a producer warpgroup after them. With two consumer warpgroups the 384
+// threads launch with 168 registers each; setmaxnreg then moves registers from the producer (40)
+// to the consumers (232), which hold O, S and P. With one (up to d128), 256 threads launch with
+// 128 (two CTAs fit an SM where shared memory allows: one's prologue and epilogue overlap the
+// other's loop) and the consumers get 216. The producer walks the CTA's key range
+// [kv_lo, kv_hi) in tiles of TX_KVTILE keys, each of its warps a quarter of every tile: a lane
+// looks up its key's page (one tile ahead) and writes the key's K and V row pointers to shared
+// memory; then the warp gathers the rows with cp.async (16-byte chunks; at d128 a half-warp per
+// 256-byte row, so every warp instruction reads whole rows) into a TX_STAGES-deep ring. Each K
+// and each V tile has a "full" mbarrier (128 arrivals: every producer thread's
+// cp.async.mbarrier.arrive.noinc, which fires once that thread's copies have landed) and an
+// "empty" mbarrier (one arrival per consumer warp), so K of tile i + 1 streams in while V of
+// tile i is still in use. Keys past kv_hi read the row of key kv_hi - 1 (real data, masked
+// later), so every copy is a whole 16 bytes.
+//
+// Shared-memory tiles use the 128-byte swizzle wgmma descriptors read: a tile of R rows of D
+// 16-bit elements is D / 64 column blocks of R x 128 bytes; 16-byte chunk c of row r of a block
+// sits at r * 128 + ((c ^ (r % 8)) * 16). Every tile starts 1024-byte aligned (the swizzle is a
+// function of address bits [4:6] ^ [7:9]).
+//
+// Per consumer warpgroup and tile (the warpgroup skips the math of a tile outside all of its
+// rows' key ranges but still takes part in the barrier protocol):
+//   S = Q K^T: D / 16 wgmma.m64nNk16 (N = TX_KVTILE), A = Q and B = K from shared memory, both
+//     K-major (descriptor: SBO = 1024 bytes between 8-row groups; the k16 step advances the
+//     start address by 32 bytes inside a 128-byte row, or to the next column block);
+//   wait for S (and for the previous tile's P V), release K (and the previous V);
+//   soft-cap, masking only where the tile crosses a row bound, online softmax in fp32 registers
+//   (thread t of warp w holds rows 16 w + t / 4 and + 8 of the warpgroup's 64; a row's columns
+//   are spread over the 4 threads of a quad, so row reductions are two shuffles, as in
+//   prefill.cu), O rescaled;
+//   O += P V: TX_KVTILE / 16 wgmma.m64nDk16 with P from registers (the accumulator layout of S,
+//     packed to 16 bits pairwise, is the A-fragment layout) and V from shared memory MN-major
+//     (imm-trans-b = 1; LBO = the distance between 64-column blocks of d, SBO = 1024 bytes
+//     between 8-key groups). It is left running: the next tile's S is issued before waiting.
+// Epilogue: O / l written through the warpgroup's own Q rows (same swizzle, no bank conflicts)
+// and stored with 16-byte writes; LSE = (m + log2 l) ln 2. Deterministic: every output element
+// is computed by one CTA in a fixed order.
+//
+// Shared memory (dynamic, 1024-byte aligned): [Q: TX_QTILE rows] [stages x (K tile, V tile)]
+// [row pointers: TX_KVTILE x (K, V)] [mbarriers: 4 x stages] (geometry.prefill_smem_bytes).
+//
+// Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_QTILE (64, 128), TX_KVTILE (64, 128),
+// TX_STAGES (2..4), TX_SMEM (optional: the size the host computed, checked against the layout).
+// Needs sm_90a (wgmma); kernels/prefill.cu serves other GPUs.
+#include "common.cuh"
+
+#ifndef TX_D
+#error "TX_D must be defined"
+#endif
+#ifndef TX_QTILE
+#define TX_QTILE 128
+#endif
+#ifndef TX_KVTILE
+#define TX_KVTILE 128
+#endif
+#ifndef TX_STAGES
+#define TX_STAGES 2
+#endif
+
+constexpr int D = TX_D;
+constexpr int BQ = TX_QTILE;
+constexpr int BK = TX_KVTILE;
+constexpr int STAGES = TX_STAGES;
+constexpr int CWG = BQ / 64;            // consumer warpgroups
+constexpr int PRODUCER = 128 * CWG;     // first thread of the producer warpgroup (the last one)
+constexpr int NT = PRODUCER + 128;
+constexpr int ROW_BYTES = D * 2;
+constexpr int CH = D / 8;                // 16-byte chunks per row
+constexpr int WG_Q_BYTES = 64 * ROW_BYTES;
+constexpr int Q_BYTES = BQ * ROW_BYTES;
+constexpr int TILE_BYTES = BK * ROW_BYTES;
+constexpr int STAGE_BYTES = 2 * TILE_BYTES;
+constexpr int RING = Q_BYTES;                           // offsets in dynamic shared memory
+constexpr int ROWP = RING + STAGES * STAGE_BYTES;       // [BK][2] row pointers (K, V)
+constexpr int BARS = ROWP + BK * 16;                    // [4][STAGES] mbarriers
+constexpr int FULL_K = 0, FULL_V = 1, EMPTY_K = 2, EMPTY_V = 3;
+constexpr int RW = BK / 4;                   // rows of a tile per producer warp
+constexpr int RPI = CH >= 32 ? 1 : 32 / CH;  // rows per producer warp instruction (CH lanes per row)
+// Registers per thread after setmaxnreg. Two consumer warpgroups (384 threads, launched with 168
+// each): the producer gives back 128, the consumers take 64 each. One consumer warpgroup up to
+// d128 (256 threads, launched with 128 each so that two CTAs fit an SM): the producer gives 88 to
+// it. One consumer warpgroup at d256 (its m64n256k16 needs more than 128 at launch): no exchange.
+constexpr bool TWO_CTAS = CWG == 1 && D <= 128;
+constexpr bool REBALANCE = CWG == 2 || TWO_CTAS;
+constexpr int LAUNCH_REGS = CWG == 2 ? 168 : 128;
+constexpr int MIN_CTAS = TWO_CTAS ? 2 : 1;
+constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = CWG == 2 ? 232 : 216;
+constexpr float LN2 = 0.6931471805599453f;
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr int NO_LOWER = -(1 << 30);
+
+static_assert(D == 64 || D == 128 || D == 256, "head dim must be 64, 128 or 256");
+static_assert(BQ == 64 || BQ == 128, "TX_QTILE must be 64 or 128 (one or two consumer warpgroups)");
+static_assert(BK == 64 || BK == 128, "TX_KVTILE must be 64 or 128");
+static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 stages");
+static_assert(CH <= 32 && RW % RPI == 0 && RW <= 32, "whole rows per producer warp pass, one key per lane");
+static_assert(!REBALANCE || PRODUCER_REGS + CWG * CONSUMER_REGS <= (CWG + 1) * LAUNCH_REGS,
+              "the register hand-over must balance");
+#ifdef TX_SMEM  // the dynamic shared memory the plan launches with (geometry.prefill_smem_bytes)
+static_assert(BARS + 4 * STAGES * 8 == TX_SMEM, "geometry.prefill_smem_bytes disagrees with this kernel's layout");
+#endif
+
+#ifndef TX_EMULATE
+#if TX_BF16
+#define TX_WG_TYPES ".f32.bf16.bf16"
+#else
+#define TX_WG_TYPES ".f32.f16.f16"
+#endif
+
+// ---- Hopper PTX wrappers (the CPU emulation in tests/emulator provides the same functions) ----
+
+TX_DEVICE void tx_trap() { asm volatile("trap;"); }
+
+// mbarrier: init (count arrivals per phase), arrive, wait for the phase of a given parity to complete
+TX_DEVICE void tx_mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+TX_DEVICE void tx_mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+TX_DEVICE void tx_mbar_arrive(u32 bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+TX_DEVICE void tx_mbar_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nTX_MBAR_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra TX_MBAR_WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// one arrival on `bar` once every cp.async this thread issued so far has landed
+TX_DEVICE void tx_cp_async_mbar_arrive(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// orders this thread's generic-proxy shared-memory accesses (cp.async, st.shared) with the
+// async proxy (wgmma operand reads)
+TX_DEVICE void tx_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+TX_DEVICE void tx_bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+
+// registers per thread of this warpgroup from here on (all four warps execute it)
+template <int N>
+TX_DEVICE void tx_setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+TX_DEVICE void tx_setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+TX_DEVICE void tx_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+TX_DEVICE void tx_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+TX_DEVICE void tx_wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Pins a register operand of an asynchronous wgmma at this point of the program (emits nothing):
+// the compiler may not move reads or writes of it across the wgmma issue and wait.
+TX_DEVICE void tx_reg_fence(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+TX_DEVICE void tx_reg_fence(u32& x) { asm volatile("" : "+r"(x)::"memory"); }
+
+// Operand lists "%0, %1, ..." of the accumulator registers.
+#define TX_R10(n) "%" #n "0, %" #n "1, %" #n "2, %" #n "3, %" #n "4, %" #n "5, %" #n "6, %" #n "7, %" #n "8, %" #n "9"
+#define TX_R32 TX_R10() ", " TX_R10(1) ", " TX_R10(2) ", %30, %31"
+#define TX_R64 TX_R10() ", " TX_R10(1) ", " TX_R10(2) ", " TX_R10(3) ", " TX_R10(4) ", " TX_R10(5) ", %60, %61, %62, %63"
+#define TX_R128                                                                                                     \
+  TX_R10() ", " TX_R10(1) ", " TX_R10(2) ", " TX_R10(3) ", " TX_R10(4) ", " TX_R10(5) ", " TX_R10(6) ", " TX_R10(7) \
+           ", " TX_R10(8) ", " TX_R10(9) ", " TX_R10(10) ", " TX_R10(11) ", %120, %121, %122, %123, %124, %125, %126, %127"
+#define TX_F4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define TX_F16(d, i) TX_F4(d, i), TX_F4(d, i + 4), TX_F4(d, i + 8), TX_F4(d, i + 12)
+#define TX_F32(d) TX_F16(d, 0), TX_F16(d, 16)
+#define TX_F64(d) TX_F16(d, 0), TX_F16(d, 16), TX_F16(d, 32), TX_F16(d, 48)
+#define TX_F128(d) \
+  TX_F16(d, 0), TX_F16(d, 16), TX_F16(d, 32), TX_F16(d, 48), TX_F16(d, 64), TX_F16(d, 80), TX_F16(d, 96), TX_F16(d, 112)
+
+// d[N / 2] (+)= A (64 x 16, K-major, shared memory) * B (16 x N, K-major, shared memory);
+// scale_d 0 ignores d's old value.
+template <int N>
+TX_DEVICE void tx_wgmma_ss(float* d, u64 desc_a, u64 desc_b, int scale_d);
+template <>
+TX_DEVICE void tx_wgmma_ss<64>(float* d, u64 desc_a, u64 desc_b, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16" TX_WG_TYPES
+               " {" TX_R32 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+               : TX_F32(d)
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+template <>
+TX_DEVICE void tx_wgmma_ss<128>(float* d, u64 desc_a, u64 desc_b, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\nwgmma.mma_async.sync.aligned.m64n128k16" TX_WG_TYPES
+               " {" TX_R64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+               : TX_F64(d)
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// d[N / 2] (+)= A (64 x 16, registers: a[4] in the accumulator layout of a 64 x 16 tile, packed
+// pairwise) * B (16 x N, shared memory, MN-major: imm-trans-b = 1).
+template <int N>
+TX_DEVICE void tx_wgmma_rs_t(float* d, const u32* a, u64 desc_b, int scale_d);
+template <>
+TX_DEVICE void tx_wgmma_rs_t<64>(float* d, const u32* a, u64 desc_b, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16" TX_WG_TYPES
+               " {" TX_R32 "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+               : TX_F32(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+template <>
+TX_DEVICE void tx_wgmma_rs_t<128>(float* d, const u32* a, u64 desc_b, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16" TX_WG_TYPES
+               " {" TX_R64 "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+               : TX_F64(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+template <>
+TX_DEVICE void tx_wgmma_rs_t<256>(float* d, const u32* a, u64 desc_b, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\nwgmma.mma_async.sync.aligned.m64n256k16" TX_WG_TYPES
+               " {" TX_R128 "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+               : TX_F128(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+#endif  // TX_EMULATE
+
+// Shared-memory matrix descriptors, 128-byte swizzle (mode 1 in bits 62-63), base offset 0
+// (every tile is 1024-byte aligned). Addresses, LBO and SBO are in 16-byte units.
+// K-major: 8-row groups SBO = 1024 bytes apart; LBO unused with this swizzle (1).
+TX_DEVICE u64 desc_k_major(u32 addr) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+// MN-major: 64-element column blocks `lbo` bytes apart, 8-row (k) groups SBO = 1024 bytes apart.
+TX_DEVICE u64 desc_mn_major(u32 addr, u32 lbo) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+// Byte offset of 16-byte chunk `ch` of row `row` in a swizzled tile of `rows` rows (see the top).
+TX_DEVICE u32 sw128(int row, int ch, int rows) {
+  return (u32)((ch >> 3) * rows * 128 + row * 128 + (((ch & 7) ^ (row & 7)) << 4));
+}
+
+extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
+    const u16* __restrict__ q, i64 q_st, i64 q_sh, const u16* __restrict__ k, const u16* __restrict__ v, i64 k_sp,
+    i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh, u16* __restrict__ out, float* __restrict__ lse,
+    const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ reqs,
+    const int* __restrict__ kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups, i64 page_shift,
+    i64 causal, i64 window_left, double scale_log2_d, double cap_d) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int hgs = (int)head_groups;
+  const int item = (int)blockIdx.x / hgs, hg = (int)blockIdx.x % hgs;
+  if (item >= __ldg(num_items)) return;
+  const int tid = threadIdx.x;
+
+  const int req = __ldg(items + 2 * item), t0 = __ldg(items + 2 * item + 1);
+  const int q_start = __ldg(reqs + 4 * req), q_len = __ldg(reqs + 4 * req + 1);
+  const int kv_len = __ldg(reqs + 4 * req + 2), page_base = __ldg(reqs + 4 * req + 3);
+  const int P = (int)pack;
+  const int nt = min(BQ / P, q_len - t0);  // valid tokens of this tile (>= 1)
+  const int head0 = hg * P;
+  const int delta = kv_len - q_len;  // the token at index t of the request sits at position delta + t
+  const int win = (int)window_left;
+  const bool is_causal = causal != 0;
+  // keys [lo, hi] attended by the token at local index tl of this tile (0 <= tl < nt)
+  auto lo_of = [&](int tl) { return win >= 0 ? delta + t0 + tl - win : NO_LOWER; };
+  auto hi_of = [&](int tl) { return is_causal ? delta + t0 + tl : kv_len - 1; };
+  const int kv_lo = max(0, lo_of(0));
+  const int kv_hi = min(kv_len, hi_of(nt - 1) + 1);
+  const int ntiles = (kv_hi - kv_lo + BK - 1) / BK;
+  // consumer warpgroups with at least one valid row (the others exit; the barriers count only these)
+  const int nwg = min(CWG, (nt * P + 63) / 64);
+
+  const u32 base = tx_smem_addr(smem);
+  if (base & 1023) tx_trap();  // the swizzle needs 1024-byte aligned tiles
+  const u32 bars = base + BARS;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      tx_mbar_init(bars + 8 * (FULL_K * STAGES + s), 128);
+      tx_mbar_init(bars + 8 * (FULL_V * STAGES + s), 128);
+      tx_mbar_init(bars + 8 * (EMPTY_K * STAGES + s), 4 * nwg);
+      tx_mbar_init(bars + 8 * (EMPTY_V * STAGES + s), 4 * nwg);
+    }
+    tx_mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (tid >= PRODUCER) {
+    // ---- producer warpgroup: page lookups, row pointers, cp.async gathers --------------------
+    if (REBALANCE) tx_setmaxnreg_dec<PRODUCER_REGS>();
+    const int pw = (tid - PRODUCER) >> 5, lane = tid & 31;
+    const u16* kh = k + (head0 / (int)gqa) * k_sh;
+    const u16* vh = v + (head0 / (int)gqa) * v_sh;
+    const int* pages = kv_indices + page_base;
+    const int pshift = (int)page_shift, pmask = (1 << pshift) - 1;
+    // warp pw gathers rows [pw RW, (pw + 1) RW) of every tile (lane pw RW + lane looks up its
+    // page); lane copies chunk `ch` of rows it * RPI + h of them
+    const u16** rowp = reinterpret_cast<const u16**>(smem + ROWP) + 2 * pw * RW;
+    const int h = lane / CH, ch = lane % CH;
+    const int key0 = kv_lo + pw * RW + lane;  // this lane's key in tile 0
+    int pg = 0;
+    if (ntiles > 0 && lane < RW) pg = __ldg(pages + (min(key0, kv_hi - 1) >> pshift));
+    for (int i = 0; i < ntiles; ++i) {
+      const int s = i % STAGES;
+      const u32 parity = ((i / STAGES) & 1) ^ 1;  // the consumers' release of this slot's previous tile
+      __syncwarp();  // every lane is done reading the previous tile's row pointers
+      if (lane < RW) {
+        const int in = min(key0 + i * BK, kv_hi - 1) & pmask;
+        rowp[2 * lane] = kh + (i64)pg * k_sp + in * k_st;
+        rowp[2 * lane + 1] = vh + (i64)pg * v_sp + in * v_st;
+        // the next tile's page, in flight while this tile is issued
+        if (i + 1 < ntiles) pg = __ldg(pages + (min(key0 + (i + 1) * BK, kv_hi - 1) >> pshift));
+      }
+      __syncwarp();
+      const u32 kdst = base + RING + s * STAGE_BYTES, vdst = kdst + TILE_BYTES;
+      tx_mbar_wait(bars + 8 * (EMPTY_K * STAGES + s), parity);
+#pragma unroll
+      for (int it = 0; it < RW / RPI; ++it) {
+        const int r = it * RPI + h;
+        tx_cp_async16(kdst + sw128(pw * RW + r, ch, BK), rowp[2 * r] + ch * 8, 16);
+      }
+      tx_cp_async_mbar_arrive(bars + 8 * (FULL_K * STAGES + s));
+      tx_mbar_wait(bars + 8 * (EMPTY_V * STAGES + s), parity);
+#pragma unroll
+      for (int it = 0; it < RW / RPI; ++it) {
+        const int r = it * RPI + h;
+        tx_cp_async16(vdst + sw128(pw * RW + r, ch, BK), rowp[2 * r + 1] + ch * 8, 16);
+      }
+      tx_cp_async_mbar_arrive(bars + 8 * (FULL_V * STAGES + s));
+    }
+    tx_cp_async_commit();
+    tx_cp_async_wait<0>();  // nothing of this thread in flight when it exits
+    return;
+  }
+
+  // ---- consumer warpgroups --------------------------------------------------------------
+  if (REBALANCE) tx_setmaxnreg_inc<CONSUMER_REGS>();
+  const int wg = tid >> 7;
+  if (wg >= nwg) return;  // no valid row: computes nothing, counted by no barrier
+  const int wtid = tid & 127, warp = wtid >> 5, lane = tid & 31;
+  const int grp = lane >> 2, tig = lane & 3;
+  const int wrow0 = wg * 64;
+  const u32 qw = base + wg * WG_Q_BYTES;  // this warpgroup's Q rows
+
+  // Q rows (rows past the valid tokens are zero)
+  for (int c = wtid; c < 64 * CH; c += 128) {
+    const int lr = c / CH, cc = c % CH;
+    const int row = wrow0 + lr, tl = row / P;
+    const bool ok = tl < nt;
+    const u16* src = q + (i64)(q_start + t0 + tl) * q_st + (i64)(head0 + row % P) * q_sh + cc * 8;
+    tx_cp_async16(qw + sw128(lr, cc, 64), ok ? (const void*)src : (const void*)q, ok ? 16 : 0);
+  }
+  tx_cp_async_commit();
+  tx_cp_async_wait<0>();
+  tx_fence_proxy_async();
+  tx_bar_sync(1 + wg, 128);
+
+  // this thread's rows (16 warp + grp and + 8 of the warpgroup) and the warpgroup's bounds; rows
+  // past the valid tokens take the last valid token's bounds (computed, never written)
+  const int r0 = wrow0 + 16 * warp + grp, r1 = r0 + 8;
+  const int lo0 = lo_of(min(r0 / P, nt - 1)), hi0 = hi_of(min(r0 / P, nt - 1));
+  const int lo1 = lo_of(min(r1 / P, nt - 1)), hi1 = hi_of(min(r1 / P, nt - 1));
+  const int lo_min_w = lo_of(min(wrow0 / P, nt - 1)), hi_min_w = hi_of(min(wrow0 / P, nt - 1));
+  const int lo_max_w = lo_of(min((wrow0 + 63) / P, nt - 1)), hi_max_w = hi_of(min((wrow0 + 63) / P, nt - 1));
+
+  const float cap = (float)cap_d;
+  const float scale_log2 = (float)scale_log2_d;                               // sm_scale * log2(e)
+  const float scale_over_cap = cap > 0.f ? scale_log2 / (cap * LOG2E) : 0.f;  // sm_scale / cap
+  const float cap_log2 = cap * LOG2E;
+  const float mul = cap > 0.f ? 1.f : scale_log2;  // logits (capped or not) -> base-2 exponent
+
+  float o[D / 2];
+#pragma unroll
+  for (int j = 0; j < D / 2; ++j) o[j] = 0.f;
+  float sc[BK / 2];
+  u32 pa[BK / 4];
+  float m0 = tx_neg_inf(), m1 = tx_neg_inf(), l0 = 0.f, l1 = 0.f;
+
+  for (int i = 0; i < ntiles; ++i) {
+    const int s = i % STAGES;
+    const u32 parity = (i / STAGES) & 1;
+    const u32 kst = base + RING + s * STAGE_BYTES, vst = kst + TILE_BYTES;
+    const int kv0 = kv_lo + i * BK, kv_last = kv0 + BK - 1;
+    const bool active = kv0 <= hi_max_w && kv_last >= lo_min_w;  // some row of the warpgroup attends a key
+
+    tx_mbar_wait(bars + 8 * (FULL_K * STAGES + s), parity);
+    if (active) {  // S = Q K^T
+      tx_fence_proxy_async();
+#pragma unroll
+      for (int j = 0; j < BK / 2; ++j) tx_reg_fence(sc[j]);
+      tx_wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        tx_wgmma_ss<BK>(sc, desc_k_major(qw + (kk >> 2) * (64 * 128) + (kk & 3) * 32),
+                        desc_k_major(kst + (kk >> 2) * (BK * 128) + (kk & 3) * 32), kk > 0);
+      }
+      tx_wgmma_commit();
+    }
+    tx_wgmma_wait<0>();  // S of this tile, and P V of the previous one
+#pragma unroll
+    for (int j = 0; j < BK / 2; ++j) tx_reg_fence(sc[j]);
+#pragma unroll
+    for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+#pragma unroll
+    for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
+    if (lane == 0) {
+      tx_mbar_arrive(bars + 8 * (EMPTY_K * STAGES + s));
+      if (i > 0) tx_mbar_arrive(bars + 8 * (EMPTY_V * STAGES + (i - 1) % STAGES));
+    }
+
+    if (active) {
+      const bool need_mask = kv0 < lo_max_w || kv_last > hi_min_w;
+      if (cap > 0.f) {
+#pragma unroll
+        for (int j = 0; j < BK / 2; ++j) sc[j] = cap_log2 * tx_tanh(sc[j] * scale_over_cap);
+      }
+      if (need_mask) {
+#pragma unroll
+        for (int j = 0; j < BK / 2; ++j) {
+          const int key = kv0 + 8 * (j >> 2) + 2 * tig + (j & 1);
+          const bool ok = (j & 2) ? key >= lo1 && key <= hi1 : key >= lo0 && key <= hi0;
+          sc[j] = ok ? sc[j] : tx_neg_inf();
+        }
+      }
+      // online softmax: registers j with (j & 2) == 0 belong to row r0, the others to r1
+      float mx0 = tx_neg_inf(), mx1 = tx_neg_inf();
+#pragma unroll
+      for (int j = 0; j < BK / 2; j += 4) {
+        mx0 = fmaxf(mx0, fmaxf(sc[j], sc[j + 1]));
+        mx1 = fmaxf(mx1, fmaxf(sc[j + 2], sc[j + 3]));
+      }
+      mx0 = tx_warp_max4(mx0) * mul;
+      mx1 = tx_warp_max4(mx1) * mul;
+      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+      const float mu0 = mn0 == tx_neg_inf() ? 0.f : mn0;
+      const float mu1 = mn1 == tx_neg_inf() ? 0.f : mn1;
+      const float al0 = tx_exp2(m0 - mu0), al1 = tx_exp2(m1 - mu1);
+      m0 = mn0;
+      m1 = mn1;
+      float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+      for (int j = 0; j < BK / 2; j += 4) {
+        sc[j] = tx_exp2(fmaf(sc[j], mul, -mu0));
+        sc[j + 1] = tx_exp2(fmaf(sc[j + 1], mul, -mu0));
+        sc[j + 2] = tx_exp2(fmaf(sc[j + 2], mul, -mu1));
+        sc[j + 3] = tx_exp2(fmaf(sc[j + 3], mul, -mu1));
+        rs0 += sc[j] + sc[j + 1];
+        rs1 += sc[j + 2] + sc[j + 3];
+      }
+      l0 = l0 * al0 + rs0;
+      l1 = l1 * al1 + rs1;
+#pragma unroll
+      for (int j = 0; j < D / 2; j += 4) {
+        o[j] *= al0;
+        o[j + 1] *= al0;
+        o[j + 2] *= al1;
+        o[j + 3] *= al1;
+      }
+#pragma unroll
+      for (int j = 0; j < BK / 4; ++j) pa[j] = tx_pack2(sc[2 * j], sc[2 * j + 1]);
+    }
+
+    tx_mbar_wait(bars + 8 * (FULL_V * STAGES + s), parity);
+    if (active) {  // O += P V, left running
+      tx_fence_proxy_async();
+#pragma unroll
+      for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
+#pragma unroll
+      for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+      tx_wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ++ks) tx_wgmma_rs_t<D>(o, pa + 4 * ks, desc_mn_major(vst + ks * 2048, BK * 128), 1);
+      tx_wgmma_commit();
+#pragma unroll
+      for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
+#pragma unroll
+      for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+    }
+  }
+  tx_wgmma_wait<0>();
+#pragma unroll
+  for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+
+  // ---- epilogue: O / l staged through this warpgroup's own Q rows, then 16-byte stores ----
+  l0 = tx_warp_sum4(l0);
+  l1 = tx_warp_sum4(l1);
+  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+  tx_bar_sync(1 + wg, 128);  // every warp's wgmma reads of Q are complete before Q is overwritten
+  tx_fence_proxy_async();
+  const int lr0 = 16 * warp + grp;
+  const u32 qoff = qw - base;
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    *reinterpret_cast<u32*>(smem + qoff + sw128(lr0, j, 64) + tig * 4) = tx_pack2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+    *reinterpret_cast<u32*>(smem + qoff + sw128(lr0 + 8, j, 64) + tig * 4) =
+        tx_pack2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+  }
+  tx_bar_sync(1 + wg, 128);
+  const int H = (int)num_qo_heads;
+  for (int c = wtid; c < 64 * CH; c += 128) {
+    const int lr = c / CH, cc = c % CH;
+    const int row = wrow0 + lr, tl = row / P;
+    if (tl < nt) {
+      const tx_u4 val = *reinterpret_cast<const tx_u4*>(smem + qoff + sw128(lr, cc, 64));
+      *reinterpret_cast<tx_u4*>(out + ((i64)(q_start + t0 + tl) * H + head0 + row % P) * D + cc * 8) = val;
+    }
+  }
+  if (lse != nullptr && tig == 0) {
+    if (r0 / P < nt) lse[(i64)(q_start + t0 + r0 / P) * H + head0 + r0 % P] = (m0 + tx_log2(l0)) * LN2;
+    if (r1 / P < nt) lse[(i64)(q_start + t0 + r1 / P) * H + head0 + r1 % P] = (m1 + tx_log2(l1)) * LN2;
+  }
+}
