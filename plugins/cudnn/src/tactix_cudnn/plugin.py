@@ -508,12 +508,13 @@ class _Staging:
         self._dev_ptr = [t.data_ptr() for t in self._dev]
         self._tables = [torch.empty(max(table, 1), dtype=torch.int32, device=device) for _ in range(2)]
         self._host: list[_HostBuffer] = []
+        self._retired: list[_HostBuffer] = []  # a replaced staging's buffers whose transfer may not have run
         self._host_next = 0
         self._next = 0
         self._views: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def __del__(self) -> None:
-        for buffer in getattr(self, "_host", []):
+        for buffer in getattr(self, "_host", []) + getattr(self, "_retired", []):
             with contextlib.suppress(Exception):  # interpreter shutdown or a broken context
                 buffer.release()
 
@@ -524,7 +525,10 @@ class _Staging:
         if old is not None and old.device == device and size <= old.capacity and table <= old.table_capacity:
             return old
         grow = 2 * old.capacity if old is not None else 0
-        return cls(device, max(size + (-size % 1024), grow), max(table, old.table_capacity if old else 0))
+        new = cls(device, max(size + (-size % 1024), grow), max(table, old.table_capacity if old else 0))
+        if old is not None:  # its pinned buffers may still feed transfers: released once those ran
+            new._retired, old._host, old._retired = old._host + old._retired, [], []
+        return new
 
     def slot(self, graph: bool) -> int:
         chosen = 0 if graph else self._next
@@ -532,6 +536,11 @@ class _Staging:
         return chosen
 
     def _free_host(self) -> _HostBuffer:
+        if self._retired:
+            for buffer in self._retired:
+                if buffer.free():
+                    buffer.release()
+            self._retired = [b for b in self._retired if b.pending]
         ring = self._host
         for step in range(len(ring)):
             at = (self._host_next + step) % len(ring)
