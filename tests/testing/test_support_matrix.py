@@ -31,3 +31,25 @@ def test_kit_is_inert_without_a_backend(tmp_path: Path) -> None:
                             "tactix.testing.suite"], capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
     assert suite.returncode == 0, suite.stdout
     assert "passed" not in suite.stdout and "pass --tactix-backend=NAME" in suite.stdout
+
+
+def test_declared_but_untested_paths_are_listed_as_such() -> None:
+    """A backend's `BackendSpec.untested` reaches its report and the matrix says it is not tested."""
+    report = {
+        "kit": "0", "device": "cpu", "device_name": "cpu (x86_64)", "torch": "2", "python": "3",
+        "backends": [{"name": "demo", "version": "1", "distribution": "demo-dist", "distribution_version": "1",
+                      "environment": [], "untested": {"compute capability 10.x": "no such GPU here"},
+                      "capabilities": {}}],
+        "totals": {}, "results": [],
+    }  # fmt: skip
+    text = render([report])
+    assert "Declared, not tested on this project's hardware" in text
+    assert "* compute capability 10.x: no such GPU here" in text
+    report["backends"][0]["untested"] = {}  # type: ignore[index]
+    assert "Declared, not tested" not in render([report])
+    import tactix
+
+    spec = tactix.get_registry().get("trtllm").spec if "trtllm" in {
+        b.name for b in tactix.get_registry().active()} else None  # fmt: skip
+    if spec is not None:
+        assert any(label.startswith("compute capability 10") for label in spec.untested)

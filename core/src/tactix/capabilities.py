@@ -174,6 +174,12 @@ class BackendSpec(BaseModel):
         description="per-op overrides of `preference` (a backend may be the best default for one op only)",
     )
 
+    untested: dict[str, str] = Field(
+        default_factory=dict,
+        description="paths the backend declares but that were not tested on this project's hardware "
+        "(label -> why); check() refuses them, and the support matrix lists them as declared, not tested",
+    )
+
     def preference_for(self, op: Op | None) -> int:
         """The untuned 'auto' order of this backend for ``op`` (None: its general preference)."""
         return self.preference if op is None else self.op_preference.get(op, self.preference)

@@ -85,6 +85,9 @@ def _backend_section(
     ]
     if backend.get("environment"):
         out += [f"Cannot run on this machine: {'; '.join(backend['environment'])}.", ""]
+    if backend.get("untested"):
+        out += ["Declared, not tested on this project's hardware (refused by `check` until it is):", ""]
+        out += [f"* {label}: {why}" for label, why in sorted(backend["untested"].items())] + [""]
     for op, results in by_op.items():
         features: dict[str, Counter[str]] = defaultdict(Counter)
         reasons: dict[str, Counter[str]] = defaultdict(Counter)

@@ -250,6 +250,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 "distribution": b.record.distribution,
                 "distribution_version": b.record.distribution_version,
                 "environment": b.environment(),
+                "untested": dict(b.spec.untested),
                 "capabilities": {op: b.spec.capabilities(op).model_dump(mode="json") for op in b.spec.ops},  # type: ignore[union-attr]
             }
             for b in backends

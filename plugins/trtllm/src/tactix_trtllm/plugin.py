@@ -80,6 +80,12 @@ UNTESTED_PATHS: Final[dict[int, str]] = {
 }
 """Paths flashinfer has but this plugin does not claim: refused with these reasons, so a
 conformance run on such a GPU reports skips that say so instead of claiming them."""
+UNTESTED_DECLARED: Final[dict[str, str]] = {
+    "compute capability 10.x (trtllm-gen decode and prefill cubins)": UNTESTED_PATHS[10],
+    "compute capability 12.x (XQA/FMHAv2 builds)": UNTESTED_PATHS[12],
+}
+"""The same paths as declared in the backend's spec (`BackendSpec.untested`): the support matrix
+lists them as declared but not tested."""
 
 GEMM_UNSUPPORTED: Final = (
     "no TensorRT-LLM GEMM for SM90 is reachable through flashinfer-python 0.7.2.post1 that computes "
@@ -121,6 +127,7 @@ def tactix_backends() -> list[tactix.BackendSpec]:
             decode=_attention_capabilities(prefill=False),
             gemm=None,
             preference=0,  # no default position: tuning decides where it wins
+            untested=UNTESTED_DECLARED,
         )
     ]
 
