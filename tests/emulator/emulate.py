@@ -74,8 +74,14 @@ def _args(values: list[Any]) -> list[Any]:
 
 
 def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, *, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
-    """The prefill kernel on the emulation: (out, lse or None, the work list)."""
+                v: torch.Tensor, *, return_lse: bool,
+                schedule: Schedule | None = None) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
+    """The prefill kernel on the emulation: (out, lse or None, the work list).
+
+    Launched as `plugin.CudaNativePrefillPlan` launches it: ``params.threads`` threads (for mma
+    "wgmma" the consumer warpgroups and the producer warpgroup) and ``params.smem_bytes`` of
+    dynamic shared memory (the bound the emulation checks); ``schedule``: how its CTAs run (one
+    at a time in grid order by default)."""
     from tactix_cuda_native import geometry, plugin
 
     params = (
@@ -101,10 +107,11 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
     out = torch.full((rows, problem.num_qo_heads, problem.head_dim_vo), float("nan"), dtype=q.dtype)
     lse = torch.full((rows, problem.num_qo_heads), float("nan"), dtype=torch.float32) if return_lse else None
     grid = geometry.prefill_grid(len(work.items), problem.num_qo_heads, pack)[0]
-    smem = geometry.prefill_smem_bytes(problem.head_dim_qk, params.q_tile, params.kv_tile, params.stages)
+    smem = params.smem_bytes(problem.head_dim_qk)
     args = _args([q, q.stride(0), q.stride(1), k, v, *strides, out, lse, items_t, num_items, reqs_t, indices,
                   *plugin.prefill_scalars(problem, pack)])  # fmt: skip
-    err = lib.emu_prefill(ctypes.c_uint(grid), ctypes.c_int(32 * params.warps), ctypes.c_longlong(smem), *args)
+    sched = (schedule or Schedule()).args()
+    err = lib.emu_prefill(ctypes.c_uint(grid), ctypes.c_int(params.threads), ctypes.c_longlong(smem), *sched, *args)
     if err:
         raise RuntimeError(f"emulated kernel misuse: {err.decode()}")
     return out, lse, work

@@ -6,9 +6,10 @@
 // Every CUDA thread of a CTA is a fiber (ucontext) on one OS thread; a fiber yields only at
 // synchronisation points: __syncthreads, __syncwarp, the warp-collective operations (ldmatrix,
 // mma.sync, shuffles), which exchange their operands through per-warp slots between two warp
-// barriers, and __threadfence and atomics (so that other CTAs may run in between). A scheduling
-// step ("round") resumes each unfinished thread of one CTA once. Several CTAs may be resident at
-// once (Schedule::resident): each has its own barriers, warp slots and shared memory (swapped in
+// barriers, __threadfence and atomics (so that other CTAs may run in between), and the Hopper
+// waits (mbarrier phases, bar.sync, wgmma.wait_group). A scheduling step ("round") resumes
+// each unfinished thread of one CTA once. Several CTAs may be resident at once
+// (Schedule::resident): each has its own barriers, warp slots and shared memory (swapped in
 // and out of `smem` when the scheduler moves to another CTA), and the scheduler steps them in
 // turn or, with a seed, at random, so CTAs overlap the way they do on a GPU and a CTA that
 // draws the last ticket of a counter may do so early or late. CTAs start in grid order (x
@@ -36,7 +37,12 @@
 // them. A wgmma runs when its warpgroup waits for its group (wgmma.wait_group: the latest moment
 // the hardware allows), reading the A registers and shared memory as they are then: a kernel that
 // touches them before the wait, or lets the producer overwrite a stage too early, computes garbage.
-// Proxy fences, wgmma.fence and setmaxnreg have nothing to emulate.
+// Proxy fences, wgmma.fence and setmaxnreg have nothing to emulate. Mbarriers (keyed by their
+// shared-memory address), named barriers, warpgroup barriers and wgmma queues (per thread) are
+// CTA state like the rest: each resident CTA has its own, kept across the scheduler's switches.
+// Mbarriers and wgmma operands must lie inside the launch's dynamic shared memory, and a thread
+// may not exit with wgmma not waited for. A wait that the scheduler resumes SPIN_LIMIT times
+// without its barrier completing is reported as a deadlock.
 #pragma once
 
 #include <ucontext.h>
@@ -48,6 +54,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <vector>
@@ -79,6 +86,14 @@ struct Copy {
   int bytes;
 };
 
+struct WgOp {    // one wgmma.mma_async as a thread issued it
+  int n;         // N of m64nNk16
+  float* d;      // this thread's N / 2 accumulators (on its fiber's stack)
+  const u32* a;  // this thread's 4 A registers, or null: A from shared memory (desc_a)
+  u64 desc_a, desc_b;
+  int scale_d, trans_b;
+};
+
 constexpr size_t STACK_BYTES = 256 * 1024;
 
 struct Thread {
@@ -86,9 +101,19 @@ struct Thread {
   std::unique_ptr<char[]> stack{new char[STACK_BYTES]};  // untouched until used
   Dim3 tid;
   bool done = false;
-  std::vector<Copy> open;               // issued, not yet committed
-  std::deque<std::vector<Copy>> groups;  // committed, not yet landed
-  unsigned long long fenced = 0;        // event number of its last __threadfence
+  std::vector<Copy> open;                   // issued, not yet committed
+  std::deque<std::vector<Copy>> groups;      // committed, not yet landed
+  unsigned long long fenced = 0;             // event number of its last __threadfence
+  std::vector<WgOp> wg_open;                 // wgmma issued, not yet committed
+  std::deque<std::vector<WgOp>> wg_groups;  // committed, not yet run (at wgmma.wait_group)
+};
+
+struct MBar {
+  bool init = false;
+  int expected = 0, pending = 0;
+  unsigned phase = 0;
+  std::deque<std::pair<int, std::vector<Copy>>> async;  // cp.async.mbarrier.arrive: (thread, its copies)
+  std::vector<int> arrived;                             // threads that arrived in this phase
 };
 
 struct Barrier {
@@ -107,7 +132,10 @@ struct Cta {
   std::vector<Thread> threads;
   Barrier bar;
   std::vector<Barrier> warp_bars;
-  std::vector<Slots> slots;  // one per thread
+  std::vector<Slots> slots;         // one per thread
+  std::vector<Barrier> wg_bars;     // one per warpgroup (wgmma.wait_group)
+  std::vector<Barrier> named_bars;  // bar.sync ids
+  std::map<u32, MBar> mbars;        // by shared-memory address
   int live = 0;
   unsigned long long started = 0;    // event number when it started
   unsigned long long ticket = 0;     // event number of its last atomic (0: none)
@@ -140,6 +168,7 @@ inline bool park = false;
 inline size_t smem_size = sizeof(smem);
 inline unsigned long long events = 0;  // fences, atomics and CTA starts, numbered in order
 inline const char* error = nullptr;    // the first misuse seen (the launch returns it)
+constexpr long SPIN_LIMIT = 200000;    // times one wait may be resumed before it is a deadlock
 
 inline void fail(const char* what) {
   if (error == nullptr) error = what;
@@ -178,6 +207,7 @@ inline Slots& lane_slot(int l) { return cta->slots[(tid() & ~31) + l]; }
 
 inline void entry() {
   body();
+  if (!cur->wg_open.empty() || !cur->wg_groups.empty()) fail("wgmma: a thread exited with wgmma not waited for");
   cur->done = true;
   --cta->live;
   swapcontext(&cur->ctx, &sched_ctx);
@@ -188,6 +218,9 @@ inline void start(Cta& c, Dim3 idx) {
   c.bar = Barrier{};
   c.warp_bars.assign((c.threads.size() + 31) / 32, Barrier{});
   c.slots.assign(c.threads.size(), Slots{});
+  c.wg_bars.assign((c.threads.size() + 127) / 128, Barrier{});
+  c.named_bars.assign(16, Barrier{});
+  c.mbars.clear();
   c.live = (int)c.threads.size();
   c.started = ++events;
   c.ticket = 0;
@@ -200,6 +233,8 @@ inline void start(Cta& c, Dim3 idx) {
     t.open.clear();
     t.groups.clear();
     t.fenced = 0;
+    t.wg_open.clear();
+    t.wg_groups.clear();
     getcontext(&t.ctx);
     t.ctx.uc_stack.ss_sp = t.stack.get();
     t.ctx.uc_stack.ss_size = STACK_BYTES;
@@ -523,8 +558,9 @@ TX_DEVICE void tx_trap() { txe::fail("trap"); }
 
 namespace txe {
 
+// the current CTA's mbarrier at `addr`
 inline MBar& mbar(u32 addr) {
-  MBar& b = mbars[addr];
+  MBar& b = cta->mbars[addr];
   if (!b.init) fail("mbarrier: used before mbarrier.init");
   return b;
 }
@@ -558,8 +594,8 @@ inline void mbar_settle(MBar& b) {
 inline u32 swizzle128(u32 addr) { return addr ^ (((addr >> 7) & 7) << 4); }
 
 inline float smem_elem(u32 addr) {
-  if (addr + 2 > sizeof(smem)) {
-    fail("wgmma: operand outside shared memory");
+  if (addr + 2 > smem_size) {
+    fail("wgmma: operand outside the launch's dynamic shared memory");
     return 0.f;
   }
   u16 h;
@@ -638,7 +674,8 @@ inline void wgmma_run(const WgOp* ops) {
 
 TX_DEVICE void tx_mbar_init(u32 bar, u32 count) {
   if (bar % 8) return txe::fail("mbarrier: not 8-byte aligned");
-  txe::MBar& b = txe::mbars[bar];
+  if (bar + 8 > txe::smem_size) return txe::fail("mbarrier: outside the launch's dynamic shared memory");
+  txe::MBar& b = txe::cta->mbars[bar];
   b = txe::MBar{};
   b.init = true;
   b.expected = b.pending = (int)count;
@@ -668,7 +705,8 @@ TX_DEVICE void tx_cp_async_mbar_arrive(u32 bar) {
 TX_DEVICE void tx_fence_proxy_async() {}
 TX_DEVICE void tx_bar_sync(int id, int count) {
   if (id < 0 || id >= 16 || count % 32) return txe::fail("bar.sync: bad barrier id or count");
-  txe::wait(txe::named_bars[id], count);
+  if (count > (int)txe::cta->threads.size()) return txe::fail("bar.sync: count exceeds the CTA's threads");
+  txe::wait(txe::cta->named_bars[id], count);
 }
 template <int N>
 TX_DEVICE void tx_setmaxnreg_dec() {}
@@ -694,9 +732,12 @@ template <int N>
 TX_DEVICE void tx_wgmma_wait() {
   if (!txe::cur->wg_open.empty()) txe::fail("wgmma: wait_group with wgmma not yet committed");
   const int wg = txe::tid() / 128;
-  txe::wait(txe::wg_bars[wg], 128);
+  std::vector<txe::Thread>& threads = txe::cta->threads;
+  if (128 * (size_t)wg + 128 > threads.size()) return txe::fail("wgmma: a warpgroup of fewer than 128 threads");
+  txe::wait(txe::cta->wg_bars[wg], 128);
   if (txe::tid() % 128 == 0) {
-    std::vector<txe::Thread*> members(txe::threads.begin() + 128 * wg, txe::threads.begin() + 128 * wg + 128);
+    std::vector<txe::Thread*> members;
+    for (int t = 0; t < 128; ++t) members.push_back(&threads[128 * wg + t]);
     for (txe::Thread* t : members) {
       if (t->wg_groups.size() != members[0]->wg_groups.size()) txe::fail("wgmma: warpgroup threads disagree on groups");
     }
@@ -713,5 +754,5 @@ TX_DEVICE void tx_wgmma_wait() {
       for (txe::Thread* t : members) t->wg_groups.pop_front();
     }
   }
-  txe::wait(txe::wg_bars[wg], 128);
+  txe::wait(txe::cta->wg_bars[wg], 128);
 }
