@@ -7,6 +7,11 @@ ragged prefill batches (16 requests of 64 new tokens over 4k cached), kv lengths
 time inside one bucket; reports the median host time per plan and how many graph builds the
 timed plans caused (target: under 50 us, and no builds). ``plan()`` here includes everything
 the engine pays: validating the CSR arrays, the problem, the selection and the backend's plan.
+
+Two medians per case: ``fresh`` plans each batch right after its tensors are made (as an
+engine does; CPU caches and torch's thread pool are still busy with making them), ``warm``
+cycles through batches made beforehand (what `plan_breakdown.py` reports). Compare runs on one
+host only: H200 hosts lent here differ by up to 2x in Python speed.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ def batch(seed: int, count: int, low: int, high: int, page: int = 16) -> tuple[t
     return indptr, indices, last, lens.to(torch.int32)
 
 
+_QO = torch.arange(0, 17 * 64, 64, dtype=torch.int32)  # 16 requests of 64 new tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", default="cudnn,torch")
@@ -52,6 +60,17 @@ def main() -> None:
             )
             times = []
             tactix.reset_stats()
+            made = [batch(i, count, low, high) for i in range(args.plans)]
+            warm = []
+            for round_ in range(2):
+                for b in made:
+                    t0 = time.perf_counter()
+                    if op == "prefill":
+                        wrapper.plan(_QO, b[0], b[1], b[2], 32, 8, 128, 16, q_data_type=torch.bfloat16, causal=True)
+                    else:
+                        wrapper.plan(b[0], b[1], b[2], 32, 8, 128, 16, q_data_type=torch.bfloat16)
+                    if round_:
+                        warm.append(time.perf_counter() - t0)
             for i in range(args.plans + 5):
                 indptr, indices, last, _ = batch(i, count, low, high)
                 extra = {}
@@ -73,13 +92,15 @@ def main() -> None:
             label = f"{name}/{op}/b{count}"
             results[label] = {
                 "plan_us_median": statistics.median(times) * 1e6,
+                "warm_plan_us_median": statistics.median(warm) * 1e6,
                 "plans": counts["plans"],
                 "builds": counts["builds"],
                 "tactic": str(wrapper.tactic),
             }
             r = results[label]
             print(
-                f"{name:8} {op:8} b{count:<3} plan {r['plan_us_median']:8.1f} us  "
+                f"{name:8} {op:8} b{count:<3} plan {r['plan_us_median']:8.1f} us fresh, "
+                f"{r['warm_plan_us_median']:8.1f} us warm  "
                 f"builds {r['builds']}/{r['plans']}  {r['tactic']}"
             )
     if args.json:
