@@ -915,3 +915,14 @@ def test_auto_never_picks_it_without_a_gpu() -> None:
         pytest.skip("this machine has a GPU")
     backend = get_registry().get("cuda_native")
     assert backend.check(decode(), tactix.Tactic.default("cuda_native")) == ["no CUDA GPU is visible"]
+
+
+def test_untuned_auto_order_puts_the_skinny_gemm_behind_cublas_and_decode_first() -> None:
+    """Selection order from the measured defaults: decode first, prefill behind cudnn, GEMM
+    behind the torch backend (cuBLAS), so untuned 'auto' never picks a slower default."""
+    registry = get_registry()
+    order = {op: [b.name for b in registry.active(op)] for op in ("prefill", "decode", "gemm")}  # type: ignore[arg-type]
+    assert order["decode"][0] == "cuda_native"
+    assert order["gemm"].index("torch") < order["gemm"].index("cuda_native")
+    if "cudnn" in order["prefill"]:
+        assert order["prefill"].index("cudnn") < order["prefill"].index("cuda_native")

@@ -154,9 +154,11 @@ def tactix_backends() -> list[tactix.BackendSpec]:
             preference=5,
             # decode: ahead of cudnn untuned. Measured on the H200 (benchmarks/results/
             # h200-bench-deterministic.json): deterministic and faster than cuDNN's deterministic
-            # decode plan on D1-D3; the skinny GEMM's default is not ahead of cuBLAS yet.
-            # prefill stays at 5, behind cudnn (10), until measured on the H200: unproven there.
-            op_preference={"decode": 20},
+            # decode plan on D1-D3. prefill stays at 5, behind cudnn (10): the wgmma kernel matches
+            # it on P2/P4 but not P1/P3 (h200-prefill-sweep.log). gemm: behind torch (cuBLAS, -100)
+            # untuned, since the skinny GEMM's default is 1.0-1.05x cuBLAS at m <= 16 and 0.6x at
+            # m = 64 (h200-cuda-native-quick.log); tuning picks it where it wins.
+            op_preference={"decode": 20, "gemm": -150},
         )
     ]
 
