@@ -29,19 +29,11 @@ from tactix import batch as batch_module
 _spent: dict[str, float] = defaultdict(float)
 
 
-def _wrap(owner: Any, name: str, label: str, *, static: bool = False, classmethod_: bool = False) -> None:
+def _wrap(owner: Any, name: str, label: str, *, classmethod_: bool = False) -> None:
+    """Replace method ``name`` of class ``owner`` by a timed one."""
     original = owner.__dict__[name]
-    fn: Callable[..., Any] = original.__func__ if classmethod_ or static else original
-
-    @functools.wraps(fn)
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _spent[label] += time.perf_counter() - t0
-
-    setattr(owner, name, classmethod(timed) if classmethod_ else staticmethod(timed) if static else timed)
+    timed = _timed_fn(original.__func__ if classmethod_ else original, label)
+    setattr(owner, name, classmethod(timed) if classmethod_ else timed)
 
 
 def instrument(backend: str) -> None:
@@ -53,7 +45,7 @@ def instrument(backend: str) -> None:
     _wrap(registry.Backend, "check", "    Backend.check")
     _wrap(registry.Backend, "plan", "    Backend.plan")
     if backend == "cudnn":
-        from tactix_cudnn import plugin
+        from tactix_cudnn import plugin, staging
         from tactix_cudnn.graphs import graph_cache
 
         _wrap(plugin.CudnnAttentionPlan, "__init__", "      CudnnAttentionPlan.__init__")
@@ -61,9 +53,9 @@ def instrument(backend: str) -> None:
         _wrap(plugin.CudnnAttentionPlan, "_key", "        _key")
         plugin.host_metadata = _timed_fn(plugin.host_metadata, "          host_metadata")
         plugin.write_table = _timed_fn(plugin.write_table, "          write_table")
-        _wrap(plugin._Staging, "send", "          _Staging.send")
-        _wrap(plugin._Staging, "gather", "          _Staging.gather")
-        _wrap(plugin._Staging, "reuse", "          _Staging.reuse", classmethod_=True)
+        _wrap(staging.Staging, "send", "          Staging.send")
+        _wrap(staging.Staging, "gather", "          Staging.gather")
+        _wrap(staging.Staging, "reuse", "          Staging.reuse", classmethod_=True)
         plugin.handle_for = _timed_fn(plugin.handle_for, "        handle_for")
         plugin._attention_reasons = _timed_fn(plugin._attention_reasons, "      _attention_reasons (check+plan)")
         graph_cache.get = _timed_fn(graph_cache.get, "        graph_cache.get")

@@ -183,6 +183,9 @@ def test_a_replan_with_the_same_arguments_gives_the_problem_a_fresh_validation_g
             assert remembered.key_json() == fresh.key_json() and str(remembered) == str(fresh)
             assert remembered.batch_size == len(lens) and remembered.max_kv_len == max(lens)
             assert type(remembered) is type(fresh) and batch.batch_size == len(lens)
+            if op == "decode":  # read like a prefill problem's, but not fields: keys are unchanged
+                assert remembered.causal is False and remembered.max_qo_len == 1
+                assert "causal" not in remembered.key() and "max_qo_len" not in remembered.key()
     # an argument of another type is validated again, not served from the memo
     with pytest.raises(tactix.InvalidArgumentError, match="num_qo_heads"):
         attention_problem("decode", **{**kw, "qo_indptr": None, "num_qo_heads": 8.0}, memo=memo)  # type: ignore[arg-type]

@@ -139,7 +139,7 @@ class _AttentionProblem(_ProblemBase):
             f"p{self.page_size}",
             self.kv_layout,
         ]
-        if getattr(self, "causal", False):
+        if isinstance(self, (PrefillProblem, DecodeProblem)) and self.causal:
             parts.append("causal")
         if self.window_left >= 0:
             parts.append(f"win{self.window_left}")
@@ -178,6 +178,17 @@ class DecodeProblem(_AttentionProblem):
 
     op: ClassVar[Op] = "decode"
     _dynamic: ClassVar[tuple[str, ...]] = ("batch_size", "max_kv_len")
+
+    @property
+    def causal(self) -> bool:
+        """Never: a decode row attends every key of its request (`PrefillProblem.causal`'s twin,
+        so code over both reads it directly; not a field, so keys are unchanged)."""
+        return False
+
+    @property
+    def max_qo_len(self) -> int:
+        """One query row per request (`PrefillProblem.max_qo_len`'s twin; not a field)."""
+        return 1
 
     def __str__(self) -> str:
         return f"decode[{self._label()}]"

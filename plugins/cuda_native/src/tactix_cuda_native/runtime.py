@@ -232,14 +232,15 @@ stats = {"compiled": 0, "disk_hits": 0, "memory_hits": 0, "recompiled_corrupt": 
 """Counters (this process): NVRTC compiles, disk-cache hits, memory hits, corrupt files replaced."""
 
 
+def _program_options(cc: Any, variant: Variant, **extra: Any) -> Any:
+    """NVRTC options of ``variant`` (what `_OPTIONS` records in the cache key, plus ``extra``)."""
+    return cc.ProgramOptions(arch=variant.arch, std="c++17", define_macro=[(k, v) for k, v in variant.defines],
+                             name=variant.source, **extra)  # fmt: skip
+
+
 def _nvrtc_compile(variant: Variant) -> bytes:
     cc = cuda_core()
-    options = cc.ProgramOptions(
-        arch=variant.arch,
-        std="c++17",
-        define_macro=[(k, v) for k, v in variant.defines],
-        name=variant.source,
-    )
+    options = _program_options(cc, variant)
     log = _Log()
     try:
         program = cc.Program(source_text(variant.source), "c++", options)
@@ -271,13 +272,7 @@ def resource_usage(variant: Variant) -> dict[str, dict[str, int]]:
     Compiles afresh with ``-v`` (no cache): for tests and tuning tables, not for plans.
     """
     cc = cuda_core()
-    options = cc.ProgramOptions(
-        arch=variant.arch,
-        std="c++17",
-        define_macro=[(k, v) for k, v in variant.defines],
-        name=variant.source,
-        ptxas_options="-v",
-    )
+    options = _program_options(cc, variant, ptxas_options="-v")
     log = _Log()
     try:
         cc.Program(source_text(variant.source), "c++", options).compile("cubin", logs=log)

@@ -10,12 +10,10 @@ fp8 per-tensor scales and bias fused as pointwise nodes.
 from __future__ import annotations
 
 import array
-import contextlib
 import ctypes
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable
 from typing import Any, Final
 
 import torch
@@ -24,7 +22,7 @@ import tactix
 from tactix import PagedBatch, PlanOptions, Tactic, UnsupportedProblemError
 from tactix.devices import cuda_available
 from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem, bucket_size
-from tactix_cudnn import __version__, cudart
+from tactix_cudnn import __version__
 from tactix_cudnn.graphs import (
     UID_A,
     UID_B,
@@ -52,6 +50,7 @@ from tactix_cudnn.graphs import (
     graph_cache,
 )
 from tactix_cudnn.library import feature_reasons, frontend, status
+from tactix_cudnn.staging import Staging, gather_table, write_table
 
 NAME: Final = "cudnn"
 _DTYPES: Final = frozenset({"float16", "bfloat16"})
@@ -151,21 +150,12 @@ def _params_reasons(tactic: Tactic, kernel: str = "sdpa") -> list[str]:
     return []
 
 
-def _causal(problem: PrefillProblem | DecodeProblem) -> bool:
-    """(A missing attribute of a pydantic model costs ~2 us through ``getattr(..., default)``.)"""
-    return problem.causal if isinstance(problem, PrefillProblem) else False
-
-
-def _max_q(problem: PrefillProblem | DecodeProblem) -> int:
-    return problem.max_qo_len if isinstance(problem, PrefillProblem) else 1
-
-
 def _static_sig(problem: PrefillProblem | DecodeProblem) -> tuple[Any, ...]:
     """Every field of an attention problem but its batch sizes (what reasons and graph keys read)."""
     return (problem.__class__, problem.q_dtype, problem.kv_dtype, problem.out_dtype, problem.num_qo_heads,
             problem.num_kv_heads, problem.head_dim_qk, problem.head_dim_vo, problem.page_size, problem.kv_layout,
             problem.window_left, problem.sm_scale, problem.logits_soft_cap, problem.return_lse,
-            problem.deterministic, _causal(problem))  # fmt: skip
+            problem.deterministic, problem.causal)  # fmt: skip
 
 
 _reasons_memo: dict[tuple[Any, ...], tuple[str, ...]] = {}
@@ -200,7 +190,7 @@ def _attention_reasons_now(problem: PrefillProblem | DecodeProblem) -> list[str]
         # LSE of all but one query head per GQA group unwritten
         out.append("LSE from GQA decode: cuDNN's decode engine writes it for one query head per group only")
     features = ["sdpa", "paged_kv", "ragged_paged"]
-    if _causal(problem) or problem.window_left >= 0:
+    if problem.causal or problem.window_left >= 0:
         features.append("bottom_right_causal")
     if problem.window_left >= 0:
         features.append("sliding_window")
@@ -221,7 +211,7 @@ def tactix_check(backend: str, problem: Problem, tactic: Tactic) -> list[str] | 
         return _params_reasons(tactic, "matmul") + _gemm_reasons(problem)
     reasons = _params_reasons(tactic) + _attention_reasons(problem)
     if not reasons and not tactic.is_default:
-        probe = _key(problem, problem.batch_size, _max_q(problem), problem.max_kv_len, 1,
+        probe = _key(problem, problem.batch_size, problem.max_qo_len, problem.max_kv_len, 1,
                      (0, 0, 0, 0), (0, 0, 0, 0), Tactic.default(NAME))  # fmt: skip
         why = exclusion(excluded_plans(probe), int(tactic.params["engine"]), _knob_items(tactic))  # type: ignore[arg-type]
         if why:
@@ -348,7 +338,7 @@ def _make_key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: i
         max_q=1 if decode else bucket_size(max(max_q, 1)),
         max_kv=max_kv_b,
         table_width=-(-max_kv_b // problem.page_size),
-        causal=_causal(problem),
+        causal=problem.causal,
         window=problem.window_left,
         scale=problem.sm_scale,
         lse=problem.return_lse,
@@ -371,7 +361,7 @@ def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
         return _tactics("matmul", gemm_key)
     if tactix_environment(NAME) or _attention_reasons(problem):
         return []
-    max_q = _max_q(problem)
+    max_q = problem.max_qo_len
     key = _key(problem, problem.batch_size, max_q, problem.max_kv_len,
                problem.batch_size * -(-problem.max_kv_len // problem.page_size),
                _contiguous_strides(problem, problem.head_dim_qk), _contiguous_strides(problem, problem.head_dim_vo),
@@ -425,163 +415,14 @@ def host_metadata(
 
 
 _HOST_TABLE_ENTRIES: Final = 1 << 20
-"""Up to this many page entries host indices go through the wrapper's staging slots (`_Staging`);
+"""Up to this many page entries host indices go through the wrapper's staging slots (`Staging`);
 larger batches send the CSR indices in a buffer of their own and gather the table on the device."""
-
-
-def write_table(dst: int, src: int, indptr: list[int], rows: int, width: int) -> None:
-    """Write the padded page table ``[rows, width]`` at address ``dst`` from the int32 CSR indices
-    at ``src``: zeros (page 0, a valid page) everywhere, then each request's pages, one C-level
-    copy per request."""
-    ctypes.memset(dst, 0, 4 * rows * width)
-    for r in range(len(indptr) - 1):
-        start = indptr[r]
-        ctypes.memmove(dst + 4 * r * width, src + 4 * start, 4 * (indptr[r + 1] - start))
-
-
-def gather_table(ext: torch.Tensor, row_starts: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[r] = ext[row_starts[r] : row_starts[r] + width]``: the padded page table from CSR indices.
-
-    ``ext`` is the page indices followed by ``width`` valid filler entries, so every row is in
-    bounds; entries past a request's own pages hold other requests' pages and are never read.
-    """
-    width = out.shape[1]
-    torch.index_select(ext.unfold(0, width, 1), 0, row_starts, out=out)
 
 
 _HOST_ROWS: Final = 16
 """Up to this many table rows the page table is laid out on the host (one C-level copy per row);
 larger batches send the CSR indices in the same transfer and gather the rows on the device (one
 kernel, whatever the batch size)."""
-
-
-class _HostBuffer:
-    """A pinned int32 buffer and the event recorded after the last transfer that read it."""
-
-    def __init__(self, capacity: int, device_index: int) -> None:
-        self.tensor = torch.empty(capacity, dtype=torch.int32, pin_memory=True)
-        self.ptr = self.tensor.data_ptr()
-        rt = cudart.runtime()
-        self.event: Any = rt.event(device_index) if rt is not None else torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self.pending = False
-
-    def free(self) -> bool:
-        if not self.pending:
-            return True
-        rt = cudart.runtime()
-        self.pending = not (rt.done(self.event) if rt is not None else self.event.query())
-        return not self.pending
-
-    def release(self) -> None:
-        """Wait for the last transfer (the pinned memory goes back to torch's allocator next)."""
-        rt = cudart.runtime()
-        if rt is not None:
-            if self.pending:
-                rt.synchronize(self.event)
-            rt.destroy(self.event)
-        elif self.pending:
-            self.event.synchronize()
-        self.pending = False
-
-
-class _Staging:
-    """The device metadata buffers one wrapper's plans reuse, and their transfers.
-
-    Two device slots of ``capacity`` int32 (plus, for batches gathered on the device, a table
-    buffer each): successive eager plans alternate between them, so a slot is rewritten two plans
-    later, by a transfer enqueued on the current stream after the runs enqueued before that plan
-    (as FlashInfer's plan rewrites its workspace: plan and run on one stream, or synchronise).
-    CUDA-graph plans always use slot 0, whose addresses the captured graph reads.
-
-    Transfers come from a ring of pinned host buffers, each with an event recorded after its
-    transfer: a buffer is written again only once its last transfer has run, and when every one
-    is still waiting (the host far ahead of the GPU) the ring grows instead of waiting. The copy
-    and the events go straight to the CUDA runtime torch loaded (`cudart`), else through torch.
-    """
-
-    def __init__(self, device: torch.device, capacity: int, table: int) -> None:
-        self.device = device
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self.capacity = capacity
-        self.table_capacity = table
-        self._dev = [torch.empty(capacity, dtype=torch.int32, device=device) for _ in range(2)]
-        self._dev_ptr = [t.data_ptr() for t in self._dev]
-        self._tables = [torch.empty(max(table, 1), dtype=torch.int32, device=device) for _ in range(2)]
-        self._host: list[_HostBuffer] = []
-        self._retired: list[_HostBuffer] = []  # a replaced staging's buffers whose transfer may not have run
-        self._host_next = 0
-        self._next = 0
-        self._views: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def __del__(self) -> None:
-        for buffer in getattr(self, "_host", []) + getattr(self, "_retired", []):
-            with contextlib.suppress(Exception):  # interpreter shutdown or a broken context
-                buffer.release()
-
-    @classmethod
-    def reuse(cls, old: _Staging | None, device: torch.device, size: int, table: int) -> _Staging:
-        """``old`` when it holds ``size`` entries (and a gathered table of ``table``) on ``device``;
-        in CUDA-graph mode it always does (the buckets, which fix both, cannot change)."""
-        if old is not None and old.device == device and size <= old.capacity and table <= old.table_capacity:
-            return old
-        grow = 2 * old.capacity if old is not None else 0
-        new = cls(device, max(size + (-size % 1024), grow), max(table, old.table_capacity if old else 0))
-        if old is not None:  # its pinned buffers may still feed transfers: released once those ran
-            new._retired, old._host, old._retired = old._host + old._retired, [], []
-        return new
-
-    def slot(self, graph: bool) -> int:
-        chosen = 0 if graph else self._next
-        self._next = 1 - chosen
-        return chosen
-
-    def _free_host(self) -> _HostBuffer:
-        if self._retired:
-            for buffer in self._retired:
-                if buffer.free():
-                    buffer.release()
-            self._retired = [b for b in self._retired if b.pending]
-        ring = self._host
-        for step in range(len(ring)):
-            at = (self._host_next + step) % len(ring)
-            if ring[at].free():
-                self._host_next = (at + 1) % len(ring)
-                return ring[at]
-        buffer = _HostBuffer(self.capacity, self.index)
-        ring.insert(self._host_next, buffer)
-        self._host_next = (self._host_next + 1) % len(ring)
-        return buffer
-
-    def send(self, slot: int, size: int, fill: Callable[[int], None]) -> int:
-        """``size`` int32 written by ``fill(address)`` into a free pinned buffer, then copied to the
-        slot (enqueued on the current stream); the slot's device address."""
-        buffer = self._free_host()
-        fill(buffer.ptr)
-        rt = cudart.runtime()
-        if rt is not None:
-            stream = cudart.raw_stream(self.index)
-            rt.copy_to_device(self._dev_ptr[slot], buffer.ptr, 4 * size, stream)
-            rt.record(buffer.event, stream)
-        else:
-            self._dev[slot][:size].copy_(buffer.tensor[:size], non_blocking=True)
-            buffer.event.record(torch.cuda.current_stream(self.device))
-        buffer.pending = True
-        return self._dev_ptr[slot]
-
-    def gather(self, slot: int, count: int, rows: int, width: int, starts_at: int) -> int:
-        """The page table ``[rows, width]`` gathered on the device from the CSR indices that
-        ``send`` put at ``count`` (``starts_at``: the rows' first entries); its device address."""
-        key = (slot, count, rows, width, starts_at)
-        views = self._views.get(key)
-        if views is None:  # the offsets are fixed by the buckets: a few sets per wrapper
-            if len(self._views) >= 64:
-                self._views.clear()
-            packed = self._dev[slot]
-            views = self._views[key] = (packed[count:].unfold(0, width, 1), packed[starts_at : starts_at + rows],
-                                        self._tables[slot][: rows * width].view(rows, width))  # fmt: skip
-        windows, starts, table = views
-        torch.index_select(windows, 0, starts, out=table)
-        return table.data_ptr()
 
 
 class CudnnAttentionPlan:
@@ -630,7 +471,7 @@ class CudnnAttentionPlan:
                     "in CUDA-graph mode a re-plan must keep the graph's buckets (batch, lengths, pages)"])  # fmt: skip
         self._base_key = base
         self._graph_mode = bool(options["use_cuda_graph"])
-        self._staging: _Staging | None = previous._staging if isinstance(previous, CudnnAttentionPlan) else None
+        self._staging: Staging | None = previous._staging if isinstance(previous, CudnnAttentionPlan) else None
         self._small: torch.Tensor | None = None
         self._table: torch.Tensor | None = None
         self._fill_metadata(batch, base, previous if graph_mode else None)  # type: ignore[arg-type]
@@ -665,7 +506,7 @@ class CudnnAttentionPlan:
             # sized by the buckets alone (nnz <= rows x width), so that CUDA-graph re-plans of the
             # same buckets keep the slot and its addresses
             size = n + b * width + (0 if on_host else width)
-            mine = _Staging.reuse(self._staging, self.device, size, 0 if on_host else b * width)
+            mine = Staging.reuse(self._staging, self.device, size, 0 if on_host else b * width)
             if previous is not None and mine is not self._staging:
                 raise UnsupportedProblemError(NAME, self.problem, [
                     "in CUDA-graph mode a re-plan must keep the graph's buckets (metadata size)"])  # fmt: skip
