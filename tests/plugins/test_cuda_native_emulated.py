@@ -68,11 +68,12 @@ def _cache(lens: list[int], page: int, hkv: int, d: int, layout: str, dtype: tor
 
 def prefill_case(q_lens: list[int], kv_lens: list[int], *, page: int = 16, hq: int = 4, hkv: int = 2, d: int = 64,
                  layout: str = "HND", dtype: torch.dtype = torch.bfloat16, causal: bool = True, window: int = -1,
-                 cap: float = 0.0, scale: float | None = None, tactic: dict[str, int] | None = None, seed: int = 0,
-                 five_d: bool = False, q_view: bool = False,
-                 schedule: emulate.Schedule | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                 cap: float = 0.0, scale: float | None = None, tactic: dict[str, Any] | None = None, seed: int = 0,
+                 five_d: bool = False, q_view: bool = False, schedule: emulate.Schedule | None = None,
+                 persistent: int = 0, capacity: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Run one batch through the emulated prefill kernel (its CTAs as ``schedule`` says: one at a
-    time by default) and hold it to the oracle's tolerances; (out, lse)."""
+    time by default; with a ``persist`` tactic ``persistent`` CTAs, see `emulate.run_prefill`, as
+    ``capacity``) and hold it to the oracle's tolerances; (out, lse)."""
     gen = torch.Generator().manual_seed(seed)
     _, k, v, indptr, indices, last = _cache(kv_lens, page, hkv, d, layout, dtype, gen, five_d)
     qo = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
@@ -93,7 +94,7 @@ def prefill_case(q_lens: list[int], kv_lens: list[int], *, page: int = 16, hq: i
                                                                      params=tactic)  # type: ignore[arg-type]  # fmt: skip
     assert plugin._reasons(problem, t, H200) == []  # type: ignore[arg-type]
     out, lse, _ = emulate.run_prefill(problem, batch, t, q, k, v, return_lse=True,  # type: ignore[arg-type]
-                                      schedule=schedule)  # fmt: skip
+                                      schedule=schedule, persistent=persistent, capacity=capacity)  # fmt: skip
     ref, ref_lse = attention_reference(q, k, v, qo, indptr, indices, last, kv_layout=layout, causal=causal,
                                        sm_scale=problem.sm_scale, window_left=window, logits_soft_cap=cap)  # fmt: skip
     name = (f"d{d} p{page} {layout} h{hq}/{hkv} {str(dtype)[6:]} causal={causal} window={window} cap={cap} "
