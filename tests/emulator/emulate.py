@@ -114,8 +114,9 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
     lse = torch.full((rows, problem.num_qo_heads), float("nan"), dtype=torch.float32) if return_lse else None
     smem = params.smem_bytes(problem.head_dim_qk)
     if params.persist and not persistent:
-        persistent = geometry.prefill_persistent_ctas(geometry.H200,
-                                                      geometry.ctas_per_sm(geometry.H200, smem, params.threads))
+        persistent = geometry.prefill_persistent_ctas(
+            geometry.H200, geometry.ctas_per_sm(geometry.H200, smem, params.threads)
+        )
     grid = geometry.prefill_grid(cap, problem.num_qo_heads, pack, persistent if params.persist else 0)[0]
     args = _args([q, q.stride(0), q.stride(1), k, v, *strides, out, lse, items_t, num_items, reqs_t, indices,
                   *plugin.prefill_scalars(problem, pack)])  # fmt: skip

@@ -242,7 +242,10 @@ def _prefill_reasons(problem: PrefillProblem, tactic: Tactic, info: DeviceInfo) 
     given = set(tactic.params)
     known = set(PrefillParams.KEYS)
     if not set(PrefillParams.REQUIRED) <= given or given - known:
-        return [*out, f"prefill params must be {sorted(known)} with pack, sched, mma and persist optional (got {sorted(given)})"]
+        return [
+            *out,
+            f"prefill params must be {sorted(known)} with pack, sched, mma and persist optional (got {sorted(given)})",
+        ]
     numbers = {key: value for key, value in tactic.params.items() if key != "mma"}
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in numbers.values()):
         return [*out, f"prefill params must be integers, mma a string (got {tactic.params})"]
