@@ -743,7 +743,7 @@ def test_bad_prefill_tactics_and_problems_give_reasons() -> None:
     tactic = tactix.Tactic(backend="cuda_native", kernel="prefill", params=wg)  # type: ignore[arg-type]
     assert "needs a Hopper GPU (sm_90); this one is sm_80" in plugin._reasons(prefill(), tactic, ampere)[0]
     assert "prefill params must be" in reasons({"q_tile": 128})[0]
-    assert "with pack, sched, mma and persist optional" in reasons({"q_tile": 128})[0]
+    assert "with pack, sched, mma, persist and pingpong optional" in reasons({"q_tile": 128})[0]
     assert "prefill params must be" in reasons({**ok, "tile": 64})[0]
     assert "unknown prefill kernel" in reasons(ok, kernel="decode")[0]
     assert "takes no params" in reasons({"q_tile": 64}, kernel="default")[0]

@@ -306,6 +306,10 @@ class PrefillParams:
     params): 1 launches persistent CTAs, as many as the GPU holds at once (`prefill_persistent_ctas`),
     each looping over the work items (item x head group) in turn with the K/V ring running on
     across them, so the producer prefetches the next item's keys during the current epilogue.
+    ``pingpong`` (wgmma with two consumer warpgroups, q_tile 128; 0, the default, left out): 1
+    makes the warpgroups take turns at the tensor cores (FlashAttention-3's schedule: named
+    barriers; each issues S of a tile and P V of the previous one in its turn, then computes its
+    softmax while the other's GEMMs run).
     """
 
     q_tile: int
@@ -316,8 +320,12 @@ class PrefillParams:
     sched: int = 0
     mma: str = "sync"
     persist: int = 0
+    pingpong: int = 0
 
-    KEYS: ClassVar[tuple[str, ...]] = ("q_tile", "kv_tile", "warps", "stages", "pack", "sched", "mma", "persist")
+    KEYS: ClassVar[tuple[str, ...]] = (
+        "q_tile", "kv_tile", "warps", "stages", "pack", "sched", "mma", "persist", "pingpong"
+    )  # fmt: skip
+    OPTIONAL_FLAGS: ClassVar[tuple[str, ...]] = ("persist", "pingpong")  # left out of the params when 0
     REQUIRED: ClassVar[tuple[str, ...]] = ("q_tile", "kv_tile", "warps", "stages")
 
     @property
@@ -334,11 +342,14 @@ class PrefillParams:
         return prefill_smem_bytes(head_dim, self.q_tile, self.kv_tile, self.stages, self.mma)
 
     def to_tactic(self) -> Tactic:
-        params: dict[str, int | str] = {k: getattr(self, k) for k in self.KEYS if k not in ("mma", "persist")}
+        params: dict[str, int | str] = {
+            k: getattr(self, k) for k in self.KEYS if k != "mma" and k not in self.OPTIONAL_FLAGS
+        }
         if self.mma != "sync":  # the default stays implicit
             params["mma"] = self.mma
-        if self.persist:  # so does the default 0: tactics stored before it existed keep matching
-            params["persist"] = self.persist
+        for flag in self.OPTIONAL_FLAGS:  # so do their defaults (0): tactics stored before them keep matching
+            if getattr(self, flag):
+                params[flag] = getattr(self, flag)
         return Tactic(backend=NAME, kernel="prefill", params=params)  # type: ignore[arg-type]
 
     @classmethod
@@ -353,7 +364,7 @@ class PrefillParams:
         mma = p.get("mma", "sync")
         assert isinstance(mma, str)
         return cls(get("q_tile"), get("kv_tile"), get("warps"), get("stages"), get("pack", 0), get("sched", 0), mma,
-                   get("persist", 0))  # fmt: skip
+                   get("persist", 0), get("pingpong", 0))  # fmt: skip
 
     def reasons(self, head_dim: int, info: DeviceInfo, gqa: int | None = None) -> list[str]:
         if self.mma not in PREFILL_MMAS:
@@ -374,6 +385,10 @@ class PrefillParams:
                 "persist 1 with q_tile 64, kv_tile 128 at head dim 128 spills registers (the producer's loop "
                 "over items needs more than one consumer warpgroup can give); use kv_tile 64 or q_tile 128"
             )
+        if self.pingpong not in (0, 1):
+            out.append(f"pingpong must be 0 or 1 (the consumer warpgroups take turns) (got {self.pingpong})")
+        elif self.pingpong and (self.mma != "wgmma" or self.q_tile != 128):
+            out.append("pingpong 1 needs mma 'wgmma' with two consumer warpgroups (q_tile 128)")
         if not out:
             if self.mma == "sync":
                 regs = self.m_tiles * (head_dim + self.kv_tile) // 2
@@ -482,7 +497,8 @@ _WGMMA_SHAPES: Final = {
 def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1) -> list[PrefillParams]:
     """The tactic space the tuner explores: mma.sync tile shapes, wgmma tile shapes (on Hopper),
     then the default's with one head per CTA and with work in request order, then (on Hopper)
-    the wgmma shapes with persistent CTAs (every entry valid for ``head_dim`` on ``info``)."""
+    the wgmma shapes with persistent CTAs and with the warpgroups' ping-pong (every entry valid
+    for ``head_dim`` on ``info``)."""
     out = [PrefillParams(*shape) for shape in _PREFILL_SHAPES.get(head_dim, [])]
     out += [PrefillParams(*shape, mma="wgmma") for shape in _WGMMA_SHAPES.get(head_dim, [])]
     base = default_prefill_params(head_dim, info)
@@ -490,10 +506,14 @@ def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1) -> list[Pr
     if gqa > 1:
         out.append(PrefillParams(*shape, pack=1, mma=base.mma))
     out += [PrefillParams(*shape, sched=sched, mma=base.mma) for sched in (1, 2)]
-    # persistent CTAs (wgmma): every wgmma shape, and the default's with longest-first order
-    out += [PrefillParams(*shape, mma="wgmma", persist=1) for shape in _WGMMA_SHAPES.get(head_dim, [])]
+    # persistent CTAs (wgmma): every wgmma shape, and the default's with longest-first order; the
+    # warpgroups' ping-pong: every shape with two, with and without persistent CTAs
+    wgmma_shapes = _WGMMA_SHAPES.get(head_dim, [])
+    out += [PrefillParams(*shape, mma="wgmma", persist=1) for shape in wgmma_shapes]
     if base.mma == "wgmma":
         out.append(PrefillParams(*shape, sched=2, mma="wgmma", persist=1))
+    out += [PrefillParams(*shape, mma="wgmma", persist=persist, pingpong=1) for shape in wgmma_shapes
+            for persist in (0, 1) if shape[0] == 128]  # fmt: skip
     unique = list(dict.fromkeys(out))
     return [p for p in unique if not p.reasons(head_dim, info, gqa)]
 

@@ -10,7 +10,8 @@ Tactics are the kernels' compile-time and launch parameters:
   (kernels/prefill_sm90.cu: ``q_tile`` 64 or 128 rows, ``warps`` = q_tile / 16 consumer warps, ``kv_tile`` 64 or
   128), the default on sm_90 for head dims 64, 128 and 256; ``mma`` left out (or "sync") is the mma.sync kernel;
   wgmma also takes ``"persist": 1``: persistent CTAs (as many as the GPU holds at once, each looping over the
-  work items; left out, 0, one CTA per item);
+  work items; left out, 0, one CTA per item) and, with q_tile 128, ``"pingpong": 1``: the two consumer
+  warpgroups take turns at the tensor cores (FlashAttention-3's schedule);
 * ``Tactic(backend="cuda_native", kernel="decode", params={"tile": 64, "warps": 4, "stages": 2, "kv_chunk": 0})``
   (``kv_chunk`` 0: the split of long requests is chosen per batch by `geometry.decode_chunk`);
 * ``Tactic(backend="cuda_native", kernel="gemm", params={"bn": 32, "bk": 128, "wn": 1, "wk": 4, "stages": 4,
@@ -244,7 +245,8 @@ def _prefill_reasons(problem: PrefillProblem, tactic: Tactic, info: DeviceInfo) 
     if not set(PrefillParams.REQUIRED) <= given or given - known:
         return [
             *out,
-            f"prefill params must be {sorted(known)} with pack, sched, mma and persist optional (got {sorted(given)})",
+            f"prefill params must be {sorted(known)} with pack, sched, mma, persist and pingpong optional "
+            f"(got {sorted(given)})",
         ]
     numbers = {key: value for key, value in tactic.params.items() if key != "mma"}
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in numbers.values()):
@@ -347,6 +349,7 @@ def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str)
             TX_STAGES=params.stages,
             TX_SMEM=params.smem_bytes(head_dim),  # the kernel asserts that its layout has this size
             **({"TX_PERSIST": 1} if params.persist else {}),  # absent when 0: default variants keep their keys
+            **({"TX_PINGPONG": 1} if params.pingpong else {}),
         )
     return Variant.make(
         "prefill.cu",

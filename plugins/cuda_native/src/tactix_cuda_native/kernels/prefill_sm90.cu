@@ -68,6 +68,9 @@
 #ifndef TX_PERSIST
 #define TX_PERSIST 0
 #endif
+#ifndef TX_PINGPONG
+#define TX_PINGPONG 0
+#endif
 
 constexpr int D = TX_D;
 constexpr int BQ = TX_QTILE;
@@ -75,6 +78,8 @@ constexpr int BK = TX_KVTILE;
 constexpr int STAGES = TX_STAGES;
 constexpr bool PERSIST = TX_PERSIST != 0;  // each CTA loops over work items (see the top)
 constexpr int CWG = BQ / 64;            // consumer warpgroups
+constexpr bool PINGPONG = TX_PINGPONG != 0;  // the two consumer warpgroups take turns (see the top)
+constexpr int PP_BAR = 3;                    // named barriers PP_BAR + wg: warpgroup wg's turn
 constexpr int PRODUCER = 128 * CWG;     // first thread of the producer warpgroup (the last one)
 constexpr int NT = PRODUCER + 128;
 constexpr int ROW_BYTES = D * 2;
@@ -110,6 +115,7 @@ static_assert(D == 64 || D == 128 || D == 256, "head dim must be 64, 128 or 256"
 static_assert(BQ == 64 || BQ == 128, "TX_QTILE must be 64 or 128 (one or two consumer warpgroups)");
 static_assert(BK == 64 || BK == 128, "TX_KVTILE must be 64 or 128");
 static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 stages");
+static_assert(!PINGPONG || CWG == 2, "TX_PINGPONG needs two consumer warpgroups (TX_QTILE 128)");
 static_assert(CH <= 32 && RW % RPI == 0 && RW <= 32, "whole rows per producer warp pass, one key per lane");
 static_assert(!REBALANCE || PRODUCER_REGS + CWG * CONSUMER_REGS <= (CWG + 1) * LAUNCH_REGS,
               "the register hand-over must balance");
@@ -152,6 +158,10 @@ TX_DEVICE void tx_cp_async_mbar_arrive(u32 bar) {
 // async proxy (wgmma operand reads)
 TX_DEVICE void tx_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 TX_DEVICE void tx_bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+// one arrival of this warp's threads on named barrier `id` of `count` threads, without waiting
+TX_DEVICE void tx_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 
 // registers per thread of this warpgroup from here on (all four warps execute it)
 template <int N>
@@ -391,6 +401,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   const float cap_log2 = cap * LOG2E;
   const float mul = cap > 0.f ? 1.f : scale_log2;  // logits (capped or not) -> base-2 exponent
 
+  // TX_PINGPONG with both warpgroups computing: warpgroup 1 hands warpgroup 0 the first turn
+  const bool pp = PINGPONG && nwg == 2;
+  if (pp && wg == 1) tx_bar_arrive(PP_BAR + 0, 256);
+
   int g = 0;  // tiles consumed so far (over every item of this CTA): the ring position
   for (int vc = vc0; vc < total; vc += vstep) {
     const Item it = PERSIST ? load_item(vc, hgs, items, reqs, P, win, is_causal) : it0;
@@ -428,6 +442,136 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     u32 pa[BK / 4];
     float m0 = tx_neg_inf(), m1 = tx_neg_inf(), l0 = 0.f, l1 = 0.f;
 
+    if constexpr (PINGPONG) {
+      // FlashAttention-3's order: in this warpgroup's turn S of tile i and P V of tile i - 1 are
+      // issued back to back; the turn passes to the other warpgroup, whose GEMMs run on the
+      // tensor cores while this one computes the softmax of S (and P V of tile i - 1 finishes).
+      // Every tile's GEMMs are issued (a wgmma under a branch in this order makes ptxas
+      // serialize them all): a tile outside the warpgroup's rows is masked whole (P = 0).
+      for (int i = 0; i < ntiles; ++i) {
+        const int gi = g + i;
+        const int s = gi % STAGES, sp = (gi + STAGES - 1) % STAGES;
+        const u32 parity = (gi / STAGES) & 1, parity_p = ((gi + 2 * STAGES - 1) / STAGES) & 1;
+        const u32 kst = base + RING + s * STAGE_BYTES, vprev = base + RING + sp * STAGE_BYTES + TILE_BYTES;
+        const int kv0 = kv_lo + i * BK, kv_last = kv0 + BK - 1;
+        const bool active = kv0 <= hi_max_w && kv_last >= lo_min_w;
+        const bool prev = i > 0;  // P V of the previous tile to issue
+
+        tx_mbar_wait(bars + 8 * (FULL_K * STAGES + s), parity);
+        if (prev) tx_mbar_wait(bars + 8 * (FULL_V * STAGES + sp), parity_p);
+        if (pp) tx_bar_sync(PP_BAR + wg, 256);  // this warpgroup's turn
+        tx_fence_proxy_async();
+#pragma unroll
+        for (int j = 0; j < BK / 2; ++j) tx_reg_fence(sc[j]);
+#pragma unroll
+        for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
+#pragma unroll
+        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+        tx_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {  // S = Q K^T
+          tx_wgmma_ss<BK>(sc, desc_k_major(qw + (kk >> 2) * (64 * 128) + (kk & 3) * 32),
+                          desc_k_major(kst + (kk >> 2) * (BK * 128) + (kk & 3) * 32), kk > 0);
+        }
+        tx_wgmma_commit();  // group 1: S
+        if (prev) {  // O += P V of the previous tile
+#pragma unroll
+          for (int ks = 0; ks < BK / 16; ++ks)
+            tx_wgmma_rs_t<D>(o, pa + 4 * ks, desc_mn_major(vprev + ks * 2048, BK * 128), 1);
+        }
+        tx_wgmma_commit();  // group 2: P V (empty for the first tile)
+#pragma unroll
+        for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
+#pragma unroll
+        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+        if (pp) tx_bar_arrive(PP_BAR + (wg ^ 1), 256);  // the other warpgroup's turn
+        tx_wgmma_wait<1>();                              // S
+#pragma unroll
+        for (int j = 0; j < BK / 2; ++j) tx_reg_fence(sc[j]);
+        if (lane == 0) tx_mbar_arrive(bars + 8 * (EMPTY_K * STAGES + s));
+
+        float al0, al1;
+        {
+          const bool need_mask = !active || kv0 < lo_max_w || kv_last > hi_min_w;
+          if (cap > 0.f) {
+#pragma unroll
+            for (int j = 0; j < BK / 2; ++j) sc[j] = cap_log2 * tx_tanh(sc[j] * scale_over_cap);
+          }
+          if (need_mask) {
+#pragma unroll
+            for (int j = 0; j < BK / 2; ++j) {
+              const int key = kv0 + 8 * (j >> 2) + 2 * tig + (j & 1);
+              const bool ok = (j & 2) ? key >= lo1 && key <= hi1 : key >= lo0 && key <= hi0;
+              sc[j] = ok ? sc[j] : tx_neg_inf();
+            }
+          }
+          float mx0 = tx_neg_inf(), mx1 = tx_neg_inf();
+#pragma unroll
+          for (int j = 0; j < BK / 2; j += 4) {
+            mx0 = fmaxf(mx0, fmaxf(sc[j], sc[j + 1]));
+            mx1 = fmaxf(mx1, fmaxf(sc[j + 2], sc[j + 3]));
+          }
+          mx0 = tx_warp_max4(mx0) * mul;
+          mx1 = tx_warp_max4(mx1) * mul;
+          const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+          const float mu0 = mn0 == tx_neg_inf() ? 0.f : mn0;
+          const float mu1 = mn1 == tx_neg_inf() ? 0.f : mn1;
+          al0 = tx_exp2(m0 - mu0);
+          al1 = tx_exp2(m1 - mu1);
+          m0 = mn0;
+          m1 = mn1;
+          float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+          for (int j = 0; j < BK / 2; j += 4) {
+            sc[j] = tx_exp2(fmaf(sc[j], mul, -mu0));
+            sc[j + 1] = tx_exp2(fmaf(sc[j + 1], mul, -mu0));
+            sc[j + 2] = tx_exp2(fmaf(sc[j + 2], mul, -mu1));
+            sc[j + 3] = tx_exp2(fmaf(sc[j + 3], mul, -mu1));
+            rs0 += sc[j] + sc[j + 1];
+            rs1 += sc[j + 2] + sc[j + 3];
+          }
+          l0 = l0 * al0 + rs0;
+          l1 = l1 * al1 + rs1;
+        }
+        tx_wgmma_wait<0>();  // P V of the previous tile: O and P are free
+#pragma unroll
+        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+#pragma unroll
+        for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
+        if (lane == 0 && i > 0) tx_mbar_arrive(bars + 8 * (EMPTY_V * STAGES + sp));
+        {
+#pragma unroll
+          for (int j = 0; j < D / 2; j += 4) {
+            o[j] *= al0;
+            o[j + 1] *= al0;
+            o[j + 2] *= al1;
+            o[j + 3] *= al1;
+          }
+#pragma unroll
+          for (int j = 0; j < BK / 4; ++j) pa[j] = tx_pack2(sc[2 * j], sc[2 * j + 1]);
+        }
+      }
+      if (ntiles > 0) {  // P V of the last tile (outside the turns: each warpgroup takes ntiles of them)
+        const int gl = g + ntiles - 1, sl = gl % STAGES;
+        tx_mbar_wait(bars + 8 * (FULL_V * STAGES + sl), (gl / STAGES) & 1);
+        tx_fence_proxy_async();
+#pragma unroll
+        for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
+#pragma unroll
+        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+        tx_wgmma_fence();
+        const u32 vst = base + RING + sl * STAGE_BYTES + TILE_BYTES;
+#pragma unroll
+        for (int ks = 0; ks < BK / 16; ++ks)
+          tx_wgmma_rs_t<D>(o, pa + 4 * ks, desc_mn_major(vst + ks * 2048, BK * 128), 1);
+        tx_wgmma_commit();
+#pragma unroll
+        for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
+#pragma unroll
+        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+      }
+      tx_wgmma_wait<0>();
+    } else {
     for (int i = 0; i < ntiles; ++i) {
       const int gi = g + i;
       const int s = gi % STAGES;
@@ -533,13 +677,15 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
       }
     }
     tx_wgmma_wait<0>();
+    }  // PINGPONG
 #pragma unroll
     for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
     // (persistent) the last V tile of the item is free once its P V is done: the producer fills
     // the slot with the next item's keys during this epilogue
     if (PERSIST && ntiles > 0 && lane == 0) tx_mbar_arrive(bars + 8 * (EMPTY_V * STAGES + (g + ntiles - 1) % STAGES));
     g += ntiles;
-    if (PERSIST && !wg_rows) continue;  // no valid row in this item: nothing to write
+    // (a warpgroup without valid rows in this item goes through the epilogue writing nothing: a
+    // branch around it makes ptxas serialize the wgmma of TX_PINGPONG)
     // (persistent) the item's rows, loaded again rather than kept in registers through the tiles
     u32 vc_again = (u32)vc;
     if (PERSIST) tx_reg_fence(vc_again);  // an opaque copy: the loads are not merged with the first ones
