@@ -462,3 +462,66 @@ def test_emulated_persistent_concurrent_ctas_and_graph_capacity(shape: tuple[int
         got = prefill_case(q_lens, kv_lens, tactic=_wgmma(shape, persist=1), schedule=schedule, persistent=ctas,
                            capacity=capacity, **case)  # fmt: skip
         assert torch.equal(out, got[0]) and torch.equal(lse, got[1]), f"{schedule} ctas {ctas} capacity {capacity}"
+
+
+# -- the consumer warpgroups' ping-pong (TX_PINGPONG, tactic param pingpong 1) -----------------
+
+PINGPONG_SHAPES = [(128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3)]
+
+
+@pytest.mark.parametrize("persist", [0, 1], ids=["one-cta-per-item", "persistent"])
+@pytest.mark.parametrize("eager", [False, True], ids=["late-copies", "eager-copies"])
+@pytest.mark.parametrize("shape", PINGPONG_SHAPES, ids=lambda s: "q{}-kv{}-s{}".format(*s[:2], s[3]))
+def test_emulated_pingpong_matches_the_plain_kernel(shape: tuple[int, int, int, int], eager: bool, persist: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The warpgroups take turns (named barriers: bar.sync on its own, bar.arrive on the other's),
+    each issuing S of a tile with P V of the previous one: long key ranges (both mbarrier
+    parities), one head per CTA (one warpgroup's rows end a tile before the other's: it masks a
+    tile whole instead of skipping it), windows, short requests (a warpgroup idle: no turns
+    without TX_PERSIST; with it both keep turning). Bitwise the plain kernel's result: a tile
+    masked whole adds exact zeros."""
+    monkeypatch.setenv("TXE_EAGER_COPIES", "1" if eager else "0")
+    q_lens, kv_lens = [300, 5, 129, 1, 40], [1100, 700, 129, 900, 40]
+    for pack, window in ((0, -1), (1, -1), (1, 90)):
+        case: dict[str, Any] = {"d": 64, "hq": 8, "hkv": 2, "window": window, "page": 16 if window < 0 else 1,
+                                "seed": 31, "persistent": 3 if persist else 0}  # fmt: skip
+        ref = prefill_case(q_lens, kv_lens, tactic=_wgmma(shape, pack=pack), **case)
+        got = prefill_case(q_lens, kv_lens, tactic=_wgmma(shape, pack=pack, pingpong=1, persist=persist), **case)
+        assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), (shape, pack, window)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("persist", [0, 1], ids=["one-cta-per-item", "persistent"])
+def test_emulated_pingpong_every_head_dim_and_diagonal(d: int, persist: int) -> None:
+    """Ping-pong for the default shape of every head dim (soft-cap, fp16, non-causal with q longer
+    than kv, an empty request), and the diagonal alignment cases (one request per prefix length
+    0..kv_tile + 1) at d64."""
+    base = geometry.default_prefill_params(d, H200)
+    tactic = _wgmma((base.q_tile, base.kv_tile, base.warps, base.stages), pingpong=1, persist=persist)
+    n = 2 if persist else 0
+    prefill_case([150, 0, 1, 64], [700, 3, 333, 64], d=d, hq=4, hkv=2, cap=20.0, layout="NHD", tactic=tactic,
+                 persistent=n, seed=d)  # fmt: skip
+    prefill_case([40, 0, 1, 30], [3, 5, 1, 17], d=d, dtype=torch.float16, causal=False, window=2, tactic=tactic,
+                 persistent=n, seed=d + 1)  # fmt: skip
+    if d == 64:
+        kv_tile = base.kv_tile
+        q_lens, kv_lens = [70] * (kv_tile + 2), [70 + p for p in range(kv_tile + 2)]
+        prefill_case(q_lens, kv_lens, d=64, hq=1, hkv=1, tactic={**tactic, "pack": 1}, persistent=5 if persist else 0,
+                     seed=13)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [emulate.Schedule("grid", resident=2), emulate.Schedule("shuffled", resident=4, seed=7)],
+    ids=["two-resident", "shuffled-four-resident"],
+)
+@pytest.mark.parametrize("persist", [0, 1], ids=["one-cta-per-item", "persistent"])
+def test_emulated_pingpong_concurrent_ctas(schedule: emulate.Schedule, persist: int) -> None:
+    """Ping-pong CTAs resident together: each CTA's named barriers (turns) are its own."""
+    case: dict[str, Any] = {"hq": 4, "hkv": 2, "window": 150, "page": 16, "seed": 14}
+    q_lens, kv_lens = [130, 5, 70, 1], [400, 300, 70, 20]
+    out, lse = prefill_case(q_lens, kv_lens, tactic=_wgmma((128, 128, 8, 2)), **case)
+    got = prefill_case(q_lens, kv_lens, tactic=_wgmma((128, 128, 8, 2), pingpong=1, persist=persist),
+                       schedule=schedule, persistent=3 if persist else 0, capacity=32 if persist else 0,
+                       **case)  # fmt: skip
+    assert torch.equal(out, got[0]) and torch.equal(lse, got[1]), f"{schedule} persist {persist}"
