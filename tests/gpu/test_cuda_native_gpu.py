@@ -409,25 +409,29 @@ class PrefillCase:
 # q lengths 1, around and off the tile sizes; prefixes 0 (fresh prompt) to 1000 (chunked prefill)
 PREFILL_Q = [1, 15, 16, 17, 100, 129, 300, 64]
 PREFILL_KV = [1, 18, 16, 57, 100, 329, 1300, 64]
-# kernels/prefill.cu (mma.sync), kernels/prefill_sm90.cu (Hopper wgmma) and the same with
-# persistent CTAs (tactic param persist 1; select with -k persist)
-MMAS = ["sync", "wgmma", "wgmma-persist"]
+# kernels/prefill.cu (mma.sync), kernels/prefill_sm90.cu (Hopper wgmma), and the latter with
+# persistent CTAs (tactic param persist 1), with the consumer warpgroups' ping-pong (pingpong 1)
+# and with both; select them with -k persist, -k pingpong
+MMAS = ["sync", "wgmma", "wgmma-persist", "wgmma-pingpong", "wgmma-persist-pingpong"]
 
 
 def prefill_kind(tactic: tactix.Tactic) -> str:
     """The MMAS entry a prefill tactic belongs to."""
-    mma = str(tactic.params.get("mma", "sync"))
-    return f"{mma}-persist" if tactic.params.get("persist") else mma
+    kind = str(tactic.params.get("mma", "sync"))
+    for flag in ("persist", "pingpong"):
+        if tactic.params.get(flag):
+            kind += f"-{flag}"
+    return kind
 
 
 def prefill_tactic(mma: str, d: int = 128) -> tactix.Tactic:
-    """The default tactic of one prefill kernel on this GPU (wgmma is the default on Hopper;
-    "wgmma-persist" is its shape with persistent CTAs); skips the test where the GPU has no wgmma."""
+    """The default tactic of one prefill kernel on this GPU (wgmma is the default on Hopper; a
+    kind with "-persist" or "-pingpong" is its shape with those flags); skips the test where the
+    GPU has no wgmma."""
     info = plugin.device_info(torch.cuda.current_device())
-    persist = mma.endswith("-persist")
-    params = geometry.default_prefill_params(d, info, mma.removesuffix("-persist"))
-    if persist:
-        params = dataclasses.replace(params, persist=1)
+    kernel, *flags = mma.split("-")
+    params = geometry.default_prefill_params(d, info, kernel)
+    params = dataclasses.replace(params, persist=int("persist" in flags), pingpong=int("pingpong" in flags))
     reasons = params.reasons(d, info)
     if reasons:
         pytest.skip(f"prefill mma {mma!r} d{d} not on this GPU: {reasons}")
@@ -539,22 +543,24 @@ def test_every_enumerated_prefill_tactic(mma: str) -> None:
                 case.check(w, f"tactic {tactic} {features}", return_lse=True, **features)
 
 
+@pytest.mark.parametrize("pingpong", [0, 1], ids=["plain", "pingpong"])
 @pytest.mark.parametrize("persist", [0, 1], ids=["one-cta-per-item", "persistent"])
-def test_wgmma_prefill_long_keys_both_warpgroups_and_idle_ones(persist: int) -> None:
+def test_wgmma_prefill_long_keys_both_warpgroups_and_idle_ones(persist: int, pingpong: int) -> None:
     """The Hopper kernel's pipeline over many tiles (every ring slot reused, both mbarrier
     parities), one head per CTA so that the two consumer warpgroups own different tokens (one
     skips tiles the other computes: causal diagonal, window edge), requests short enough to leave
     a warpgroup idle, and a 5-D cache, for every wgmma tile shape enumerated (with persistent
-    CTAs: every shape enumerated with persist 1)."""
-    prefill_tactic("wgmma-persist" if persist else "wgmma")
+    CTAs, ping-pong, both: every shape enumerated with those flags)."""
+    prefill_tactic("wgmma" + ("-persist" if persist else "") + ("-pingpong" if pingpong else ""))
     info = plugin.device_info(torch.cuda.current_device())
     shapes = {(p.q_tile, p.kv_tile, p.warps, p.stages) for p in geometry.prefill_candidates(128, info, 4)
-              if p.mma == "wgmma" and p.persist == persist}  # fmt: skip
+              if p.mma == "wgmma" and p.persist == persist and p.pingpong == pingpong}  # fmt: skip
     assert shapes
     case = PrefillCase([700, 3, 129, 1], [3000, 900, 129, 2000], hq=8, hkv=2, layout="NHD", five_d=True, seed=41)
     for q_tile, kv_tile, warps, stages in sorted(shapes):
         for pack, features in ((1, {"causal": True}), (1, {"causal": True, "window_left": 90}), (0, {"causal": False})):
-            params = geometry.PrefillParams(q_tile, kv_tile, warps, stages, pack=pack, mma="wgmma", persist=persist)
+            params = geometry.PrefillParams(q_tile, kv_tile, warps, stages, pack=pack, mma="wgmma", persist=persist,
+                                            pingpong=pingpong)  # fmt: skip
             w = case.wrapper()
             case.plan(w, return_lse=True, tactic=params.to_tactic(), **features)
             case.check(w, f"wgmma pipeline {features}", return_lse=True, **features)
