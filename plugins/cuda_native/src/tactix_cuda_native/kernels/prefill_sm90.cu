@@ -3,7 +3,8 @@
 // mma.sync kernel), so the plan launches either one.
 //
 // Work item = (request, first query token of a q tile); grid x = item x head group, heads
-// fastest; CTAs past `num_items` exit at once (CUDA-graph capacity). Row r of the CTA's
+// fastest (or fewer CTAs with TX_PERSIST, see below); CTAs past `num_items` exit at once
+// (CUDA-graph capacity). Row r of the CTA's
 // TX_QTILE rows is (token t0 + r / pack, query head head0 + r % pack), as in prefill.cu.
 //
 // Warps: TX_QTILE / 64 consumer warpgroups (4 warps each; warpgroup w owns rows
@@ -48,8 +49,19 @@
 // Shared memory (dynamic, 1024-byte aligned): [Q: TX_QTILE rows] [stages x (K tile, V tile)]
 // [row pointers: TX_KVTILE x (K, V)] [mbarriers: 4 x stages] (geometry.prefill_smem_bytes).
 //
+// TX_PERSIST=1 (tactic param persist): persistent CTAs. The grid is what the GPU holds at once;
+// CTA b walks virtual CTAs (item x head group) b, b + gridDim.x, ... with the K/V ring, its
+// mbarrier phases and the tile count running on across them: each consumer warpgroup releases
+// the item's last V tile before its epilogue, so the producer gathers the next item's keys
+// meanwhile. Every consumer warpgroup keeps the protocol for every item.
+// TX_PINGPONG=1 (tactic param pingpong, two consumer warpgroups): FlashAttention-3's ping-pong.
+// Named barriers PP_BAR + wg are the warpgroups' turns at the tensor cores; in its turn a
+// warpgroup issues S of tile i and P V of tile i - 1, then passes the turn and computes the
+// softmax of S while the other's GEMMs run (see the loop).
+//
 // Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_QTILE (64, 128), TX_KVTILE (64, 128),
-// TX_STAGES (2..4), TX_SMEM (optional: the size the host computed, checked against the layout).
+// TX_STAGES (2..4), TX_PERSIST, TX_PINGPONG (0 or 1), TX_SMEM (optional: the size the host
+// computed, checked against the layout).
 // Needs sm_90a (wgmma); kernels/prefill.cu serves other GPUs.
 #include "common.cuh"
 
