@@ -74,14 +74,18 @@ def _args(values: list[Any]) -> list[Any]:
 
 
 def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, *, return_lse: bool,
-                schedule: Schedule | None = None) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
+                v: torch.Tensor, *, return_lse: bool, schedule: Schedule | None = None, persistent: int = 0,
+                capacity: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
     """The prefill kernel on the emulation: (out, lse or None, the work list).
 
     Launched as `plugin.CudaNativePrefillPlan` launches it: ``params.threads`` threads (for mma
     "wgmma" the consumer warpgroups and the producer warpgroup) and ``params.smem_bytes`` of
     dynamic shared memory (the bound the emulation checks); ``schedule``: how its CTAs run (one
-    at a time in grid order by default)."""
+    at a time in grid order by default). With ``persist`` in the tactic the grid is
+    `geometry.prefill_grid` for ``persistent`` CTAs at once (the plan asks the driver; 0 here:
+    the H200's estimate, `geometry.prefill_persistent_ctas`), so pass a small count to have
+    each CTA loop over several items. ``capacity``: the item capacity of a CUDA-graph plan (the
+    grid's size; the item list is padded to it with records that must never be read)."""
     from tactix_cuda_native import geometry, plugin
 
     params = (
@@ -98,7 +102,9 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
                                  window_left=problem.window_left, sched=params.sched)  # fmt: skip
     items, reqs = plugin.prefill_lists(batch, work)
     i32 = torch.int32
-    items_t = torch.tensor(items or [0, 0], dtype=i32)
+    cap = max(capacity, len(work.items))
+    # padding past the real items: a record read by mistake points far outside every buffer
+    items_t = torch.tensor((items + [1 << 30, 1 << 30] * (cap - len(work.items))) or [0, 0], dtype=i32)
     num_items = torch.tensor([len(work.items)], dtype=i32)
     reqs_t = torch.tensor(reqs, dtype=i32)
     indices = batch.kv_indices.to(i32).contiguous()
@@ -106,8 +112,12 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
     rows = q.shape[0]
     out = torch.full((rows, problem.num_qo_heads, problem.head_dim_vo), float("nan"), dtype=q.dtype)
     lse = torch.full((rows, problem.num_qo_heads), float("nan"), dtype=torch.float32) if return_lse else None
-    grid = geometry.prefill_grid(len(work.items), problem.num_qo_heads, pack)[0]
     smem = params.smem_bytes(problem.head_dim_qk)
+    if params.persist and not persistent:
+        persistent = geometry.prefill_persistent_ctas(
+            geometry.H200, geometry.ctas_per_sm(geometry.H200, smem, params.threads)
+        )
+    grid = geometry.prefill_grid(cap, problem.num_qo_heads, pack, persistent if params.persist else 0)[0]
     args = _args([q, q.stride(0), q.stride(1), k, v, *strides, out, lse, items_t, num_items, reqs_t, indices,
                   *plugin.prefill_scalars(problem, pack)])  # fmt: skip
     sched = (schedule or Schedule()).args()

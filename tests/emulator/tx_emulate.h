@@ -708,6 +708,17 @@ TX_DEVICE void tx_bar_sync(int id, int count) {
   if (count > (int)txe::cta->threads.size()) return txe::fail("bar.sync: count exceeds the CTA's threads");
   txe::wait(txe::cta->named_bars[id], count);
 }
+// bar.arrive: counts towards the barrier's completion without waiting (per thread here; the
+// hardware counts a warp's threads at once, and the kernels arrive with whole warps)
+TX_DEVICE void tx_bar_arrive(int id, int count) {
+  if (id < 0 || id >= 16 || count % 32) return txe::fail("bar.arrive: bad barrier id or count");
+  if (count > (int)txe::cta->threads.size()) return txe::fail("bar.arrive: count exceeds the CTA's threads");
+  txe::Barrier& b = txe::cta->named_bars[id];
+  if (++b.arrived == count) {
+    b.arrived = 0;
+    ++b.gen;
+  }
+}
 template <int N>
 TX_DEVICE void tx_setmaxnreg_dec() {}
 template <int N>

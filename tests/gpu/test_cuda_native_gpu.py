@@ -8,6 +8,7 @@ relative error, so a wrong fragment layout or index shows up as a pattern across
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import Any
@@ -408,14 +409,29 @@ class PrefillCase:
 # q lengths 1, around and off the tile sizes; prefixes 0 (fresh prompt) to 1000 (chunked prefill)
 PREFILL_Q = [1, 15, 16, 17, 100, 129, 300, 64]
 PREFILL_KV = [1, 18, 16, 57, 100, 329, 1300, 64]
-MMAS = ["sync", "wgmma"]  # kernels/prefill.cu (mma.sync) and kernels/prefill_sm90.cu (Hopper wgmma)
+# kernels/prefill.cu (mma.sync), kernels/prefill_sm90.cu (Hopper wgmma), and the latter with
+# persistent CTAs (tactic param persist 1), with the consumer warpgroups' ping-pong (pingpong 1)
+# and with both; select them with -k persist, -k pingpong
+MMAS = ["sync", "wgmma", "wgmma-persist", "wgmma-pingpong", "wgmma-persist-pingpong"]
+
+
+def prefill_kind(tactic: tactix.Tactic) -> str:
+    """The MMAS entry a prefill tactic belongs to."""
+    kind = str(tactic.params.get("mma", "sync"))
+    for flag in ("persist", "pingpong"):
+        if tactic.params.get(flag):
+            kind += f"-{flag}"
+    return kind
 
 
 def prefill_tactic(mma: str, d: int = 128) -> tactix.Tactic:
-    """The default tactic of one prefill kernel on this GPU (wgmma is the default on Hopper);
-    skips the test where the GPU has no wgmma."""
+    """The default tactic of one prefill kernel on this GPU (wgmma is the default on Hopper; a
+    kind with "-persist" or "-pingpong" is its shape with those flags); skips the test where the
+    GPU has no wgmma."""
     info = plugin.device_info(torch.cuda.current_device())
-    params = geometry.default_prefill_params(d, info, mma)
+    kernel, *flags = mma.split("-")
+    params = geometry.default_prefill_params(d, info, kernel)
+    params = dataclasses.replace(params, persist=int("persist" in flags), pingpong=int("pingpong" in flags))
     reasons = params.reasons(d, info)
     if reasons:
         pytest.skip(f"prefill mma {mma!r} d{d} not on this GPU: {reasons}")
@@ -517,7 +533,7 @@ def test_every_enumerated_prefill_tactic(mma: str) -> None:
         case = PrefillCase(PREFILL_Q, PREFILL_KV, d=d, seed=17)
         probe = case.wrapper()
         case.plan(probe)
-        tactics = [t for t in backend.tactics(probe.problem) if not t.is_default and t.params.get("mma", "sync") == mma]
+        tactics = [t for t in backend.tactics(probe.problem) if not t.is_default and prefill_kind(t) == mma]
         assert tactics
         for tactic in tactics:
             for features in ({"causal": True}, {"causal": False, "window_left": 50}):
@@ -527,20 +543,24 @@ def test_every_enumerated_prefill_tactic(mma: str) -> None:
                 case.check(w, f"tactic {tactic} {features}", return_lse=True, **features)
 
 
-def test_wgmma_prefill_long_keys_both_warpgroups_and_idle_ones() -> None:
+@pytest.mark.parametrize("pingpong", [0, 1], ids=["plain", "pingpong"])
+@pytest.mark.parametrize("persist", [0, 1], ids=["one-cta-per-item", "persistent"])
+def test_wgmma_prefill_long_keys_both_warpgroups_and_idle_ones(persist: int, pingpong: int) -> None:
     """The Hopper kernel's pipeline over many tiles (every ring slot reused, both mbarrier
     parities), one head per CTA so that the two consumer warpgroups own different tokens (one
     skips tiles the other computes: causal diagonal, window edge), requests short enough to leave
-    a warpgroup idle, and a 5-D cache, for every wgmma tile shape enumerated."""
-    prefill_tactic("wgmma")
+    a warpgroup idle, and a 5-D cache, for every wgmma tile shape enumerated (with persistent
+    CTAs, ping-pong, both: every shape enumerated with those flags)."""
+    prefill_tactic("wgmma" + ("-persist" if persist else "") + ("-pingpong" if pingpong else ""))
     info = plugin.device_info(torch.cuda.current_device())
     shapes = {(p.q_tile, p.kv_tile, p.warps, p.stages) for p in geometry.prefill_candidates(128, info, 4)
-              if p.mma == "wgmma"}  # fmt: skip
+              if p.mma == "wgmma" and p.persist == persist and p.pingpong == pingpong}  # fmt: skip
     assert shapes
     case = PrefillCase([700, 3, 129, 1], [3000, 900, 129, 2000], hq=8, hkv=2, layout="NHD", five_d=True, seed=41)
     for q_tile, kv_tile, warps, stages in sorted(shapes):
         for pack, features in ((1, {"causal": True}), (1, {"causal": True, "window_left": 90}), (0, {"causal": False})):
-            params = geometry.PrefillParams(q_tile, kv_tile, warps, stages, pack=pack, mma="wgmma")
+            params = geometry.PrefillParams(q_tile, kv_tile, warps, stages, pack=pack, mma="wgmma", persist=persist,
+                                            pingpong=pingpong)  # fmt: skip
             w = case.wrapper()
             case.plan(w, return_lse=True, tactic=params.to_tactic(), **features)
             case.check(w, f"wgmma pipeline {features}", return_lse=True, **features)
@@ -568,6 +588,10 @@ def test_prefill_run_does_not_sync_and_replays_in_a_cuda_graph(mma: str) -> None
     case = PrefillCase([1, 300, 700, 17], [1, 900, 700, 40], seed=19)
     w = case.wrapper(graph=True)
     case.plan(w, return_lse=True, tactic=tactic)
+    grid = w.plan_object.grid
+    if tactic.params.get("persist"):  # persistent CTAs: at most what the GPU holds at once
+        info = plugin.device_info(torch.cuda.current_device())
+        assert grid[0] <= info.sms * 4, grid
     rows = case.q.shape[0]
     out = torch.empty(rows, case.hq, case.d, device=CUDA, dtype=case.dtype)
     lse = torch.empty(rows, case.hq, device=CUDA)
@@ -619,6 +643,7 @@ def test_prefill_run_does_not_sync_and_replays_in_a_cuda_graph(mma: str) -> None
     assert sum(new_q) == rows  # the same q and out buffers (their shape is the number of rows)
     w.plan(qo_t, indptr_t, indices_t, last_t, case.hq, case.hkv, case.d, case.page, q_data_type=case.dtype,
            causal=True, return_lse=True, tactic=tactic)  # fmt: skip
+    assert w.plan_object.grid == grid  # the captured grid holds every batch of the buckets
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()

@@ -617,7 +617,13 @@ def test_wgmma_variants_run_on_the_tensor_cores_asynchronously(cache_root: Path)
         ss, rs = _opcodes(cubin, _HGMMA_SS, _HGMMA_RS)
         defines = dict(variant.defines)
         if variant.source == "prefill_sm90.cu":
-            assert (ss, rs) == (int(defines["TX_D"]) // 16, int(defines["TX_KVTILE"]) // 16), variant.label()
+            want = (int(defines["TX_D"]) // 16, int(defines["TX_KVTILE"]) // 16)
+            if defines.get("TX_PINGPONG") == "1":
+                # ping-pong issues the last tile's P V after the loop (a second copy of those), and
+                # ptxas may duplicate an S wgmma on a peeled path (9 for d128 with persist)
+                assert want[0] <= ss <= 2 * want[0] and rs == 2 * want[1], (variant.label(), ss, rs)
+            else:
+                assert (ss, rs) == want, variant.label()
         else:
             assert ss == rs == 0, variant.label()
 
@@ -656,6 +662,15 @@ def test_prefill_tactics_are_enumerated_valid_and_round_trip() -> None:
             assert {t.params.get("mma", "sync") for t in tactics} == {"sync", "wgmma"}
             assert all(t.params.get("mma") in (None, "wgmma") for t in tactics)
             assert {t.params["sched"] for t in tactics} == {0, 1, 2}
+            # persistent CTAs, off by default (left out of the params), enumerated for the wgmma shapes
+            assert "persist" not in default.to_tactic().params
+            persistent = [t for t in tactics if t.params.get("persist")]
+            assert persistent and all(t.params["persist"] == 1 and t.params["mma"] == "wgmma" for t in persistent)
+            assert dataclasses.replace(default, persist=1).to_tactic() in tactics
+            assert "pingpong" not in default.to_tactic().params
+            pingpong = [t for t in tactics if t.params.get("pingpong")]
+            assert {(t.params["q_tile"], t.params.get("persist", 0)) for t in pingpong} == {(128, 0), (128, 1)}
+            assert dataclasses.replace(default, pingpong=1).to_tactic() in tactics
             assert ({t.params["pack"] for t in tactics} == {0, 1}) == (hq > hkv)
             for t in tactics:
                 assert tactix.tactics.parse_tactic(t.to_json()) == t
@@ -666,6 +681,14 @@ def test_prefill_tactics_are_enumerated_valid_and_round_trip() -> None:
                                       '"sched":0,"stages":3,"kv_tile":32,"warps":4},"schema_version":1}')  # fmt: skip
     assert geometry.PrefillParams.from_tactic(old) == geometry.PrefillParams(128, 32, 4, 3)
     assert geometry.PrefillParams(128, 32, 4, 3).to_tactic() == old
+    wgp = geometry.PrefillParams(128, 128, 8, 2, mma="wgmma", persist=1).to_tactic()
+    assert wgp.params["persist"] == 1 and geometry.PrefillParams.from_tactic(wgp).persist == 1
+    both = geometry.PrefillParams(128, 128, 8, 2, mma="wgmma", persist=1, pingpong=1)
+    assert geometry.PrefillParams.from_tactic(both.to_tactic()) == both
+    assert dict(plugin.prefill_variant("bfloat16", 128, both, "sm_90").defines)["TX_PINGPONG"] == "1"
+    assert "TX_PINGPONG" not in dict(plugin.prefill_variant("bfloat16", 128, wgp_params := geometry.PrefillParams(
+        128, 128, 8, 2, mma="wgmma"), "sm_90").defines)  # fmt: skip
+    assert "TX_PERSIST" not in dict(plugin.prefill_variant("bfloat16", 128, wgp_params, "sm_90").defines)
     wg = geometry.PrefillParams(128, 128, 8, 2, mma="wgmma").to_tactic()
     assert wg.to_json() == ('{"backend":"cuda_native","kernel":"prefill","params":{"kv_tile":128,"mma":"wgmma",'
                             '"pack":0,"q_tile":128,"sched":0,"stages":2,"warps":8},"schema_version":1}')  # fmt: skip
@@ -724,11 +747,24 @@ def test_bad_prefill_tactics_and_problems_give_reasons() -> None:
     assert "stages must be in 2..4" in reasons({**wg, "stages": 5})[0]
     assert "at most 176 fit" in reasons(wg, prefill(head_dim_qk=256, head_dim_vo=256))[0]
     assert "shared memory" in reasons({**wg, "stages": 4})[0]  # 4 x 64 KB of K/V at d128
+    # persistent CTAs: wgmma only, 0 or 1, not where the register split cannot hold the loop
+    assert reasons({**wg, "persist": 1}) == [] and reasons({**wg, "persist": 0}) == []
+    assert reasons({**wg, "q_tile": 64, "warps": 4, "kv_tile": 64, "persist": 1}) == []
+    assert "persist must be 0" in reasons({**wg, "persist": 2})[0]
+    assert "must be integers" in reasons({**wg, "persist": True})[0]
+    assert "persist 1 needs mma 'wgmma'" in reasons({**ok, "persist": 1})[0]
+    assert "spills registers" in reasons({**wg, "q_tile": 64, "warps": 4, "persist": 1})[0]
+    assert reasons({**wg, "q_tile": 64, "warps": 4, "persist": 1}, prefill(head_dim_qk=64, head_dim_vo=64)) == []
+    # the warpgroups' ping-pong: two consumer warpgroups (q_tile 128), with or without persist
+    assert reasons({**wg, "pingpong": 1}) == [] and reasons({**wg, "pingpong": 1, "persist": 1}) == []
+    assert "pingpong must be 0 or 1" in reasons({**wg, "pingpong": 3})[0]
+    assert "two consumer warpgroups" in reasons({**wg, "q_tile": 64, "warps": 4, "kv_tile": 64, "pingpong": 1})[0]
+    assert "two consumer warpgroups" in reasons({**ok, "pingpong": 1})[0]
     ampere = DeviceInfo(sms=108, smem_per_block=232448, smem_per_sm=233472, arch="sm_80")
     tactic = tactix.Tactic(backend="cuda_native", kernel="prefill", params=wg)  # type: ignore[arg-type]
     assert "needs a Hopper GPU (sm_90); this one is sm_80" in plugin._reasons(prefill(), tactic, ampere)[0]
     assert "prefill params must be" in reasons({"q_tile": 128})[0]
-    assert "with pack, sched and mma optional" in reasons({"q_tile": 128})[0]
+    assert "with pack, sched, mma, persist and pingpong optional" in reasons({"q_tile": 128})[0]
     assert "prefill params must be" in reasons({**ok, "tile": 64})[0]
     assert "unknown prefill kernel" in reasons(ok, kernel="decode")[0]
     assert "takes no params" in reasons({"q_tile": 64}, kernel="default")[0]
@@ -889,6 +925,38 @@ def test_prefill_work_order_capacity_and_grid() -> None:
     assert geometry.prefill_range(10, 100, 5, 10, True, 3) == (92, 100)
     assert geometry.prefill_range(10, 5, 0, 10, False, 2) == (0, 5)
     assert geometry.prefill_work([0, 0], [3, 4], q_tile=64, kv_tile=32, pack=1, causal=True, window_left=-1).items == []
+
+
+def test_persistent_prefill_grid_and_cuda_graph_sizing() -> None:
+    """Persistent CTAs: the grid is the GPU's resident CTAs (SMs x CTAs per SM, the driver's count
+    where it answers), never more than the items x head groups; in CUDA-graph mode it comes from
+    the plan's item capacity, so it is the same for every batch of the buckets (the kernel ends
+    each CTA's loop at the real item count), and it does not depend on the batch."""
+    d128 = geometry.PrefillParams(128, 128, 8, 2, mma="wgmma", persist=1)
+    smem = d128.smem_bytes(128)
+    assert geometry.ctas_per_sm(H200, smem, d128.threads) == 1
+    slots = geometry.prefill_persistent_ctas(H200, geometry.ctas_per_sm(H200, smem, d128.threads))
+    assert slots == 132
+    assert geometry.prefill_persistent_ctas(H200, geometry.ctas_per_sm(H200, smem, d128.threads, resident=2)) == 264
+    q64 = geometry.PrefillParams(64, 64, 4, 2, mma="wgmma", persist=1)  # two CTAs per H200 SM
+    assert geometry.ctas_per_sm(H200, q64.smem_bytes(128), q64.threads) == 2
+    # P1: 8 x 2048 causal, 32 query heads over 8 KV heads, pack 4: 512 items x 8 head groups
+    work = geometry.prefill_work([2048] * 8, [2048] * 8, q_tile=128, kv_tile=128, pack=4, causal=True,
+                                 window_left=-1)  # fmt: skip
+    assert geometry.prefill_grid(len(work.items), 32, 4) == (4096, 1, 1)
+    assert geometry.prefill_grid(len(work.items), 32, 4, slots) == (132, 1, 1)
+    assert geometry.prefill_grid(3, 8, 4, slots) == (6, 1, 1)  # fewer virtual CTAs than slots: one each
+    assert geometry.prefill_grid(0, 8, 4, slots) == (2, 1, 1)  # an empty batch still launches (graph mode)
+    # graph mode: the capacity of the buckets fixes the grid for every batch in them
+    grids = set()
+    for q_lens in ([2048] * 8, [100, 2000, 7, 1500, 1, 900, 64, 1000], [1] * 5):
+        b_cap = 1 << (len(q_lens) - 1).bit_length()
+        t_cap = 1 << (16384 - 1).bit_length()
+        item_cap = geometry.prefill_capacity(b_cap, t_cap, 128 // 4)
+        work = geometry.prefill_work(q_lens, q_lens, q_tile=128, kv_tile=128, pack=4, causal=True, window_left=-1)
+        assert len(work.items) <= item_cap
+        grids.add(geometry.prefill_grid(item_cap, 32, 4, slots))
+    assert grids == {(132, 1, 1)}
 
 
 # -- import without a GPU --------------------------------------------------------------------

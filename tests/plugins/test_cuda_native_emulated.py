@@ -68,11 +68,12 @@ def _cache(lens: list[int], page: int, hkv: int, d: int, layout: str, dtype: tor
 
 def prefill_case(q_lens: list[int], kv_lens: list[int], *, page: int = 16, hq: int = 4, hkv: int = 2, d: int = 64,
                  layout: str = "HND", dtype: torch.dtype = torch.bfloat16, causal: bool = True, window: int = -1,
-                 cap: float = 0.0, scale: float | None = None, tactic: dict[str, int] | None = None, seed: int = 0,
-                 five_d: bool = False, q_view: bool = False,
-                 schedule: emulate.Schedule | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                 cap: float = 0.0, scale: float | None = None, tactic: dict[str, Any] | None = None, seed: int = 0,
+                 five_d: bool = False, q_view: bool = False, schedule: emulate.Schedule | None = None,
+                 persistent: int = 0, capacity: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Run one batch through the emulated prefill kernel (its CTAs as ``schedule`` says: one at a
-    time by default) and hold it to the oracle's tolerances; (out, lse)."""
+    time by default; with a ``persist`` tactic ``persistent`` CTAs, see `emulate.run_prefill`, as
+    ``capacity``) and hold it to the oracle's tolerances; (out, lse)."""
     gen = torch.Generator().manual_seed(seed)
     _, k, v, indptr, indices, last = _cache(kv_lens, page, hkv, d, layout, dtype, gen, five_d)
     qo = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
@@ -93,7 +94,7 @@ def prefill_case(q_lens: list[int], kv_lens: list[int], *, page: int = 16, hq: i
                                                                      params=tactic)  # type: ignore[arg-type]  # fmt: skip
     assert plugin._reasons(problem, t, H200) == []  # type: ignore[arg-type]
     out, lse, _ = emulate.run_prefill(problem, batch, t, q, k, v, return_lse=True,  # type: ignore[arg-type]
-                                      schedule=schedule)  # fmt: skip
+                                      schedule=schedule, persistent=persistent, capacity=capacity)  # fmt: skip
     ref, ref_lse = attention_reference(q, k, v, qo, indptr, indices, last, kv_layout=layout, causal=causal,
                                        sm_scale=problem.sm_scale, window_left=window, logits_soft_cap=cap)  # fmt: skip
     name = (f"d{d} p{page} {layout} h{hq}/{hkv} {str(dtype)[6:]} causal={causal} window={window} cap={cap} "
@@ -372,3 +373,155 @@ def test_emulated_prefill_concurrent_ctas(tactic: dict[str, Any], schedule: emul
     out, lse = prefill_case(q_lens, kv_lens, **case)
     out2, lse2 = prefill_case(q_lens, kv_lens, schedule=schedule, **case)
     assert torch.equal(out, out2) and torch.equal(lse, lse2), f"{schedule}: not bitwise the one-at-a-time result"
+
+
+# -- persistent CTAs (kernels/prefill_sm90.cu with TX_PERSIST, tactic param persist 1) ---------
+
+PERSIST_SHAPES = [(128, 128, 8, 2), (128, 64, 8, 3), (64, 128, 4, 3), (64, 64, 4, 2)]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["late-copies", "eager-copies"])
+@pytest.mark.parametrize("shape", PERSIST_SHAPES, ids=lambda s: "q{}-kv{}-s{}".format(*s[:2], s[3]))
+def test_emulated_persistent_ctas_loop_over_items(shape: tuple[int, int, int, int], eager: bool,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Fewer CTAs than items (1, 2 and 3 CTAs: each walks many items, its ring and mbarrier phases
+    running on from one item into the next, items with few tiles, many tiles, and none in a row;
+    warpgroups without rows in an item keep the protocol), ragged requests, windows, one head
+    per CTA and whole GQA groups. Each item is computed as by its own CTA without persist, in
+    the same order: the result is bitwise the non-persistent kernel's."""
+    monkeypatch.setenv("TXE_EAGER_COPIES", "1" if eager else "0")
+    q_lens, kv_lens = [300, 5, 129, 1, 40], [1100, 700, 129, 900, 40]
+    for ctas, pack, window in ((1, 0, -1), (2, 1, -1), (3, 1, 90)):
+        case: dict[str, Any] = {"d": 64, "hq": 8, "hkv": 2, "window": window, "page": 16 if window < 0 else 1,
+                                "seed": 21}  # fmt: skip
+        ref = prefill_case(q_lens, kv_lens, tactic=_wgmma(shape, pack=pack), **case)
+        got = prefill_case(q_lens, kv_lens, tactic=_wgmma(shape, pack=pack, persist=1), persistent=ctas, **case)
+        assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), (shape, ctas, pack, window)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_emulated_persistent_every_head_dim_and_features(d: int) -> None:
+    """The persistent variant of the default wgmma shape of each head dim (the register split
+    differs with d128 and 128-key tiles), non-causal with q longer than kv, soft-cap, fp16, an
+    empty request, and a single CTA over everything."""
+    base = geometry.default_prefill_params(d, H200)
+    tactic = _wgmma((base.q_tile, base.kv_tile, base.warps, base.stages), persist=1)
+    prefill_case([150, 0, 1, 64], [700, 3, 333, 64], d=d, hq=4, hkv=2, cap=20.0, layout="NHD", tactic=tactic,
+                 persistent=2, seed=d)  # fmt: skip
+    prefill_case([40, 0, 1, 30], [3, 5, 1, 17], d=d, dtype=torch.float16, causal=False, window=2, tactic=tactic,
+                 persistent=1, seed=d + 1)  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", [(128, 128, 8, 2), (64, 64, 4, 2)], ids=["q128-kv128", "q64-kv64"])
+def test_emulated_persistent_every_diagonal_alignment(shape: tuple[int, int, int, int]) -> None:
+    """The diagonal alignment cases of the non-persistent kernel (one request per prefix length
+    0..kv_tile + 1), walked by 5 persistent CTAs."""
+    kv_tile = shape[1]
+    q_lens = [70] * (kv_tile + 2)
+    kv_lens = [70 + p for p in range(kv_tile + 2)]
+    prefill_case(q_lens, kv_lens, d=64, hq=1, hkv=1, tactic=_wgmma(shape, pack=1, persist=1), persistent=5, seed=13)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_emulated_persistent_random_ragged_batches(seed: int) -> None:
+    """Random lengths, features and CTA counts (1..7), bitwise against the non-persistent kernel."""
+    gen = torch.Generator().manual_seed(300 + seed)
+    n = int(torch.randint(2, 7, (1,), generator=gen))
+    q_lens = torch.randint(1, 200, (n,), generator=gen).tolist()
+    prefix = torch.randint(0, 300, (n,), generator=gen).tolist()
+    causal = seed != 1
+    kv_lens = [q + p for q, p in zip(q_lens, prefix, strict=True)] if causal else [p + 1 for p in prefix]
+    ctas = int(torch.randint(1, 8, (1,), generator=gen))
+    shape = PERSIST_SHAPES[seed % len(PERSIST_SHAPES)]
+    case: dict[str, Any] = {"causal": causal, "window": [-1, 33, 100][seed], "cap": [0.0, 0.0, 15.0][seed],
+                            "hq": 8, "hkv": 2, "page": [1, 16, 128][seed], "seed": seed}  # fmt: skip
+    ref = prefill_case(q_lens, kv_lens, tactic=_wgmma(shape), **case)
+    got = prefill_case(q_lens, kv_lens, tactic=_wgmma(shape, persist=1), persistent=ctas, **case)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), (q_lens, kv_lens, ctas)
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [emulate.Schedule("grid", resident=2), emulate.Schedule("shuffled", resident=4, seed=5)],
+    ids=["two-resident", "shuffled-four-resident"],
+)
+@pytest.mark.parametrize("shape", [(128, 128, 8, 2), (64, 64, 4, 2)], ids=["q128-kv128", "q64-kv64"])
+@pytest.mark.parametrize("eager", [False, True], ids=["late-copies", "eager-copies"])
+def test_emulated_persistent_concurrent_ctas_and_graph_capacity(shape: tuple[int, int, int, int],
+                                                                schedule: emulate.Schedule, eager: bool,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Persistent CTAs resident together (interleaved at every synchronisation point), and the
+    CUDA-graph sizing: the grid from an item capacity larger than the batch (the padding records
+    past the real count are never read: each CTA's loop ends at the real count). Bitwise the
+    one-at-a-time non-persistent result."""
+    monkeypatch.setenv("TXE_EAGER_COPIES", "1" if eager else "0")
+    case: dict[str, Any] = {"hq": 4, "hkv": 2, "window": 150, "page": 16, "seed": 14}
+    q_lens, kv_lens = [130, 5, 70, 1], [400, 300, 70, 20]
+    out, lse = prefill_case(q_lens, kv_lens, tactic=_wgmma(shape), **case)
+    for ctas, capacity in ((3, 0), (4, 64), (1000, 64)):  # 1000: more CTAs than items x head groups
+        got = prefill_case(q_lens, kv_lens, tactic=_wgmma(shape, persist=1), schedule=schedule, persistent=ctas,
+                           capacity=capacity, **case)  # fmt: skip
+        assert torch.equal(out, got[0]) and torch.equal(lse, got[1]), f"{schedule} ctas {ctas} capacity {capacity}"
+
+
+# -- the consumer warpgroups' ping-pong (TX_PINGPONG, tactic param pingpong 1) -----------------
+
+PINGPONG_SHAPES = [(128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3)]
+
+
+@pytest.mark.parametrize("persist", [0, 1], ids=["one-cta-per-item", "persistent"])
+@pytest.mark.parametrize("eager", [False, True], ids=["late-copies", "eager-copies"])
+@pytest.mark.parametrize("shape", PINGPONG_SHAPES, ids=lambda s: "q{}-kv{}-s{}".format(*s[:2], s[3]))
+def test_emulated_pingpong_matches_the_plain_kernel(shape: tuple[int, int, int, int], eager: bool, persist: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The warpgroups take turns (named barriers: bar.sync on its own, bar.arrive on the other's),
+    each issuing S of a tile with P V of the previous one: long key ranges (both mbarrier
+    parities), one head per CTA (one warpgroup's rows end a tile before the other's: it masks a
+    tile whole instead of skipping it), windows, short requests (a warpgroup idle: no turns
+    without TX_PERSIST; with it both keep turning). Bitwise the plain kernel's result: a tile
+    masked whole adds exact zeros."""
+    monkeypatch.setenv("TXE_EAGER_COPIES", "1" if eager else "0")
+    q_lens, kv_lens = [300, 5, 129, 1, 40], [1100, 700, 129, 900, 40]
+    for pack, window in ((0, -1), (1, -1), (1, 90)):
+        case: dict[str, Any] = {"d": 64, "hq": 8, "hkv": 2, "window": window, "page": 16 if window < 0 else 1,
+                                "seed": 31, "persistent": 3 if persist else 0}  # fmt: skip
+        ref = prefill_case(q_lens, kv_lens, tactic=_wgmma(shape, pack=pack), **case)
+        got = prefill_case(q_lens, kv_lens, tactic=_wgmma(shape, pack=pack, pingpong=1, persist=persist), **case)
+        assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), (shape, pack, window)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("persist", [0, 1], ids=["one-cta-per-item", "persistent"])
+def test_emulated_pingpong_every_head_dim_and_diagonal(d: int, persist: int) -> None:
+    """Ping-pong for the default shape of every head dim (soft-cap, fp16, non-causal with q longer
+    than kv, an empty request), and the diagonal alignment cases (one request per prefix length
+    0..kv_tile + 1) at d64."""
+    base = geometry.default_prefill_params(d, H200)
+    tactic = _wgmma((base.q_tile, base.kv_tile, base.warps, base.stages), pingpong=1, persist=persist)
+    n = 2 if persist else 0
+    prefill_case([150, 0, 1, 64], [700, 3, 333, 64], d=d, hq=4, hkv=2, cap=20.0, layout="NHD", tactic=tactic,
+                 persistent=n, seed=d)  # fmt: skip
+    prefill_case([40, 0, 1, 30], [3, 5, 1, 17], d=d, dtype=torch.float16, causal=False, window=2, tactic=tactic,
+                 persistent=n, seed=d + 1)  # fmt: skip
+    if d == 64:
+        kv_tile = base.kv_tile
+        q_lens, kv_lens = [70] * (kv_tile + 2), [70 + p for p in range(kv_tile + 2)]
+        prefill_case(q_lens, kv_lens, d=64, hq=1, hkv=1, tactic={**tactic, "pack": 1}, persistent=5 if persist else 0,
+                     seed=13)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [emulate.Schedule("grid", resident=2), emulate.Schedule("shuffled", resident=4, seed=7)],
+    ids=["two-resident", "shuffled-four-resident"],
+)
+@pytest.mark.parametrize("persist", [0, 1], ids=["one-cta-per-item", "persistent"])
+def test_emulated_pingpong_concurrent_ctas(schedule: emulate.Schedule, persist: int) -> None:
+    """Ping-pong CTAs resident together: each CTA's named barriers (turns) are its own."""
+    case: dict[str, Any] = {"hq": 4, "hkv": 2, "window": 150, "page": 16, "seed": 14}
+    q_lens, kv_lens = [130, 5, 70, 1], [400, 300, 70, 20]
+    out, lse = prefill_case(q_lens, kv_lens, tactic=_wgmma((128, 128, 8, 2)), **case)
+    got = prefill_case(q_lens, kv_lens, tactic=_wgmma((128, 128, 8, 2), pingpong=1, persist=persist),
+                       schedule=schedule, persistent=3 if persist else 0, capacity=32 if persist else 0,
+                       **case)  # fmt: skip
+    assert torch.equal(out, got[0]) and torch.equal(lse, got[1]), f"{schedule} persist {persist}"

@@ -34,6 +34,7 @@ __all__ = [
     "prefill_capacity",
     "prefill_grid",
     "prefill_pack",
+    "prefill_persistent_ctas",
     "prefill_range",
     "prefill_smem_bytes",
     "prefill_work",
@@ -301,7 +302,14 @@ class PrefillParams:
     ring; ``pack``: query heads of one GQA group per CTA (0: the heuristic `prefill_pack`, else a
     divisor of the group size up to ``q_tile``); ``sched``: order of the work items (see
     `prefill_work`: 0 requests by work, each longest first; 1 in request order; 2 longest first
-    over the whole batch).
+    over the whole batch). ``persist`` (wgmma only; 0, the default, is left out of the tactic's
+    params): 1 launches persistent CTAs, as many as the GPU holds at once (`prefill_persistent_ctas`),
+    each looping over the work items (item x head group) in turn with the K/V ring running on
+    across them, so the producer prefetches the next item's keys during the current epilogue.
+    ``pingpong`` (wgmma with two consumer warpgroups, q_tile 128; 0, the default, left out): 1
+    makes the warpgroups take turns at the tensor cores (FlashAttention-3's schedule: named
+    barriers; each issues S of a tile and P V of the previous one in its turn, then computes its
+    softmax while the other's GEMMs run).
     """
 
     q_tile: int
@@ -311,8 +319,13 @@ class PrefillParams:
     pack: int = 0
     sched: int = 0
     mma: str = "sync"
+    persist: int = 0
+    pingpong: int = 0
 
-    KEYS: ClassVar[tuple[str, ...]] = ("q_tile", "kv_tile", "warps", "stages", "pack", "sched", "mma")
+    KEYS: ClassVar[tuple[str, ...]] = (
+        "q_tile", "kv_tile", "warps", "stages", "pack", "sched", "mma", "persist", "pingpong"
+    )  # fmt: skip
+    OPTIONAL_FLAGS: ClassVar[tuple[str, ...]] = ("persist", "pingpong")  # left out of the params when 0
     REQUIRED: ClassVar[tuple[str, ...]] = ("q_tile", "kv_tile", "warps", "stages")
 
     @property
@@ -329,9 +342,14 @@ class PrefillParams:
         return prefill_smem_bytes(head_dim, self.q_tile, self.kv_tile, self.stages, self.mma)
 
     def to_tactic(self) -> Tactic:
-        params: dict[str, int | str] = {k: getattr(self, k) for k in self.KEYS if k != "mma"}
+        params: dict[str, int | str] = {
+            k: getattr(self, k) for k in self.KEYS if k != "mma" and k not in self.OPTIONAL_FLAGS
+        }
         if self.mma != "sync":  # the default stays implicit
             params["mma"] = self.mma
+        for flag in self.OPTIONAL_FLAGS:  # so do their defaults (0): tactics stored before them keep matching
+            if getattr(self, flag):
+                params[flag] = getattr(self, flag)
         return Tactic(backend=NAME, kernel="prefill", params=params)  # type: ignore[arg-type]
 
     @classmethod
@@ -345,7 +363,8 @@ class PrefillParams:
 
         mma = p.get("mma", "sync")
         assert isinstance(mma, str)
-        return cls(get("q_tile"), get("kv_tile"), get("warps"), get("stages"), get("pack", 0), get("sched", 0), mma)
+        return cls(get("q_tile"), get("kv_tile"), get("warps"), get("stages"), get("pack", 0), get("sched", 0), mma,
+                   get("persist", 0), get("pingpong", 0))  # fmt: skip
 
     def reasons(self, head_dim: int, info: DeviceInfo, gqa: int | None = None) -> list[str]:
         if self.mma not in PREFILL_MMAS:
@@ -357,6 +376,19 @@ class PrefillParams:
             out.append(f"pack {self.pack} must divide the GQA group size {gqa} and be at most q_tile {self.q_tile}")
         if self.sched not in (0, 1, 2):
             out.append(f"sched must be 0, 1 or 2 ({', '.join(PREFILL_SCHEDULES)}) (got {self.sched})")
+        if self.persist not in (0, 1):
+            out.append(f"persist must be 0 (one CTA per work item) or 1 (persistent CTAs) (got {self.persist})")
+        elif self.persist and self.mma != "wgmma":
+            out.append("persist 1 needs mma 'wgmma' (kernels/prefill_sm90.cu)")
+        elif self.persist and (self.q_tile, self.kv_tile, head_dim) == (64, 128, 128):
+            out.append(
+                "persist 1 with q_tile 64, kv_tile 128 at head dim 128 spills registers (the producer's loop "
+                "over items needs more than one consumer warpgroup can give); use kv_tile 64 or q_tile 128"
+            )
+        if self.pingpong not in (0, 1):
+            out.append(f"pingpong must be 0 or 1 (the consumer warpgroups take turns) (got {self.pingpong})")
+        elif self.pingpong and (self.mma != "wgmma" or self.q_tile != 128):
+            out.append("pingpong 1 needs mma 'wgmma' with two consumer warpgroups (q_tile 128)")
         if not out:
             if self.mma == "sync":
                 regs = self.m_tiles * (head_dim + self.kv_tile) // 2
@@ -464,7 +496,8 @@ _WGMMA_SHAPES: Final = {
 
 def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1) -> list[PrefillParams]:
     """The tactic space the tuner explores: mma.sync tile shapes, wgmma tile shapes (on Hopper),
-    then the default's with one head per CTA and with work in request order (every entry valid
+    then the default's with one head per CTA and with work in request order, then (on Hopper)
+    the wgmma shapes with persistent CTAs and with the warpgroups' ping-pong (every entry valid
     for ``head_dim`` on ``info``)."""
     out = [PrefillParams(*shape) for shape in _PREFILL_SHAPES.get(head_dim, [])]
     out += [PrefillParams(*shape, mma="wgmma") for shape in _WGMMA_SHAPES.get(head_dim, [])]
@@ -473,6 +506,14 @@ def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1) -> list[Pr
     if gqa > 1:
         out.append(PrefillParams(*shape, pack=1, mma=base.mma))
     out += [PrefillParams(*shape, sched=sched, mma=base.mma) for sched in (1, 2)]
+    # persistent CTAs (wgmma): every wgmma shape, and the default's with longest-first order; the
+    # warpgroups' ping-pong: every shape with two, with and without persistent CTAs
+    wgmma_shapes = _WGMMA_SHAPES.get(head_dim, [])
+    out += [PrefillParams(*shape, mma="wgmma", persist=1) for shape in wgmma_shapes]
+    if base.mma == "wgmma":
+        out.append(PrefillParams(*shape, sched=2, mma="wgmma", persist=1))
+    out += [PrefillParams(*shape, mma="wgmma", persist=persist, pingpong=1) for shape in wgmma_shapes
+            for persist in (0, 1) if shape[0] == 128]  # fmt: skip
     unique = list(dict.fromkeys(out))
     return [p for p in unique if not p.reasons(head_dim, info, gqa)]
 
@@ -569,9 +610,20 @@ def prefill_capacity(batch: int, num_tokens: int, tokens_per_item: int) -> int:
     return -(-num_tokens // tokens_per_item) + batch
 
 
-def prefill_grid(items: int, num_qo_heads: int, pack: int) -> tuple[int, int, int]:
-    """One CTA per work item and group of ``pack`` query heads, heads fastest."""
-    return (max(1, items) * (num_qo_heads // pack), 1, 1)
+def prefill_grid(items: int, num_qo_heads: int, pack: int, persistent: int = 0) -> tuple[int, int, int]:
+    """One CTA per work item and group of ``pack`` query heads, heads fastest; with
+    ``persistent`` > 0 (the CTAs the GPU holds at once, `prefill_persistent_ctas`) at most that
+    many, each looping over every ``grid``-th of them (kernels/prefill_sm90.cu, TX_PERSIST).
+    ``items`` is the capacity in CUDA-graph mode: the grid stays fixed for every batch of the
+    plan's buckets, and CTAs or loop turns past the real item count do nothing."""
+    ctas = max(1, items) * (num_qo_heads // pack)
+    return (min(ctas, persistent) if persistent > 0 else ctas, 1, 1)
+
+
+def prefill_persistent_ctas(info: DeviceInfo, ctas_sm: int) -> int:
+    """The persistent grid's size: every SM times the CTAs one SM holds (``ctas_sm``, from the
+    driver's occupancy calculator where it answers: `ctas_per_sm`)."""
+    return info.sms * max(1, ctas_sm)
 
 
 # -- GEMM ------------------------------------------------------------------------------------

@@ -9,6 +9,9 @@ Tactics are the kernels' compile-time and launch parameters:
   2: longest first over the batch; see `geometry.prefill_work`); with ``"mma": "wgmma"`` the Hopper kernel
   (kernels/prefill_sm90.cu: ``q_tile`` 64 or 128 rows, ``warps`` = q_tile / 16 consumer warps, ``kv_tile`` 64 or
   128), the default on sm_90 for head dims 64, 128 and 256; ``mma`` left out (or "sync") is the mma.sync kernel;
+  wgmma also takes ``"persist": 1``: persistent CTAs (as many as the GPU holds at once, each looping over the
+  work items; left out, 0, one CTA per item) and, with q_tile 128, ``"pingpong": 1``: the two consumer
+  warpgroups take turns at the tensor cores (FlashAttention-3's schedule);
 * ``Tactic(backend="cuda_native", kernel="decode", params={"tile": 64, "warps": 4, "stages": 2, "kv_chunk": 0})``
   (``kv_chunk`` 0: the split of long requests is chosen per batch by `geometry.decode_chunk`);
 * ``Tactic(backend="cuda_native", kernel="gemm", params={"bn": 32, "bk": 128, "wn": 1, "wk": 4, "stages": 4,
@@ -72,6 +75,7 @@ from tactix_cuda_native.geometry import (
     prefill_capacity,
     prefill_grid,
     prefill_pack,
+    prefill_persistent_ctas,
     prefill_work,
     q_tiles,
     wgmma_arch,
@@ -241,7 +245,11 @@ def _prefill_reasons(problem: PrefillProblem, tactic: Tactic, info: DeviceInfo) 
     given = set(tactic.params)
     known = set(PrefillParams.KEYS)
     if not set(PrefillParams.REQUIRED) <= given or given - known:
-        return [*out, f"prefill params must be {sorted(known)} with pack, sched and mma optional (got {sorted(given)})"]
+        return [
+            *out,
+            f"prefill params must be {sorted(known)} with pack, sched, mma, persist and pingpong optional "
+            f"(got {sorted(given)})",
+        ]
     numbers = {key: value for key, value in tactic.params.items() if key != "mma"}
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in numbers.values()):
         return [*out, f"prefill params must be integers, mma a string (got {tactic.params})"]
@@ -342,6 +350,8 @@ def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str)
             TX_KVTILE=params.kv_tile,
             TX_STAGES=params.stages,
             TX_SMEM=params.smem_bytes(head_dim),  # the kernel asserts that its layout has this size
+            **({"TX_PERSIST": 1} if params.persist else {}),  # absent when 0: default variants keep their keys
+            **({"TX_PINGPONG": 1} if params.pingpong else {}),
         )
     return Variant.make(
         "prefill.cu",
@@ -709,7 +719,12 @@ class CudaNativePrefillPlan:
         self._ptrs = (view["items"].data_ptr(), view["num_items"].data_ptr(), view["reqs"].data_ptr(),
                       indices.data_ptr())  # fmt: skip
         self._launch = graph or bool(work.items)
-        self._cfg = launch_config(prefill_grid(item_cap, hq, pack), params.threads, smem)
+        persistent = 0
+        if params.persist:  # as many CTAs as the GPU holds at once, each looping over the items
+            resident = resident_ctas(self._kernel, params.threads, smem)
+            persistent = prefill_persistent_ctas(info, ctas_per_sm(info, smem, params.threads, resident=resident))
+        self.grid = prefill_grid(item_cap, hq, pack, persistent)
+        self._cfg = launch_config(self.grid, params.threads, smem)
         self._index = index
         self._seen: tuple[Any, ...] | None = None
         self._strides: tuple[int, ...] = ()

@@ -3,7 +3,8 @@
 // mma.sync kernel), so the plan launches either one.
 //
 // Work item = (request, first query token of a q tile); grid x = item x head group, heads
-// fastest; CTAs past `num_items` exit at once (CUDA-graph capacity). Row r of the CTA's
+// fastest (or fewer CTAs with TX_PERSIST, see below); CTAs past `num_items` exit at once
+// (CUDA-graph capacity). Row r of the CTA's
 // TX_QTILE rows is (token t0 + r / pack, query head head0 + r % pack), as in prefill.cu.
 //
 // Warps: TX_QTILE / 64 consumer warpgroups (4 warps each; warpgroup w owns rows
@@ -48,8 +49,19 @@
 // Shared memory (dynamic, 1024-byte aligned): [Q: TX_QTILE rows] [stages x (K tile, V tile)]
 // [row pointers: TX_KVTILE x (K, V)] [mbarriers: 4 x stages] (geometry.prefill_smem_bytes).
 //
+// TX_PERSIST=1 (tactic param persist): persistent CTAs. The grid is what the GPU holds at once;
+// CTA b walks virtual CTAs (item x head group) b, b + gridDim.x, ... with the K/V ring, its
+// mbarrier phases and the tile count running on across them: each consumer warpgroup releases
+// the item's last V tile before its epilogue, so the producer gathers the next item's keys
+// meanwhile. Every consumer warpgroup keeps the protocol for every item.
+// TX_PINGPONG=1 (tactic param pingpong, two consumer warpgroups): FlashAttention-3's ping-pong.
+// Named barriers PP_BAR + wg are the warpgroups' turns at the tensor cores; in its turn a
+// warpgroup issues S of tile i and P V of tile i - 1, then passes the turn and computes the
+// softmax of S while the other's GEMMs run (see the loop).
+//
 // Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_QTILE (64, 128), TX_KVTILE (64, 128),
-// TX_STAGES (2..4), TX_SMEM (optional: the size the host computed, checked against the layout).
+// TX_STAGES (2..4), TX_PERSIST, TX_PINGPONG (0 or 1), TX_SMEM (optional: the size the host
+// computed, checked against the layout).
 // Needs sm_90a (wgmma); kernels/prefill.cu serves other GPUs.
 #include "common.cuh"
 
@@ -65,12 +77,20 @@
 #ifndef TX_STAGES
 #define TX_STAGES 2
 #endif
+#ifndef TX_PERSIST
+#define TX_PERSIST 0
+#endif
+#ifndef TX_PINGPONG
+#define TX_PINGPONG 0
+#endif
 
 constexpr int D = TX_D;
 constexpr int BQ = TX_QTILE;
 constexpr int BK = TX_KVTILE;
 constexpr int STAGES = TX_STAGES;
+constexpr bool PERSIST = TX_PERSIST != 0;  // each CTA loops over work items (see the top)
 constexpr int CWG = BQ / 64;            // consumer warpgroups
+constexpr bool PINGPONG = TX_PINGPONG != 0;  // the two consumer warpgroups take turns (see the top)
 constexpr int PRODUCER = 128 * CWG;     // first thread of the producer warpgroup (the last one)
 constexpr int NT = PRODUCER + 128;
 constexpr int ROW_BYTES = D * 2;
@@ -93,7 +113,11 @@ constexpr bool TWO_CTAS = CWG == 1 && D <= 128;
 constexpr bool REBALANCE = CWG == 2 || TWO_CTAS;
 constexpr int LAUNCH_REGS = CWG == 2 ? 168 : 128;
 constexpr int MIN_CTAS = TWO_CTAS ? 2 : 1;
-constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = CWG == 2 ? 232 : 216;
+// TX_PERSIST with 128-key tiles at d128 (a producer warp gathers 32 rows of 256 bytes a tile): the
+// producer's loop over items needs 16 more (56); the two consumer warpgroups give 8 each (224).
+// (With one consumer warpgroup that leaves it too few: geometry refuses q_tile 64 there.)
+constexpr int PRODUCER_REGS = PERSIST && BK == 128 && D == 128 ? 56 : 40;
+constexpr int CONSUMER_REGS = (CWG == 2 ? 232 : 216) - (PRODUCER_REGS - 40) / CWG;
 constexpr float LN2 = 0.6931471805599453f;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr int NO_LOWER = -(1 << 30);
@@ -102,6 +126,7 @@ static_assert(D == 64 || D == 128 || D == 256, "head dim must be 64, 128 or 256"
 static_assert(BQ == 64 || BQ == 128, "TX_QTILE must be 64 or 128 (one or two consumer warpgroups)");
 static_assert(BK == 64 || BK == 128, "TX_KVTILE must be 64 or 128");
 static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 stages");
+static_assert(!PINGPONG || CWG == 2, "TX_PINGPONG needs two consumer warpgroups (TX_QTILE 128)");
 static_assert(CH <= 32 && RW % RPI == 0 && RW <= 32, "whole rows per producer warp pass, one key per lane");
 static_assert(!REBALANCE || PRODUCER_REGS + CWG * CONSUMER_REGS <= (CWG + 1) * LAUNCH_REGS,
               "the register hand-over must balance");
@@ -144,6 +169,10 @@ TX_DEVICE void tx_cp_async_mbar_arrive(u32 bar) {
 // async proxy (wgmma operand reads)
 TX_DEVICE void tx_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 TX_DEVICE void tx_bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+// one arrival of this warp's threads on named barrier `id` of `count` threads, without waiting
+TX_DEVICE void tx_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 
 // registers per thread of this warpgroup from here on (all four warps execute it)
 template <int N>
@@ -242,6 +271,10 @@ TX_DEVICE u32 sw128(int row, int ch, int rows) {
   return (u32)((ch >> 3) * rows * 128 + row * 128 + (((ch & 7) ^ (row & 7)) << 4));
 }
 
+#if !TX_PERSIST && !TX_PINGPONG
+// ---- the kernel as measured on the H200 (neither option): kept verbatim, so the default tactic's
+// code is unchanged until the options are measured there. The options' kernel below runs the
+// same protocol per item; the emulator tests hold the two to bitwise equal results.
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     const u16* __restrict__ q, i64 q_st, i64 q_sh, const u16* __restrict__ k, const u16* __restrict__ v, i64 k_sp,
     i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh, u16* __restrict__ out, float* __restrict__ lse,
@@ -512,3 +545,476 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     if (r1 / P < nt) lse[(i64)(q_start + t0 + r1 / P) * H + head0 + r1 % P] = (m1 + tx_log2(l1)) * LN2;
   }
 }
+#else  // TX_PERSIST || TX_PINGPONG
+constexpr int PP_BAR = 3;  // named barriers PP_BAR + wg: warpgroup wg's turn (TX_PINGPONG)
+
+// One work item as the producer and the consumers both see it: virtual CTA v = (item, head group),
+// heads fastest. The token at index t of the request sits at position delta + t.
+struct Item {
+  int t0, q_start, kv_len, page_base, nt, head0, delta, kv_lo, kv_hi, ntiles;
+};
+// keys [lo, hi] attended by the token at local index tl of the item (0 <= tl < nt)
+TX_DEVICE int key_lo(const Item& it, int tl, int win) { return win >= 0 ? it.delta + it.t0 + tl - win : NO_LOWER; }
+TX_DEVICE int key_hi(const Item& it, int tl, bool is_causal) {
+  return is_causal ? it.delta + it.t0 + tl : it.kv_len - 1;
+}
+TX_DEVICE Item load_item(int v, int hgs, const int* __restrict__ items, const int* __restrict__ reqs, int P, int win,
+                         bool is_causal) {
+  Item it;
+  const int item = v / hgs, hg = v % hgs;
+  const int req = __ldg(items + 2 * item);
+  it.t0 = __ldg(items + 2 * item + 1);
+  it.q_start = __ldg(reqs + 4 * req);
+  const int q_len = __ldg(reqs + 4 * req + 1);
+  it.kv_len = __ldg(reqs + 4 * req + 2);
+  it.page_base = __ldg(reqs + 4 * req + 3);
+  it.nt = min(BQ / P, q_len - it.t0);  // valid tokens of this tile (>= 1)
+  it.head0 = hg * P;
+  it.delta = it.kv_len - q_len;
+  it.kv_lo = max(0, key_lo(it, 0, win));
+  it.kv_hi = min(it.kv_len, key_hi(it, it.nt - 1, is_causal) + 1);
+  it.ntiles = (it.kv_hi - it.kv_lo + BK - 1) / BK;
+  if (PERSIST) it.ntiles = max(0, it.ntiles);  // (the ring position adds them up)
+  return it;
+}
+
+extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
+    const u16* __restrict__ q, i64 q_st, i64 q_sh, const u16* __restrict__ k, const u16* __restrict__ v, i64 k_sp,
+    i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh, u16* __restrict__ out, float* __restrict__ lse,
+    const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ reqs,
+    const int* __restrict__ kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups, i64 page_shift,
+    i64 causal, i64 window_left, double scale_log2_d, double cap_d) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int hgs = (int)head_groups;
+  // Virtual CTAs vc = item x head group. Without TX_PERSIST one per CTA (CTAs past the work list
+  // exit at once); with it CTA b takes vc = b, b + gridDim.x, ... in turn (the plan's order), and
+  // the K/V ring, its mbarrier phases and the tile count run on across them.
+  const int total = __ldg(num_items) * hgs;
+  const int vc0 = (int)blockIdx.x;
+  if (!PERSIST && vc0 >= total) return;
+  const int vstep = PERSIST ? (int)gridDim.x : 1;  // without TX_PERSIST the loops below make one pass
+  const int tid = threadIdx.x;
+  const int P = (int)pack;
+  const int win = (int)window_left;
+  const bool is_causal = causal != 0;
+  // the CTA's item without TX_PERSIST (the loops below load each item at its turn with it)
+  Item it0{};
+  if (!PERSIST) it0 = load_item(vc0, hgs, items, reqs, P, win, is_causal);
+  // consumer warpgroups taking part in the barrier protocol: without TX_PERSIST those with at
+  // least one valid row (the others exit); with it all of them for every item (a warpgroup
+  // without valid rows in an item computes and writes nothing but keeps the protocol)
+  const int nwg = PERSIST ? CWG : min(CWG, (it0.nt * P + 63) / 64);
+
+  const u32 base = tx_smem_addr(smem);
+  if (base & 1023) tx_trap();  // the swizzle needs 1024-byte aligned tiles
+  const u32 bars = base + BARS;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      tx_mbar_init(bars + 8 * (FULL_K * STAGES + s), 128);
+      tx_mbar_init(bars + 8 * (FULL_V * STAGES + s), 128);
+      tx_mbar_init(bars + 8 * (EMPTY_K * STAGES + s), 4 * nwg);
+      tx_mbar_init(bars + 8 * (EMPTY_V * STAGES + s), 4 * nwg);
+    }
+    tx_mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (tid >= PRODUCER) {
+    // ---- producer warpgroup: page lookups, row pointers, cp.async gathers --------------------
+    if (REBALANCE) tx_setmaxnreg_dec<PRODUCER_REGS>();
+    const int pw = (tid - PRODUCER) >> 5, lane = tid & 31;
+    const int pshift = (int)page_shift, pmask = (1 << pshift) - 1;
+    // warp pw gathers rows [pw RW, (pw + 1) RW) of every tile (lane pw RW + lane looks up its
+    // page); lane copies chunk `ch` of rows it * RPI + h of them
+    const u16** rowp = reinterpret_cast<const u16**>(smem + ROWP) + 2 * pw * RW;
+    const int h = lane / CH, ch = lane % CH;
+    int g = 0;  // tiles issued so far (over every item of this CTA): the ring position
+    for (int vc = vc0; vc < total; vc += vstep) {
+      const Item it = PERSIST ? load_item(vc, hgs, items, reqs, P, win, is_causal) : it0;
+      // (persistent: as 32-bit offsets, the producer's registers are few and the loop over items needs some)
+      const int hk = it.head0 / (int)gqa, page_base = it.page_base;
+      const u16* kh = k + (PERSIST ? 0 : hk * k_sh);
+      const u16* vh = v + (PERSIST ? 0 : hk * v_sh);
+      const int* pages = kv_indices + (PERSIST ? 0 : page_base);
+      const int pbase = PERSIST ? page_base : 0;
+      const i64 hk_k = PERSIST ? hk * k_sh : 0, hk_v = PERSIST ? hk * v_sh : 0;
+      const int kv_hi = it.kv_hi, ntiles = it.ntiles;
+      const int key0 = it.kv_lo + pw * RW + lane;  // this lane's key in tile 0
+      int pg = 0;
+      if (ntiles > 0 && lane < RW) pg = __ldg(pages + pbase + (min(key0, kv_hi - 1) >> pshift));
+      for (int i = 0; i < ntiles; ++i, ++g) {
+        const int s = g % STAGES;
+        const u32 parity = ((g / STAGES) & 1) ^ 1;  // the consumers' release of this slot's previous tile
+        __syncwarp();  // every lane is done reading the previous tile's row pointers
+        if (lane < RW) {
+          const int in = min(key0 + i * BK, kv_hi - 1) & pmask;
+          rowp[2 * lane] = kh + hk_k + (i64)pg * k_sp + in * k_st;
+          rowp[2 * lane + 1] = vh + hk_v + (i64)pg * v_sp + in * v_st;
+          // the next tile's page, in flight while this tile is issued
+          if (i + 1 < ntiles) pg = __ldg(pages + pbase + (min(key0 + (i + 1) * BK, kv_hi - 1) >> pshift));
+        }
+        __syncwarp();
+        const u32 kdst = base + RING + s * STAGE_BYTES, vdst = kdst + TILE_BYTES;
+        tx_mbar_wait(bars + 8 * (EMPTY_K * STAGES + s), parity);
+#pragma unroll
+        for (int it2 = 0; it2 < RW / RPI; ++it2) {
+          const int r = it2 * RPI + h;
+          tx_cp_async16(kdst + sw128(pw * RW + r, ch, BK), rowp[2 * r] + ch * 8, 16);
+        }
+        tx_cp_async_mbar_arrive(bars + 8 * (FULL_K * STAGES + s));
+        tx_mbar_wait(bars + 8 * (EMPTY_V * STAGES + s), parity);
+#pragma unroll
+        for (int it2 = 0; it2 < RW / RPI; ++it2) {
+          const int r = it2 * RPI + h;
+          tx_cp_async16(vdst + sw128(pw * RW + r, ch, BK), rowp[2 * r + 1] + ch * 8, 16);
+        }
+        tx_cp_async_mbar_arrive(bars + 8 * (FULL_V * STAGES + s));
+      }
+      if (!PERSIST) break;
+    }
+    tx_cp_async_commit();
+    tx_cp_async_wait<0>();  // nothing of this thread in flight when it exits
+    return;
+  }
+
+  // ---- consumer warpgroups --------------------------------------------------------------
+  if (REBALANCE) tx_setmaxnreg_inc<CONSUMER_REGS>();
+  const int wg = tid >> 7;
+  if (wg >= nwg) return;  // no valid row: computes nothing, counted by no barrier
+  const int wtid = tid & 127, warp = wtid >> 5, lane = tid & 31;
+  const int grp = lane >> 2, tig = lane & 3;
+  const int wrow0 = wg * 64;
+  const u32 qw = base + wg * WG_Q_BYTES;  // this warpgroup's Q rows
+  const u32 qoff = qw - base;
+  const int H = (int)num_qo_heads;
+
+  const float cap = (float)cap_d;
+  const float scale_log2 = (float)scale_log2_d;                               // sm_scale * log2(e)
+  const float scale_over_cap = cap > 0.f ? scale_log2 / (cap * LOG2E) : 0.f;  // sm_scale / cap
+  const float cap_log2 = cap * LOG2E;
+  const float mul = cap > 0.f ? 1.f : scale_log2;  // logits (capped or not) -> base-2 exponent
+
+  // TX_PINGPONG with both warpgroups computing: warpgroup 1 hands warpgroup 0 the first turn
+  const bool pp = PINGPONG && nwg == 2;
+  if (pp && wg == 1) tx_bar_arrive(PP_BAR + 0, 256);
+
+  int g = 0;  // tiles consumed so far (over every item of this CTA): the ring position
+  for (int vc = vc0; vc < total; vc += vstep) {
+    const Item it = PERSIST ? load_item(vc, hgs, items, reqs, P, win, is_causal) : it0;
+    const int nt = it.nt, kv_lo = it.kv_lo, ntiles = it.ntiles;
+    const bool wg_rows = !PERSIST || wrow0 < nt * P;  // a valid row in this warpgroup
+
+    // Q rows (rows past the valid tokens are zero)
+    for (int c = wtid; c < 64 * CH; c += 128) {
+      const int lr = c / CH, cc = c % CH;
+      const int row = wrow0 + lr, tl = row / P;
+      const bool ok = tl < nt;
+      const u16* src = q + (i64)(it.q_start + it.t0 + tl) * q_st + (i64)(it.head0 + row % P) * q_sh + cc * 8;
+      tx_cp_async16(qw + sw128(lr, cc, 64), ok ? (const void*)src : (const void*)q, ok ? 16 : 0);
+    }
+    tx_cp_async_commit();
+    tx_cp_async_wait<0>();
+    tx_fence_proxy_async();
+    tx_bar_sync(1 + wg, 128);
+
+    // this thread's rows (16 warp + grp and + 8 of the warpgroup) and the warpgroup's bounds; rows
+    // past the valid tokens take the last valid token's bounds (computed, never written)
+    const int r0 = wrow0 + 16 * warp + grp, r1 = r0 + 8;
+    const int lo0 = key_lo(it, min(r0 / P, nt - 1), win), hi0 = key_hi(it, min(r0 / P, nt - 1), is_causal);
+    const int lo1 = key_lo(it, min(r1 / P, nt - 1), win), hi1 = key_hi(it, min(r1 / P, nt - 1), is_causal);
+    const int lo_min_w = key_lo(it, min(wrow0 / P, nt - 1), win);
+    const int hi_min_w = key_hi(it, min(wrow0 / P, nt - 1), is_causal);
+    const int lo_max_w = key_lo(it, min((wrow0 + 63) / P, nt - 1), win);
+    // (persistent) a warpgroup without valid rows in this item skips every tile
+    const int hi_max_w = wg_rows ? key_hi(it, min((wrow0 + 63) / P, nt - 1), is_causal) : NO_LOWER;
+
+    float o[D / 2];
+#pragma unroll
+    for (int j = 0; j < D / 2; ++j) o[j] = 0.f;
+    float sc[BK / 2];
+    u32 pa[BK / 4];
+    float m0 = tx_neg_inf(), m1 = tx_neg_inf(), l0 = 0.f, l1 = 0.f;
+
+    if constexpr (PINGPONG) {
+      // FlashAttention-3's order: in this warpgroup's turn S of tile i and P V of tile i - 1 are
+      // issued back to back; the turn passes to the other warpgroup, whose GEMMs run on the
+      // tensor cores while this one computes the softmax of S (and P V of tile i - 1 finishes).
+      // Every tile's GEMMs are issued (a wgmma under a branch in this order makes ptxas
+      // serialize them all): a tile outside the warpgroup's rows is masked whole (P = 0).
+      for (int i = 0; i < ntiles; ++i) {
+        const int gi = g + i;
+        const int s = gi % STAGES, sp = (gi + STAGES - 1) % STAGES;
+        const u32 parity = (gi / STAGES) & 1, parity_p = ((gi + 2 * STAGES - 1) / STAGES) & 1;
+        const u32 kst = base + RING + s * STAGE_BYTES, vprev = base + RING + sp * STAGE_BYTES + TILE_BYTES;
+        const int kv0 = kv_lo + i * BK, kv_last = kv0 + BK - 1;
+        const bool active = kv0 <= hi_max_w && kv_last >= lo_min_w;
+        const bool prev = i > 0;  // P V of the previous tile to issue
+
+        tx_mbar_wait(bars + 8 * (FULL_K * STAGES + s), parity);
+        if (prev) tx_mbar_wait(bars + 8 * (FULL_V * STAGES + sp), parity_p);
+        if (pp) tx_bar_sync(PP_BAR + wg, 256);  // this warpgroup's turn
+        tx_fence_proxy_async();
+#pragma unroll
+        for (int j = 0; j < BK / 2; ++j) tx_reg_fence(sc[j]);
+#pragma unroll
+        for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
+#pragma unroll
+        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+        tx_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {  // S = Q K^T
+          tx_wgmma_ss<BK>(sc, desc_k_major(qw + (kk >> 2) * (64 * 128) + (kk & 3) * 32),
+                          desc_k_major(kst + (kk >> 2) * (BK * 128) + (kk & 3) * 32), kk > 0);
+        }
+        tx_wgmma_commit();  // group 1: S
+        if (prev) {  // O += P V of the previous tile
+#pragma unroll
+          for (int ks = 0; ks < BK / 16; ++ks)
+            tx_wgmma_rs_t<D>(o, pa + 4 * ks, desc_mn_major(vprev + ks * 2048, BK * 128), 1);
+        }
+        tx_wgmma_commit();  // group 2: P V (empty for the first tile)
+#pragma unroll
+        for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
+#pragma unroll
+        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+        if (pp) tx_bar_arrive(PP_BAR + (wg ^ 1), 256);  // the other warpgroup's turn
+        tx_wgmma_wait<1>();                              // S
+#pragma unroll
+        for (int j = 0; j < BK / 2; ++j) tx_reg_fence(sc[j]);
+        if (lane == 0) tx_mbar_arrive(bars + 8 * (EMPTY_K * STAGES + s));
+
+        float al0, al1;
+        {
+          const bool need_mask = !active || kv0 < lo_max_w || kv_last > hi_min_w;
+          if (cap > 0.f) {
+#pragma unroll
+            for (int j = 0; j < BK / 2; ++j) sc[j] = cap_log2 * tx_tanh(sc[j] * scale_over_cap);
+          }
+          if (need_mask) {
+#pragma unroll
+            for (int j = 0; j < BK / 2; ++j) {
+              const int key = kv0 + 8 * (j >> 2) + 2 * tig + (j & 1);
+              const bool ok = (j & 2) ? key >= lo1 && key <= hi1 : key >= lo0 && key <= hi0;
+              sc[j] = ok ? sc[j] : tx_neg_inf();
+            }
+          }
+          float mx0 = tx_neg_inf(), mx1 = tx_neg_inf();
+#pragma unroll
+          for (int j = 0; j < BK / 2; j += 4) {
+            mx0 = fmaxf(mx0, fmaxf(sc[j], sc[j + 1]));
+            mx1 = fmaxf(mx1, fmaxf(sc[j + 2], sc[j + 3]));
+          }
+          mx0 = tx_warp_max4(mx0) * mul;
+          mx1 = tx_warp_max4(mx1) * mul;
+          const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+          const float mu0 = mn0 == tx_neg_inf() ? 0.f : mn0;
+          const float mu1 = mn1 == tx_neg_inf() ? 0.f : mn1;
+          al0 = tx_exp2(m0 - mu0);
+          al1 = tx_exp2(m1 - mu1);
+          m0 = mn0;
+          m1 = mn1;
+          float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+          for (int j = 0; j < BK / 2; j += 4) {
+            sc[j] = tx_exp2(fmaf(sc[j], mul, -mu0));
+            sc[j + 1] = tx_exp2(fmaf(sc[j + 1], mul, -mu0));
+            sc[j + 2] = tx_exp2(fmaf(sc[j + 2], mul, -mu1));
+            sc[j + 3] = tx_exp2(fmaf(sc[j + 3], mul, -mu1));
+            rs0 += sc[j] + sc[j + 1];
+            rs1 += sc[j + 2] + sc[j + 3];
+          }
+          l0 = l0 * al0 + rs0;
+          l1 = l1 * al1 + rs1;
+        }
+        tx_wgmma_wait<0>();  // P V of the previous tile: O and P are free
+#pragma unroll
+        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+#pragma unroll
+        for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
+        if (lane == 0 && i > 0) tx_mbar_arrive(bars + 8 * (EMPTY_V * STAGES + sp));
+        {
+#pragma unroll
+          for (int j = 0; j < D / 2; j += 4) {
+            o[j] *= al0;
+            o[j + 1] *= al0;
+            o[j + 2] *= al1;
+            o[j + 3] *= al1;
+          }
+#pragma unroll
+          for (int j = 0; j < BK / 4; ++j) pa[j] = tx_pack2(sc[2 * j], sc[2 * j + 1]);
+        }
+      }
+      if (ntiles > 0) {  // P V of the last tile (outside the turns: each warpgroup takes ntiles of them)
+        const int gl = g + ntiles - 1, sl = gl % STAGES;
+        tx_mbar_wait(bars + 8 * (FULL_V * STAGES + sl), (gl / STAGES) & 1);
+        tx_fence_proxy_async();
+#pragma unroll
+        for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
+#pragma unroll
+        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+        tx_wgmma_fence();
+        const u32 vst = base + RING + sl * STAGE_BYTES + TILE_BYTES;
+#pragma unroll
+        for (int ks = 0; ks < BK / 16; ++ks)
+          tx_wgmma_rs_t<D>(o, pa + 4 * ks, desc_mn_major(vst + ks * 2048, BK * 128), 1);
+        tx_wgmma_commit();
+#pragma unroll
+        for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
+#pragma unroll
+        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+      }
+      tx_wgmma_wait<0>();
+    } else {
+    for (int i = 0; i < ntiles; ++i) {
+      const int gi = g + i;
+      const int s = gi % STAGES;
+      const u32 parity = (gi / STAGES) & 1;
+      const u32 kst = base + RING + s * STAGE_BYTES, vst = kst + TILE_BYTES;
+      const int kv0 = kv_lo + i * BK, kv_last = kv0 + BK - 1;
+      // some row of the warpgroup attends a key of this tile
+      const bool active = kv0 <= hi_max_w && kv_last >= lo_min_w;
+
+      tx_mbar_wait(bars + 8 * (FULL_K * STAGES + s), parity);
+      if (active) {  // S = Q K^T
+        tx_fence_proxy_async();
+#pragma unroll
+        for (int j = 0; j < BK / 2; ++j) tx_reg_fence(sc[j]);
+        tx_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          tx_wgmma_ss<BK>(sc, desc_k_major(qw + (kk >> 2) * (64 * 128) + (kk & 3) * 32),
+                          desc_k_major(kst + (kk >> 2) * (BK * 128) + (kk & 3) * 32), kk > 0);
+        }
+        tx_wgmma_commit();
+      }
+      tx_wgmma_wait<0>();  // S of this tile, and P V of the previous one
+#pragma unroll
+      for (int j = 0; j < BK / 2; ++j) tx_reg_fence(sc[j]);
+#pragma unroll
+      for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+#pragma unroll
+      for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
+      if (lane == 0) {
+        tx_mbar_arrive(bars + 8 * (EMPTY_K * STAGES + s));
+        if (i > 0) tx_mbar_arrive(bars + 8 * (EMPTY_V * STAGES + (gi - 1) % STAGES));
+      }
+
+      if (active) {
+        const bool need_mask = kv0 < lo_max_w || kv_last > hi_min_w;
+        if (cap > 0.f) {
+#pragma unroll
+          for (int j = 0; j < BK / 2; ++j) sc[j] = cap_log2 * tx_tanh(sc[j] * scale_over_cap);
+        }
+        if (need_mask) {
+#pragma unroll
+          for (int j = 0; j < BK / 2; ++j) {
+            const int key = kv0 + 8 * (j >> 2) + 2 * tig + (j & 1);
+            const bool ok = (j & 2) ? key >= lo1 && key <= hi1 : key >= lo0 && key <= hi0;
+            sc[j] = ok ? sc[j] : tx_neg_inf();
+          }
+        }
+        // online softmax: registers j with (j & 2) == 0 belong to row r0, the others to r1
+        float mx0 = tx_neg_inf(), mx1 = tx_neg_inf();
+#pragma unroll
+        for (int j = 0; j < BK / 2; j += 4) {
+          mx0 = fmaxf(mx0, fmaxf(sc[j], sc[j + 1]));
+          mx1 = fmaxf(mx1, fmaxf(sc[j + 2], sc[j + 3]));
+        }
+        mx0 = tx_warp_max4(mx0) * mul;
+        mx1 = tx_warp_max4(mx1) * mul;
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float mu0 = mn0 == tx_neg_inf() ? 0.f : mn0;
+        const float mu1 = mn1 == tx_neg_inf() ? 0.f : mn1;
+        const float al0 = tx_exp2(m0 - mu0), al1 = tx_exp2(m1 - mu1);
+        m0 = mn0;
+        m1 = mn1;
+        float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+        for (int j = 0; j < BK / 2; j += 4) {
+          sc[j] = tx_exp2(fmaf(sc[j], mul, -mu0));
+          sc[j + 1] = tx_exp2(fmaf(sc[j + 1], mul, -mu0));
+          sc[j + 2] = tx_exp2(fmaf(sc[j + 2], mul, -mu1));
+          sc[j + 3] = tx_exp2(fmaf(sc[j + 3], mul, -mu1));
+          rs0 += sc[j] + sc[j + 1];
+          rs1 += sc[j + 2] + sc[j + 3];
+        }
+        l0 = l0 * al0 + rs0;
+        l1 = l1 * al1 + rs1;
+#pragma unroll
+        for (int j = 0; j < D / 2; j += 4) {
+          o[j] *= al0;
+          o[j + 1] *= al0;
+          o[j + 2] *= al1;
+          o[j + 3] *= al1;
+        }
+#pragma unroll
+        for (int j = 0; j < BK / 4; ++j) pa[j] = tx_pack2(sc[2 * j], sc[2 * j + 1]);
+      }
+
+      tx_mbar_wait(bars + 8 * (FULL_V * STAGES + s), parity);
+      if (active) {  // O += P V, left running
+        tx_fence_proxy_async();
+#pragma unroll
+        for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
+#pragma unroll
+        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+        tx_wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < BK / 16; ++ks)
+          tx_wgmma_rs_t<D>(o, pa + 4 * ks, desc_mn_major(vst + ks * 2048, BK * 128), 1);
+        tx_wgmma_commit();
+#pragma unroll
+        for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
+#pragma unroll
+        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+      }
+    }
+    tx_wgmma_wait<0>();
+    }  // PINGPONG
+#pragma unroll
+    for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+    // (persistent) the last V tile of the item is free once its P V is done: the producer fills
+    // the slot with the next item's keys during this epilogue
+    if (PERSIST && ntiles > 0 && lane == 0) tx_mbar_arrive(bars + 8 * (EMPTY_V * STAGES + (g + ntiles - 1) % STAGES));
+    g += ntiles;
+    // (a warpgroup without valid rows in this item goes through the epilogue writing nothing: a
+    // branch around it makes ptxas serialize the wgmma of TX_PINGPONG)
+    // (persistent) the item's rows, loaded again rather than kept in registers through the tiles
+    u32 vc_again = (u32)vc;
+    if (PERSIST) tx_reg_fence(vc_again);  // an opaque copy: the loads are not merged with the first ones
+    const Item ie = PERSIST ? load_item((int)vc_again, hgs, items, reqs, P, win, is_causal) : it;
+    const int t0 = ie.t0, q_start = ie.q_start, head0 = ie.head0;
+
+    // ---- epilogue: O / l staged through this warpgroup's own Q rows, then 16-byte stores ----
+    l0 = tx_warp_sum4(l0);
+    l1 = tx_warp_sum4(l1);
+    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+    tx_bar_sync(1 + wg, 128);  // every warp's wgmma reads of Q are complete before Q is overwritten
+    tx_fence_proxy_async();
+    const int lr0 = 16 * warp + grp;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      *reinterpret_cast<u32*>(smem + qoff + sw128(lr0, j, 64) + tig * 4) =
+          tx_pack2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+      *reinterpret_cast<u32*>(smem + qoff + sw128(lr0 + 8, j, 64) + tig * 4) =
+          tx_pack2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+    }
+    tx_bar_sync(1 + wg, 128);
+    for (int c = wtid; c < 64 * CH; c += 128) {
+      const int lr = c / CH, cc = c % CH;
+      const int row = wrow0 + lr, tl = row / P;
+      if (tl < nt) {
+        const tx_u4 val = *reinterpret_cast<const tx_u4*>(smem + qoff + sw128(lr, cc, 64));
+        *reinterpret_cast<tx_u4*>(out + ((i64)(q_start + t0 + tl) * H + head0 + row % P) * D + cc * 8) = val;
+      }
+    }
+    if (lse != nullptr && tig == 0) {
+      if (r0 / P < nt) lse[(i64)(q_start + t0 + r0 / P) * H + head0 + r0 % P] = (m0 + tx_log2(l0)) * LN2;
+      if (r1 / P < nt) lse[(i64)(q_start + t0 + r1 / P) * H + head0 + r1 % P] = (m1 + tx_log2(l1)) * LN2;
+    }
+    if (!PERSIST) break;
+    tx_bar_sync(1 + wg, 128);  // every thread has read its O out of the Q rows: the next item's Q may land
+  }
+}
+#endif  // TX_PERSIST || TX_PINGPONG
