@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -364,6 +365,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--quick", action="store_true", help="default + chosen candidates + cudnn/torch, one table")
+    parser.add_argument("--head-dim", type=int, help="prefill and decode cases with this head dim instead of theirs")
+    parser.add_argument("--only", help="cuda_native tactics whose name contains this text (the default is always kept)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -381,6 +384,8 @@ def main() -> int:
     chosen = PREFILL_CASES if args.prefill else tuple(args.cases.split(","))
     for cid in chosen:
         case = cases[cid]
+        if args.head_dim and case.op != "gemm":
+            case = dataclasses.replace(case, head_dim=args.head_dim)
         unit = {"prefill": "TFLOP/s", "decode": "TB/s", "gemm": "TB/s"}[case.op]
         if case.op == "prefill":
             x = prefill_inputs(case)
@@ -409,13 +414,15 @@ def main() -> int:
         tactics = native.tactics(probe.problem)
         if args.default_only:
             tactics = tactics[:1]
+        elif args.only:
+            tactics = tactics[:1] + [t for t in tactics[1:] if args.only in str(t)]
         candidates = [("cuda_native", t) for t in tactics] + [(name, None) for name in others]
         for backend, tactic in candidates:
             try:
                 row = timer(case, x, backend, tactic, ref, policy)
             except tactix.TactixError as exc:
                 row = {"tactic": str(tactic), "error": str(exc)[:200]}
-            row.update(case=cid, backend=backend)
+            row.update(case=cid, backend=backend, **({"head_dim": case.head_dim} if case.op != "gemm" else {}))
             rows.append(row)
             if "us" in row:
                 print(f"{cid:7} {backend:12} {row['tactic'][:70]:70} {row['us']:9.1f} us {row['tbs']:7.2f} {unit} "
@@ -427,7 +434,8 @@ def main() -> int:
         best_other = min((r for r in ok if r["backend"] != "cuda_native"), key=lambda r: r["us"], default=None)
         torch_row = next((r for r in ok if r["backend"] == "torch"), None)
         if best_native is not None:
-            summary = f"== {cid}: cuda_native best {best_native['tbs']:.2f} {unit} ({best_native['tactic']})"
+            label = f"{cid} d{case.head_dim}" if args.head_dim else cid
+            summary = f"== {label}: cuda_native best {best_native['tbs']:.2f} {unit} ({best_native['tactic']})"
             if best_other is not None:
                 summary += f"; best other {best_other['backend']} {best_other['tbs']:.2f} {unit}"
             if case.op == "prefill":

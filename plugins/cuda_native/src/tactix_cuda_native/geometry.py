@@ -7,6 +7,7 @@ ahead of time (and for the tests).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar, Final
@@ -32,6 +33,7 @@ __all__ = [
     "gemm_splits",
     "prefill_candidates",
     "prefill_capacity",
+    "prefill_default_persist",
     "prefill_grid",
     "prefill_pack",
     "prefill_persistent_ctas",
@@ -454,11 +456,23 @@ def prefill_smem_bytes(head_dim: int, q_tile: int, kv_tile: int, stages: int, mm
 _PREFILL_DEFAULTS: Final = {64: (128, 64, 4, 3), 128: (128, 32, 4, 3), 256: (64, 32, 4, 2)}
 """q_tile, kv_tile, warps, stages per head dim: two or more CTAs of 4 warps per H200 SM, no spills."""
 
-_WGMMA_DEFAULTS: Final = {64: (128, 128, 8, 3), 128: (128, 128, 8, 2), 256: (128, 64, 8, 2)}
+_WGMMA_DEFAULTS: Final = {64: (128, 128, 8, 3), 128: (128, 128, 8, 3), 256: (128, 64, 8, 2)}
 """wgmma (sm_90): two consumer warpgroups of 64 rows (FlashAttention-3's 128 x 128 tile for d128),
 one CTA per SM (the 384 threads take every register). The candidates with one consumer
 warpgroup (q_tile 64) launch with 128 registers a thread up to d128, so two CTAs share an SM
 where their shared memory fits (d128: kv_tile 64, 2 stages)."""
+
+_WGMMA_PINGPONG: Final = frozenset({128})
+"""Head dims whose wgmma default runs the warpgroups' ping-pong: at d128 on the H200 it was
+faster than without on all of P1-P4 (3 stages: P2 567 against 547 TFLOP/s,
+benchmarks/results/h200-prefill-sweep.json)."""
+
+PERSIST_MAX_MEAN_KEYS: Final = 2048
+"""The default goes persistent (`prefill_default_persist`) when the batch's work items walk at
+most this many keys on average: there the per-item prologue and epilogue weigh most, and
+persistent CTAs hide them (H200, d128, 128-key tiles: P1, 8.5 tiles an item, 471 against 442
+TFLOP/s; P3 366 against 347). With long items the static split of persistent CTAs balances
+worse than the hardware's dispatch of one CTA per item (P2, 32.5 tiles: 547 against 567)."""
 
 
 def default_prefill_params(head_dim: int, info: DeviceInfo, mma: str | None = None) -> PrefillParams:
@@ -468,7 +482,7 @@ def default_prefill_params(head_dim: int, info: DeviceInfo, mma: str | None = No
     memory is short."""
     shape = _WGMMA_DEFAULTS.get(head_dim)
     if shape is not None and (mma == "wgmma" or (mma is None and info.arch in WGMMA_ARCHS)):
-        params = PrefillParams(*shape, mma="wgmma")
+        params = PrefillParams(*shape, mma="wgmma", pingpong=int(head_dim in _WGMMA_PINGPONG))
         if mma == "wgmma" or not params.reasons(head_dim, info):
             return params
     q_tile, kv_tile, warps, stages = _PREFILL_DEFAULTS.get(head_dim, (64, 32, 4, 2))
@@ -516,6 +530,18 @@ def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1) -> list[Pr
             for persist in (0, 1) if shape[0] == 128]  # fmt: skip
     unique = list(dict.fromkeys(out))
     return [p for p in unique if not p.reasons(head_dim, info, gqa)]
+
+
+def prefill_default_persist(params: PrefillParams, tiles: list[int], head_dim: int, info: DeviceInfo) -> PrefillParams:
+    """The default tactic for one batch: ``params`` (`default_prefill_params`) with persistent
+    CTAs where its work items (``tiles``: the KV tiles each walks, `PrefillWork`) are short on
+    average (`PERSIST_MAX_MEAN_KEYS`) and the kernel takes them, else ``params`` unchanged."""
+    if params.mma != "wgmma" or params.persist or not tiles:
+        return params
+    if sum(tiles) * params.kv_tile > PERSIST_MAX_MEAN_KEYS * len(tiles):
+        return params
+    persistent = dataclasses.replace(params, persist=1)
+    return params if persistent.reasons(head_dim, info) else persistent
 
 
 def prefill_pack(gqa: int, q_tile: int, requested: int = 0) -> int:

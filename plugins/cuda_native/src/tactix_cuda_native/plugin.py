@@ -73,6 +73,7 @@ from tactix_cuda_native.geometry import (
     m_tiles,
     prefill_candidates,
     prefill_capacity,
+    prefill_default_persist,
     prefill_grid,
     prefill_pack,
     prefill_persistent_ctas,
@@ -382,11 +383,17 @@ def gemm_variant(dtype: str, m: int, params: GemmParams, arch: str) -> Variant:
 
 def default_variants(info: DeviceInfo = H200) -> list[Variant]:
     """Every kernel variant the default tactics use on a GPU like ``info`` (what `warmup` compiles):
-    decode for each head dim, large and small batches; GEMM for 1, 2 and 4 m-tiles."""
+    prefill for each head dim, with persistent CTAs where the default takes them for batches of
+    short work items; decode for each head dim, large and small batches; GEMM for 1, 2 and 4
+    m-tiles."""
     out = []
     for dtype in sorted(_DTYPES):
         for d in HEAD_DIMS:
-            out.append(prefill_variant(dtype, d, default_prefill_params(d, info), info.arch))
+            prefill = default_prefill_params(d, info)
+            out.append(prefill_variant(dtype, d, prefill, info.arch))
+            persistent = prefill_default_persist(prefill, [1], d, info)  # batches of short work items
+            if persistent != prefill:
+                out.append(prefill_variant(dtype, d, persistent, info.arch))
             for small in (False, True):
                 out.append(decode_variant(dtype, d, default_decode_params(d, info, small), info.arch))
         for m in (1, 32, GEMM_MAX_M):  # one m per m-tile count (1, 2, 4 tiles of 16 rows)
@@ -656,6 +663,7 @@ class CudaNativePrefillPlan:
     """
 
     _packed: torch.Tensor  # all int32 metadata in one device buffer
+    params: PrefillParams  # the kernel's (the default's choice for this batch, where the tactic was the default)
 
     def __init__(self, problem: PrefillProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
         device = options["device"]
@@ -664,18 +672,24 @@ class CudaNativePrefillPlan:
         self.problem = problem
         info = device_info(index)
         d = problem.head_dim_qk
-        params = default_prefill_params(d, info) if tactic.is_default else PrefillParams.from_tactic(tactic)
-        self.tactic = params.to_tactic()
-        module, self.built = load(prefill_variant(problem.q_dtype, d, params, info.arch), index)
-        smem = params.smem_bytes(d)
-        self._kernel = module.kernel("tactix_prefill", smem)
-
         graph = options["use_cuda_graph"]
+        previous = options["previous"]
+        params = default_prefill_params(d, info) if tactic.is_default else PrefillParams.from_tactic(tactic)
         b, hq, hkv, gqa = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.gqa_ratio
         pack = prefill_pack(gqa, params.q_tile, params.pack)
         work = prefill_work(batch.qo_lens_list, batch.kv_lens_list, q_tile=params.q_tile, kv_tile=params.kv_tile,
                             pack=pack, causal=problem.causal, window_left=problem.window_left,
                             sched=params.sched)  # fmt: skip
+        if tactic.is_default:  # persistent CTAs or not, by the batch (the captured kernel stays in graph mode)
+            if graph and isinstance(previous, CudaNativePrefillPlan):
+                params = previous.params
+            else:
+                params = prefill_default_persist(params, work.tiles, d, info)
+        self.params = params
+        self.tactic = params.to_tactic()
+        module, self.built = load(prefill_variant(problem.q_dtype, d, params, info.arch), index)
+        smem = params.smem_bytes(d)
+        self._kernel = module.kernel("tactix_prefill", smem)
         self.work = work
         self.pack = pack
         if graph:  # capacities of the buckets, so every batch of them fits the captured grid
@@ -697,7 +711,6 @@ class CudaNativePrefillPlan:
         if host_indices or graph:
             parts.append(("indices", batch.kv_indices if host_indices else torch.zeros(0), page_cap))
         host, where = _pack(parts)
-        previous = options["previous"]
         if graph and previous is not None:
             if not isinstance(previous, CudaNativePrefillPlan) or previous._geometry != self._geometry:
                 raise UnsupportedProblemError(NAME, problem, [
