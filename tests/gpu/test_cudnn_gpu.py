@@ -26,17 +26,23 @@ def _needs_cudnn() -> None:
         pytest.skip(f"cudnn backend inactive: {reasons}")
 
 
-def _batch(lens: list[int], page: int = 16, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def _batch(lens: list[int], page: int = 16, seed: int = 0, pool: int = 0) -> tuple[torch.Tensor, ...]:
+    """A batch's CSR arrays over a cache of ``pool`` pages (default: its own pages + 3), in random
+    order; with ``pool`` given, the last page of the pool is always one of the batch's (so every
+    batch over the pool has the same container size)."""
     gen = torch.Generator().manual_seed(seed)
     pages = [-(-n // page) for n in lens]
-    order = torch.randperm(sum(pages) + 3, generator=gen).tolist()
+    pool = pool or sum(pages) + 3
+    order = torch.randperm(pool, generator=gen).tolist()
     indptr, indices = [0], []
     for n in pages:
         indices += [order.pop() for _ in range(n)]
         indptr.append(len(indices))
+    if pool - 1 not in indices:
+        indices[0] = pool - 1
     last = [(n - 1) % page + 1 for n in lens]
     i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    return i32(indptr), i32(indices), i32(last), torch.tensor(sum(pages) + 3)
+    return i32(indptr), i32(indices), i32(last), torch.tensor(pool)
 
 
 def test_gemm_layouts_bias_batch_and_fp8_match_float64() -> None:
@@ -165,9 +171,10 @@ def test_replans_far_ahead_of_the_gpu_keep_every_batch_metadata(batch_size: int)
     wrapper = tactix.PagedDecode("HND", backend="cudnn", device="cuda")
     gen = torch.Generator().manual_seed(batch_size)
     cases = []
+    pool = batch_size * 2000 // 16 + 8  # one page pool: every batch has the same container size
     for seed in range(6):
         lens = torch.randint(1100, 2000, (batch_size,), generator=gen).tolist()  # one bucket: one staging
-        indptr, indices, last, pages = _batch(lens, seed=seed)
+        indptr, indices, last, pages = _batch(lens, seed=seed, pool=pool)
         k = torch.randn(int(pages), 8, 16, 128, generator=gen).cuda().bfloat16()
         v = torch.randn(int(pages), 8, 16, 128, generator=gen).cuda().bfloat16()
         q = torch.randn(batch_size, 32, 128, generator=gen).cuda().bfloat16()
@@ -177,12 +184,14 @@ def test_replans_far_ahead_of_the_gpu_keep_every_batch_metadata(batch_size: int)
     wrapper.plan(*cases[0][:3], 32, 8, 128, 16, q_data_type=torch.bfloat16)
     wrapper.run(cases[0][3], cases[0][4:])
     torch.cuda.synchronize()
+    builds = graph_cache.builds
     outs, host_us = [], []
     torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # ~0.1 s on the device
     for indptr, indices, last, q, k, v in cases:
         t0 = time.perf_counter()
         wrapper.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
         t1 = time.perf_counter()
+        assert graph_cache.builds == builds, "a batch of the same buckets built a graph"
         outs.append(wrapper.run(q, (k, v)))
         host_us.append((round((t1 - t0) * 1e6), round((time.perf_counter() - t1) * 1e6)))
     staging = wrapper.plan_object._staging

@@ -62,8 +62,10 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
     variants = plugin.default_variants(H200)
     # bf16 and fp16: prefill for each head dim, with and without persistent CTAs (the default's
     # two forms), decode for each head dim (large and small batches), GEMM for 1, 2 and 4 m-tiles
-    assert len(variants) == len(set(variants)) == 2 * (4 * len(geometry.HEAD_DIMS) + 3)
-    assert sum(("TX_PERSIST", "1") in v.defines for v in variants) == 2 * len(geometry.HEAD_DIMS)
+    persistent = sum(geometry.default_prefill_params(d, H200).pingpong for d in geometry.HEAD_DIMS)
+    assert persistent == 2  # d64 and d128
+    assert len(variants) == len(set(variants)) == 2 * (3 * len(geometry.HEAD_DIMS) + persistent + 3)
+    assert sum(("TX_PERSIST", "1") in v.defines for v in variants) == 2 * persistent
     # prefill on the H200 is the wgmma kernel, compiled for the arch-specific sm_90a
     assert {(v.source, v.arch) for v in variants} == {
         ("decode.cu", "sm_90"), ("gemm.cu", "sm_90"), ("prefill_sm90.cu", "sm_90a")}  # fmt: skip
@@ -669,7 +671,7 @@ def test_prefill_tactics_are_enumerated_valid_and_round_trip() -> None:
             assert persistent and all(t.params["persist"] == 1 and t.params["mma"] == "wgmma" for t in persistent)
             assert dataclasses.replace(default, persist=1).to_tactic() in tactics
             # the warpgroups' ping-pong: the default at d128 (measured there), enumerated for every q_tile 128
-            assert (default.to_tactic().params.get("pingpong") == 1) == (d == 128)
+            assert (default.to_tactic().params.get("pingpong") == 1) == (d in (64, 128))
             pingpong = [t for t in tactics if t.params.get("pingpong")]
             assert {(t.params["q_tile"], t.params.get("persist", 0)) for t in pingpong} == {(128, 0), (128, 1)}
             assert dataclasses.replace(default, pingpong=1).to_tactic() in tactics
@@ -697,7 +699,7 @@ def test_prefill_tactics_are_enumerated_valid_and_round_trip() -> None:
                             '"pack":0,"q_tile":128,"sched":0,"stages":2,"warps":8},"schema_version":1}')  # fmt: skip
     # defaults on the H200: the wgmma kernel, two consumer warpgroups; mma.sync: 32 rows per warp
     # where the accumulators fit, two CTAs per H200 SM
-    for d, want in ((64, (128, 128, 8, 3, 0)), (128, (128, 128, 8, 3, 1)), (256, (128, 64, 8, 2, 0))):
+    for d, want in ((64, (128, 128, 8, 3, 1)), (128, (128, 128, 8, 3, 1)), (256, (128, 64, 8, 2, 0))):
         p = geometry.default_prefill_params(d, H200)
         assert (p.q_tile, p.kv_tile, p.warps, p.stages, p.pingpong, p.mma) == (*want, "wgmma")
     for d, want in ((64, (128, 64, 4, 3)), (128, (128, 32, 4, 3)), (256, (64, 32, 4, 2))):
@@ -1013,8 +1015,11 @@ def test_the_default_prefill_goes_persistent_for_batches_of_short_work_items(d: 
 
     short = chosen([2048] * 8, [2048] * 8)  # causal 2k: items walk 1..16 tiles of 128 keys (d256: 1..32 of 64)
     long = chosen([512], [8192])  # chunked prefill over a long prefix: every item walks the whole prefix
-    assert long == base and short == dataclasses.replace(base, persist=1)
-    assert short.reasons(d, H200) == []
+    assert long == base
+    if not base.pingpong:  # d256: persistent CTAs without the ping-pong were slower on every case
+        assert short == base
+        return
+    assert short == dataclasses.replace(base, persist=1) and short.reasons(d, H200) == []
     # the tactic the plan reports names the choice; tactics without wgmma are never changed
     assert short.to_tactic().params["persist"] == 1 and "persist" not in base.to_tactic().params
     sync = geometry.default_prefill_params(d, H200, "sync")

@@ -462,10 +462,11 @@ one CTA per SM (the 384 threads take every register). The candidates with one co
 warpgroup (q_tile 64) launch with 128 registers a thread up to d128, so two CTAs share an SM
 where their shared memory fits (d128: kv_tile 64, 2 stages)."""
 
-_WGMMA_PINGPONG: Final = frozenset({128})
-"""Head dims whose wgmma default runs the warpgroups' ping-pong: at d128 on the H200 it was
-faster than without on all of P1-P4 (3 stages: P2 567 against 547 TFLOP/s,
-benchmarks/results/h200-prefill-sweep.json)."""
+_WGMMA_PINGPONG: Final = frozenset({64, 128})
+"""Head dims whose wgmma default runs the warpgroups' ping-pong: on the H200 it was faster than
+without on all of P1-P4 at d64 and d128 (3 stages; d128 P2 567 against 547 TFLOP/s, d64 P2 380
+against 351: benchmarks/results/h200-prefill-sweep.json, h200-prefill-sweep-d64.json), slower
+at d256 (kv_tile 64: P2 510 against 531, h200-prefill-sweep-d256.json)."""
 
 PERSIST_MAX_MEAN_KEYS: Final = 2048
 """The default goes persistent (`prefill_default_persist`) when the batch's work items walk at
@@ -534,9 +535,11 @@ def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1) -> list[Pr
 
 def prefill_default_persist(params: PrefillParams, tiles: list[int], head_dim: int, info: DeviceInfo) -> PrefillParams:
     """The default tactic for one batch: ``params`` (`default_prefill_params`) with persistent
-    CTAs where its work items (``tiles``: the KV tiles each walks, `PrefillWork`) are short on
-    average (`PERSIST_MAX_MEAN_KEYS`) and the kernel takes them, else ``params`` unchanged."""
-    if params.mma != "wgmma" or params.persist or not tiles:
+    CTAs where it runs the ping-pong, its work items (``tiles``: the KV tiles each walks,
+    `PrefillWork`) are short on average (`PERSIST_MAX_MEAN_KEYS`) and the kernel takes them, else
+    ``params`` unchanged. (Without the ping-pong, at d256, persistent CTAs were slower on every
+    case: h200-prefill-sweep-d256.json.)"""
+    if params.mma != "wgmma" or not params.pingpong or params.persist or not tiles:
         return params
     if sum(tiles) * params.kv_tile > PERSIST_MAX_MEAN_KEYS * len(tiles):
         return params
