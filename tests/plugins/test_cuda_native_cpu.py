@@ -458,8 +458,11 @@ def test_decode_chunks_fill_the_gpu_for_the_benchmark_shapes() -> None:
     chunk = geometry.decode_chunk([2048] * 256, 8, 64, slots)
     work = geometry.decode_work([(0, 2048)] * 256, chunk)
     assert chunk == 2048 and not work.needs_merge and len(work.items) == 256
-    # ... at 3 CTAs per SM: two equal pieces of 1024 keys (not 1344 + 704)
-    assert geometry.decode_chunk([2048] * 256, 8, 64, H200.sms * 3) == 1024
+    # ... also at 3 CTAs per SM (5 waves: a split's merge costs more than the short last wave)
+    assert geometry.decode_chunk([2048] * 256, 8, 64, H200.sms * 3) == 2048
+    # a batch too short of waves is split, into equal pieces: 64 x 4096 keys at 3 CTAs per SM
+    # (32768 tile-units over 4 x 396 items: 21 tiles -> 4 pieces of 16 tiles, not 21 + 21 + 21 + 1)
+    assert geometry.decode_chunk([4096] * 64, 8, 64, H200.sms * 3) == 1024
     # never below 256 keys, never above the longest request
     assert geometry.decode_chunk([1000], 8, 64, slots) == 256
     assert geometry.decode_chunk([100] * 4096, 8, 64, slots) == 128

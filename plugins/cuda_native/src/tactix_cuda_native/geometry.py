@@ -195,20 +195,27 @@ def effective_lengths(kv_lens: list[int], window_left: int) -> list[tuple[int, i
     return [(max(0, n - 1 - window_left), n) for n in kv_lens]
 
 
+DECODE_ITEMS_PER_SLOT: Final = 4
+"""Work items per resident CTA that `decode_chunk` aims at. Measured on the H200 (d128, 64 keys
+x 4 warps x 2 stages, 3 CTAs an SM): D3 (256 x 2048) unsplit 4.20 TB/s against 4.13 in two
+1024-key pieces (the aim of 8 split it: the merge's partial outputs cost more than a shorter
+last wave); D1 4.04 at 1024-key chunks, 3.99 at 2048 (benchmarks/results/h200-decode-sweep.json)."""
+
+
 def decode_chunk(lengths: list[int], units: int, tile: int, slots: int, min_chunk: int = 256) -> int:
     """Keys per work item (a multiple of ``tile``) so that the batch fills the GPU evenly.
 
     ``units`` = CTAs per request and chunk (KV heads x q tiles); ``slots`` = CTAs resident at
-    once on the whole GPU. The aim is about 8 work items per slot (the last wave is then short),
-    never fewer keys per item than ``min_chunk`` (its start-up latency must be amortised) and
-    never more than the longest request (no split where none is needed); the longest request is
-    then cut into equal pieces (no short last piece). D2 (1 x 8192 keys, 8 KV heads) gives
-    256-key chunks, 256 CTAs; D3 (256 x 2048, 396 slots) two pieces of 1024 keys, 4096 CTAs.
+    once on the whole GPU. The aim is about `DECODE_ITEMS_PER_SLOT` work items per slot (the
+    last wave is then short), never fewer keys per item than ``min_chunk`` (its start-up latency
+    must be amortised) and never more than the longest request (no split where none is needed);
+    the longest request is then cut into equal pieces (no short last piece). D2 (1 x 8192 keys,
+    8 KV heads) gives 256-key chunks, 256 CTAs; D3 (256 x 2048, 396 slots) no split: 2048 CTAs.
     """
     tiles = [max(1, -(-n // tile)) for n in lengths]
     longest = max(tiles)
     total = sum(tiles) * units
-    chunk_tiles = -(-total // (8 * slots))
+    chunk_tiles = -(-total // (DECODE_ITEMS_PER_SLOT * slots))
     chunk_tiles = min(max(chunk_tiles, -(-min_chunk // tile), 1), longest)
     pieces = -(-longest // chunk_tiles)
     return -(-longest // pieces) * tile
