@@ -1,6 +1,6 @@
 """Where the time of real ``plan()`` calls goes: inclusive time per function, inside whole plans.
 
-    python benchmarks/plan_breakdown.py [--backend cudnn] [--plans 400]
+    python benchmarks/plan_breakdown.py [--backend cudnn|cuda_native] [--plans 400]
 
 `plan_stages.py` times each stage alone, in a tight loop; this wraps the functions a plan calls
 with timers and runs whole plans over changing batches (decode, 8 and 64 requests), so the
@@ -23,7 +23,7 @@ import torch
 from plan_time import batch
 
 import tactix
-from tactix import attention, registry, selection
+from tactix import attention, registry, selection, staging
 from tactix import batch as batch_module
 
 _spent: dict[str, float] = defaultdict(float)
@@ -44,8 +44,19 @@ def instrument(backend: str) -> None:
     selection._stored = _timed_fn(selection._stored, "    _stored")
     _wrap(registry.Backend, "check", "    Backend.check")
     _wrap(registry.Backend, "plan", "    Backend.plan")
+    _wrap(staging.Staging, "send", "          Staging.send")
+    _wrap(staging.Staging, "reuse", "          Staging.reuse", classmethod_=True)
+    _wrap(staging.Sections, "write", "            Sections.write")
+    if backend == "cuda_native":
+        from tactix_cuda_native import plugin as native
+
+        _wrap(native.CudaNativeDecodePlan, "__init__", "      CudaNativeDecodePlan.__init__")
+        for name in ("decode_work", "decode_items", "decode_chunk", "decode_is_small", "_decode_kernel",
+                     "launch_config"):  # fmt: skip
+            setattr(native, name, _timed_fn(getattr(native, name), f"        {name}"))
+        _wrap(native._StagedPlan, "_send", "        _StagedPlan._send")
     if backend == "cudnn":
-        from tactix_cudnn import plugin, staging
+        from tactix_cudnn import plugin
         from tactix_cudnn.graphs import graph_cache
 
         _wrap(plugin.CudnnAttentionPlan, "__init__", "      CudnnAttentionPlan.__init__")
@@ -53,9 +64,7 @@ def instrument(backend: str) -> None:
         _wrap(plugin.CudnnAttentionPlan, "_key", "        _key")
         plugin.host_metadata = _timed_fn(plugin.host_metadata, "          host_metadata")
         plugin.write_table = _timed_fn(plugin.write_table, "          write_table")
-        _wrap(staging.Staging, "send", "          Staging.send")
         _wrap(staging.Staging, "gather", "          Staging.gather")
-        _wrap(staging.Staging, "reuse", "          Staging.reuse", classmethod_=True)
         plugin.handle_for = _timed_fn(plugin.handle_for, "        handle_for")
         plugin._attention_reasons = _timed_fn(plugin._attention_reasons, "      _attention_reasons (check+plan)")
         graph_cache.get = _timed_fn(graph_cache.get, "        graph_cache.get")

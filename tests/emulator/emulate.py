@@ -5,7 +5,7 @@ parameters as a `runtime.Variant`, into a shared library per variant (cached und
 system's temporary directory, keyed by the sources' hash). Inputs are CPU tensors; the host
 metadata comes from the plugin's own functions (`geometry.prefill_work`, `plugin.prefill_lists`,
 `plugin.prefill_scalars`; for decode `DecodePlan` repeats `plugin.CudaNativeDecodePlan` step by
-step with `geometry` and `plugin._pack`), so what runs here is the plan's data as well as the
+step with `geometry` and `plugin.decode_sections`), so what runs here is the plan's data as well as the
 kernel's code.
 """
 
@@ -172,7 +172,7 @@ class DecodePlan:
     ``graph``: the CUDA-graph sizing (bucketed capacities, idle CTAs past the work list);
     ``previous``: a graph-mode re-plan writes into that plan's buffers, counters included."""
 
-    packed: torch.Tensor  # all int32 metadata in one buffer (plugin._pack)
+    packed: torch.Tensor  # all int32 metadata in one buffer (plugin.decode_sections: the staging slot)
     part_o: torch.Tensor  # workspace: partial outputs of split requests
     part_lse: torch.Tensor
     counters: torch.Tensor  # one per request and (KV head, q tile); zero between launches
@@ -211,15 +211,16 @@ class DecodePlan:
         self.chunk = chunk
         self._geometry = (b, hq, hkv, d, problem.page_size, item_cap, slot_cap, page_cap, params)
 
-        items = torch.tensor(geometry.decode_items(work, batch.kv_indptr_list), dtype=torch.int32)
-        parts = [
-            ("items", items, geometry.DECODE_ITEM_INTS * item_cap),
-            ("num_items", torch.tensor([len(work.items)], dtype=torch.int32), 1),
-        ]
+        # the plan's layout and writer: what its staging buffer holds before the transfer
         host_indices = batch.indices_on_host
-        if host_indices or graph:
-            parts.append(("indices", batch.kv_indices if host_indices else torch.zeros(0), page_cap))
-        host, where = plugin._pack(parts)
+        copied = host_indices or graph
+        layout = plugin.decode_sections(item_cap, page_cap if copied else None)
+        pieces: list[Any] = [geometry.decode_items(work, batch.kv_indptr_list), [len(work.items)]]
+        if copied:
+            pieces.append(batch.kv_indices if host_indices else [])
+        host = torch.full((layout.total,), -1, dtype=torch.int32)  # every entry must be written
+        layout.write(host.data_ptr(), pieces)
+        where = {name: (o, n) for name, o, n in zip(layout.names, layout.offsets, layout.capacities, strict=True)}
         if graph and previous is not None:
             assert previous._geometry == self._geometry, "the plugin refuses this re-plan"
             previous.packed.copy_(host)

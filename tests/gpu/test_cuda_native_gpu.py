@@ -1,5 +1,6 @@
 """The cuda_native plugin on a GPU: prefill, decode and skinny GEMM against the float64 oracle,
-split-KV and split-K paths, every tactic, CUDA-graph capture/replay and re-plan, no host sync in run().
+split-KV and split-K paths, every tactic, CUDA-graph capture/replay and re-plan, no host sync in run(),
+and re-plans far ahead of the GPU (the wrapper's staging slots and pinned buffers).
 
 Run on the H200:  .venv/bin/python -m pytest tests/gpu/test_cuda_native_gpu.py -v
 Each failure message names the case (dims, page size, layout, GQA, lengths, tactic) and the
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 from typing import Any
 
 import pytest
@@ -664,6 +666,156 @@ def test_untuned_auto_prefers_cudnn_for_prefill_when_it_is_there() -> None:
     active = {b.name for b in tactix.get_registry().active("prefill") if not b.environment()}
     if "cudnn" in active:
         assert w.backend == "cudnn"
+
+
+# -- plans far ahead of the GPU --------------------------------------------------------------
+
+
+class PoolBatch:
+    """One batch of a series over one page pool (the same k and v tensors): pages drawn at random
+    from the pool, its indices on the host or on the device."""
+
+    def __init__(self, q_lens: list[int], kv_lens: list[int], pool: int, page: int, gen: torch.Generator,
+                 hq: int, d: int, on_device: bool) -> None:  # fmt: skip
+        pages = [-(-n // page) for n in kv_lens]
+        assert sum(pages) <= pool, "the pool must hold the batch's pages"
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        self.q_lens, self.kv_lens = q_lens, kv_lens
+        self.qo_indptr = i32([0, *itertools.accumulate(q_lens)])
+        self.indptr = i32([0, *itertools.accumulate(pages)])
+        self.host_indices = torch.randperm(pool, generator=gen)[: sum(pages)].to(torch.int32)
+        self.indices = self.host_indices.to(CUDA) if on_device else self.host_indices
+        self.last = i32([(n - 1) % page + 1 for n in kv_lens])
+        self.q = torch.randn(sum(q_lens), hq, d, generator=gen).to(CUDA, torch.bfloat16)
+
+
+def _far_ahead_series(op: str, graph: bool, on_device: bool) -> tuple[list[PoolBatch], torch.Tensor, torch.Tensor]:
+    """Six batches of one shape bucket over one page pool (12 requests, kv 1100..2000 keys with
+    one of 2000, so a CUDA-graph wrapper re-plans all of them; prefill: 768 query rows in all in
+    graph mode, 1..128 a request otherwise), and the pool's k and v (HND, 32/8 heads, d128)."""
+    page, hkv, hq, d, b = 16, 8, 32, 128, 12
+    gen = torch.Generator().manual_seed(41 + 2 * graph + on_device)
+    pool = b * -(-2000 // page) + 8
+    k = torch.randn(pool, hkv, page, d, generator=gen).to(CUDA, torch.bfloat16)
+    v = torch.randn(pool, hkv, page, d, generator=gen).to(CUDA, torch.bfloat16)
+    batches = []
+    for _ in range(6):
+        kv_lens = [2000, *torch.randint(1100, 2001, (b - 1,), generator=gen).tolist()]
+        if op == "decode":
+            q_lens = [1] * b
+        elif graph:  # the captured q and out keep their rows: 768 split at random (empty requests too)
+            cuts = sorted(torch.randint(0, 769, (b - 1,), generator=gen).tolist())
+            q_lens = [hi - lo for lo, hi in itertools.pairwise([0, *cuts, 768])]
+        else:
+            q_lens = torch.randint(1, 129, (b,), generator=gen).tolist()
+        batches.append(PoolBatch(q_lens, kv_lens, pool, page, gen, hq, d, on_device))
+    return batches, k, v
+
+
+def _far_ahead_plan(w: tactix.PagedDecode | tactix.PagedPrefill, op: str, x: PoolBatch) -> None:
+    if op == "decode":
+        assert isinstance(w, tactix.PagedDecode)
+        w.plan(x.indptr, x.indices, x.last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
+    else:
+        assert isinstance(w, tactix.PagedPrefill)
+        w.plan(x.qo_indptr, x.indptr, x.indices, x.last, 32, 8, 128, 16, q_data_type=torch.bfloat16, causal=True)
+
+
+def _far_ahead_check(op: str, batches: list[PoolBatch], outs: list[torch.Tensor], k: torch.Tensor,
+                     v: torch.Tensor) -> None:  # fmt: skip
+    for i, (x, out) in enumerate(zip(batches, outs, strict=True)):
+        ref, _ = attention_reference(x.q, k, v, x.qo_indptr, x.indptr, x.host_indices, x.last, kv_layout="HND",
+                                     causal=op == "prefill", sm_scale=1 / math.sqrt(128))  # fmt: skip
+        assert not torch.isnan(out).any(), f"{op} batch {i}: output elements unwritten"
+        err = relative_error(out, ref)
+        assert err <= tolerance_for(torch.bfloat16), (
+            f"{op} batch {i} (q {x.q_lens[:4]}..., kv {x.kv_lens[:4]}...): relative error {err:.3e}: a run read "
+            "another batch's metadata (a slot or a pinned buffer rewritten too early)"
+        )
+
+
+@pytest.mark.parametrize("indices", ["host", "device"])
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_eager_replans_far_ahead_of_the_gpu_keep_every_batch_metadata(op: str, indices: str) -> None:
+    """Plans take over the wrapper's staging (two device slots, a ring of pinned buffers): with the
+    GPU held back by a long kernel, each plan's transfer waits while the next plans write theirs.
+    Every run must still read its own batch's work list and pages (successive plans alternate
+    between the slots), and the ring grows rather than the host waiting."""
+    batches, k, v = _far_ahead_series(op, graph=False, on_device=indices == "device")
+    w: tactix.PagedDecode | tactix.PagedPrefill = (
+        tactix.PagedDecode("HND", backend="cuda_native", device=CUDA)
+        if op == "decode"
+        else tactix.PagedPrefill("HND", backend="cuda_native", device=CUDA)
+    )
+    # every batch planned and run once first: its kernel variant compiled and loaded (a module's
+    # first launch may wait for the whole device, so it must not happen behind the sleep), and
+    # the staging sized for the largest batch
+    for x in batches:
+        _far_ahead_plan(w, op, x)
+        w.run(x.q, (k, v))
+    torch.cuda.synchronize()
+    staging = w.plan_object._staging
+    ring = len(staging._host)
+    outs, plans, host_us = [], [], []
+    torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # ~0.1 s on the device
+    for x in batches:
+        t0 = time.perf_counter()
+        _far_ahead_plan(w, op, x)
+        t1 = time.perf_counter()
+        outs.append(w.run(x.q, (k, v)))
+        plans.append(w.plan_object)
+        host_us.append((round((t1 - t0) * 1e6), round((time.perf_counter() - t1) * 1e6)))
+    grew = len(staging._host)
+    assert all(p._staging is staging for p in plans), "a batch of a size seen before reallocated the staging"
+    assert len({p._ptrs[0] for p in plans}) == 2, "successive eager plans must alternate between two slots"
+    torch.cuda.synchronize()
+    # every transfer waits behind the sleep at once: one pinned buffer each
+    assert grew >= len(batches), (
+        f"{grew} pinned buffers ({ring} before): plans waited for the GPU instead of growing the ring "
+        f"(host us per (plan, run): {host_us})"
+    )
+    _far_ahead_check(op, batches, outs, k, v)
+
+
+@pytest.mark.parametrize("indices", ["host", "device"])
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_graph_replans_far_ahead_of_the_gpu_replay_every_batch(op: str, indices: str) -> None:
+    """A CUDA-graph wrapper re-planned for each batch while the GPU is held back: every re-plan
+    rewrites slot 0 (the captured kernel's addresses) by a transfer enqueued after the replays
+    before it, from a pinned buffer not yet read, so every replay reads its own batch."""
+    batches, k, v = _far_ahead_series(op, graph=True, on_device=indices == "device")
+    w: tactix.PagedDecode | tactix.PagedPrefill = (
+        tactix.PagedDecode("HND", backend="cuda_native", device=CUDA, use_cuda_graph=True)
+        if op == "decode"
+        else tactix.PagedPrefill("HND", backend="cuda_native", device=CUDA, use_cuda_graph=True)
+    )
+    first = batches[0]
+    _far_ahead_plan(w, op, first)
+    q = first.q.clone()
+    out = torch.empty(q.shape, device=CUDA, dtype=torch.bfloat16)
+    w.run(q, (k, v), out=out)  # loads the kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w.run(q, (k, v), out=out)
+    torch.cuda.synchronize()
+    staging = w.plan_object._staging
+    ring = len(staging._host)
+    outs, ptrs = [], set()
+    torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # ~0.1 s on the device
+    for x in batches:
+        _far_ahead_plan(w, op, x)
+        ptrs.add(w.plan_object._ptrs)
+        assert w.plan_object._staging is staging
+        q.copy_(x.q)
+        out.fill_(float("nan"))
+        graph.replay()
+        outs.append(out.clone())
+    grew = len(staging._host)
+    torch.cuda.synchronize()
+    assert len(ptrs) == 1, f"a CUDA-graph re-plan moved the captured kernel's metadata: {ptrs}"
+    assert grew >= len(batches), f"{grew} pinned buffers ({ring} before): plans waited for the GPU"
+    _far_ahead_check(op, batches, outs, k, v)
 
 
 # -- GEMM ------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import itertools
 import os
+import random
 import re
 import shutil
 import struct
@@ -504,6 +505,31 @@ def test_decode_work_covers_each_range_exactly_once() -> None:
         assert len(work.items) <= geometry.decode_capacity(len(ranges), 32768, chunk)
 
 
+def test_decode_work_orders_items_as_one_stable_sort_longest_first() -> None:
+    """The plan's work list equals the plain definition (every piece, then one stable sort by
+    length, longest first) for ragged ranges, windows and chunks around the lengths."""
+
+    def reference(ranges: list[tuple[int, int]], chunk: int) -> list[tuple[int, int, int, int]]:
+        items, slots = [], 0
+        for b, (start, end) in enumerate(ranges):
+            pieces = max(1, -(-(end - start) // chunk))
+            if pieces == 1:
+                items.append((b, start, end, -1))
+                continue
+            items += [(b, start + i * chunk, min(end, start + (i + 1) * chunk), slots + i) for i in range(pieces)]
+            slots += pieces
+        return sorted(items, key=lambda it: it[1] - it[2])
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        ends = [
+            rng.choice([1, 2, 63, 64, 65, 128, 256, 257, 1000, rng.randint(1, 3000)]) for _ in range(rng.randint(1, 12))
+        ]
+        ranges = geometry.effective_lengths(ends, rng.choice([-1, -1, 0, 63, 300]))
+        chunk = rng.choice([1, 16, 64, 128, 256, 1000])
+        assert geometry.decode_work(ranges, chunk).items == reference(ranges, chunk), (ranges, chunk)
+
+
 def test_window_limits_the_attended_range() -> None:
     assert geometry.effective_lengths([1, 10, 100], -1) == [(0, 1), (0, 10), (0, 100)]
     assert geometry.effective_lengths([1, 10, 100], 0) == [(0, 1), (9, 10), (99, 100)]
@@ -526,6 +552,51 @@ def test_decode_item_records() -> None:
     assert sorted(r for r in records if r[0] == 2) == [
         (2, 10, 266, 2, 20, 2, 3, 0), (2, 266, 522, 3, 20, 2, 3, 0), (2, 522, 700, 4, 20, 2, 3, 0)]  # fmt: skip
     assert all(r[7] == 0 for r in records)
+
+
+def test_plan_metadata_sections_hold_what_the_kernels_read() -> None:
+    """The int32 metadata a plan writes into its staging buffer (one transfer): decode's item
+    records and count, prefill's items, count and per-request ints, and the page indices where
+    the kernel does not read the caller's device indices in place; every entry past a piece is
+    zero (in CUDA-graph mode the capacities are the buckets', and CTAs past the count read them)."""
+    import torch
+
+    kv_lens, q_lens, page = [300, 5, 700], [3, 1, 40], 16
+    pages = [-(-n // page) for n in kv_lens]
+    indptr = [0, *itertools.accumulate(pages)]
+    indices = torch.arange(100, 100 + indptr[-1], dtype=torch.int32)
+    batch = tactix.PagedBatch.build(qo_indptr=torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32),
+                                    kv_indptr=torch.tensor(indptr, dtype=torch.int32), kv_indices=indices,
+                                    kv_last_page_len=torch.tensor([(n - 1) % page + 1 for n in kv_lens],
+                                                                  dtype=torch.int32),
+                                    page_size=page, device=torch.device("cpu"), causal=True)  # fmt: skip
+    work = geometry.decode_work(geometry.effective_lengths(kv_lens, -1), 256)
+    records = geometry.decode_items(work, indptr)
+    eager = plugin.decode_sections(len(work.items), None)  # device indices: read in place
+    assert eager.names == ("items", "num_items") and eager.capacities[0] == len(records)
+    item_cap, page_cap = geometry.decode_capacity(4, 1024, 256), 4 * 1024 // page  # a CUDA-graph plan's buckets
+    graph = plugin.decode_sections(item_cap, page_cap)
+    host = torch.full((graph.total,), -1, dtype=torch.int32)
+    graph.write(host.data_ptr(), [records, [len(work.items)], indices])
+    at = {name: graph.offset(name) for name in graph.names}
+    assert host[: len(records)].tolist() == records and not host[len(records) : at["num_items"]].any()
+    assert int(host[at["num_items"]]) == len(work.items) == 6
+    assert host[at["indices"] : at["indices"] + len(indices)].tolist() == indices.tolist()
+    assert not host[at["indices"] + len(indices) :].any()
+    # prefill
+    params = geometry.default_prefill_params(128, H200)
+    pwork = geometry.prefill_work(q_lens, kv_lens, q_tile=params.q_tile, kv_tile=params.kv_tile, pack=4, causal=True,
+                                  window_left=-1)  # fmt: skip
+    items, reqs = plugin.prefill_lists(batch, pwork)
+    layout = plugin.prefill_sections(len(pwork.items), 3, len(indices))
+    assert layout.names == ("items", "num_items", "reqs", "indices")
+    host = torch.full((layout.total,), -1, dtype=torch.int32)
+    layout.write(host.data_ptr(), [items, [len(pwork.items)], reqs, indices])
+    at = {name: layout.offset(name) for name in layout.names}
+    assert host[: len(items)].tolist() == items and int(host[at["num_items"]]) == len(pwork.items)
+    assert host[at["reqs"] : at["reqs"] + 12].tolist() == [0, 3, 300, 0, 3, 1, 5, 19, 4, 40, 700, 20]
+    assert host[at["indices"] : at["indices"] + len(indices)].tolist() == indices.tolist()
+    assert plugin.prefill_sections(5, 2, None).names == ("items", "num_items", "reqs")
 
 
 def test_gemm_splits_and_grids() -> None:

@@ -6,7 +6,6 @@ import dataclasses
 import itertools
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from tactix_cudnn.library import FEATURES, feature_reasons
 
 import tactix
 from tactix.problems import DecodeProblem, PrefillProblem
+from tactix.staging import gather_table, write_table
 
 BASE = dict(
     device_type="cuda", num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, head_dim_vo=128, page_size=16,
@@ -146,14 +146,14 @@ def test_plan_metadata_and_page_table_match_the_batch() -> None:
     assert section(4, 9) == [s * 32 * 128 for s in starts] and section(5, 9) == [s * 32 for s in starts]
     ext = torch.cat([indices, torch.zeros(key.table_width, dtype=torch.int32)])
     table = torch.full((key.batch, key.table_width), -1, dtype=torch.int32)
-    plugin.gather_table(ext, torch.tensor(section(2, 8), dtype=torch.int32), out=table)
+    gather_table(ext, torch.tensor(section(2, 8), dtype=torch.int32), out=table)
     for r, n in enumerate(pages):
         assert table[r, :n].tolist() == indices[kv_indptr[r] : kv_indptr[r] + n].tolist()
     assert int(table.min()) >= 0 and int(table.max()) < len(indices) + 7  # every entry a valid page
     # small batches lay the table out on the host instead: the same rows, zeros past each request
     host = torch.full((key.batch * key.table_width,), -1, dtype=torch.int32)
     src = indices.to(torch.int32).contiguous()
-    plugin.write_table(host.data_ptr(), src.data_ptr(), kv_indptr.tolist(), key.batch, key.table_width)
+    write_table(host.data_ptr(), src.data_ptr(), kv_indptr.tolist(), key.batch, key.table_width)
     host = host.view(key.batch, key.table_width)
     for r in range(key.batch):
         n = pages[r] if r < len(pages) else 0
@@ -237,20 +237,3 @@ def test_shape_override_gate() -> None:
     assert not ok and "no is_override_shape_enabled flag" in why
     ok, why = shape_override(library=92200, module=BrokenFrontend())
     assert not ok and "cannot ask the cuDNN frontend" in why and "cudnnGetVersion" in why
-
-
-def test_the_plan_path_finds_the_cuda_runtime_torch_mapped(tmp_path: Path) -> None:
-    from tactix_cudnn import cudart
-
-    maps = tmp_path / "maps"
-    maps.write_text(
-        "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n"
-        "7f02-7f03 r-xp 00000000 08:01 2 /site/nvidia/cu13/lib/libcudart.so.13\n"
-        "7f04-7f05 rw-p 00000000 00:00 0\n"
-    )
-    assert cudart._loaded_cudart(str(maps)) == "/site/nvidia/cu13/lib/libcudart.so.13"
-    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n")
-    assert cudart._loaded_cudart(str(maps)) is None
-    assert cudart._loaded_cudart(str(tmp_path / "missing")) is None
-    if not torch.cuda.is_available():
-        assert cudart.runtime() is None  # then plans use torch's copy and events

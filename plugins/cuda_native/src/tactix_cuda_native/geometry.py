@@ -240,25 +240,32 @@ class DecodeWork:
 
 
 def decode_work(ranges: list[tuple[int, int]], chunk: int) -> DecodeWork:
-    """Cut each request's key range into pieces of ``chunk`` keys (one piece: no partial slot)."""
+    """Cut each request's key range into pieces of ``chunk`` keys (one piece: no partial slot).
+
+    Items are ordered longest first, ties in request and key order (in-order block dispatch then
+    balances like longest-processing-time). No item is longer than ``chunk``, so that order is
+    the items of exactly ``chunk`` keys as made, then the others (at most one per request: a
+    last piece or a short request) sorted: only those go through the sort (plan time).
+    """
     if chunk < 1:
         raise ValueError(f"chunk must be positive (got {chunk})")
-    items: list[tuple[int, int, int, int]] = []
+    full: list[tuple[int, int, int, int]] = []  # items of exactly `chunk` keys, in request and key order
+    short: list[tuple[int, int, int, int]] = []
     splits: list[tuple[int, int]] = []
     slots = 0
     for b, (start, end) in enumerate(ranges):
-        pieces = max(1, -(-(end - start) // chunk))
-        if pieces == 1:
-            items.append((b, start, end, -1))
+        if end - start <= chunk:
+            (full if end - start == chunk else short).append((b, start, end, -1))
             splits.append((0, 1))
             continue
+        pieces = -(-(end - start) // chunk)
         splits.append((slots, pieces))
-        for i in range(pieces):
-            items.append((b, start + i * chunk, min(end, start + (i + 1) * chunk), slots + i))
+        last = start + (pieces - 1) * chunk
+        full += [(b, s, s + chunk, slot) for slot, s in enumerate(range(start, last, chunk), slots)]
+        (full if end - last == chunk else short).append((b, last, end, slots + pieces - 1))
         slots += pieces
-    # longest items first: in-order block dispatch then balances like longest-processing-time
-    items.sort(key=lambda it: it[1] - it[2])
-    return DecodeWork(items, splits, slots)
+    short.sort(key=lambda it: it[1] - it[2])  # stable: ties keep request order
+    return DecodeWork(full + short, splits, slots)
 
 
 def decode_capacity(batch: int, max_len: int, chunk: int) -> int:
@@ -274,9 +281,10 @@ def decode_items(work: DecodeWork, page_base: list[int]) -> list[int]:
     """The work list as the kernel reads it: 8 ints per item (kernels/decode.cu): request, first
     key, end key, partial slot, the request's offset in kv_indices, its first slot, its slot count, 0."""
     out: list[int] = []
+    extend, splits = out.extend, work.splits
     for req, start, end, slot in work.items:
-        first, count = work.splits[req]
-        out += [req, start, end, slot, page_base[req], first, count, 0]
+        first, count = splits[req]
+        extend((req, start, end, slot, page_base[req], first, count, 0))
     return out
 
 

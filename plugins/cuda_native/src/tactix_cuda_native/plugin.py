@@ -29,16 +29,18 @@ finishes last, in a fixed order.
 
 from __future__ import annotations
 
-import array
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
 
 import tactix
 from tactix import InvalidArgumentError, PagedBatch, PlanOptions, Tactic, UnsupportedProblemError
+from tactix.cudart import raw_stream
 from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem, bucket_size
+from tactix.staging import Piece, Sections, Staging, sections
 from tactix_cuda_native import __version__
 from tactix_cuda_native.geometry import (
     DECODE_ITEM_INTS,
@@ -428,44 +430,144 @@ def tactix_warmup(backend: str, arch: str | None, progress: Callable[[int, int, 
     return compile_all(list(dict.fromkeys(default_variants(info))), progress)
 
 
-# -- decode plans ----------------------------------------------------------------------------
-
-_ALIGN: Final = 32  # int32 elements (128 bytes) between the pieces of the packed metadata
-
-
-def _pack(parts: list[tuple[str, torch.Tensor, int]]) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
-    """One int32 buffer holding each (name, values, capacity) piece at a 128-byte aligned offset."""
-    chunks, where, offset = [], {}, 0
-    for name, values, capacity in parts:
-        size = max(capacity, 1)
-        padded = size + (-size % _ALIGN)
-        piece = torch.zeros(padded, dtype=torch.int32)
-        piece[: values.numel()] = values.reshape(-1).to(torch.int32)
-        chunks.append(piece)
-        where[name] = (offset, size)
-        offset += padded
-    return torch.cat(chunks), where
+# -- plan metadata ---------------------------------------------------------------------------
 
 
 def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-class CudaNativeDecodePlan:
-    """A planned decode batch: work list, metadata and workspace on the device; ``run`` launches."""
+@functools.lru_cache(maxsize=64)
+def _cuda(index: int) -> torch.device:
+    return torch.device("cuda", index)
 
-    _packed: torch.Tensor  # all int32 metadata in one device buffer
+
+def decode_sections(item_cap: int, page_cap: int | None) -> Sections:
+    """Where a decode plan's int32 metadata lies in its staging slot: the work records
+    (`geometry.decode_items`, ``item_cap`` of them), the item count and, unless the kernel reads
+    the caller's device indices in place (``page_cap`` None), the page indices."""
+    if page_cap is None:
+        return sections(("items", DECODE_ITEM_INTS * item_cap), ("num_items", 1))
+    return sections(("items", DECODE_ITEM_INTS * item_cap), ("num_items", 1), ("indices", page_cap))
+
+
+def prefill_sections(item_cap: int, batch_cap: int, page_cap: int | None) -> Sections:
+    """Where a prefill plan's int32 metadata lies in its staging slot: the work items (request,
+    first token), the item count, four ints per request (`prefill_lists`) and, unless the kernel
+    reads the caller's device indices in place (``page_cap`` None), the page indices."""
+    parts = [("items", 2 * item_cap), ("num_items", 1), ("reqs", 4 * batch_cap)]
+    if page_cap is not None:
+        parts.append(("indices", page_cap))
+    return sections(*parts)
+
+
+class _StagedPlan:
+    """What decode and prefill plans share: their int32 metadata in the wrapper's staging."""
+
+    device: torch.device
+    _staging: Staging  # the wrapper's metadata slots and pinned buffers (handed from plan to plan)
+
+    def _send(self, problem: Problem, batch: PagedBatch, previous: object, graph: bool,
+              layout_for: Callable[[int | None], Sections], pieces: list[Piece],
+              page_cap: int) -> tuple[Sections, int, int]:  # fmt: skip
+        """Send the metadata: ``pieces`` (and the page indices, where the kernel does not read the
+        caller's device indices in place: host indices, or any in CUDA-graph mode) written into a
+        pinned buffer of the wrapper's staging (taken over from the previous plan, `tactix.staging`)
+        with C-level copies, one transfer into a device slot. ``layout_for(page_cap or None)``:
+        the sections. Returns the sections, the slot's device address and the indices' address.
+
+        Eager plans alternate between the two slots, so the slot the previous plan's runs read is
+        left alone; CUDA-graph plans keep slot 0, sized by the buckets, whose addresses the
+        captured kernel reads (a re-plan of the same buckets rewrites it in place)."""
+        host_indices = batch.indices_on_host
+        copied = host_indices or graph
+        layout = layout_for(page_cap if copied else None)
+        if copied:
+            pieces = [*pieces, batch.kv_indices if host_indices else []]
+        old = previous._staging if isinstance(previous, _StagedPlan) else None
+        staging = Staging.reuse(old, self.device, layout.total)
+        if graph and previous is not None and staging is not old:
+            raise UnsupportedProblemError(NAME, problem, [
+                "in CUDA-graph mode a re-plan must keep the metadata buffer of the captured kernel"])  # fmt: skip
+        slot = staging.slot(graph)
+        base = staging.send(slot, layout.total, lambda dst: layout.write(dst, pieces))
+        self._staging = staging
+        if not copied:
+            self._indices_ref = batch.kv_indices.contiguous()  # keep the caller's device indices alive
+            return layout, base, self._indices_ref.data_ptr()
+        at = layout.offset("indices")
+        if not host_indices and batch.num_page_entries:  # device indices: after the transfer, on its stream
+            staging.view(slot, at, batch.num_page_entries).copy_(batch.kv_indices, non_blocking=True)
+        return layout, base, base + 4 * at
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """A loaded kernel and what plans derive from its static parameters alone (device, dtype, head
+    dim, tactic parameters): memoised, so a plan for a new batch of a seen problem loads nothing,
+    hashes no source and asks the driver nothing."""
+
+    kernel: Any
+    smem: int
+    threads: int
+    ctas_per_sm: int
+    tactic: Tactic
+    persistent: int = 0  # prefill with persistent CTAs: the grid (prefill_persistent_ctas)
+
+
+_kernels: dict[tuple[Any, ...], _Kernel] = {}
+
+
+def _decode_kernel(index: int, dtype: str, d: int, params: DecodeParams, info: DeviceInfo) -> tuple[_Kernel, bool]:
+    """The decode kernel of ``params`` on device ``index``, and whether NVRTC compiled it now."""
+    smem = decode_smem_bytes(d, params.tile, params.warps, params.stages)
+    key = ("decode", index, dtype, d, params, info.arch)
+    return _kernel(key, lambda: decode_variant(dtype, d, params, info.arch), "tactix_decode", smem, 32 * params.warps,
+                   params, index, info)  # fmt: skip
+
+
+def _prefill_kernel(index: int, dtype: str, d: int, params: PrefillParams, info: DeviceInfo) -> tuple[_Kernel, bool]:
+    """The prefill kernel of ``params`` on device ``index``, and whether NVRTC compiled it now."""
+    key = ("prefill", index, dtype, d, params, info.arch)
+    return _kernel(key, lambda: prefill_variant(dtype, d, params, info.arch), "tactix_prefill", params.smem_bytes(d),
+                   params.threads, params, index, info)  # fmt: skip
+
+
+def _kernel(key: tuple[Any, ...], variant: Callable[[], Variant], name: str, smem: int, threads: int,
+            params: DecodeParams | PrefillParams, index: int, info: DeviceInfo) -> tuple[_Kernel, bool]:  # fmt: skip
+    found = _kernels.get(key)
+    if found is not None:
+        return found, False
+    module, built = load(variant(), index)
+    kernel = module.kernel(name, smem)
+    ctas = ctas_per_sm(info, smem, threads, resident=resident_ctas(kernel, threads, smem))
+    # prefill's persistent CTAs: as many as the GPU holds at once, each looping over the items
+    persistent = prefill_persistent_ctas(info, ctas) if isinstance(params, PrefillParams) and params.persist else 0
+    found = _kernels[key] = _Kernel(kernel, smem, threads, ctas, params.to_tactic(), persistent)
+    return found, built
+
+
+# -- decode plans ----------------------------------------------------------------------------
+
+
+class CudaNativeDecodePlan(_StagedPlan):
+    """A planned decode batch: work list, metadata and workspace on the device; ``run`` launches.
+
+    The int32 metadata (`decode_sections`) travels in one transfer from a pinned buffer of the
+    wrapper's `tactix.staging.Staging` into one of its two device slots (`_StagedPlan._send`).
+    """
+
     _part_o: torch.Tensor  # workspace: partial outputs of split requests
     _part_lse: torch.Tensor
     _counters: torch.Tensor  # one per request and (KV head, q tile): partials merged so far; zero between runs
 
     def __init__(self, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
-        device = options["device"]
-        index = _device_index(device)
-        self.device = torch.device("cuda", index)
+        index = _device_index(options["device"])
+        self.device = _cuda(index)
         self.problem = problem
         info = device_info(index)
         graph = options["use_cuda_graph"]
+        previous = options["previous"]
         b, hq, hkv, d = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim_qk
         gqa = problem.gqa_ratio
         units = hkv * q_tiles(gqa)
@@ -478,12 +580,10 @@ class CudaNativeDecodePlan:
             params = default_decode_params(d, info, small=decode_is_small(lengths, units, info))
         else:
             params = DecodeParams.from_tactic(tactic)
-        self.tactic = params.to_tactic()
-        module, self.built = load(decode_variant(problem.q_dtype, d, params, info.arch), index)
-        smem = decode_smem_bytes(d, params.tile, params.warps, params.stages)
-        threads = 32 * params.warps
-        self._kernel = module.kernel("tactix_decode", smem)
-        self.ctas_per_sm = ctas_per_sm(info, smem, threads, resident=resident_ctas(self._kernel, threads, smem))
+        kernel, self.built = _decode_kernel(index, problem.q_dtype, d, params, info)
+        self.tactic = kernel.tactic
+        self._kernel = kernel.kernel
+        self.ctas_per_sm = kernel.ctas_per_sm
         slots = info.sms * self.ctas_per_sm
         chunk = params.kv_chunk or decode_chunk(lengths, units, params.tile, slots)
         work = decode_work(ranges, chunk)
@@ -496,43 +596,30 @@ class CudaNativeDecodePlan:
         self.work = work
         self.chunk = chunk
         self._geometry = (b, hq, hkv, d, problem.page_size, item_cap, slot_cap, page_cap, params)
+        replaced = previous if graph and previous is not None else None
+        if replaced is not None and (
+            not isinstance(replaced, CudaNativeDecodePlan) or replaced._geometry != self._geometry
+        ):
+            raise UnsupportedProblemError(NAME, problem, [
+                "in CUDA-graph mode a re-plan must keep the batch size, the heads and the kv-length bucket "
+                "(the captured grid and buffers depend on them); use one wrapper per captured shape"])  # fmt: skip
 
-        parts = [
-            ("items", _int32(decode_items(work, batch.kv_indptr_list)), DECODE_ITEM_INTS * item_cap),
-            ("num_items", _int32([len(work.items)]), 1),
-        ]
-        host_indices = batch.indices_on_host
-        if host_indices or graph:
-            parts.append(("indices", batch.kv_indices if host_indices else torch.zeros(0), page_cap))
-        host, where = _pack(parts)
-        previous = options["previous"]
-        if graph and previous is not None:
-            if not isinstance(previous, CudaNativeDecodePlan) or previous._geometry != self._geometry:
-                raise UnsupportedProblemError(NAME, problem, [
-                    "in CUDA-graph mode a re-plan must keep the batch size, the heads and the kv-length bucket "
-                    "(the captured grid and buffers depend on them); use one wrapper per captured shape"])  # fmt: skip
-            previous._packed.copy_(host.pin_memory(), non_blocking=True)
-            self._packed = previous._packed
-            self._part_o, self._part_lse = previous._part_o, previous._part_lse
-            self._counters = previous._counters
+        layout, base, indices_ptr = self._send(problem, batch, previous, graph,
+                                               functools.partial(decode_sections, item_cap),
+                                               [decode_items(work, batch.kv_indptr_list), [len(work.items)]],
+                                               page_cap)  # fmt: skip
+        if isinstance(replaced, CudaNativeDecodePlan):  # CUDA-graph re-plan: the captured workspace
+            self._part_o, self._part_lse = replaced._part_o, replaced._part_lse
+            self._counters = replaced._counters
         else:
-            self._packed = host.pin_memory().to(self.device, non_blocking=True)
             self._part_o = torch.empty(max(slot_cap, 1) * hq * d, dtype=torch.float32, device=self.device)
             self._part_lse = torch.empty(max(slot_cap, 1) * hq, dtype=torch.float32, device=self.device)
             grid_y = decode_grid(1, hkv, gqa)[1]
             self._counters = torch.zeros(b * grid_y, dtype=torch.int32, device=self.device)
-        view = {name: self._packed[o : o + n] for name, (o, n) in where.items()}
-        if "indices" in view:
-            if not host_indices and batch.num_page_entries:
-                view["indices"][: batch.num_page_entries].copy_(batch.kv_indices, non_blocking=True)
-            indices = view["indices"]
-        else:
-            indices = batch.kv_indices
-            self._indices_ref = indices  # keep the caller's device indices alive
         self._ptrs = (
-            view["items"].data_ptr(),
-            view["num_items"].data_ptr(),
-            indices.data_ptr(),
+            base + 4 * layout.offset("items"),
+            base + 4 * layout.offset("num_items"),
+            indices_ptr,
             self._part_o.data_ptr(),
             self._part_lse.data_ptr(),
             self._counters.data_ptr(),
@@ -540,7 +627,7 @@ class CudaNativeDecodePlan:
         shift = log2_exact(problem.page_size)
         assert shift is not None  # check() refused other page sizes
         self._scalars = (hq, gqa, q_tiles(gqa), shift, problem.sm_scale * _LOG2E, float(problem.logits_soft_cap))
-        self._cfg = launch_config(decode_grid(item_cap, hkv, gqa), threads, smem)
+        self._cfg = launch_config(decode_grid(item_cap, hkv, gqa), kernel.threads, kernel.smem)
         self._index = index
         self._seen: tuple[Any, ...] | None = None
         self._strides: tuple[int, ...] = ()
@@ -578,7 +665,7 @@ class CudaNativeDecodePlan:
             raise InvalidArgumentError("paged_kv_cache", "k, v and out starting at 16-byte aligned addresses",
                                        f"addresses {k_ptr:#x}, {v_ptr:#x}, {out_ptr:#x}")  # fmt: skip
         lse_ptr = 0 if lse is None else lse.data_ptr()
-        stream = stream_for(self._index, torch.cuda.current_stream(self.device).cuda_stream)
+        stream = stream_for(self._index, raw_stream(self._index))
         cc = _cc()
         cc.launch(stream, self._cfg, self._kernel, q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr,
                   *self._strides, out_ptr, lse_ptr, *self._ptrs, *self._scalars)  # fmt: skip
@@ -626,13 +713,6 @@ def _cache_strides(layout: str, k: torch.Tensor, v: torch.Tensor) -> tuple[int, 
     return tuple(strides)
 
 
-def _int32(values: list[int]) -> torch.Tensor:
-    """An int32 CPU tensor from a list with one C-level copy (torch.tensor(list) costs ~90 ns an element)."""
-    if not values:
-        return torch.zeros(0, dtype=torch.int32)
-    return torch.frombuffer(array.array("i", values), dtype=torch.int32)
-
-
 def prefill_lists(batch: PagedBatch, work: PrefillWork) -> tuple[list[int], list[int]]:
     """The kernel's int32 metadata as flat lists: per item (request, first token); per request
     (first q row, q length, kv length, first entry in the page indices)."""
@@ -652,23 +732,23 @@ def prefill_scalars(problem: PrefillProblem, pack: int) -> tuple[int | float, ..
             problem.sm_scale * _LOG2E, float(problem.logits_soft_cap))  # fmt: skip
 
 
-class CudaNativePrefillPlan:
+class CudaNativePrefillPlan(_StagedPlan):
     """A planned prefill batch: work list and metadata on the device; ``run`` launches one kernel.
 
     Work items are (request, first query token) pairs of ``q_tile // pack`` tokens each, ordered
     by `geometry.prefill_work` (requests by work, longest items first); each becomes one CTA per group of
-    ``pack`` query heads. In CUDA-graph mode every buffer has the capacity of the plan's buckets
-    (batch size, query tokens, kv length: the next power of two), the grid is that capacity and
-    a re-plan rewrites the buffers in place.
+    ``pack`` query heads. The int32 metadata (`prefill_sections`) travels in one transfer from a
+    pinned buffer of the wrapper's `tactix.staging.Staging` into one of its two device slots
+    (`_StagedPlan._send`). In CUDA-graph mode every buffer has the capacity of the plan's buckets (batch size,
+    query tokens, kv length: the next power of two), the grid is that capacity and a re-plan
+    rewrites the buffers in place (slot 0).
     """
 
-    _packed: torch.Tensor  # all int32 metadata in one device buffer
     params: PrefillParams  # the kernel's (the default's choice for this batch, where the tactic was the default)
 
     def __init__(self, problem: PrefillProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
-        device = options["device"]
-        index = _device_index(device)
-        self.device = torch.device("cuda", index)
+        index = _device_index(options["device"])
+        self.device = _cuda(index)
         self.problem = problem
         info = device_info(index)
         d = problem.head_dim_qk
@@ -686,10 +766,9 @@ class CudaNativePrefillPlan:
             else:
                 params = prefill_default_persist(params, work.tiles, d, info)
         self.params = params
-        self.tactic = params.to_tactic()
-        module, self.built = load(prefill_variant(problem.q_dtype, d, params, info.arch), index)
-        smem = params.smem_bytes(d)
-        self._kernel = module.kernel("tactix_prefill", smem)
+        kernel, self.built = _prefill_kernel(index, problem.q_dtype, d, params, info)
+        self.tactic = kernel.tactic
+        self._kernel = kernel.kernel
         self.work = work
         self.pack = pack
         if graph:  # capacities of the buckets, so every batch of them fits the captured grid
@@ -700,44 +779,24 @@ class CudaNativePrefillPlan:
             b_cap, item_cap, page_cap = b, len(work.items), batch.num_page_entries
         self._scalars = prefill_scalars(problem, pack)
         self._geometry = (b_cap, hq, hkv, d, problem.page_size, item_cap, page_cap, params, self._scalars)
+        replaced = previous if graph and previous is not None else None
+        if replaced is not None and (
+            not isinstance(replaced, CudaNativePrefillPlan) or replaced._geometry != self._geometry
+        ):
+            raise UnsupportedProblemError(NAME, problem, [
+                "in CUDA-graph mode a re-plan must keep the heads, the scalars (causal, window, scale, "
+                "soft-cap) and the buckets of the batch size, query tokens and kv length (the captured grid "
+                "and buffers depend on them); use one wrapper per captured shape"])  # fmt: skip
 
         items, reqs = prefill_lists(batch, work)
-        parts = [
-            ("items", _int32(items), 2 * item_cap),
-            ("num_items", _int32([len(work.items)]), 1),
-            ("reqs", _int32(reqs), 4 * b_cap),
-        ]
-        host_indices = batch.indices_on_host
-        if host_indices or graph:
-            parts.append(("indices", batch.kv_indices if host_indices else torch.zeros(0), page_cap))
-        host, where = _pack(parts)
-        if graph and previous is not None:
-            if not isinstance(previous, CudaNativePrefillPlan) or previous._geometry != self._geometry:
-                raise UnsupportedProblemError(NAME, problem, [
-                    "in CUDA-graph mode a re-plan must keep the heads, the scalars (causal, window, scale, "
-                    "soft-cap) and the buckets of the batch size, query tokens and kv length (the captured grid "
-                    "and buffers depend on them); use one wrapper per captured shape"])  # fmt: skip
-            previous._packed.copy_(host.pin_memory(), non_blocking=True)
-            self._packed = previous._packed
-        else:
-            self._packed = host.pin_memory().to(self.device, non_blocking=True)
-        view = {name: self._packed[o : o + n] for name, (o, n) in where.items()}
-        if "indices" in view:
-            if not host_indices and batch.num_page_entries:
-                view["indices"][: batch.num_page_entries].copy_(batch.kv_indices, non_blocking=True)
-            indices = view["indices"]
-        else:
-            indices = batch.kv_indices
-            self._indices_ref = indices  # keep the caller's device indices alive
-        self._ptrs = (view["items"].data_ptr(), view["num_items"].data_ptr(), view["reqs"].data_ptr(),
-                      indices.data_ptr())  # fmt: skip
+        layout, base, indices_ptr = self._send(problem, batch, previous, graph,
+                                               functools.partial(prefill_sections, item_cap, b_cap),
+                                               [items, [len(work.items)], reqs], page_cap)  # fmt: skip
+        self._ptrs = (base + 4 * layout.offset("items"), base + 4 * layout.offset("num_items"),
+                      base + 4 * layout.offset("reqs"), indices_ptr)  # fmt: skip
         self._launch = graph or bool(work.items)
-        persistent = 0
-        if params.persist:  # as many CTAs as the GPU holds at once, each looping over the items
-            resident = resident_ctas(self._kernel, params.threads, smem)
-            persistent = prefill_persistent_ctas(info, ctas_per_sm(info, smem, params.threads, resident=resident))
-        self.grid = prefill_grid(item_cap, hq, pack, persistent)
-        self._cfg = launch_config(self.grid, params.threads, smem)
+        self.grid = prefill_grid(item_cap, hq, pack, kernel.persistent)
+        self._cfg = launch_config(self.grid, kernel.threads, kernel.smem)
         self._index = index
         self._seen: tuple[Any, ...] | None = None
         self._strides: tuple[int, ...] = ()
@@ -765,7 +824,7 @@ class CudaNativePrefillPlan:
         if not self._launch:  # no query rows at all
             return
         lse_ptr = 0 if lse is None else lse.data_ptr()
-        stream = stream_for(self._index, torch.cuda.current_stream(self.device).cuda_stream)
+        stream = stream_for(self._index, raw_stream(self._index))
         items, num_items, reqs, indices = self._ptrs
         _cc().launch(stream, self._cfg, self._kernel, q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr,
                      *self._strides, out_ptr, lse_ptr, items, num_items, reqs, indices, *self._scalars)  # fmt: skip
@@ -826,7 +885,7 @@ class CudaNativeGemmPlan:
             raise InvalidArgumentError("a", "a and b 16-byte aligned with row and batch strides that are multiples "
                                        "of 8 elements", f"a at {a_ptr:#x} strides {a.stride()}, b at {b_ptr:#x} "
                                        f"strides {b.stride()}")  # fmt: skip
-        stream = stream_for(self._index, torch.cuda.current_stream(self.device).cuda_stream)
+        stream = stream_for(self._index, raw_stream(self._index))
         cc = _cc()
         ws = 0 if self._ws is None else self._ws.data_ptr()
         counters = 0 if self._counters is None else self._counters.data_ptr()

@@ -22,6 +22,7 @@ import tactix
 from tactix import PagedBatch, PlanOptions, Tactic, UnsupportedProblemError
 from tactix.devices import cuda_available
 from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem, bucket_size
+from tactix.staging import Staging, gather_table, write_table
 from tactix_cudnn import __version__
 from tactix_cudnn.graphs import (
     UID_A,
@@ -50,7 +51,6 @@ from tactix_cudnn.graphs import (
     graph_cache,
 )
 from tactix_cudnn.library import feature_reasons, frontend, status
-from tactix_cudnn.staging import Staging, gather_table, write_table
 
 NAME: Final = "cudnn"
 _DTYPES: Final = frozenset({"float16", "bfloat16"})

@@ -1,10 +1,26 @@
-"""The few CUDA runtime calls the plan path makes itself: an asynchronous host-to-device copy and
-events to know when a pinned buffer may be written again.
+"""The few CUDA runtime calls a plan makes itself, for plugins: an asynchronous host-to-device copy,
+events to know when a pinned buffer may be written again, and torch's current stream.
 
 Through torch they cost several microseconds each (``torch.cuda.current_stream()`` alone about
-4 us on an H200 host, a ``copy_`` of sliced views about 8); called through ctypes on the CUDA
-runtime library torch has already loaded they cost about one. `runtime()` is None where that
-library is not found in the process (then the callers use torch's API).
+4 us on an H200 host, a ``copy_`` of sliced views about 8, ``Event.record`` about 7); called
+through ctypes on the CUDA runtime library torch has already loaded they cost about one.
+
+Public API (what `tactix.staging` uses, and what a plugin may call directly):
+
+* `runtime()` -> `CudaRuntime` or None: the ``libcudart`` torch mapped into this process, found
+  once (after CUDA is initialised); None without a GPU or where no such library is mapped (then
+  use torch's API: ``Tensor.copy_(..., non_blocking=True)``, ``torch.cuda.Event``).
+* `CudaRuntime`: ``copy_to_device(dst, src, nbytes, stream)`` (``cudaMemcpyAsync``, host to
+  device), ``event(device_index)`` (a timing-free event handle), ``record(event, stream)``,
+  ``done(event)`` (``cudaEventQuery``: False while not ready), ``synchronize(event)``,
+  ``destroy(event)``. Addresses, streams and events are plain ints; a failing call raises
+  `tactix.TactixError` with the runtime's message (and clears the error, so torch does not
+  report it later).
+* `raw_stream(device_index)`: the handle of torch's current stream on that device (0: the
+  legacy default stream), as an int, at about 0.1 us (what ``cuda.core`` launches and
+  ``cudaMemcpyAsync`` take).
+
+Importing this module does not initialise CUDA.
 """
 
 from __future__ import annotations
@@ -15,7 +31,7 @@ from typing import Any, Final
 
 import torch
 
-from tactix import TactixError
+from tactix.errors import TactixError
 
 __all__ = ["CudaRuntime", "raw_stream", "runtime"]
 
@@ -44,7 +60,7 @@ class CudaRuntime:
     def _check(self, rc: int, what: str) -> None:
         if rc:
             self._last_error()  # clear the sticky-free error so torch does not report it later
-            raise TactixError(f"cudnn plan: {what} failed: {self._error(rc).decode()} ({rc})")
+            raise TactixError(f"tactix plan: the CUDA runtime's {what} failed: {self._error(rc).decode()} ({rc})")
 
     def copy_to_device(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self._check(self._memcpy(dst, src, nbytes, _HOST_TO_DEVICE, stream), "cudaMemcpyAsync")

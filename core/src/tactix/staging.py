@@ -1,0 +1,340 @@
+"""Getting a plan's metadata to the device fast: for plugins whose plans send int32 metadata.
+
+A plan that builds its metadata with ``torch.tensor(list)`` (about 90 ns an element), pins a
+fresh tensor (allocating pinned memory right after it fed a copy costs 30-40 us) and copies it
+with ``Tensor.to(device, non_blocking=True)`` spends hundreds of microseconds on a batch of a
+few thousand entries. The pieces here do the same in a few:
+
+* `Staging`: one per wrapper, handed from each plan to the next (``options["previous"]``):
+  two device slots and a ring of pinned host buffers (`HostBuffer`). ``Staging.reuse(old,
+  device, size)`` keeps ``old`` when it is big enough; ``slot(graph)`` picks the slot a plan
+  writes; ``send(slot, size, fill)`` lets ``fill(address)`` write ``size`` int32 into a free
+  pinned buffer, enqueues one copy into the slot on torch's current stream and returns the
+  slot's device address; ``view(slot, start, count)`` is a device tensor over part of a slot
+  (to copy device-resident data into it after ``send``); ``gather(...)`` builds a padded page
+  table in the slot's table buffer from CSR indices that ``send`` put there.
+* `sections(("name", capacity), ...)`: a layout of named, 128-byte aligned int32 sections in
+  one buffer (memoised); ``Sections.write(address, pieces)`` writes each piece (a list of ints,
+  an ``array``, or an int32 CPU tensor) at its section with one C-level copy and zeroes the
+  rest of the section, so a buffer sized for a capacity never holds stale entries.
+* `write_int32(address, values)`: a list of ints written as int32 with one C-level call
+  (``struct.pack_into``: about 8 ns an element; ``array("i", list)`` costs twice that).
+* `write_table` / `gather_table`: a padded ``[rows, width]`` page table from CSR page indices,
+  laid out on the host, or gathered on the device.
+
+The copies and events go straight to the CUDA runtime torch loaded (`tactix.cudart`), else
+through torch's API. Errors are `tactix.TactixError`.
+
+What makes the reuse safe (keep it when using these):
+
+1. A device slot is rewritten only by a transfer enqueued on the current stream. Successive
+   eager plans alternate between the two slots, so a slot is rewritten two plans later, after
+   the runs enqueued before that plan (as FlashInfer's plan rewrites its workspace: plan and run
+   on one stream, or synchronise). A plan that raises before ``send`` leaves both slots alone.
+2. A pinned buffer is written again only once the event recorded after its last transfer shows
+   that the transfer ran; when every buffer of the ring still waits (the host far ahead of the
+   GPU) the ring grows by one instead of waiting.
+3. CUDA-graph plans always use slot 0, sized by the buckets (which cannot change between
+   re-plans of a captured wrapper), so a captured graph keeps reading the same addresses and a
+   re-plan rewrites them with new contents (one transfer, stream-ordered before the replays that
+   follow it).
+4. When ``reuse`` replaces a staging by a bigger one, the old ring's buffers are kept until
+   their transfers ran (their memory goes back to torch's pinned allocator, which does not know
+   about these copies).
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import ctypes
+import functools
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, TypeAlias
+
+import torch
+
+from tactix import cudart
+from tactix.errors import TactixError
+
+__all__ = [
+    "ALIGN",
+    "HostBuffer",
+    "Piece",
+    "Sections",
+    "Staging",
+    "gather_table",
+    "sections",
+    "write_int32",
+    "write_table",
+]
+
+ALIGN: Final = 32
+"""int32 entries (128 bytes) every section of `sections` starts at a multiple of."""
+
+Piece: TypeAlias = "Sequence[int] | array.array[int] | torch.Tensor"
+"""What `Sections.write` takes for a section: ints, an ``array("i")``, or an int32 CPU tensor."""
+
+
+def write_int32(dst: int, values: Sequence[int]) -> int:
+    """Write ``values`` as int32 at address ``dst`` with one C-level call; how many were written.
+
+    A value outside the int32 range raises `TactixError`."""
+    n = len(values)
+    if n:
+        try:
+            struct.pack_into(f"={n}i", (ctypes.c_char * (4 * n)).from_address(dst), 0, *values)
+        except struct.error as exc:
+            raise TactixError(f"staging: metadata must be int32 values ({exc})") from None
+    return n
+
+
+def _int32_source(piece: torch.Tensor | array.array[int]) -> tuple[int, int, Any]:
+    """(address, count, the object that holds them) of a tensor (made a contiguous int32 CPU one
+    first where it is not) or an ``array("i")``."""
+    if isinstance(piece, torch.Tensor):
+        if piece.device.type != "cpu" or piece.dtype != torch.int32 or not piece.is_contiguous():
+            piece = piece.to("cpu", torch.int32).contiguous()
+        return piece.data_ptr(), piece.numel(), piece
+    if piece.itemsize != 4:
+        raise TactixError(f"staging: an array piece must hold 4-byte ints (typecode 'i'; got {piece.typecode!r})")
+    return piece.buffer_info()[0], len(piece), piece
+
+
+def _check_fits(name: str, capacity: int, count: int) -> None:
+    if count > capacity:
+        raise TactixError(f"staging: section {name!r} holds {capacity} entries (got {count})")
+
+
+@dataclass(frozen=True)
+class Sections:
+    """Named int32 sections of one buffer, each starting 128-byte aligned (make with `sections`)."""
+
+    names: tuple[str, ...]
+    offsets: tuple[int, ...]
+    """Where each section starts (int32 entries from the buffer's start)."""
+    capacities: tuple[int, ...]
+    """Entries each section holds (at least 1)."""
+    total: int
+    """Entries of the whole buffer (the sections and their padding): what ``send`` copies."""
+
+    def offset(self, name: str) -> int:
+        return self.offsets[self.names.index(name)]
+
+    def write(self, dst: int, pieces: Sequence[Piece]) -> None:
+        """Write one piece per section at address ``dst`` (C-level copies) and zero every entry past
+        a piece up to the next section, so the whole ``total`` entries are defined."""
+        if len(pieces) != len(self.names):
+            raise TactixError(f"staging: {len(self.names)} sections {self.names} take one piece each "
+                              f"(got {len(pieces)})")  # fmt: skip
+        ends = (*self.offsets[1:], self.total)
+        for name, start, end, capacity, piece in zip(self.names, self.offsets, ends, self.capacities, pieces,
+                                                     strict=True):  # fmt: skip
+            at = dst + 4 * start
+            if isinstance(piece, torch.Tensor | array.array):
+                src, count, _alive = _int32_source(piece)
+                _check_fits(name, capacity, count)
+                ctypes.memmove(at, src, 4 * count)
+            else:
+                _check_fits(name, capacity, len(piece))
+                count = write_int32(at, piece)
+            if end - start > count:
+                ctypes.memset(at + 4 * count, 0, 4 * (end - start - count))
+
+
+@functools.lru_cache(maxsize=256)
+def sections(*capacities: tuple[str, int]) -> Sections:
+    """The layout of ``(name, capacity)`` sections in order, each padded to 128 bytes (a capacity
+    of 0 still takes one entry, so every section has an address of its own). Memoised."""
+    names, offsets, sizes, offset = [], [], [], 0
+    for name, capacity in capacities:
+        size = max(capacity, 1)
+        names.append(name)
+        offsets.append(offset)
+        sizes.append(size)
+        offset += size + (-size % ALIGN)
+    return Sections(tuple(names), tuple(offsets), tuple(sizes), offset)
+
+
+def write_table(dst: int, src: int, indptr: list[int], rows: int, width: int) -> None:
+    """Write the padded page table ``[rows, width]`` at address ``dst`` from the int32 CSR indices
+    at ``src``: zeros (page 0, a valid page) everywhere, then each request's pages, one C-level
+    copy per request (``indptr``: the CSR offsets, ``len(indptr) - 1 <= rows``)."""
+    ctypes.memset(dst, 0, 4 * rows * width)
+    for r in range(len(indptr) - 1):
+        start = indptr[r]
+        ctypes.memmove(dst + 4 * r * width, src + 4 * start, 4 * (indptr[r + 1] - start))
+
+
+def gather_table(ext: torch.Tensor, row_starts: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[r] = ext[row_starts[r] : row_starts[r] + width]``: the padded page table from CSR indices.
+
+    ``ext`` is the page indices followed by ``width`` valid filler entries, so every row is in
+    bounds; entries past a request's own pages hold other requests' pages and are never read.
+    """
+    width = out.shape[1]
+    torch.index_select(ext.unfold(0, width, 1), 0, row_starts, out=out)
+
+
+class HostBuffer:
+    """A pinned int32 buffer and the event recorded after the last transfer that read it."""
+
+    def __init__(self, capacity: int, device_index: int) -> None:
+        self.tensor = torch.empty(capacity, dtype=torch.int32, pin_memory=True)
+        self.ptr = self.tensor.data_ptr()
+        rt = cudart.runtime()
+        self.event: Any = rt.event(device_index) if rt is not None else torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self.pending = False
+
+    def free(self) -> bool:
+        """Whether the buffer may be written (its last transfer ran, or it never fed one)."""
+        if not self.pending:
+            return True
+        rt = cudart.runtime()
+        self.pending = not (rt.done(self.event) if rt is not None else self.event.query())
+        return not self.pending
+
+    def transfer(self, dst: torch.Tensor, dst_ptr: int, size: int, device_index: int) -> None:
+        """Copy the first ``size`` entries to ``dst`` (at ``dst_ptr``), enqueued on torch's current
+        stream, and record the event after the copy."""
+        rt = cudart.runtime()
+        if rt is not None:
+            stream = cudart.raw_stream(device_index)
+            rt.copy_to_device(dst_ptr, self.ptr, 4 * size, stream)
+            rt.record(self.event, stream)
+        else:
+            dst[:size].copy_(self.tensor[:size], non_blocking=True)
+            self.event.record(torch.cuda.current_stream(device_index))
+        self.pending = True
+
+    def release(self) -> None:
+        """Wait for the last transfer (the pinned memory goes back to torch's allocator next)."""
+        rt = cudart.runtime()
+        if rt is not None:
+            if self.pending:
+                rt.synchronize(self.event)
+            rt.destroy(self.event)
+        elif self.pending:
+            self.event.synchronize()
+        self.pending = False
+
+
+class Staging:
+    """The device metadata buffers one wrapper's plans reuse, and their transfers.
+
+    Two device slots of ``capacity`` int32 (plus, for batches gathered on the device, a table
+    buffer of ``table`` int32 each): successive eager plans alternate between them, so a slot is
+    rewritten two plans later, by a transfer enqueued on the current stream after the runs
+    enqueued before that plan. CUDA-graph plans always use slot 0, whose addresses the captured
+    graph reads.
+
+    Transfers come from a ring of pinned host buffers, each with an event recorded after its
+    transfer: a buffer is written again only once its last transfer has run, and when every one
+    is still waiting (the host far ahead of the GPU) the ring grows instead of waiting. The copy
+    and the events go straight to the CUDA runtime torch loaded (`tactix.cudart`), else through
+    torch. See the module's docstring for the rules a plan keeps.
+    """
+
+    def __init__(self, device: torch.device, capacity: int, table: int = 0) -> None:
+        self.device = device
+        if device.index is not None:
+            self.index = device.index
+        else:
+            self.index = torch.cuda.current_device() if device.type == "cuda" else -1
+        self.capacity = capacity
+        self.table_capacity = table
+        self._dev = [torch.empty(capacity, dtype=torch.int32, device=device) for _ in range(2)]
+        self._dev_ptr = [t.data_ptr() for t in self._dev]
+        self._tables = [torch.empty(max(table, 1), dtype=torch.int32, device=device) for _ in range(2)]
+        self._host: list[HostBuffer] = []
+        self._retired: list[HostBuffer] = []  # a replaced staging's buffers whose transfer may not have run
+        self._host_next = 0
+        self._next = 0
+        self._views: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def __del__(self) -> None:
+        for buffer in getattr(self, "_host", []) + getattr(self, "_retired", []):
+            with contextlib.suppress(Exception):  # interpreter shutdown or a broken context
+                buffer.release()
+
+    @staticmethod
+    def sized(old_capacity: int, old_table: int, size: int, table: int) -> tuple[int, int]:
+        """The (capacity, table) of a staging that replaces one of ``old_capacity`` / ``old_table``
+        (0, 0: none) for ``size`` entries and a table of ``table``: ``size`` rounded up to 1024
+        entries, at least twice the old capacity (a growing batch reallocates a few times only);
+        the table at least the old one."""
+        return max(size + (-size % 1024), 2 * old_capacity), max(table, old_table)
+
+    @classmethod
+    def reuse(cls, old: Staging | None, device: torch.device, size: int, table: int = 0) -> Staging:
+        """``old`` when it holds ``size`` entries (and a gathered table of ``table``) on ``device``,
+        else a bigger one that takes over ``old``'s pinned buffers until their transfers ran. In
+        CUDA-graph mode it always does (the buckets, which fix both, cannot change)."""
+        if old is not None and old.device == device and size <= old.capacity and table <= old.table_capacity:
+            return old
+        if old is not None and old.device == device:
+            grown = cls.sized(old.capacity, old.table_capacity, size, table)
+        else:
+            grown = cls.sized(0, 0, size, table)
+        new = cls(device, *grown)
+        if old is not None:  # its pinned buffers may still feed transfers: released once those ran
+            new._retired, old._host, old._retired = old._host + old._retired, [], []
+        return new
+
+    def slot(self, graph: bool) -> int:
+        """The slot the next ``send`` writes: 0 in CUDA-graph mode, else the other one than last time."""
+        chosen = 0 if graph else self._next
+        self._next = 1 - chosen
+        return chosen
+
+    def _new_host(self) -> HostBuffer:
+        return HostBuffer(self.capacity, self.index)
+
+    def _free_host(self) -> HostBuffer:
+        if self._retired:
+            for buffer in self._retired:
+                if buffer.free():
+                    buffer.release()
+            self._retired = [b for b in self._retired if b.pending]
+        ring = self._host
+        for step in range(len(ring)):
+            at = (self._host_next + step) % len(ring)
+            if ring[at].free():
+                self._host_next = (at + 1) % len(ring)
+                return ring[at]
+        buffer = self._new_host()
+        ring.insert(self._host_next, buffer)
+        self._host_next = (self._host_next + 1) % len(ring)
+        return buffer
+
+    def send(self, slot: int, size: int, fill: Callable[[int], None]) -> int:
+        """``size`` int32 written by ``fill(address)`` into a free pinned buffer, then copied to the
+        slot (enqueued on the current stream); the slot's device address."""
+        if size > self.capacity:
+            raise TactixError(f"staging: {size} entries do not fit a slot of {self.capacity} (use Staging.reuse)")
+        buffer = self._free_host()
+        fill(buffer.ptr)
+        buffer.transfer(self._dev[slot], self._dev_ptr[slot], size, self.index)
+        return self._dev_ptr[slot]
+
+    def view(self, slot: int, start: int, count: int) -> torch.Tensor:
+        """Entries ``[start, start + count)`` of a slot, as a device tensor (to copy device-resident
+        data into it after ``send``, on the same stream)."""
+        return self._dev[slot][start : start + count]
+
+    def gather(self, slot: int, count: int, rows: int, width: int, starts_at: int) -> int:
+        """The page table ``[rows, width]`` gathered on the device from the CSR indices that
+        ``send`` put at ``count`` (``starts_at``: the rows' first entries); its device address."""
+        key = (slot, count, rows, width, starts_at)
+        views = self._views.get(key)
+        if views is None:  # the offsets are fixed by the buckets: a few sets per wrapper
+            if len(self._views) >= 64:
+                self._views.clear()
+            packed = self._dev[slot]
+            views = self._views[key] = (packed[count:].unfold(0, width, 1), packed[starts_at : starts_at + rows],
+                                        self._tables[slot][: rows * width].view(rows, width))  # fmt: skip
+        windows, starts, table = views
+        torch.index_select(windows, 0, starts, out=table)
+        return table.data_ptr()

@@ -1,0 +1,195 @@
+"""The plan-path helpers plugins share (`tactix.staging`, `tactix.cudart`), on the CPU.
+
+What needs no GPU: the section layout and its C-level writer, the page-table layout on the host
+and its gather (CPU tensors), the staging's sizing rules, and its slot and pinned-ring
+bookkeeping with a stand-in for the pinned buffer (copies that complete when the test says so):
+the transfers themselves, the events and the CUDA runtime calls are covered by the GPU tests
+(tests/gpu/test_cudnn_gpu.py, tests/gpu/test_cuda_native_gpu.py: plans far ahead of the GPU).
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+
+from tactix import TactixError, cudart
+from tactix.staging import ALIGN, HostBuffer, Staging, gather_table, sections, write_int32, write_table
+
+
+def test_the_plan_path_finds_the_cuda_runtime_torch_mapped(tmp_path: Path) -> None:
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n"
+        "7f02-7f03 r-xp 00000000 08:01 2 /site/nvidia/cu13/lib/libcudart.so.13\n"
+        "7f04-7f05 rw-p 00000000 00:00 0\n"
+    )
+    assert cudart._loaded_cudart(str(maps)) == "/site/nvidia/cu13/lib/libcudart.so.13"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n")
+    assert cudart._loaded_cudart(str(maps)) is None
+    assert cudart._loaded_cudart(str(tmp_path / "missing")) is None
+    if not torch.cuda.is_available():
+        assert cudart.runtime() is None  # then staging uses torch's copy and events
+
+
+def test_sections_are_aligned_named_and_memoised() -> None:
+    layout = sections(("items", 40), ("count", 1), ("empty", 0), ("indices", 64))
+    assert layout.names == ("items", "count", "empty", "indices")
+    assert layout.offsets == (0, 64, 96, 128) and layout.capacities == (40, 1, 1, 64)
+    assert layout.total == 192 and all(o % ALIGN == 0 for o in layout.offsets)
+    assert layout.offset("indices") == 128
+    assert sections(("items", 40), ("count", 1), ("empty", 0), ("indices", 64)) is layout
+
+
+def test_sections_write_every_entry_from_lists_arrays_and_tensors() -> None:
+    layout = sections(("a", 5), ("b", 3), ("c", 40), ("d", 2))
+    host = torch.full((layout.total,), -7, dtype=torch.int32)
+    strided = torch.arange(100, 180, dtype=torch.int64)[::2]  # int64, not contiguous: converted
+    layout.write(host.data_ptr(), [[1, -2, 2**31 - 1], array.array("i", [9, 8, 7]), strided, []])
+    want = [1, -2, 2**31 - 1] + [0] * 29 + [9, 8, 7] + [0] * 29 + list(range(100, 180, 2)) + [0] * 24 + [0] * 32
+    assert host.tolist() == want  # pieces in place, the rest of every section zero: no entry left over
+    layout.write(host.data_ptr(), [range(5), (4,), torch.ones(40, dtype=torch.int32), array.array("i")])
+    assert host[:5].tolist() == [0, 1, 2, 3, 4] and host[32:34].tolist() == [4, 0] and host[-32:].sum() == 0
+
+
+def test_sections_refuse_what_does_not_fit() -> None:
+    layout = sections(("a", 2), ("b", 1))
+    host = torch.zeros(layout.total, dtype=torch.int32)
+    with pytest.raises(TactixError, match="section 'a' holds 2 entries"):
+        layout.write(host.data_ptr(), [[1, 2, 3], [0]])
+    with pytest.raises(TactixError, match="section 'b' holds 1 entries"):
+        layout.write(host.data_ptr(), [[1], torch.zeros(2, dtype=torch.int32)])
+    with pytest.raises(TactixError, match="take one piece each"):
+        layout.write(host.data_ptr(), [[1]])
+    with pytest.raises(TactixError, match="int32"):
+        layout.write(host.data_ptr(), [[2**31], [0]])
+    with pytest.raises(TactixError, match="4-byte ints"):
+        layout.write(host.data_ptr(), [array.array("q", [1]), [0]])
+
+
+def test_write_int32_is_one_copy_of_the_values() -> None:
+    host = torch.full((8,), -1, dtype=torch.int32)
+    assert write_int32(host.data_ptr() + 4, [3, -4, 5]) == 3
+    assert write_int32(host.data_ptr(), []) == 0
+    assert host.tolist() == [-1, 3, -4, 5, -1, -1, -1, -1]
+
+
+def test_page_table_on_the_host_and_gathered_agree() -> None:
+    """The padded [rows, width] table from CSR indices: laid out on the host (zeros past each
+    request and in padding rows) and gathered (whatever past each request: never read)."""
+    pages = [1, 4, 2, 3]
+    rows, width = 6, 4  # two padding rows, as a bucketed batch has
+    gen = torch.Generator().manual_seed(0)
+    indices = torch.randperm(40, generator=gen)[: sum(pages)].to(torch.int32)
+    indptr = [0, *itertools.accumulate(pages)]
+    host = torch.full((rows * width,), -1, dtype=torch.int32)
+    write_table(host.data_ptr(), indices.data_ptr(), indptr, rows, width)
+    table = host.view(rows, width)
+    ext = torch.cat([indices, torch.zeros(width, dtype=torch.int32)])
+    starts = torch.tensor(indptr[:-1] + [indptr[-1]] * (rows - len(pages)), dtype=torch.int32)
+    gathered = torch.full((rows, width), -1, dtype=torch.int32)
+    gather_table(ext, starts, out=gathered)
+    for r in range(rows):
+        n = pages[r] if r < len(pages) else 0
+        mine = indices[indptr[r] : indptr[r] + n].tolist() if n else []
+        assert table[r, :n].tolist() == mine == gathered[r, :n].tolist()
+        assert not table[r, n:].any()
+    assert int(gathered.min()) >= 0  # every gathered entry is a real page
+
+
+def test_staging_sizes_round_up_and_grow_by_doubling() -> None:
+    assert Staging.sized(0, 0, 1, 0) == (1024, 0)
+    assert Staging.sized(0, 0, 1024, 300) == (1024, 300)
+    assert Staging.sized(0, 0, 1025, 0) == (2048, 0)
+    assert Staging.sized(1024, 300, 1100, 10) == (2048, 300)  # twice the old one: a few reallocations only
+    assert Staging.sized(1024, 0, 9000, 0) == (9216, 0)
+
+
+class _Pinned:
+    """Stands in for a pinned `HostBuffer`: its copy lands at once, and counts as still queued (its
+    event not reached) until the test calls ``ran()``."""
+
+    made: ClassVar[list[_Pinned]] = []
+
+    def __init__(self, capacity: int) -> None:
+        self.tensor = torch.zeros(capacity, dtype=torch.int32)
+        self.ptr = self.tensor.data_ptr()
+        self.pending = False
+        self.done = False
+        self.released = False
+        _Pinned.made.append(self)
+
+    def free(self) -> bool:
+        if self.pending and self.done:
+            self.pending = False
+        return not self.pending
+
+    def ran(self) -> None:
+        self.done = True
+
+    def transfer(self, dst: torch.Tensor, dst_ptr: int, size: int, device_index: int) -> None:
+        assert dst.data_ptr() == dst_ptr
+        dst[:size].copy_(self.tensor[:size])
+        self.pending, self.done = True, False
+
+    def release(self) -> None:
+        assert not self.pending or self.done, "released while its transfer may still read it"
+        self.released = True
+        self.pending = False
+
+
+class _CpuStaging(Staging):
+    """A staging whose slots are CPU tensors and whose pinned buffers are `_Pinned`."""
+
+    def _new_host(self) -> HostBuffer:
+        return _Pinned(self.capacity)  # type: ignore[return-value]
+
+
+def _send(staging: Staging, slot: int, values: list[int]) -> int:
+    def fill(dst: int) -> None:
+        buffer = next(b for b in staging._host if b.ptr == dst)
+        assert buffer.free(), "a pinned buffer was written while its transfer was still queued"
+        write_int32(dst, values)
+
+    return staging.send(slot, len(values), fill)
+
+
+def test_staging_alternates_slots_and_grows_its_ring_while_transfers_wait() -> None:
+    _Pinned.made.clear()
+    cpu = torch.device("cpu")
+    staging = _CpuStaging.reuse(None, cpu, 100)
+    assert isinstance(staging, _CpuStaging) and staging.capacity == 1024
+    assert [staging.slot(False) for _ in range(3)] == [0, 1, 0]
+    assert [staging.slot(True) for _ in range(2)] == [0, 0]  # CUDA-graph plans: always slot 0
+    # the GPU held back: every transfer still queued, so each plan takes a new pinned buffer
+    addresses = [_send(staging, staging.slot(False), [i] * 10) for i in range(3)]
+    assert addresses == [staging._dev_ptr[1], staging._dev_ptr[0], staging._dev_ptr[1]]
+    assert len(staging._host) == 3
+    assert staging.view(1, 0, 3).tolist() == [2, 2, 2] and staging.view(0, 0, 3).tolist() == [1, 1, 1]
+    # once the first transfer ran its buffer is written again, and no other is
+    _Pinned.made[0].ran()
+    _send(staging, staging.slot(False), [7] * 10)
+    assert len(staging._host) == 3 and _Pinned.made[0].tensor[0] == 7 and len(_Pinned.made) == 3
+    with pytest.raises(TactixError, match="do not fit a slot of 1024"):
+        staging.send(0, 1025, lambda dst: None)
+
+
+def test_a_grown_staging_keeps_the_old_buffers_until_their_transfers_ran() -> None:
+    _Pinned.made.clear()
+    cpu = torch.device("cpu")
+    old = _CpuStaging.reuse(None, cpu, 1000)
+    assert _CpuStaging.reuse(old, cpu, 1024) is old  # fits: the same slots and ring
+    for i in range(2):
+        _send(old, old.slot(False), [i] * 8)
+    first, second = _Pinned.made
+    new = _CpuStaging.reuse(old, cpu, 1500)
+    assert new is not old and new.capacity == 2048 and old._host == []
+    assert {id(b) for b in new._retired} == {id(first), id(second)}
+    first.ran()
+    _send(new, new.slot(False), [5] * 1500)  # frees what ran, keeps what may still be read
+    assert first.released and not second.released and new._retired == [second]
+    assert len(new._host) == 1 and new._host[0].tensor.numel() == 2048
