@@ -768,6 +768,9 @@ def test_eager_replans_far_ahead_of_the_gpu_keep_every_batch_metadata(op: str, i
     grew = len(staging._host)
     assert all(p._staging is staging for p in plans), "a batch of a size seen before reallocated the staging"
     assert len({p._ptrs[0] for p in plans}) == 2, "successive eager plans must alternate between two slots"
+    if op == "decode":  # split requests: each plan takes over the replaced plan's partials and counters
+        assert all(p.work.needs_merge for p in plans)
+        assert len({(p._part_o.data_ptr(), p._counters.data_ptr()) for p in plans}) == 1
     torch.cuda.synchronize()
     # every transfer waits behind the sleep at once: one pinned buffer each
     assert grew >= len(batches), (

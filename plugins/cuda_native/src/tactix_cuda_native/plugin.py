@@ -608,13 +608,23 @@ class CudaNativeDecodePlan(_StagedPlan):
                                                functools.partial(decode_sections, item_cap),
                                                [decode_items(work, batch.kv_indptr_list), [len(work.items)]],
                                                page_cap)  # fmt: skip
+        grid_y = decode_grid(1, hkv, gqa)[1]
         if isinstance(replaced, CudaNativeDecodePlan):  # CUDA-graph re-plan: the captured workspace
             self._part_o, self._part_lse = replaced._part_o, replaced._part_lse
             self._counters = replaced._counters
+        elif (
+            isinstance(previous, CudaNativeDecodePlan)
+            and previous.device == self.device
+            and previous._part_o.numel() >= max(slot_cap, 1) * hq * d
+            and previous._part_lse.numel() >= max(slot_cap, 1) * hq
+            and previous._counters.numel() >= b * grid_y
+        ):
+            # an eager re-plan takes over the replaced plan's workspace (stream-ordered after its runs,
+            # as the staging slots are); the kernel leaves every counter at zero after a run
+            self._part_o, self._part_lse, self._counters = previous._part_o, previous._part_lse, previous._counters
         else:
             self._part_o = torch.empty(max(slot_cap, 1) * hq * d, dtype=torch.float32, device=self.device)
             self._part_lse = torch.empty(max(slot_cap, 1) * hq, dtype=torch.float32, device=self.device)
-            grid_y = decode_grid(1, hkv, gqa)[1]
             self._counters = torch.zeros(b * grid_y, dtype=torch.int32, device=self.device)
         self._ptrs = (
             base + 4 * layout.offset("items"),
