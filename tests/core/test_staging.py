@@ -99,6 +99,9 @@ def test_page_table_on_the_host_and_gathered_agree() -> None:
         assert table[r, :n].tolist() == mine == gathered[r, :n].tolist()
         assert not table[r, n:].any()
     assert int(gathered.min()) >= 0  # every gathered entry is a real page
+    # a batch of empty requests (no page entries at all): zeros, nothing read from the indices
+    write_table(host.data_ptr(), 0, [0, 0, 0], rows, width)
+    assert not host.any()
 
 
 def test_staging_sizes_round_up_and_grow_by_doubling() -> None:

@@ -162,10 +162,25 @@ def write_table(dst: int, src: int, indptr: list[int], rows: int, width: int) ->
     """Write the padded page table ``[rows, width]`` at address ``dst`` from the int32 CSR indices
     at ``src``: zeros (page 0, a valid page) everywhere, then each request's pages, one C-level
     copy per request (``indptr``: the CSR offsets, ``len(indptr) - 1 <= rows``)."""
-    ctypes.memset(dst, 0, 4 * rows * width)
+    size, nnz = rows * width, indptr[-1] if indptr else 0
+    if size == 0:
+        return
+    # slice assignment between memoryviews: ~0.1 us a row, where a ctypes.memmove call costs ~0.5
+    table = memoryview((ctypes.c_int32 * size).from_address(dst)).cast("B").cast("i")
+    table[:] = _zero_view(size)
+    if nnz == 0:
+        return
+    pages = memoryview((ctypes.c_int32 * nnz).from_address(src)).cast("B").cast("i")
     for r in range(len(indptr) - 1):
-        start = indptr[r]
-        ctypes.memmove(dst + 4 * r * width, src + 4 * start, 4 * (indptr[r + 1] - start))
+        start, end = indptr[r], indptr[r + 1]
+        at = r * width
+        table[at : at + end - start] = pages[start:end]
+
+
+@functools.lru_cache(maxsize=32)
+def _zero_view(size: int) -> memoryview:
+    """``size`` int32 zeros to copy from (a table's size is fixed by its buckets: a few per process)."""
+    return memoryview(bytes(4 * size)).cast("i")
 
 
 def gather_table(ext: torch.Tensor, row_starts: torch.Tensor, out: torch.Tensor) -> None:
