@@ -19,7 +19,7 @@ from typing import Any, Final
 import torch
 
 import tactix
-from tactix import PagedBatch, PlanOptions, Tactic, UnsupportedProblemError
+from tactix import PagedBatch, PlanOptions, Tactic, UnsupportedProblemError, cudart
 from tactix.devices import cuda_available
 from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem, bucket_size
 from tactix.staging import Staging, gather_table, write_table
@@ -266,7 +266,7 @@ def handle_for(device: torch.device) -> Any:
 
 def _bind_stream(handle: Any, device: torch.device) -> None:
     """Point the handle at torch's current stream (a set_stream call only when it changed)."""
-    stream = torch.cuda.current_stream(device).cuda_stream
+    stream = cudart.raw_stream(device.index if device.index is not None else torch.cuda.current_device())
     if _bound_stream.get(id(handle)) != stream:
         frontend().set_stream(handle, stream)
         _bound_stream[id(handle)] = stream
@@ -442,17 +442,19 @@ class CudnnAttentionPlan:
     _small: torch.Tensor | None  # device: lengths, offsets and row starts (None: in the staging slot)
     _table: torch.Tensor | None  # device: the padded page table [batch, width] (None: in the staging slot)
     _base_key: GraphKey
+    handle: Any  # the device's cuDNN handle (`handle_for`)
 
     def __init__(self, problem: PrefillProblem | DecodeProblem, batch: PagedBatch, tactic: Tactic,
                  options: PlanOptions) -> None:  # fmt: skip
         self.problem = problem
         self.device = options["device"]
-        self.handle = handle_for(self.device)
+        previous = options["previous"]
+        prev = previous if isinstance(previous, CudnnAttentionPlan) and previous.device == self.device else None
+        self.handle = prev.handle if prev is not None else handle_for(self.device)
         max_page = batch.max_page_index
         if max_page is None:  # device-resident indices: one read to size the container
             max_page = int(batch.kv_indices.max()) if batch.num_page_entries else 0
         pages = max_page + 1
-        previous = options["previous"]
         graph_mode = options["use_cuda_graph"] and isinstance(previous, CudnnAttentionPlan)
         if graph_mode:
             assert isinstance(previous, CudnnAttentionPlan)
@@ -461,7 +463,7 @@ class CudnnAttentionPlan:
         self._requested = tactic
         base = self._key(_contiguous_strides(problem, problem.head_dim_qk),
                          _contiguous_strides(problem, problem.head_dim_vo))  # fmt: skip
-        if graph_mode:
+        if graph_mode and (prev is None or prev._base_key is not base):
             assert isinstance(previous, CudnnAttentionPlan)
             # the re-plan names the concrete plan the first one chose: compare shapes, not tactics
             if dataclasses.replace(previous._base_key, engine=None, knobs=()) != dataclasses.replace(
