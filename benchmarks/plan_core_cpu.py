@@ -1,0 +1,180 @@
+"""Host cost of the core's part of a re-plan, on the CPU (no GPU needed).
+
+    python benchmarks/plan_core_cpu.py [--plans 2000] [--batches 16] [--profile]
+
+A serving engine re-plans every step with a new batch of the same shapes. This re-plans
+``tactix.PagedDecode("HND", backend="torch", device="cpu")`` (and a `PagedPrefill`) over
+batches made beforehand and cycled, and reports per plan the median of
+
+* ``plan``: the whole ``plan()`` call,
+* ``hook``: the torch backend's plan hook, timed inside the call,
+* ``core``: ``plan - hook``, what tactix itself costs: validating the CSR arrays, the problem,
+  the selection and check, the plan bookkeeping.
+
+The torch backend's real plan builds its gather indices and mask with a few dozen torch ops
+(hundreds of µs to ms, and freeing the previous plan's large mask lands in the core's time), so
+by default its plan hooks are replaced by a stub that returns a tensor-free plan at once: the
+core is then measured alone. ``--real-hook`` keeps the real hooks.
+
+Cases: decode of 8 requests with ~1k keys, decode of 64 requests with 4-8k keys, prefill of
+16 causal requests of 64 new tokens over ~4k cached keys; page 16, HND, 32 query / 8 KV heads,
+d128, bf16; int32 CPU index tensors; one torch thread. ``--profile`` prints a cProfile of each
+case's re-plans, sorted by own time. Compare runs on one host only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from plan_time import batch
+
+import tactix
+from tactix.registry import get_registry
+from tactix.tactics import Tactic
+
+_HEADS: dict[str, Any] = {
+    "num_qo_heads": 32,
+    "num_kv_heads": 8,
+    "head_dim_qk": 128,
+    "page_size": 16,
+    "q_data_type": torch.bfloat16,
+}
+_PAGE = 16
+
+
+def make_batch(seed: int, count: int, low: int, high: int) -> tuple[torch.Tensor, ...]:
+    """CSR metadata (kv_indptr, kv_indices, last_page_len) of ``count`` requests of low..high keys."""
+    return batch(seed, count, low, high, _PAGE)[:3]
+
+
+class _StubPlan:
+    """What the stub hook returns: a plan without tensors (``run`` does nothing)."""
+
+    built = False
+
+    def __init__(self, tactic: Tactic) -> None:
+        self.tactic = tactic
+
+    def run(self, *args: object) -> None:
+        pass
+
+
+_EXPLICIT = Tactic(backend="torch", kernel="explicit")
+
+
+def _stub_hook(backend: str, problem: object, batch: object, tactic: Tactic, options: object) -> _StubPlan | None:
+    return _StubPlan(_EXPLICIT) if backend == "torch" else None
+
+
+class _HookTimer:
+    """Times the torch backend's plan hooks per call (stubbed unless ``real``)."""
+
+    def __init__(self, real: bool) -> None:
+        self.spent = 0.0
+        self.real = real
+        self._hooks = get_registry().get("torch")._hooks
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> _HookTimer:
+        for name in ("tactix_plan_decode", "tactix_plan_prefill"):
+            hook = self._hooks[name]
+            self._saved[name] = original = hook.function
+            hook.function = self._timed(original if self.real else _stub_hook)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._saved.items():
+            self._hooks[name].function = original
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.spent += time.perf_counter() - t0
+
+        return timed
+
+
+def _cases(batches: int) -> dict[str, tuple[Callable[[], None], ...]]:
+    decode8 = tactix.PagedDecode("HND", backend="torch", device="cpu")
+    decode64 = tactix.PagedDecode("HND", backend="torch", device="cpu")
+    prefill16 = tactix.PagedPrefill("HND", backend="torch", device="cpu")
+    qo = torch.arange(0, 17 * 64, 64, dtype=torch.int32)  # 16 requests of 64 new tokens
+
+    def decode_calls(wrapper: tactix.PagedDecode, count: int, low: int, high: int) -> tuple[Callable[[], None], ...]:
+        made = [make_batch(seed, count, low, high) for seed in range(batches)]
+        return tuple((lambda b=b: wrapper.plan(*b, **_HEADS)) for b in made)
+
+    made = [make_batch(seed, 16, 4100, 4200) for seed in range(batches)]
+    prefill_calls = tuple((lambda b=b: prefill16.plan(qo, *b, causal=True, **_HEADS)) for b in made)
+    return {
+        "decode b8 (~1k)": decode_calls(decode8, 8, 900, 1000),
+        "decode b64 (4-8k)": decode_calls(decode64, 64, 4100, 8000),
+        "prefill b16 (64 q, ~4k kv)": prefill_calls,
+    }
+
+
+def measure(calls: tuple[Callable[[], None], ...], plans: int, real: bool) -> tuple[float, float, float]:
+    """Median µs per plan of the whole call, of the backend hook, and of the rest (the core)."""
+    whole: list[float] = []
+    hooks: list[float] = []
+    core: list[float] = []
+    with _HookTimer(real) as timer:
+        for call in calls * 4:  # warm: problem memo, selection, caches
+            call()
+        for i in range(plans):
+            call = calls[i % len(calls)]
+            timer.spent = 0.0
+            t0 = time.perf_counter()
+            call()
+            dt = time.perf_counter() - t0
+            whole.append(dt)
+            hooks.append(timer.spent)
+            core.append(dt - timer.spent)
+    return tuple(statistics.median(x) * 1e6 for x in (whole, hooks, core))  # type: ignore[return-value]
+
+
+def profile(calls: tuple[Callable[[], None], ...], plans: int, real: bool) -> None:
+    with _HookTimer(real):
+        for call in calls * 4:
+            call()
+        prof = cProfile.Profile()
+        prof.enable()
+        for i in range(plans):
+            calls[i % len(calls)]()
+        prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plans", type=int, default=2000, help="timed re-plans per case")
+    parser.add_argument("--batches", type=int, default=16, help="distinct batches cycled per case")
+    parser.add_argument("--profile", action="store_true", help="print a cProfile of each case instead")
+    parser.add_argument("--real-hook", action="store_true", help="run the torch backend's real plan hooks")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # the hook's small ops gain nothing from a pool whose spinning disturbs timing
+    print(f"tactix from {tactix.__file__}")
+    cases = _cases(args.batches)
+    if args.profile:
+        for label, calls in cases.items():
+            print(f"== {label}")
+            profile(calls, args.plans, args.real_hook)
+        return
+    print(f"{'case':28} {'plan us':>9} {'hook us':>9} {'core us':>9}")
+    for label, calls in cases.items():
+        whole, hook, core = measure(calls, args.plans, args.real_hook)
+        print(f"{label:28} {whole:9.1f} {hook:9.1f} {core:9.1f}")
+
+
+if __name__ == "__main__":
+    main()
