@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -59,22 +61,46 @@ def bucket_size(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _values(names: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """A C-level getter of ``names`` from a dict, always giving a tuple."""
+    if not names:
+        return lambda d: ()
+    if len(names) == 1:
+        name = names[0]
+        return lambda d: (d[name],)
+    return operator.itemgetter(*names)  # type: ignore[return-value]
+
+
 class _ProblemBase(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     op: ClassVar[Op]
     _dynamic: ClassVar[tuple[str, ...]] = ()
+    _static_values: ClassVar[staticmethod[[dict[str, Any]], tuple[Any, ...]]]
+    _dynamic_values: ClassVar[staticmethod[[dict[str, Any]], tuple[Any, ...]]]
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        # staticmethod: a lambda stored on the class would otherwise bind as a method
+        cls._static_values = staticmethod(_values([n for n in cls.model_fields if n not in cls._dynamic]))
+        cls._dynamic_values = staticmethod(_values(list(cls._dynamic)))
 
     def bucketed(self) -> Self:
         """This problem with its dynamic sizes rounded up to their bucket: the store key."""
         changes = {name: bucket_size(getattr(self, name)) for name in self._dynamic}
         return self.model_copy(update=changes)
 
+    def static_key(self) -> tuple[Any, ...]:
+        """A hashable identity of everything but the dynamic sizes (for memos of what depends
+        on the static problem only)."""
+        return (self.op, *self._static_values(self.__dict__))
+
     def bucket_key(self) -> tuple[Any, ...]:
         """A hashable identity of this problem's bucket, cheap to compute (in-memory lookups);
         equal exactly when :meth:`key_hash` is equal."""
-        dynamic = self._dynamic
-        return (self.op, *(bucket_size(v) if n in dynamic else v for n, v in self.__dict__.items()))
+        d = self.__dict__
+        return (self.op, *self._static_values(d), *map(bucket_size, self._dynamic_values(d)))
 
     def key(self) -> dict[str, Any]:
         """The JSON object identifying this problem's bucket (includes the op)."""

@@ -75,9 +75,29 @@ class BackendRecord:
 class _Hook:
     function: Callable[..., Any]
     argnames: tuple[str, ...]
+    # per argument order a caller passes: the positions this implementation takes (None: all)
+    _orders: dict[tuple[str, ...], tuple[int, ...] | None] = field(default_factory=dict, repr=False)
 
     def __call__(self, **kwargs: Any) -> Any:
         return self.function(*[kwargs[a] for a in self.argnames])
+
+    def call(self, names: tuple[str, ...], *args: Any) -> Any:
+        """Call with ``args`` named by ``names`` (the spec's arguments, in any fixed order) and
+        no keyword dicts: the plan path calls hooks on every plan."""
+        try:
+            order = self._orders[names]
+        except KeyError:
+            order = None if self.argnames == names else tuple(names.index(a) for a in self.argnames)
+            self._orders[names] = order
+        if order is None:
+            return self.function(*args)
+        return self.function(*[args[i] for i in order])
+
+
+_PLAN_HOOKS: Final = {op: f"tactix_plan_{op}" for op in ("prefill", "decode", "gemm")}
+_CHECK_ARGS: Final = ("backend", "problem", "tactic", "batch")
+_PLAN_ARGS: Final = ("backend", "problem", "batch", "tactic", "options")
+_GEMM_PLAN_ARGS: Final = ("backend", "problem", "tactic", "options")
 
 
 @dataclass
@@ -92,6 +112,9 @@ class Backend:
     spec: BackendSpec
     _hooks: dict[str, _Hook] = field(repr=False)
     _environment: list[str] | None = field(default=None, repr=False)
+    # reasons from the environment and the declared capabilities, by problem.static_key(): both
+    # are fixed for a backend, and attention capabilities read no dynamic size
+    _static_reasons: dict[tuple[Any, ...], tuple[str, ...]] = field(default_factory=dict, repr=False)
 
     @property
     def name(self) -> str:
@@ -139,14 +162,30 @@ class Backend:
         return out
 
     def check(self, problem: Problem, tactic: Tactic, batch: Any = None) -> list[str]:
-        """Reasons ``tactic`` cannot serve ``problem`` here: environment, capabilities, plugin."""
-        if tactic.backend != self.name:
-            return [f"tactic {tactic} belongs to backend '{tactic.backend}', not '{self.name}'"]
-        reasons = self.environment() + self.spec.reasons(problem)
-        if reasons:
-            return reasons
+        """Reasons ``tactic`` cannot serve ``problem`` here: environment, capabilities, plugin.
+
+        The plugin's ``tactix_check`` is asked every time (its answer may depend on the sizes and
+        the batch); what comes before it is remembered per static problem."""
+        name = self.spec.name
+        if tactic.backend != name:
+            return [f"tactic {tactic} belongs to backend '{tactic.backend}', not '{name}'"]
+        if problem.op == "gemm":  # GEMM capabilities read m (max_m)
+            static: tuple[str, ...] | list[str] = self.environment() + self.spec.reasons(problem)
+        else:
+            key = problem.static_key()
+            found = self._static_reasons.get(key)
+            if found is None:
+                if len(self._static_reasons) >= 1024:
+                    self._static_reasons.clear()
+                found = self._static_reasons[key] = tuple(self.environment() + self.spec.reasons(problem))
+            static = found
+        if static:
+            return list(static)
+        hook = self._hooks.get("tactix_check")
+        if hook is None:
+            return []
         try:
-            extra = self._call("tactix_check", problem=problem, tactic=tactic, batch=batch)
+            extra = hook.call(_CHECK_ARGS, name, problem, tactic, batch)
         except Exception as exc:
             return [f"tactix_check raised {type(exc).__name__}: {exc}"]
         return list(extra or [])
@@ -157,13 +196,16 @@ class Backend:
 
     def plan(self, problem: Problem, tactic: Tactic, options: hookspecs.PlanOptions, batch: Any = None) -> Any:
         """Call this backend's plan hook for ``problem.op``. Exceptions propagate."""
-        hook = f"tactix_plan_{problem.op}"
-        kwargs: dict[str, Any] = {"problem": problem, "tactic": tactic, "options": options}
-        if problem.op != "gemm":
-            kwargs["batch"] = batch
-        plan = self._call(hook, **kwargs)
+        op = problem.op
+        hook = self._hooks.get(_PLAN_HOOKS[op])
+        plan = None
+        if hook is not None:
+            if op == "gemm":
+                plan = hook.call(_GEMM_PLAN_ARGS, self.spec.name, problem, tactic, options)
+            else:
+                plan = hook.call(_PLAN_ARGS, self.spec.name, problem, batch, tactic, options)
         if plan is None:
-            raise PluginError(f"backend '{self.name}' returned no plan from {hook} for {problem}")
+            raise PluginError(f"backend '{self.name}' returned no plan from {_PLAN_HOOKS[op]} for {problem}")
         return plan
 
 
@@ -174,6 +216,7 @@ class Registry:
         self._records = list(records)
         self._backends = dict(backends)
         self._by_preference = sorted(self._backends.values(), key=lambda b: (-b.spec.preference, b.name))
+        self._by_op: dict[Op, list[Backend]] = {}  # active(op), sorted once (specs are frozen)
 
     @classmethod
     def discover(
@@ -226,7 +269,10 @@ class Registry:
         """Active backends, most preferred first (for ``op``, when given: see ``op_preference``)."""
         if op is None:
             return list(self._by_preference)
-        return sorted(self._by_preference, key=lambda b: (-b.spec.preference_for(op), b.name))
+        ordered = self._by_op.get(op)
+        if ordered is None:
+            ordered = self._by_op[op] = sorted(self._by_preference, key=lambda b: (-b.spec.preference_for(op), b.name))
+        return list(ordered)
 
     def get(self, name: str) -> Backend:
         """The active backend called ``name``; an error naming the valid choices otherwise."""
