@@ -153,6 +153,9 @@ class TacticStore:
         self._attached = False
         self._disk_lookups = True  # off once the view is another rank's (see adopt)
         self._listed: set[tuple[str, str]] = set()
+        # (key hash, entry path) by bucket key: a miss probes the disk on every lookup, and
+        # hashing the key costs far more than the probe
+        self._names: dict[tuple[Any, ...], tuple[str, Path]] = {}
 
     @classmethod
     def open(cls, env_dir: Path | str) -> TacticStore:
@@ -295,8 +298,17 @@ class TacticStore:
         entry = self._entries.get(index)
         if entry is not None or not self._disk_lookups:
             return entry
-        key_hash = problem.key_hash()
-        found = self._read(self.path / "entries" / problem.op / f"{key_hash}.json", problem.op, key_hash)
+        named = self._names.get(index)
+        if named is None:
+            key_hash = problem.key_hash()
+            named = (key_hash, self.path / "entries" / problem.op / f"{key_hash}.json")
+            if len(self._names) >= 4096:
+                self._names.clear()
+            self._names[index] = named
+        key_hash, path = named
+        if not os.path.exists(path):  # a stat, where a failed open costs twice as much
+            return None
+        found = self._read(path, problem.op, key_hash)
         if found is None:
             return None
         with self._lock:
