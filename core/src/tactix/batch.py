@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,17 @@ def _index_array(value: object, argument: str, device: torch.device) -> torch.Te
     if not value.is_cpu and value.device != device:
         raise InvalidArgumentError(argument, f"on the CPU or on {device}", value.device)
     return value
+
+
+def _check_offsets(name: str, indptr: list[int], steps: list[int], fewest: int) -> None:
+    """Refuse a CSR offset array that does not start at 0 or decreases (``steps``: its differences)."""
+    if indptr[0] != 0:
+        raise InvalidArgumentError(name, "a CSR offset array starting at 0", f"{name}[0] = {indptr[0]}")
+    if fewest < 0:
+        i = next(i for i, step in enumerate(steps) if step < 0)
+        raise InvalidArgumentError(
+            name, "non-decreasing", f"{name}[{i}] = {indptr[i]} > {name}[{i + 1}] = {indptr[i + 1]}"
+        )
 
 
 @dataclass(frozen=True)
@@ -119,7 +131,8 @@ class PagedBatch:
         kv_indptr_t = _index_array(kv_indptr, kv_indptr_name, device)
         indices_t = _index_array(kv_indices, kv_indices_name, device)
         last_t = _index_array(kv_last_page_len, last_page_len_name, device)
-        qo_t = None if qo_indptr is None else _index_array(qo_indptr, "qo_indptr", device)
+        decode = qo_indptr is None
+        qo_t = None if decode else _index_array(qo_indptr, "qo_indptr", device)
 
         # One transfer brings device-resident indptrs to the host (their values decide shapes).
         small = [kv_indptr_t, last_t] if qo_t is None else [kv_indptr_t, last_t, qo_t]
@@ -134,7 +147,7 @@ class PagedBatch:
         batch_size = len(kv_list) - 1
         if batch_size < 1:
             raise InvalidArgumentError(kv_indptr_name, "of length batch_size + 1 >= 2", f"length {len(kv_list)}")
-        if qo_t is None:
+        if decode:
             qo_list = list(range(batch_size + 1))
         else:
             qo_list = small[2].tolist()
@@ -150,21 +163,18 @@ class PagedBatch:
             )
         # each check is one C-level min/max over the list; the loop that names the culprit runs
         # only when a check fails
-        qo_lens_list = [1] * batch_size if qo_t is None else [b - a for a, b in itertools.pairwise(qo_list)]
-        num_pages = [b - a for a, b in itertools.pairwise(kv_list)]
-        checked: tuple[tuple[str, list[int], list[int]], ...] = ((kv_indptr_name, kv_list, num_pages),)
-        if qo_t is not None:
-            checked += (("qo_indptr", qo_list, qo_lens_list),)
-        for name, indptr, steps in checked:
-            if indptr[0] != 0:
-                raise InvalidArgumentError(name, "a CSR offset array starting at 0", f"{name}[0] = {indptr[0]}")
-            if min(steps) < 0:
-                i = next(i for i, step in enumerate(steps) if step < 0)
-                raise InvalidArgumentError(
-                    name, "non-decreasing", f"{name}[{i}] = {indptr[i]} > {name}[{i + 1}] = {indptr[i + 1]}"
-                )
-        if min(num_pages) < 1:
-            i = num_pages.index(min(num_pages))
+        num_pages = list(map(operator.sub, itertools.islice(kv_list, 1, None), kv_list))
+        fewest_pages = min(num_pages)
+        _check_offsets(kv_indptr_name, kv_list, num_pages, fewest_pages)
+        if decode:
+            qo_lens_list = [1] * batch_size
+            max_qo_len = 1
+        else:
+            qo_lens_list = list(map(operator.sub, itertools.islice(qo_list, 1, None), qo_list))
+            _check_offsets("qo_indptr", qo_list, qo_lens_list, min(qo_lens_list))
+            max_qo_len = max(qo_lens_list)
+        if fewest_pages < 1:
+            i = num_pages.index(fewest_pages)
             raise InvalidArgumentError(
                 kv_indptr_name, "to give every request at least one page", f"request {i} has none"
             )
@@ -179,7 +189,7 @@ class PagedBatch:
                 f"{indices_t.numel()} entries",
             )
         kv_lens_list = [(n - 1) * page_size + last for n, last in zip(num_pages, last_list, strict=True)]
-        if causal:
+        if not decode and causal:
             for i, (q, kv) in enumerate(zip(qo_lens_list, kv_lens_list, strict=True)):
                 if kv < q:
                     raise InvalidArgumentError(
@@ -208,7 +218,10 @@ class PagedBatch:
                 torch._assert_async(ok, f"'{kv_indices_name}' must hold page indices in [0, {_INT32_MAX}]")
             indices_t = indices_t.to(torch.int32)
 
-        return cls(
+        # the fields set straight into a new instance: a frozen dataclass's __init__ sets each
+        # through object.__setattr__ (about 2 us for these); same fields, same values
+        batch = cls.__new__(cls)
+        batch.__dict__.update(
             page_size=page_size,
             qo_indptr_list=qo_list,
             kv_indptr_list=kv_list,
@@ -218,11 +231,13 @@ class PagedBatch:
             kv_lens_list=kv_lens_list,
             batch_size=batch_size,
             num_qo_tokens=qo_list[-1],
-            max_qo_len=max(qo_lens_list),
+            max_qo_len=max_qo_len,
             max_kv_len=max(kv_lens_list),
             num_page_entries=nnz,
             max_page_index=max_page_index,
+            _device_copies={},
         )
+        return batch
 
     def check_page_bounds(self, num_pages: int, argument: str = "paged_kv_indices") -> None:
         """Refuse page indices outside a cache of ``num_pages`` pages.
