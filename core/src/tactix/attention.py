@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Final, Literal
 
 import torch
 
@@ -69,6 +69,46 @@ def _with_sizes(template: PrefillProblem | DecodeProblem, sizes: dict[str, Any])
     return new
 
 
+def _sized(template: PrefillProblem | DecodeProblem, batch: PagedBatch) -> Any:
+    """The problem of ``batch``: ``template`` (validated, same static arguments) with its sizes."""
+    if template.op == "decode":
+        return _with_sizes(template, {"batch_size": batch.batch_size, "max_kv_len": batch.max_kv_len})
+    return _with_sizes(template, {"batch_size": batch.batch_size, "max_kv_len": batch.max_kv_len,
+                                  "num_qo_tokens": batch.num_qo_tokens, "max_qo_len": batch.max_qo_len})  # fmt: skip
+
+
+def _build_batch(
+    qo_indptr: torch.Tensor | None,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    last_page_len: torch.Tensor,
+    page_size: int,
+    device: torch.device,
+    causal: bool,
+) -> PagedBatch:
+    return PagedBatch.build(
+        qo_indptr=qo_indptr,
+        kv_indptr=kv_indptr,
+        kv_indices=kv_indices,
+        kv_last_page_len=last_page_len,
+        page_size=page_size,
+        device=device,
+        causal=causal,
+    )
+
+
+_ARGUMENT_NAMES: Final = ("num_qo_heads", "num_kv_heads", "head_dim_qk", "head_dim_vo", "page_size", "causal",
+                          "sm_scale", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type", "o_data_type",
+                          "return_lse", "deterministic")  # fmt: skip
+"""The static arguments of `attention_problem` after ``op``, in the order the wrappers pass them."""
+
+
+def _static_key(device_type: str, kv_layout: str, arguments: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The memo key of a set of static plan arguments: their values and their types too (1 == 1.0
+    == True, but each validates, or fails, differently)."""
+    return (device_type, kv_layout, arguments, tuple(map(type, arguments)))
+
+
 def attention_problem(
     op: Literal["prefill", "decode"],
     *,
@@ -103,25 +143,17 @@ def attention_problem(
     a re-plan with the same arguments validates only the batch and copies the problem with the
     batch's sizes (a serving engine re-plans every step with the same heads, dims and dtypes).
     """
-    arguments = (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, sm_scale, window_left,
-                 logits_soft_cap, q_data_type, kv_data_type, o_data_type)  # fmt: skip
-    # the types too: 1 == 1.0 == True, but each validates (or fails) differently
-    static = (op, device.type, kv_layout, causal, return_lse, deterministic, arguments, tuple(map(type, arguments)))
-    template = memo.get(static) if memo is not None else None
+    arguments = (op, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, sm_scale, window_left,
+                 logits_soft_cap, q_data_type, kv_data_type, o_data_type, return_lse, deterministic)  # fmt: skip
+    static = _static_key(device.type, kv_layout, arguments)
+    try:
+        template = memo.get(static) if memo is not None else None
+    except TypeError:  # an unhashable argument: validated (and refused) below
+        template, memo = None, None
     if template is not None:
-        batch = PagedBatch.build(
-            qo_indptr=qo_indptr,
-            kv_indptr=paged_kv_indptr,
-            kv_indices=paged_kv_indices,
-            kv_last_page_len=paged_kv_last_page_len,
-            page_size=template.page_size,
-            device=device,
-            causal=causal,
-        )
-        sizes: dict[str, Any] = {"batch_size": batch.batch_size, "max_kv_len": batch.max_kv_len}
-        if op == "prefill":
-            sizes.update(num_qo_tokens=batch.num_qo_tokens, max_qo_len=batch.max_qo_len)
-        return _with_sizes(template, sizes), batch
+        batch = _build_batch(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                             template.page_size, device, causal)  # fmt: skip
+        return _sized(template, batch), batch
     page_size = _positive_int(page_size, "page_size")
     head_dim_qk = _positive_int(head_dim_qk, "head_dim_qk")
     head_dim_vo = head_dim_qk if head_dim_vo is None else _positive_int(head_dim_vo, "head_dim_vo")
@@ -141,15 +173,8 @@ def attention_problem(
     if not cap >= 0 or not math.isfinite(cap):
         raise InvalidArgumentError("logits_soft_cap", "None, 0 or a finite float > 0", logits_soft_cap)
 
-    batch = PagedBatch.build(
-        qo_indptr=qo_indptr,
-        kv_indptr=paged_kv_indptr,
-        kv_indices=paged_kv_indices,
-        kv_last_page_len=paged_kv_last_page_len,
-        page_size=page_size,
-        device=device,
-        causal=causal,
-    )
+    batch = _build_batch(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size, device,
+                         causal)  # fmt: skip
     fields: dict[str, Any] = {
         "device_type": device.type,
         "num_qo_heads": num_qo_heads,
@@ -180,6 +205,40 @@ def attention_problem(
     return problem, batch
 
 
+class _Static:
+    """What a wrapper derives from one set of static plan arguments (the problem of their first
+    batch, the dtypes and cache shapes run() checks), kept for re-plans with the same ones."""
+
+    __slots__ = ("k_tail", "kv_dtype", "out_dtype", "problem", "q_dtype", "return_lse", "shapes", "v_tail")
+
+    def __init__(self, problem: PrefillProblem | DecodeProblem) -> None:
+        self.problem = problem
+        self.q_dtype = to_torch_dtype(problem.q_dtype)
+        self.kv_dtype = to_torch_dtype(problem.kv_dtype)
+        self.out_dtype = to_torch_dtype(problem.out_dtype)
+        self.return_lse = problem.return_lse
+        heads, page = problem.num_kv_heads, problem.page_size
+        if problem.kv_layout == "NHD":
+            self.k_tail = torch.Size((page, heads, problem.head_dim_qk))
+            self.v_tail = torch.Size((page, heads, problem.head_dim_vo))
+        else:
+            self.k_tail = torch.Size((heads, page, problem.head_dim_qk))
+            self.v_tail = torch.Size((heads, page, problem.head_dim_vo))
+        self.shapes: dict[int, tuple[torch.Size, torch.Size, torch.Size]] = {}
+
+    def shapes_for(self, rows: int) -> tuple[torch.Size, torch.Size, torch.Size]:
+        """The q, out and lse shapes of a batch of ``rows`` query rows."""
+        found = self.shapes.get(rows)
+        if found is None:
+            p = self.problem
+            if len(self.shapes) >= 64:
+                self.shapes.clear()
+            found = self.shapes[rows] = (torch.Size((rows, p.num_qo_heads, p.head_dim_qk)),
+                                         torch.Size((rows, p.num_qo_heads, p.head_dim_vo)),
+                                         torch.Size((rows, p.num_qo_heads)))  # fmt: skip
+        return found
+
+
 class _PagedAttention(Planned):
     _op: ClassVar[str]
     _rows_name: ClassVar[str]
@@ -208,107 +267,90 @@ class _PagedAttention(Planned):
         # caches run() has validated for the current plan, by id(k): (weakref k, weakref v)
         self._accepted: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
         self._splits: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, torch.Tensor]] = {}
-        self._problems: dict[tuple[Any, ...], PrefillProblem | DecodeProblem] = {}  # see attention_problem
+        self._statics: dict[tuple[Any, ...], _Static] = {}  # by the static plan arguments (see _plan)
 
     # -- plan -----------------------------------------------------------------------------
 
     def _plan(
         self,
-        *,
         qo_indptr: torch.Tensor | None,
         paged_kv_indptr: torch.Tensor,
         paged_kv_indices: torch.Tensor,
         paged_kv_last_page_len: torch.Tensor,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim_qk: int,
-        head_dim_vo: int | None,
-        page_size: int,
-        causal: bool,
-        sm_scale: float | None,
-        window_left: int,
-        logits_soft_cap: float | None,
-        q_data_type: torch.dtype | str,
-        kv_data_type: torch.dtype | str | None,
-        o_data_type: torch.dtype | str | None,
-        return_lse: bool,
+        arguments: tuple[Any, ...],
         backend: str | None,
         tactic: Tactic | dict[str, Any] | str | None,
-        deterministic: bool = True,
     ) -> None:
-        if not isinstance(deterministic, bool):
-            raise InvalidArgumentError("deterministic", "a bool", repr(deterministic))
-        device = resolve_device(self._device, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+        """``arguments``: ``op`` and the static plan arguments, in `_ARGUMENT_NAMES` order."""
+        if type(arguments[-1]) is not bool:
+            raise InvalidArgumentError("deterministic", "a bool", repr(arguments[-1]))
+        explicit = self._device
+        if explicit is not None and (explicit.index is not None or explicit.type == "cpu"):
+            device = explicit  # what resolve_device gives back for a concrete device
+        else:
+            device = resolve_device(explicit, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         chosen_backend = self._backend if backend is None else backend
         if not isinstance(chosen_backend, str):
             raise InvalidArgumentError("backend", "'auto' or a backend name", repr(chosen_backend))
         chosen_tactic = None if tactic is None else parse_tactic(tactic)
-        problem, batch = attention_problem(
-            self._op,  # type: ignore[arg-type]
-            device=device,
-            kv_layout=self.kv_layout,
-            qo_indptr=qo_indptr,
-            paged_kv_indptr=paged_kv_indptr,
-            paged_kv_indices=paged_kv_indices,
-            paged_kv_last_page_len=paged_kv_last_page_len,
-            num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim_qk=head_dim_qk,
-            head_dim_vo=head_dim_vo,
-            page_size=page_size,
-            causal=causal,
-            sm_scale=sm_scale,
-            window_left=window_left,
-            logits_soft_cap=logits_soft_cap,
-            q_data_type=q_data_type,
-            kv_data_type=kv_data_type,
-            o_data_type=o_data_type,
-            return_lse=return_lse,
-            deterministic=deterministic,
-            memo=self._problems,
-        )
-        num_qo_heads, num_kv_heads = problem.num_qo_heads, problem.num_kv_heads
-        head_dim_qk, head_dim_vo, page_size = problem.head_dim_qk, problem.head_dim_vo, problem.page_size
-        q_dtype, kv_dtype, out_dtype = problem.q_dtype, problem.kv_dtype, problem.out_dtype
-        options = PlanOptions(device=device, use_cuda_graph=self._use_cuda_graph, previous=None)
-        if self._selection is not None:
-            options["previous"] = self._selection.plan
+        # a re-plan with the static arguments of an earlier plan validates only the batch
+        key: tuple[Any, ...] | None = _static_key(device.type, self.kv_layout, arguments)
+        try:
+            state = self._statics.get(key)  # type: ignore[arg-type]
+        except TypeError:  # an unhashable argument: attention_problem names it
+            state, key = None, None
+        if state is not None:
+            batch = _build_batch(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                                 state.problem.page_size, device, arguments[6])  # fmt: skip
+            problem = _sized(state.problem, batch)
+        else:
+            problem, batch = attention_problem(
+                arguments[0],
+                device=device,
+                kv_layout=self.kv_layout,
+                qo_indptr=qo_indptr,
+                paged_kv_indptr=paged_kv_indptr,
+                paged_kv_indices=paged_kv_indices,
+                paged_kv_last_page_len=paged_kv_last_page_len,
+                **dict(zip(_ARGUMENT_NAMES, arguments[1:], strict=True)),
+            )
+            state = _Static(problem)
+            if key is not None:
+                if len(self._statics) >= 16:
+                    self._statics.clear()
+                self._statics[key] = state
+        previous = self._selection
+        options: PlanOptions = {"device": device, "use_cuda_graph": self._use_cuda_graph,
+                                 "previous": None if previous is None else previous.plan}  # fmt: skip
         selection = select_and_plan(
             problem,
             batch,
             backend=chosen_backend,
             tactic=chosen_tactic,
             options=options,
-            previous=self._selection,  # eager plans may reuse its buffers too (same backend only)
+            previous=previous,  # eager plans may reuse its buffers too (same backend only)
         )
 
-        rows = batch.num_qo_tokens
         self._selection = selection
         self._batch = batch
         self._device_now = device
-        self._q_shape = torch.Size((rows, num_qo_heads, head_dim_qk))
-        self._q_dtype = to_torch_dtype(q_dtype)
-        self._kv_dtype = to_torch_dtype(kv_dtype)
-        self._out_shape = torch.Size((rows, num_qo_heads, head_dim_vo))
-        self._out_dtype = to_torch_dtype(out_dtype)
-        self._lse_shape = torch.Size((rows, num_qo_heads))
-        if self.kv_layout == "NHD":
-            self._k_tail = torch.Size((page_size, num_kv_heads, head_dim_qk))
-            self._v_tail = torch.Size((page_size, num_kv_heads, head_dim_vo))
-        else:
-            self._k_tail = torch.Size((num_kv_heads, page_size, head_dim_qk))
-            self._v_tail = torch.Size((num_kv_heads, page_size, head_dim_vo))
-        self._return_lse = bool(return_lse)
+        self._q_shape, self._out_shape, self._lse_shape = shapes = state.shapes_for(batch.num_qo_tokens)
+        self._q_dtype = state.q_dtype
+        self._kv_dtype = state.kv_dtype
+        self._out_dtype = state.out_dtype
+        self._k_tail = state.k_tail
+        self._v_tail = state.v_tail
+        self._return_lse = state.return_lse
         self._accepted.clear()  # page bounds are per batch: caches are checked again
         self._device_index = device.index if device.type == "cuda" else -1
         self._fast = (
             selection.plan.run,
-            self._q_shape,
-            self._q_dtype,
+            shapes[0],
+            state.q_dtype,
             self._device_index,
-            self._out_shape,
-            self._out_dtype,
-            self._return_lse,
+            shapes[1],
+            state.out_dtype,
+            state.return_lse,
         )
 
     # -- run ------------------------------------------------------------------------------
@@ -575,28 +617,10 @@ class PagedPrefill(_PagedAttention):
         """
         if not isinstance(qo_indptr, torch.Tensor):
             raise InvalidArgumentError("qo_indptr", "a 1-D int32 or int64 torch.Tensor", type(qo_indptr).__name__)
-        self._plan(
-            qo_indptr=qo_indptr,
-            paged_kv_indptr=paged_kv_indptr,
-            paged_kv_indices=paged_kv_indices,
-            paged_kv_last_page_len=paged_kv_last_page_len,
-            num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim_qk=head_dim_qk,
-            head_dim_vo=head_dim_vo,
-            page_size=page_size,
-            causal=causal,
-            sm_scale=sm_scale,
-            window_left=window_left,
-            logits_soft_cap=logits_soft_cap,
-            q_data_type=q_data_type,
-            kv_data_type=kv_data_type,
-            o_data_type=o_data_type,
-            return_lse=return_lse,
-            deterministic=deterministic,
-            backend=backend,
-            tactic=tactic,
-        )
+        arguments = ("prefill", num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, sm_scale,
+                     window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, return_lse,
+                     deterministic)  # fmt: skip
+        self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, arguments, backend, tactic)
 
 
 class PagedDecode(_PagedAttention):
@@ -641,25 +665,7 @@ class PagedDecode(_PagedAttention):
         tactic: Tactic | dict[str, Any] | str | None = None,
     ) -> None:
         """Plan a decode batch; the arguments mean what they mean for `PagedPrefill.plan`."""
-        self._plan(
-            qo_indptr=None,
-            paged_kv_indptr=paged_kv_indptr,
-            paged_kv_indices=paged_kv_indices,
-            paged_kv_last_page_len=paged_kv_last_page_len,
-            num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim_qk=head_dim_qk,
-            head_dim_vo=head_dim_vo,
-            page_size=page_size,
-            causal=False,
-            sm_scale=sm_scale,
-            window_left=window_left,
-            logits_soft_cap=logits_soft_cap,
-            q_data_type=q_data_type,
-            kv_data_type=kv_data_type,
-            o_data_type=o_data_type,
-            return_lse=return_lse,
-            deterministic=deterministic,
-            backend=backend,
-            tactic=tactic,
-        )
+        arguments = ("decode", num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, False, sm_scale,
+                     window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, return_lse,
+                     deterministic)  # fmt: skip
+        self._plan(None, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, arguments, backend, tactic)
