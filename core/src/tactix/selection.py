@@ -6,6 +6,12 @@ An explicit choice that cannot serve raises. Under ``auto``, a stored tactic tha
 validates or whose plan raises falls back to that backend's default and then to the next
 backend, with one `FallbackWarning` naming the problem, the tactic and the cause; when the
 last candidate's plan raises, that error propagates. Nothing is ever retried.
+
+A serving engine re-plans every step with a new batch of the same shapes, so the candidates of
+each (backend, problem bucket) are remembered until a stored tactic may change: a store write,
+`set_tactic_source`, an ``autotune`` block entered or left (`stored_epoch`), or another registry.
+A store miss that looks on disk for other processes' entries is asked again every plan. Each
+candidate's ``check`` (which may depend on the batch) and plan are made every time.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from tactix.autotune.stats import bump
+from tactix.autotune.stats import bump, stored_epoch, stored_tactics_changed
 from tactix.batch import PagedBatch
 from tactix.errors import (
     BackendError,
@@ -27,7 +33,7 @@ from tactix.errors import (
 )
 from tactix.hookspecs import PlanOptions
 from tactix.problems import Problem
-from tactix.registry import Backend, get_registry
+from tactix.registry import Backend, Registry, get_registry
 from tactix.tactics import Tactic
 
 __all__ = ["Planned", "Selection", "select_and_plan", "set_tactic_source"]
@@ -39,11 +45,21 @@ _source: TacticSource | None = None
 _warned: set[tuple[str, str, str]] = set()
 _warned_lock = threading.Lock()
 
+Candidate = tuple[Backend, Tactic, str]
+
+_remembered: dict[tuple[Any, ...], tuple[int, Registry, tuple[Candidate, ...], str | None]] = {}
+"""The candidates of each (backend, problem bucket): `stored_epoch()`, registry, candidates, and the
+store counter their lookup bumped (bumped again when they are used, so counts stay per plan)."""
+
 
 def set_tactic_source(source: TacticSource | None) -> TacticSource | None:
-    """Install the function consulted for stored tactics under ``auto``; returns the old one."""
+    """Install the function consulted for stored tactics under ``auto``; returns the old one.
+
+    The source is asked once per problem bucket and backend: its answers are remembered until the
+    next call of this function (a source gives "the stored tactic for the bucket")."""
     global _source
     old, _source = _source, source
+    stored_tactics_changed()
     return old
 
 
@@ -152,22 +168,7 @@ def select_and_plan(
         _require(b, problem, tactic, batch)
         return Selection(b, _plan_or_raise(b, tactic, problem, batch, plan), "explicit", problem)
 
-    candidates: list[tuple[Backend, Tactic, str]] = []
-    if backend != "auto":
-        b = registry.get(backend)
-        stored = _stored(problem, batch, backend)
-        if stored is not None and stored.backend == b.name:
-            candidates.append((b, stored, "store"))
-        candidates.append((b, Tactic.default(b.name), "default"))
-    else:
-        stored = _stored(problem, batch, backend)
-        if stored is not None:
-            try:
-                candidates.append((registry.get(stored.backend), stored, "store"))
-            except TactixError as exc:
-                warn_fallback(problem, stored, str(exc), "the untuned choice")
-        candidates += [(b, Tactic.default(b.name), "default") for b in registry.active(problem.op)]
-
+    candidates = _candidates(registry, problem, batch, backend)
     unsupported: list[str] = []
     failure: tuple[Tactic, BaseException] | None = None
     for index, (b, t, source) in enumerate(candidates):
@@ -201,12 +202,50 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _stored(problem: Problem, batch: PagedBatch | None, backend: str) -> Tactic | None:
-    if _source is not None:
-        return _source(problem)
-    from tactix.autotune.context import stored_tactic  # the tuner plans through the registry, not here
+def _candidates(registry: Registry, problem: Problem, batch: PagedBatch | None, backend: str) -> tuple[Candidate, ...]:
+    """(backend, tactic, source) to try in order: the stored tactic first, then defaults.
 
-    return stored_tactic(problem, batch, backend)
+    Remembered per backend and problem bucket while the epoch and the registry stay the same,
+    unless the answer may change without either (a store miss that asks the disk each time)."""
+    named = None if backend == "auto" else registry.get(backend)  # an unknown name fails before any lookup
+    key = (backend, problem.bucket_key())
+    epoch = stored_epoch()
+    found = _remembered.get(key)
+    if found is not None and found[0] == epoch and found[1] is registry:
+        if found[3] is not None:
+            bump(found[3])
+        return found[2]
+    stored, counter, stable = _stored(problem, batch, backend)
+    candidates: list[Candidate] = []
+    if named is not None:
+        b = named
+        if stored is not None and stored.backend == b.name:
+            candidates.append((b, stored, "store"))
+        candidates.append((b, Tactic.default(b.name), "default"))
+    else:
+        if stored is not None:
+            try:
+                candidates.append((registry.get(stored.backend), stored, "store"))
+            except TactixError as exc:
+                warn_fallback(problem, stored, str(exc), "the untuned choice")
+                stable = False  # the warning (and its count) is the caller's on every plan
+        candidates += [(b, Tactic.default(b.name), "default") for b in registry.active(problem.op)]
+    chosen = tuple(candidates)
+    if stable:
+        if len(_remembered) >= 1024:
+            _remembered.clear()
+        _remembered[key] = (epoch, registry, chosen, counter)
+    return chosen
+
+
+def _stored(problem: Problem, batch: PagedBatch | None, backend: str) -> tuple[Tactic | None, str | None, bool]:
+    """The stored tactic, the stats counter its lookup bumped, and whether the answer may be
+    remembered until the epoch changes."""
+    if _source is not None:
+        return _source(problem), None, True
+    from tactix.autotune.context import current  # the tuner plans through the registry, not here
+
+    return current().lookup(problem, batch, backend)
 
 
 def _require(b: Backend, problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> None:

@@ -25,7 +25,7 @@ import torch
 from tactix.autotune import distributed
 from tactix.autotune.environment import environment
 from tactix.autotune.policy import MeasurementPolicy
-from tactix.autotune.stats import bump
+from tactix.autotune.stats import bump, stored_tactics_changed
 from tactix.autotune.store import StoreEntry, TacticStore, default_root
 from tactix.autotune.tuner import tune
 from tactix.batch import PagedBatch
@@ -62,24 +62,32 @@ class Autotuner:
 
     def tactic_for(self, problem: Problem, batch: PagedBatch | None, backend: str) -> Tactic | None:
         """The stored tactic for ``problem`` (tuning it first in tune mode), or None."""
+        return self.lookup(problem, batch, backend)[0]
+
+    def lookup(
+        self, problem: Problem, batch: PagedBatch | None, backend: str
+    ) -> tuple[Tactic | None, str | None, bool]:
+        """`tactic_for`, with what a memo of its answer needs: the stats counter it bumped, and
+        whether the answer holds until the store is written or the tuning state changes (a
+        miss of a store that looks for other processes' entries on disk does not)."""
         if self.store is None:
-            return None
+            return None, None, True
         with self._lock:
             entry = self.store.lookup(problem)
             if entry is not None:
                 if backend not in ("auto", entry.tactic.backend):
-                    return None
+                    return None, None, True
                 bump("store_hits")
                 log.debug("%s served by stored entry %s: %s", problem, entry.key_hash, entry.tactic)
-                return entry.tactic
+                return entry.tactic, "store_hits", True
             bump("store_misses")
             if self.mode != "tune" or backend != "auto":
-                return None
+                return None, "store_misses", not self.store.reads_disk
             entry = self._tune(problem, batch)
             self.store.put(entry)
             log.info("tuned %s: %s (untuned %s, %s)", problem, entry.tactic, entry.baseline,
                      f"{entry.speedup():.2f}x" if entry.speedup() else "no timing")  # fmt: skip
-            return entry.tactic
+            return entry.tactic, None, False  # the next plan finds the entry: a hit
 
     def _tune(self, problem: Problem, batch: PagedBatch | None) -> StoreEntry:
         assert self.store is not None
@@ -171,8 +179,10 @@ def autotune(
     state = Autotuner(mode, policy, store, process_group, registry)
     with _lock:
         _stack.append(state)
+    stored_tactics_changed()
     try:
         yield state
     finally:
         with _lock:
             _stack.remove(state)
+        stored_tactics_changed()

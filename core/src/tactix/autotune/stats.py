@@ -1,11 +1,12 @@
-"""Process-wide counters of what planning cost: store hits and misses, fallbacks, builds, tuning."""
+"""Process-wide counters of what planning cost: store hits and misses, fallbacks, builds, tuning;
+and the epoch of the stored tactics, which remembered selections are checked against."""
 
 from __future__ import annotations
 
 import threading
 from typing import Final
 
-__all__ = ["bump", "reset_stats", "stats"]
+__all__ = ["bump", "reset_stats", "stats", "stored_epoch", "stored_tactics_changed"]
 
 COUNTERS: Final = (
     "store_hits",  # a stored tactic served a plan
@@ -38,3 +39,20 @@ def reset_stats() -> None:
     with _lock:
         for name in _counts:
             _counts[name] = 0
+
+
+_epoch = 0
+
+
+def stored_epoch() -> int:
+    """Bumped by whatever can change a stored tactic: `tactix.selection.set_tactic_source`, a
+    store write, entering or leaving an ``autotune`` block. Selections remembered in another
+    epoch are not used (see `tactix.selection`)."""
+    return _epoch
+
+
+def stored_tactics_changed() -> None:
+    """A stored tactic may now be another: forget remembered selections."""
+    global _epoch
+    with _lock:
+        _epoch += 1

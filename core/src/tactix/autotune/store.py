@@ -32,6 +32,7 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tactix.autotune.environment import environment_hash
+from tactix.autotune.stats import stored_tactics_changed
 from tactix.errors import TactixWarning
 from tactix.problems import Op, Problem, problem_from_key
 from tactix.tactics import SCHEMA_VERSION, Tactic
@@ -316,6 +317,12 @@ class TacticStore:
             self._listed.add((problem.op, key_hash))
         return found[0]
 
+    @property
+    def reads_disk(self) -> bool:
+        """Whether a miss looks on disk for entries other processes wrote (off once the view is
+        another rank's): a miss may then become a hit without a write through this store."""
+        return self._disk_lookups
+
     def entries(self) -> list[StoreEntry]:
         """Every valid entry (parsing those not used yet); defective files are skipped with a warning."""
         if self._disk_lookups:
@@ -347,6 +354,7 @@ class TacticStore:
             raise ValueError(f"entry of environment {entry.env_hash} put into store of {self.env_hash}")
         with self._lock:
             self._entries[problem_from_key(entry.key).bucket_key()] = entry
+        stored_tactics_changed()
         if not self.writable:
             return
         try:
@@ -360,6 +368,7 @@ class TacticStore:
             self._entries = {problem_from_key(e.key).bucket_key(): e for e in entries}
             self._listed = set()
             self._disk_lookups = False  # what this rank reads must stay what every rank reads
+        stored_tactics_changed()
         for e in entries:
             if self.writable:
                 try:
