@@ -18,24 +18,29 @@ core is then measured alone. ``--real-hook`` keeps the real hooks.
 
 Cases: decode of 8 requests with ~1k keys, decode of 64 requests with 4-8k keys, prefill of
 16 causal requests of 64 new tokens over ~4k cached keys; page 16, HND, 32 query / 8 KV heads,
-d128, bf16; int32 CPU index tensors; one torch thread. ``--profile`` prints a cProfile of each
-case's re-plans, sorted by own time. Compare runs on one host only.
+d128, bf16; int32 CPU index tensors; one torch thread. ``--store miss|hit`` plans inside a
+``replay`` block whose store has no entry (each plan asks the disk) or one per bucket.
+``--profile`` prints a cProfile of each case's re-plans, sorted by own time. Compare runs on
+one host only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import statistics
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from plan_time import batch
 
 import tactix
+from tactix.autotune import StoreEntry, autotune
 from tactix.registry import get_registry
 from tactix.tactics import Tactic
 
@@ -104,23 +109,49 @@ class _HookTimer:
         return timed
 
 
-def _cases(batches: int) -> dict[str, tuple[Callable[[], None], ...]]:
+Case = tuple[tactix.PagedDecode | tactix.PagedPrefill, tuple[Callable[[], None], ...]]
+
+
+def _cases(batches: int) -> dict[str, Case]:
     decode8 = tactix.PagedDecode("HND", backend="torch", device="cpu")
     decode64 = tactix.PagedDecode("HND", backend="torch", device="cpu")
     prefill16 = tactix.PagedPrefill("HND", backend="torch", device="cpu")
     qo = torch.arange(0, 17 * 64, 64, dtype=torch.int32)  # 16 requests of 64 new tokens
 
-    def decode_calls(wrapper: tactix.PagedDecode, count: int, low: int, high: int) -> tuple[Callable[[], None], ...]:
+    def decode_calls(wrapper: tactix.PagedDecode, count: int, low: int, high: int) -> Case:
         made = [make_batch(seed, count, low, high) for seed in range(batches)]
-        return tuple((lambda b=b: wrapper.plan(*b, **_HEADS)) for b in made)
+        return wrapper, tuple((lambda b=b: wrapper.plan(*b, **_HEADS)) for b in made)
 
     made = [make_batch(seed, 16, 4100, 4200) for seed in range(batches)]
     prefill_calls = tuple((lambda b=b: prefill16.plan(qo, *b, causal=True, **_HEADS)) for b in made)
     return {
         "decode b8 (~1k)": decode_calls(decode8, 8, 900, 1000),
         "decode b64 (4-8k)": decode_calls(decode64, 64, 4100, 8000),
-        "prefill b16 (64 q, ~4k kv)": prefill_calls,
+        "prefill b16 (64 q, ~4k kv)": (prefill16, prefill_calls),
     }
+
+
+@contextlib.contextmanager
+def _store(kind: str, cases: dict[str, Case], root: str) -> Iterator[None]:
+    """Plan inside a ``replay`` block whose store has an entry for every bucket planned (``hit``)
+    or none (``miss``: each plan looks on disk for one); ``none``: no store at all."""
+    if kind == "none":
+        yield
+        return
+    with autotune(mode="replay", cache_dir=root) as state:
+        store = state.store
+        assert store is not None
+        if kind == "hit":
+            with _HookTimer(real=False):
+                for wrapper, calls in cases.values():
+                    for call in calls:
+                        call()
+                        problem = wrapper.problem
+                        if store.lookup(problem) is None:
+                            store.put(StoreEntry(op=problem.op, key=problem.key(), key_hash=problem.key_hash(),
+                                                 tactic=_EXPLICIT, baseline=Tactic.default("torch"),
+                                                 env_hash=store.env_hash))  # fmt: skip
+        yield
 
 
 def measure(calls: tuple[Callable[[], None], ...], plans: int, real: bool) -> tuple[float, float, float]:
@@ -161,19 +192,23 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=16, help="distinct batches cycled per case")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of each case instead")
     parser.add_argument("--real-hook", action="store_true", help="run the torch backend's real plan hooks")
+    parser.add_argument("--store", choices=("none", "miss", "hit"), default="none",
+                        help="plan in a replay block whose store misses or hits (default: no store)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)  # the hook's small ops gain nothing from a pool whose spinning disturbs timing
     print(f"tactix from {tactix.__file__}")
     cases = _cases(args.batches)
     if args.profile:
-        for label, calls in cases.items():
-            print(f"== {label}")
-            profile(calls, args.plans, args.real_hook)
+        with tempfile.TemporaryDirectory() as root, _store(args.store, cases, root):
+            for label, (_, calls) in cases.items():
+                print(f"== {label}")
+                profile(calls, args.plans, args.real_hook)
         return
-    print(f"{'case':28} {'plan us':>9} {'hook us':>9} {'core us':>9}")
-    for label, calls in cases.items():
-        whole, hook, core = measure(calls, args.plans, args.real_hook)
-        print(f"{label:28} {whole:9.1f} {hook:9.1f} {core:9.1f}")
+    print(f"{'case':28} {'plan us':>9} {'hook us':>9} {'core us':>9}   (store: {args.store})")
+    with tempfile.TemporaryDirectory() as root, _store(args.store, cases, root):
+        for label, (_, calls) in cases.items():
+            whole, hook, core = measure(calls, args.plans, args.real_hook)
+            print(f"{label:28} {whole:9.1f} {hook:9.1f} {core:9.1f}")
 
 
 if __name__ == "__main__":
