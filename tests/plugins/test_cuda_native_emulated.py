@@ -399,6 +399,25 @@ def test_emulated_persistent_ctas_loop_over_items(shape: tuple[int, int, int, in
         assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), (shape, ctas, pack, window)
 
 
+@pytest.mark.parametrize("pingpong", [0, 1], ids=["plain", "pingpong"])
+def test_emulated_persistent_rounds_back_and_forth_with_the_batch_longest_first(pingpong: int) -> None:
+    """sched 2 (items longest first over the whole batch) with persistent CTAs compiles TX_SNAKE:
+    odd rounds go back from the last CTA, and the partial last round is taken by the CTAs at
+    the end in odd rounds. 1..5 CTAs over 9+ items (odd and even round counts, a partial last
+    round each way): bitwise the non-persistent kernel's result."""
+    shape = (128, 128, 8, 2)
+    q_lens, kv_lens = [300, 5, 129, 1, 40, 260], [1100, 700, 129, 900, 40, 260]
+    variant = plugin.prefill_variant("bfloat16", 64, geometry.PrefillParams(*shape, sched=2, mma="wgmma", persist=1,
+                                                                             pingpong=pingpong), "sm_90a")  # fmt: skip
+    assert ("TX_SNAKE", "1") in variant.defines
+    case: dict[str, Any] = {"d": 64, "hq": 8, "hkv": 2, "page": 16, "seed": 23}
+    ref = prefill_case(q_lens, kv_lens, tactic=_wgmma(shape, sched=2, pingpong=pingpong), **case)
+    for ctas in (1, 2, 3, 5):
+        got = prefill_case(q_lens, kv_lens, tactic=_wgmma(shape, sched=2, persist=1, pingpong=pingpong),
+                           persistent=ctas, **case)  # fmt: skip
+        assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), ctas
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_emulated_persistent_every_head_dim_and_features(d: int) -> None:
     """The persistent variant of the default wgmma shape of each head dim (the register split

@@ -544,6 +544,8 @@ def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1) -> list[Pr
         out.append(PrefillParams(*shape, sched=2, mma="wgmma", persist=1))
     out += [PrefillParams(*shape, mma="wgmma", persist=persist, pingpong=1) for shape in wgmma_shapes
             for persist in (0, 1) if shape[0] == 128]  # fmt: skip
+    if base.pingpong:  # the default's persistent form with the whole batch longest first (rounds back and forth)
+        out.append(PrefillParams(*shape, sched=2, mma="wgmma", persist=1, pingpong=1))
     unique = list(dict.fromkeys(out))
     return [p for p in unique if not p.reasons(head_dim, info, gqa)]
 

@@ -355,6 +355,7 @@ def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str)
             TX_SMEM=params.smem_bytes(head_dim),  # the kernel asserts that its layout has this size
             **({"TX_PERSIST": 1} if params.persist else {}),  # absent when 0: default variants keep their keys
             **({"TX_PINGPONG": 1} if params.pingpong else {}),
+            **({"TX_SNAKE": 1} if params.persist and params.sched == 2 else {}),  # sorted over the batch
         )
     return Variant.make(
         "prefill.cu",

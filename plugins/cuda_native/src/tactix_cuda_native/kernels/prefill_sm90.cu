@@ -60,7 +60,7 @@
 // softmax of S while the other's GEMMs run (see the loop).
 //
 // Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_QTILE (64, 128), TX_KVTILE (64, 128),
-// TX_STAGES (2..4), TX_PERSIST, TX_PINGPONG (0 or 1), TX_SMEM (optional: the size the host
+// TX_STAGES (2..4), TX_PERSIST, TX_PINGPONG, TX_SNAKE (0 or 1), TX_SMEM (optional: the size the host
 // computed, checked against the layout).
 // Needs sm_90a (wgmma); kernels/prefill.cu serves other GPUs.
 #include "common.cuh"
@@ -80,6 +80,9 @@
 #ifndef TX_PERSIST
 #define TX_PERSIST 0
 #endif
+#ifndef TX_SNAKE
+#define TX_SNAKE 0
+#endif
 #ifndef TX_PINGPONG
 #define TX_PINGPONG 0
 #endif
@@ -89,6 +92,7 @@ constexpr int BQ = TX_QTILE;
 constexpr int BK = TX_KVTILE;
 constexpr int STAGES = TX_STAGES;
 constexpr bool PERSIST = TX_PERSIST != 0;  // each CTA loops over work items (see the top)
+constexpr bool SNAKE = PERSIST && TX_SNAKE != 0;  // rounds of persistent CTAs back and forth (see the kernel)
 constexpr int CWG = BQ / 64;            // consumer warpgroups
 constexpr bool PINGPONG = TX_PINGPONG != 0;  // the two consumer warpgroups take turns (see the top)
 constexpr int PRODUCER = 128 * CWG;     // first thread of the producer warpgroup (the last one)
@@ -558,6 +562,11 @@ TX_DEVICE int key_lo(const Item& it, int tl, int win) { return win >= 0 ? it.del
 TX_DEVICE int key_hi(const Item& it, int tl, bool is_causal) {
   return is_causal ? it.delta + it.t0 + tl : it.kv_len - 1;
 }
+// the virtual CTA of turn u (= round r x G + CTA b): r G + b in even rounds, r G + G - 1 - b in odd ones
+TX_DEVICE int snake_turn(int u, int G) {
+  const int r = u / G;
+  return (r & 1) ? 2 * r * G + G - 1 - u : u;
+}
 TX_DEVICE Item load_item(int v, int hgs, const int* __restrict__ items, const int* __restrict__ reqs, int P, int win,
                          bool is_causal) {
   Item it;
@@ -587,12 +596,19 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   extern __shared__ __align__(1024) unsigned char smem[];
   const int hgs = (int)head_groups;
   // Virtual CTAs vc = item x head group. Without TX_PERSIST one per CTA (CTAs past the work list
-  // exit at once); with it CTA b takes vc = b, b + gridDim.x, ... in turn (the plan's order), and
-  // the K/V ring, its mbarrier phases and the tile count run on across them.
+  // exit at once); with it the virtual CTAs go out in rounds of G = gridDim.x: in round r CTA b
+  // takes vc = r G + b, or with TX_SNAKE (the plan sets it for sched 2, items longest first over
+  // the whole batch) r G + G - 1 - b in odd rounds, so a CTA that took one of the longest of a
+  // round takes one of the shortest of the next (round robin over a sorted list gives CTA 0 the
+  // longest of every round). The K/V ring, its mbarrier phases and the tile count run on across
+  // a CTA's items.
   const int total = __ldg(num_items) * hgs;
   const int vc0 = (int)blockIdx.x;
   if (!PERSIST && vc0 >= total) return;
   const int vstep = PERSIST ? (int)gridDim.x : 1;  // without TX_PERSIST the loops below make one pass
+  // the turns u = vc0, vc0 + G, ... run to the end of the last (partial) round; turns whose
+  // virtual CTA is past the work list are skipped by producer and consumers alike
+  const int uend = SNAKE ? (total + vstep - 1) / vstep * vstep : total;
   const int tid = threadIdx.x;
   const int P = (int)pack;
   const int win = (int)window_left;
@@ -630,7 +646,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     const u16** rowp = reinterpret_cast<const u16**>(smem + ROWP) + 2 * pw * RW;
     const int h = lane / CH, ch = lane % CH;
     int g = 0;  // tiles issued so far (over every item of this CTA): the ring position
-    for (int vc = vc0; vc < total; vc += vstep) {
+    for (int u = vc0; u < uend; u += vstep) {
+      const int vc = SNAKE ? snake_turn(u, vstep) : u;
+      if (SNAKE && vc >= total) continue;
       const Item it = PERSIST ? load_item(vc, hgs, items, reqs, P, win, is_causal) : it0;
       // (persistent: as 32-bit offsets, the producer's registers are few and the loop over items needs some)
       const int hk = it.head0 / (int)gqa, page_base = it.page_base;
@@ -700,7 +718,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   if (pp && wg == 1) tx_bar_arrive(PP_BAR + 0, 256);
 
   int g = 0;  // tiles consumed so far (over every item of this CTA): the ring position
-  for (int vc = vc0; vc < total; vc += vstep) {
+  for (int u = vc0; u < uend; u += vstep) {
+    const int vc = SNAKE ? snake_turn(u, vstep) : u;
+    if (SNAKE && vc >= total) continue;
     const Item it = PERSIST ? load_item(vc, hgs, items, reqs, P, win, is_causal) : it0;
     const int nt = it.nt, kv_lo = it.kv_lo, ntiles = it.ntiles;
     const bool wg_rows = !PERSIST || wrow0 < nt * P;  // a valid row in this warpgroup
