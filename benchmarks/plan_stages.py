@@ -15,11 +15,10 @@ import argparse
 import cProfile
 import gc
 import pstats
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from plan_floor import timed as median_us
 from plan_time import batch
 from tactix_cudnn import plugin
 from tactix_cudnn.graphs import graph_cache
@@ -31,14 +30,7 @@ from tactix.batch import PagedBatch
 
 
 def timed(name: str, fn: Callable[[], object], n: int = 200) -> None:
-    for _ in range(10):
-        fn()
-    samples = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    print(f"{name:34} {statistics.median(samples) * 1e6:8.1f} us")
+    print(f"{name:34} {median_us(fn, n):8.1f} us")
 
 
 def main() -> None:

@@ -201,12 +201,9 @@ class DecodePlan:
         slots = info.sms * geometry.ctas_per_sm(info, self.smem, self.threads)  # no driver here: the estimate
         chunk = params.kv_chunk or geometry.decode_chunk(lengths, units, params.tile, slots)
         work = geometry.decode_work(ranges, chunk)
-        if graph:
-            item_cap = geometry.decode_capacity(b, attended_cap, chunk)
-            slot_cap = item_cap
-            page_cap = b * -(-longest_cap // problem.page_size)
-        else:
-            item_cap, slot_cap, page_cap = len(work.items), work.slots, batch.num_page_entries
+        item_cap, slot_cap, page_cap = geometry.decode_buffer_sizes(
+            work, batch.num_page_entries, graph=graph, batch=b, attended_cap=attended_cap, longest_cap=longest_cap,
+            chunk=chunk, page_size=problem.page_size)  # fmt: skip
         self.work = work
         self.chunk = chunk
         self._geometry = (b, hq, hkv, d, problem.page_size, item_cap, slot_cap, page_cap, params)

@@ -23,6 +23,7 @@ __all__ = [
     "PrefillParams",
     "PrefillWork",
     "ctas_per_sm",
+    "decode_buffer_sizes",
     "decode_chunk",
     "decode_smem_bytes",
     "decode_work",
@@ -271,6 +272,17 @@ def decode_work(ranges: list[tuple[int, int]], chunk: int) -> DecodeWork:
 def decode_capacity(batch: int, max_len: int, chunk: int) -> int:
     """Most work items any batch of ``batch`` requests up to ``max_len`` keys can need at ``chunk``."""
     return batch * max(1, -(-max_len // chunk))
+
+
+def decode_buffer_sizes(work: DecodeWork, num_page_entries: int, *, graph: bool, batch: int, attended_cap: int,
+                        longest_cap: int, chunk: int, page_size: int) -> tuple[int, int, int]:  # fmt: skip
+    """Work items, partial-output slots and page entries a decode plan's buffers hold: the batch's
+    own, or in CUDA-graph mode the most any batch of its buckets needs (the captured grid and
+    buffers must fit every re-plan)."""
+    if graph:
+        items = decode_capacity(batch, attended_cap, chunk)
+        return items, items, batch * -(-longest_cap // page_size)
+    return len(work.items), work.slots, num_page_entries
 
 
 def decode_grid(items: int, num_kv_heads: int, gqa: int) -> tuple[int, int, int]:

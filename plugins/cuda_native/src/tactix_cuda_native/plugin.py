@@ -54,8 +54,8 @@ from tactix_cuda_native.geometry import (
     PrefillParams,
     PrefillWork,
     ctas_per_sm,
+    decode_buffer_sizes,
     decode_candidates,
-    decode_capacity,
     decode_chunk,
     decode_grid,
     decode_is_small,
@@ -588,12 +588,9 @@ class CudaNativeDecodePlan(_StagedPlan):
         slots = info.sms * self.ctas_per_sm
         chunk = params.kv_chunk or decode_chunk(lengths, units, params.tile, slots)
         work = decode_work(ranges, chunk)
-        if graph:
-            item_cap = decode_capacity(b, attended_cap, chunk)
-            slot_cap = item_cap
-            page_cap = b * -(-longest_cap // problem.page_size)
-        else:
-            item_cap, slot_cap, page_cap = len(work.items), work.slots, batch.num_page_entries
+        item_cap, slot_cap, page_cap = decode_buffer_sizes(
+            work, batch.num_page_entries, graph=graph, batch=b, attended_cap=attended_cap, longest_cap=longest_cap,
+            chunk=chunk, page_size=problem.page_size)  # fmt: skip
         self.work = work
         self.chunk = chunk
         self._geometry = (b, hq, hkv, d, problem.page_size, item_cap, slot_cap, page_cap, params)
