@@ -392,6 +392,10 @@ def test_bad_tactic_params_give_reasons() -> None:
     assert "bk must be 64 or 128" in reasons("gemm", {**good, "bk": 32}, gemm())[0]
     assert "multiple of 16 * wn" in reasons("gemm", {**good, "bn": 40}, gemm())[0]
     assert "must divide among wk" in reasons("gemm", {**good, "bk": 64, "wk": 8, "wn": 1}, gemm())[0]
+    # the 2 k-warps' 64 x 256 fp32 partials (128 KB) outgrow 3 stages of 40 KB; 4 stages hold them
+    wide = {"bn": 256, "bk": 64, "wn": 4, "wk": 2, "stages": 3, "splits": 0}
+    assert "partial sums (131072 bytes) must fit" in reasons("gemm", wide, gemm(m=64))[0]
+    assert reasons("gemm", {**wide, "stages": 4}, gemm(m=64)) == []
 
 
 # -- support reasons -------------------------------------------------------------------------

@@ -737,8 +737,13 @@ class GemmParams:
         if not 0 <= self.splits <= 64:
             out.append(f"splits must be 0 (auto) or 1..64 (got {self.splits})")
         if not out:
-            smem = gemm_smem_bytes(m_tiles(m), self.bn, self.bk, self.stages)
-            if smem > info.smem_per_block:
+            mt = m_tiles(m)
+            smem = gemm_smem_bytes(mt, self.bn, self.bk, self.stages)
+            reduction = self.wk * mt * 16 * self.bn * 4  # the k warps' partial tiles meet in the stage area
+            if reduction > smem - FLAG_BYTES:
+                out.append(f"the {self.wk} k-warps' partial sums ({reduction} bytes) must fit in the "
+                           f"{self.stages} stages' {smem - FLAG_BYTES} bytes: use more stages or fewer k-warps")  # fmt: skip
+            elif smem > info.smem_per_block:
                 out.append(f"needs {smem} bytes of shared memory; this GPU allows {info.smem_per_block} per CTA")
         return out
 
