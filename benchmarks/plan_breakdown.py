@@ -1,18 +1,22 @@
 """Where the time of real ``plan()`` calls goes: inclusive time per function, inside whole plans.
 
-    python benchmarks/plan_breakdown.py [--backend cudnn|cuda_native] [--plans 400]
+    python benchmarks/plan_breakdown.py [--backend cudnn|cuda_native] [--plans 400] [--profile]
 
 `plan_stages.py` times each stage alone, in a tight loop; this wraps the functions a plan calls
 with timers and runs whole plans over changing batches (decode, 8 and 64 requests), so the
 figures add up to the whole and the remainder of each function is visible. The timers add
-about 0.2 us per wrapped call; the last column is per plan.
+about 0.2 us per wrapped call; the last column is per plan. ``--profile`` prints a cProfile of
+the plans instead (own time per function, sorted; cProfile's own cost per call inflates
+functions that make many small calls).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import gc
+import pstats
 import statistics
 import time
 from collections import defaultdict
@@ -86,6 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="cudnn")
     parser.add_argument("--plans", type=int, default=400)
+    parser.add_argument("--profile", action="store_true", help="a cProfile of the plans, not the timers")
     args = parser.parse_args()
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     for count, lo, hi in ((8, 900, 1000), (64, 4100, 8000)):
@@ -104,6 +109,15 @@ def main() -> None:
             plan(i)
             samples.append(time.perf_counter() - t0)
         plain = statistics.median(samples) * 1e6
+        if args.profile:
+            print(f"== {args.backend} decode, batch {count}: plan() median {plain:.1f} us; cProfile of {args.plans}")
+            prof = cProfile.Profile()
+            prof.enable()
+            for i in range(args.plans):
+                plan(i)
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(40)
+            continue
         if not _spent:
             instrument(args.backend)
         for i in range(50):

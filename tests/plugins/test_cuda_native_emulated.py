@@ -153,7 +153,7 @@ def _decode_run(plan: emulate.DecodePlan, q: torch.Tensor, k: torch.Tensor, v: t
 
 DECODE_CASES = [
     # (lens, options, whether a request is split: its partials merged inside the kernel)
-    ([1, 17, 300, 64], {}, True),
+    ([1, 17, 700, 64], {}, True),
     ([1, 17, 300, 64], {"d": 128, "page": 1, "layout": "NHD", "hq": 4, "hkv": 4, "window": 20, "cap": 10.0}, False),
     ([700, 5], {"tactic": {"tile": 64, "warps": 4, "stages": 3, "kv_chunk": 128}}, True),
     ([33, 2], {"d": 256, "page": 128, "dtype": torch.float16}, False),

@@ -153,6 +153,8 @@ def decode_candidates(head_dim: int, info: DeviceInfo) -> list[DecodeParams]:
     out = [DecodeParams(t, w, s) for t, w, s in shapes]
     base = default_decode_params(head_dim, info)
     out += [DecodeParams(base.tile, base.warps, base.stages, c) for c in (256, 512, 1024, 2048)]
+    # deep pipelines: most of a short work item's bytes in flight at once (latency-bound batches)
+    out += [DecodeParams(base.tile, base.warps, s, c) for s in (4, 6) for c in (0, 256, 512, 1024)]
     out += [DecodeParams(base.tile, base.warps, base.stages, 0, hint) for hint in L2_HINTS if hint != base.l2]
     return [p for p in dict.fromkeys(out) if not p.reasons(head_dim, info)]
 
@@ -177,9 +179,16 @@ def default_decode_params(head_dim: int, info: DeviceInfo, small: bool = False) 
     return DecodeParams(tile, warps, stages)
 
 
-def decode_is_small(lengths: list[int], units: int, info: DeviceInfo, min_chunk: int = 256) -> bool:
+DECODE_MIN_CHUNK: Final = 512
+"""Fewest keys per split work item. Measured on the H200 (D2: one request of 8192 keys, 8 KV
+heads): 512-key pieces (16 per head, 128 CTAs) 21.0-21.2 us against 22.1-22.3 for 256-key pieces
+(32 per head, 256 CTAs) in two runs: half the partial outputs to write and merge outweighs the
+idle SMs (benchmarks/results/h200-decode-sweep-deep.json)."""
+
+
+def decode_is_small(lengths: list[int], units: int, info: DeviceInfo, min_chunk: int = DECODE_MIN_CHUNK) -> bool:
     """Whether a batch is one wave at two CTAs per SM even when cut into ``min_chunk``-key pieces
-    (D2: 8192 keys x 8 KV heads = 256 pieces of 256 keys <= 264): latency-bound."""
+    (D2: 8192 keys x 8 KV heads = 128 pieces of 512 keys <= 264): latency-bound."""
     pieces = sum(max(1, -(-n // min_chunk)) for n in lengths) * units
     return pieces <= 2 * info.sms
 
@@ -203,7 +212,7 @@ x 4 warps x 2 stages, 3 CTAs an SM): D3 (256 x 2048) unsplit 4.20 TB/s against 4
 last wave); D1 4.04 at 1024-key chunks, 3.99 at 2048 (benchmarks/results/h200-decode-sweep.json)."""
 
 
-def decode_chunk(lengths: list[int], units: int, tile: int, slots: int, min_chunk: int = 256) -> int:
+def decode_chunk(lengths: list[int], units: int, tile: int, slots: int, min_chunk: int = DECODE_MIN_CHUNK) -> int:
     """Keys per work item (a multiple of ``tile``) so that the batch fills the GPU evenly.
 
     ``units`` = CTAs per request and chunk (KV heads x q tiles); ``slots`` = CTAs resident at
@@ -211,7 +220,7 @@ def decode_chunk(lengths: list[int], units: int, tile: int, slots: int, min_chun
     last wave is then short), never fewer keys per item than ``min_chunk`` (its start-up latency
     must be amortised) and never more than the longest request (no split where none is needed);
     the longest request is then cut into equal pieces (no short last piece). D2 (1 x 8192 keys,
-    8 KV heads) gives 256-key chunks, 256 CTAs; D3 (256 x 2048, 396 slots) no split: 2048 CTAs.
+    8 KV heads) gives 512-key chunks, 128 CTAs; D3 (256 x 2048, 396 slots) no split: 2048 CTAs.
     """
     tiles = [max(1, -(-n // tile)) for n in lengths]
     longest = max(tiles)
@@ -740,9 +749,10 @@ class GemmParams:
             mt = m_tiles(m)
             smem = gemm_smem_bytes(mt, self.bn, self.bk, self.stages)
             reduction = self.wk * mt * 16 * self.bn * 4  # the k warps' partial tiles meet in the stage area
-            if reduction > smem - FLAG_BYTES:
+            stage_area = smem - FLAG_BYTES
+            if reduction > stage_area:
                 out.append(f"the {self.wk} k-warps' partial sums ({reduction} bytes) must fit in the "
-                           f"{self.stages} stages' {smem - FLAG_BYTES} bytes: use more stages or fewer k-warps")  # fmt: skip
+                           f"{self.stages} stages' {stage_area} bytes: use more stages or fewer k-warps")  # fmt: skip
             elif smem > info.smem_per_block:
                 out.append(f"needs {smem} bytes of shared memory; this GPU allows {info.smem_per_block} per CTA")
         return out
