@@ -71,11 +71,25 @@ class _StubPlan:
         pass
 
 
+class _FastStubPlan(_StubPlan):
+    """A stub plan that also offers the fast re-plan (``--replan``)."""
+
+    def replan(self, problem: object, batch: object, options: object) -> _FastStubPlan:
+        return _FastStubPlan(self.tactic)
+
+
 _EXPLICIT = Tactic(backend="torch", kernel="explicit")
 
 
 def _stub_hook(backend: str, problem: object, batch: object, tactic: Tactic, options: object) -> _StubPlan | None:
     return _StubPlan(_EXPLICIT) if backend == "torch" else None
+
+
+def _fast_stub_hook(backend: str, problem: object, batch: object, tactic: Tactic, options: object) -> _StubPlan | None:
+    return _FastStubPlan(_EXPLICIT) if backend == "torch" else None
+
+
+_STUB = [_stub_hook]  # --replan: _fast_stub_hook
 
 
 class _HookTimer:
@@ -91,7 +105,7 @@ class _HookTimer:
         for name in ("tactix_plan_decode", "tactix_plan_prefill"):
             hook = self._hooks[name]
             self._saved[name] = original = hook.function
-            hook.function = self._timed(original if self.real else _stub_hook)
+            hook.function = self._timed(original if self.real else _STUB[0])
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -192,9 +206,13 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=16, help="distinct batches cycled per case")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of each case instead")
     parser.add_argument("--real-hook", action="store_true", help="run the torch backend's real plan hooks")
+    parser.add_argument("--replan", action="store_true",
+                        help="stub plans offer the fast re-plan (tactix.selection.replan_selection)")  # fmt: skip
     parser.add_argument("--store", choices=("none", "miss", "hit"), default="none",
                         help="plan in a replay block whose store misses or hits (default: no store)")  # fmt: skip
     args = parser.parse_args()
+    if args.replan:
+        _STUB[0] = _fast_stub_hook
     torch.set_num_threads(1)  # the hook's small ops gain nothing from a pool whose spinning disturbs timing
     print(f"tactix from {tactix.__file__}")
     cases = _cases(args.batches)

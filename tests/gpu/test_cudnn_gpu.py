@@ -205,3 +205,65 @@ def test_replans_far_ahead_of_the_gpu_keep_every_batch_metadata(batch_size: int)
         ref, _ = attention_reference(q, k, v, qo, indptr, indices, last, kv_layout="HND", causal=False,
                                      sm_scale=1 / math.sqrt(128))  # fmt: skip
         assert relative_error(out, ref) < tolerance_for(torch.bfloat16)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_fast_re_plans_serve_each_batch_and_leave_the_full_path_for_a_new_bucket(op: str, graph: bool) -> None:
+    """Re-plans with the same static arguments go through `CudnnAttentionPlan.replan` (the plan
+    object is kept, no graph is built); each batch's output matches the float64 oracle, replayed
+    from one captured CUDA graph in graph mode. A batch of another bucket is planned the full way."""
+    decode = op == "decode"
+    wrapper: tactix.PagedDecode | tactix.PagedPrefill = (
+        tactix.PagedDecode("HND", backend="cudnn", device="cuda", use_cuda_graph=graph)
+        if decode
+        else tactix.PagedPrefill("HND", backend="cudnn", device="cuda", use_cuda_graph=graph)
+    )
+    gen = torch.Generator().manual_seed(7)
+    pool = 4 * 3000 // 16 + 8  # one pool (one container size) for every batch, the longer one too
+    k = torch.randn(pool, 8, 16, 128, generator=gen).cuda().bfloat16()
+    v = torch.randn(pool, 8, 16, 128, generator=gen).cuda().bfloat16()
+    q_rows = [1, 1, 1, 1] if decode else [5, 1, 17, 3]  # prefill: the q lengths stay in one bucket
+    qo = torch.tensor([0, *torch.tensor(q_rows).cumsum(0).tolist()], dtype=torch.int32)
+    rows = int(qo[-1])
+    q_static = torch.zeros(rows, 32, 128, device="cuda", dtype=torch.bfloat16)
+    out_static = torch.zeros(rows, 32, 128, device="cuda", dtype=torch.bfloat16)
+
+    def plan(lens: list[int], seed: int) -> tuple[torch.Tensor, ...]:
+        indptr, indices, last, _ = _batch(lens, seed=seed, pool=pool)
+        if decode:
+            wrapper.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)  # type: ignore[call-arg]
+        else:
+            wrapper.plan(qo, indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16,  # type: ignore[call-arg]
+                         causal=True)  # fmt: skip
+        return indptr, indices, last
+
+    plan([900, 1000, 600, 700], 0)
+    q0 = torch.randn(rows, 32, 128, generator=gen).cuda().bfloat16()
+    q_static.copy_(q0)
+    captured = None
+    if graph:
+        wrapper.run(q_static, (k, v), out=out_static)  # warm the kernels outside the capture
+        torch.cuda.synchronize()
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            wrapper.run(q_static, (k, v), out=out_static)
+    plan_object, builds = wrapper.plan_object, graph_cache.builds
+    tactix.reset_stats()
+    for seed, lens in enumerate(([520, 1010, 800, 640], [1024, 990, 513, 700], [900, 1000, 600, 700]), 1):
+        metadata = plan(lens, seed)
+        assert wrapper.plan_object is plan_object, "a re-plan of the same buckets took the full path"
+        q = torch.randn(rows, 32, 128, generator=gen).cuda().bfloat16()
+        if captured is not None:
+            q_static.copy_(q)
+            captured.replay()
+            out = out_static.clone()
+        else:
+            out = wrapper.run(q, (k, v))
+        ref, _ = attention_reference(q, k, v, qo if not decode else torch.arange(5, dtype=torch.int32), *metadata,
+                                     kv_layout="HND", causal=not decode, sm_scale=1 / math.sqrt(128))  # fmt: skip
+        assert relative_error(out, ref) < tolerance_for(torch.bfloat16), f"batch {seed}"
+    assert graph_cache.builds == builds and tactix.stats()["plans"] == 3 and tactix.stats()["builds"] == 0
+    if not graph:  # a longer batch: another kv bucket, the full path (and another graph)
+        plan([3000, 1000, 600, 700], 9)
+        assert wrapper.plan_object is not plan_object

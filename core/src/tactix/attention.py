@@ -41,7 +41,7 @@ from tactix.errors import InvalidArgumentError, TactixError
 from tactix.hookspecs import PlanOptions
 from tactix.problems import DecodeProblem, KVLayout, PrefillProblem, make_problem
 from tactix.registry import get_registry
-from tactix.selection import Planned, Selection, select_and_plan
+from tactix.selection import Planned, Selection, replan_selection, select_and_plan
 from tactix.tactics import Tactic, parse_tactic
 
 __all__ = ["PagedDecode", "PagedPrefill", "attention_problem"]
@@ -268,6 +268,7 @@ class _PagedAttention(Planned):
         self._accepted: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
         self._splits: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, torch.Tensor]] = {}
         self._statics: dict[tuple[Any, ...], _Static] = {}  # by the static plan arguments (see _plan)
+        self._replan_key: tuple[Any, ...] | None = None  # the last plan's static key and backend argument
 
     # -- plan -----------------------------------------------------------------------------
 
@@ -322,14 +323,21 @@ class _PagedAttention(Planned):
         previous = self._selection
         options: PlanOptions = {"device": device, "use_cuda_graph": self._use_cuda_graph,
                                  "previous": None if previous is None else previous.plan}  # fmt: skip
-        selection = select_and_plan(
-            problem,
-            batch,
-            backend=chosen_backend,
-            tactic=chosen_tactic,
-            options=options,
-            previous=previous,  # eager plans may reuse its buffers too (same backend only)
-        )
+        selection = None
+        if previous is not None and chosen_tactic is None and self._replan_key == (key, chosen_backend):
+            selection = replan_selection(previous, problem, batch, chosen_backend, options)
+        if selection is None:
+            selection = select_and_plan(
+                problem,
+                batch,
+                backend=chosen_backend,
+                tactic=chosen_tactic,
+                options=options,
+                previous=previous,  # eager plans may reuse its buffers too (same backend only)
+            )
+        # a later plan with the same static arguments, backend and no explicit tactic may take
+        # this plan's fast re-plan (`replan_selection`)
+        self._replan_key = None if key is None or chosen_tactic is not None else (key, chosen_backend)
 
         self._selection = selection
         self._batch = batch

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tactix import cudart
+
 __all__ = ["cuda_available", "resolve_device"]
 
 _cuda_seen = False
@@ -18,6 +20,17 @@ def cuda_available() -> bool:
     return _cuda_seen
 
 
+_cuda_devices: dict[int, torch.device] = {}
+
+
+def _cuda(index: int) -> torch.device:
+    """``torch.device("cuda", index)``, made once per index (plans resolve a device every call)."""
+    found = _cuda_devices.get(index)
+    if found is None:
+        found = _cuda_devices[index] = torch.device("cuda", index)
+    return found
+
+
 def resolve_device(explicit: torch.device | str | None, *tensors: object) -> torch.device:
     """The explicit device, else the first non-CPU tensor's, else the current GPU, else the CPU.
 
@@ -27,11 +40,16 @@ def resolve_device(explicit: torch.device | str | None, *tensors: object) -> tor
     if explicit is not None:
         device = torch.device(explicit)
         if device.type == "cuda" and device.index is None:
-            return torch.device("cuda", torch.cuda.current_device())
+            return _cuda(_current_cuda_device())
         return device
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+        if isinstance(t, torch.Tensor) and not t.is_cpu:
             return t.device
     if cuda_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        return _cuda(_current_cuda_device())
     return torch.device("cpu")
+
+
+def _current_cuda_device() -> int:
+    rt = cudart.runtime()
+    return rt.current_device() if rt is not None else torch.cuda.current_device()

@@ -58,6 +58,15 @@ class AttentionPlan(Protocol):
     (NHD) or ``[num_pages, num_kv_heads, page_size, d]`` (HND), possibly strided views of one
     5-D tensor; ``out`` is ``[rows, num_qo_heads, head_dim_vo]``; ``lse`` is ``[rows,
     num_qo_heads]`` float32 natural-log log-sum-exp of the scaled (and soft-capped) logits.
+
+    Optional fast re-plan: a plan may also define ``replan(problem, batch, options)``, returning
+    the plan of a new batch or None. The core calls it instead of the selection, the check and
+    the plan hook when a wrapper re-plans with the same static arguments (``problem`` differs
+    only in its sizes) and this plan's tactic is still the one the selection would try first
+    (see `tactix.selection.replan_selection`). The plan must then vouch for everything its
+    ``tactix_check`` would say for the new sizes and return None for any batch it cannot serve
+    the same way (the full path then plans it); an exception other than `InvalidArgumentError`
+    also sends the batch down the full path.
     """
 
     tactic: Tactic

@@ -161,6 +161,19 @@ class Backend:
                 out.append(tactic)
         return out
 
+    def static_reasons(self, problem: Problem) -> Sequence[str]:
+        """Why this backend cannot serve ``problem`` whatever the tactic and the batch: the
+        environment and the declared capabilities. Remembered per static problem (attention)."""
+        if problem.op == "gemm":  # GEMM capabilities read m (max_m)
+            return self.environment() + self.spec.reasons(problem)
+        key = problem.static_key()
+        found = self._static_reasons.get(key)
+        if found is None:
+            if len(self._static_reasons) >= 1024:
+                self._static_reasons.clear()
+            found = self._static_reasons[key] = tuple(self.environment() + self.spec.reasons(problem))
+        return found
+
     def check(self, problem: Problem, tactic: Tactic, batch: Any = None) -> list[str]:
         """Reasons ``tactic`` cannot serve ``problem`` here: environment, capabilities, plugin.
 
@@ -169,16 +182,7 @@ class Backend:
         name = self.spec.name
         if tactic.backend != name:
             return [f"tactic {tactic} belongs to backend '{tactic.backend}', not '{name}'"]
-        if problem.op == "gemm":  # GEMM capabilities read m (max_m)
-            static: tuple[str, ...] | list[str] = self.environment() + self.spec.reasons(problem)
-        else:
-            key = problem.static_key()
-            found = self._static_reasons.get(key)
-            if found is None:
-                if len(self._static_reasons) >= 1024:
-                    self._static_reasons.clear()
-                found = self._static_reasons[key] = tuple(self.environment() + self.spec.reasons(problem))
-            static = found
+        static = self.static_reasons(problem)
         if static:
             return list(static)
         hook = self._hooks.get("tactix_check")

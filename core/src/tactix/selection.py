@@ -11,7 +11,8 @@ A serving engine re-plans every step with a new batch of the same shapes, so the
 each (backend, problem bucket) are remembered until a stored tactic may change: a store write,
 `set_tactic_source`, an ``autotune`` block entered or left (`stored_epoch`), or another registry.
 A store miss that looks on disk for other processes' entries is asked again every plan. Each
-candidate's ``check`` (which may depend on the batch) and plan are made every time.
+candidate's ``check`` (which may depend on the batch) and plan are made every time, except on a
+plan's own fast re-plan (`replan_selection`).
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ from tactix.errors import (
     UnsupportedProblemError,
 )
 from tactix.hookspecs import PlanOptions
-from tactix.problems import Problem
+from tactix.problems import Problem, bucket_size
 from tactix.registry import Backend, Registry, get_registry
 from tactix.tactics import Tactic
 
-__all__ = ["Planned", "Selection", "select_and_plan", "set_tactic_source"]
+__all__ = ["Planned", "Selection", "replan_selection", "select_and_plan", "set_tactic_source"]
 
 TacticSource = Callable[[Problem], Tactic | None]
 """Given a problem, the stored tactic for its bucket, or None (the autotuner installs one)."""
@@ -66,14 +67,19 @@ def set_tactic_source(source: TacticSource | None) -> TacticSource | None:
 class Selection:
     """The outcome of planning: which backend serves, with which plan."""
 
-    __slots__ = ("backend", "plan", "problem", "source")
+    __slots__ = ("backend", "plan", "problem", "replan_token", "requested", "source")
 
-    def __init__(self, backend: Backend, plan: Any, source: str, problem: Problem | None = None) -> None:
+    def __init__(self, backend: Backend, plan: Any, source: str, problem: Problem | None = None,
+                 requested: Tactic | None = None) -> None:  # fmt: skip
         self.backend = backend
         self.plan = plan
         self.problem = problem
         """How the tactic was chosen: 'explicit', 'store', 'default' or 'fallback'."""
         self.source = source
+        self.requested = requested
+        """The candidate tactic that was planned (``plan.tactic`` may name a concrete one)."""
+        self.replan_token: tuple[Any, ...] | None = None
+        """`replan_selection`'s note: the remembered candidates it checked, and their bucket."""
 
 
 class Planned:
@@ -192,10 +198,63 @@ def select_and_plan(
                     raise
                 raise BackendError(b.name, f"plan {problem} with {t}", exc) from exc
             continue
-        return Selection(b, chosen, source if failure is None else "fallback", problem)
+        return Selection(b, chosen, source if failure is None else "fallback", problem, t)
     if failure is not None:
         raise BackendError(failure[0].backend, f"plan {problem} with {failure[0]}", failure[1]) from failure[1]
     raise UnsupportedProblemError(backend, problem, unsupported or ["no backend is active"])
+
+
+def replan_selection(previous: Selection, problem: Problem, batch: PagedBatch, backend: str,
+                     options: PlanOptions) -> Selection | None:  # fmt: skip
+    """The fast re-plan of a wrapper whose static plan arguments are unchanged (same problem but
+    for its sizes, same ``backend`` argument, no explicit tactic), or None for the full path.
+
+    It applies where the full path would choose the same: the previous selection was the first
+    candidate of ``problem``'s bucket as remembered (the same epoch and registry) that the static
+    problem does not exclude (environment, capabilities: the same for every batch), not a fallback.
+    The plan's own ``replan(problem, batch, options)`` then makes the new plan without the
+    selection, the check and the plugin hook: a plan that offers it vouches that its check
+    would pass for any batch it accepts, and returns None for one it does not (a new graph
+    bucket, another device, ...).
+    """
+    replan = getattr(previous.plan, "replan", None)
+    if replan is None or previous.requested is None:
+        return None
+    buckets = tuple(map(bucket_size, problem._dynamic_values(problem.__dict__)))
+    token = previous.replan_token
+    if token is not None and token[1] == buckets:
+        found = token[0]  # the entry checked last time (the same static problem: see the caller)
+    else:
+        found = _remembered.get((backend, problem.bucket_key()))
+        if found is None:
+            return None
+    if found[0] != stored_epoch() or found[1] is not get_registry():
+        return None
+    if found is not (token[0] if token is not None else None):
+        first = next((c for c in found[2] if not c[0].static_reasons(problem)), None)
+        if first is None:
+            return None
+        b, tactic, source = first
+        # the candidate itself (not an equal tactic: comparing tactics serialises them)
+        if b is not previous.backend or source != previous.source or tactic is not previous.requested:
+            return None
+    b, source, tactic = previous.backend, previous.source, previous.requested
+    try:
+        made = replan(problem, batch, options)
+    except InvalidArgumentError:
+        raise  # bad input is the caller's to fix, whichever path noticed it
+    except Exception:
+        return None  # the full path plans (and reports a failure) as if there were no fast one
+    if made is None:
+        return None
+    if found[3] is not None:
+        bump(found[3])
+    bump("plans")
+    if getattr(made, "built", False):
+        bump("builds")
+    selection = Selection(b, made, source, problem, tactic)
+    selection.replan_token = (found, buckets)
+    return selection
 
 
 def _describe(exc: BaseException) -> str:

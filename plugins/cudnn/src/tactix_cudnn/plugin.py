@@ -9,7 +9,6 @@ fp8 per-tensor scales and bias fused as pointwise nodes.
 
 from __future__ import annotations
 
-import array
 import ctypes
 import dataclasses
 import functools
@@ -22,7 +21,7 @@ import tactix
 from tactix import PagedBatch, PlanOptions, Tactic, UnsupportedProblemError, cudart
 from tactix.devices import cuda_available
 from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem, bucket_size
-from tactix.staging import Staging, gather_table, write_table
+from tactix.staging import Staging, gather_table, write_int32, write_table
 from tactix_cudnn import __version__
 from tactix_cudnn.graphs import (
     UID_A,
@@ -397,10 +396,10 @@ def host_metadata(
     """
     b, real = key.batch, batch.batch_size
     pad = [0] * (b - real)
-    qo = batch.qo_indptr_list
-    starts = qo + [qo[-1]] * (b - real)
     sections: list[list[int]] = [batch.qo_lens_list + pad, batch.kv_lens_list + pad, batch.kv_indptr_list[:-1] + pad]
     if key.ragged_q:
+        qo = batch.qo_indptr_list
+        starts = qo + [qo[-1]] * (b - real)
         sections.append([s * (problem.num_qo_heads * problem.head_dim_qk) for s in starts])
         sections.append([s * (problem.num_qo_heads * problem.head_dim_vo) for s in starts])
         if key.lse:
@@ -487,6 +486,38 @@ class CudnnAttentionPlan:
         self._workspace = workspace  # stream-ordered reuse: the previous plan is replaced by this one
         self._q_packed: torch.Tensor | None = None  # for a strided q (a view of a fused QKV projection)
 
+    def replan(self, problem: PrefillProblem | DecodeProblem, batch: PagedBatch,
+               options: PlanOptions) -> CudnnAttentionPlan | None:  # fmt: skip
+        """This plan, made the plan of a new batch of its graph buckets (the core's fast re-plan,
+        see `tactix.selection.replan_selection`; ``problem`` has this plan's static fields): the
+        same graph, handle, workspace and staging, new metadata. None (and this plan unchanged)
+        for a batch of other buckets, another device or mode, or device-resident indices (the full
+        plan sizes their container). What ``tactix_check`` says depends on the static fields, the
+        tactic and these buckets only."""
+        if options["device"] != self.device or bool(options["use_cuda_graph"]) != self._graph_mode:
+            return None
+        max_page = batch.max_page_index
+        if max_page is None:
+            return None
+        key = self._base_key
+        pages = max_page + 1
+        if self._graph_mode:
+            pages = max(pages, self._shape[3])
+        b = batch.batch_size
+        if key.ragged_q:
+            same = key.batch == bucket_size(b) and key.max_q == bucket_size(max(batch.max_qo_len, 1))
+        else:
+            same = key.batch == b
+        if not (same and key.max_kv == bucket_size(batch.max_kv_len) and key.container_pages == bucket_size(pages)):
+            return None
+        # this plan becomes the new batch's (the wrapper replaces its plan by the one returned):
+        # graph(s), handle, workspace, staging and tactic stay, the metadata is the batch's
+        self._fill_metadata(batch, key, self if self._graph_mode else None)
+        self.problem = problem
+        self._shape = (b, batch.max_qo_len, batch.max_kv_len, pages)
+        self.built = False
+        return self
+
     def _key(self, k_strides: tuple[int, int, int, int], v_strides: tuple[int, int, int, int]) -> GraphKey:
         b, q, kv, pages = self._shape
         return _key(self.problem, b, q, kv, pages, k_strides, v_strides, self._requested)
@@ -513,15 +544,13 @@ class CudnnAttentionPlan:
                 raise UnsupportedProblemError(NAME, self.problem, [
                     "in CUDA-graph mode a re-plan must keep the graph's buckets (metadata size)"])  # fmt: skip
             self._staging = mine
-            small_bytes = array.array("i", flat)
-            small_src = small_bytes.buffer_info()[0]
             if indices.dtype != torch.int32 or not indices.is_contiguous():
                 indices = indices.to(torch.int32).contiguous()
             src = indices.data_ptr()
             indptr = batch.kv_indptr_list
 
             def fill(dst: int) -> None:
-                ctypes.memmove(dst, small_src, 4 * n)
+                write_int32(dst, flat)
                 if on_host:
                     write_table(dst + 4 * n, src, indptr, b, width)
                 else:

@@ -1,0 +1,176 @@
+"""The fast re-plan (`tactix.selection.replan_selection`): a plan that offers ``replan`` makes the
+next batch's plan when the static arguments, the backend argument and the first candidate are
+the same; anything else, or a plan that declines or fails, goes down the full path."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tactix
+from tactix.autotune import autotune
+from tactix.autotune.store import StoreEntry
+from tactix.registry import get_registry
+from tactix.selection import set_tactic_source
+from tactix.testing import attention_reference
+
+
+def i32(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+MATH = tactix.Tactic(backend="torch", kernel="sdpa", params={"impl": "math"})
+
+
+class Replannable:
+    """A real torch-backend plan that also offers ``replan`` (which plans the batch through the
+    torch backend's own hook, so outputs are real) and records how each plan was made."""
+
+    def __init__(self, inner: Any, log: list[str], behaviour: dict[str, Any]) -> None:
+        self.inner, self.log, self.behaviour = inner, log, behaviour
+        self.tactic = inner.tactic
+        self.built = False
+
+    def run(self, *args: Any) -> None:
+        self.inner.run(*args)
+
+    def replan(self, problem: Any, batch: Any, options: Any) -> Replannable | None:
+        self.log.append("replan")
+        what = self.behaviour.get("replan", "plan")
+        if what == "decline":
+            return None
+        if isinstance(what, BaseException):
+            raise what
+        inner = self.behaviour["hook"]("torch", problem, batch, self.inner.tactic, options)
+        return Replannable(inner, self.log, self.behaviour)
+
+
+@pytest.fixture
+def replannable() -> Iterator[tuple[list[str], dict[str, Any]]]:
+    """The torch backend's decode plans, made replannable; (log, behaviour)."""
+    set_tactic_source(None)
+    hook = get_registry().get("torch")._hooks["tactix_plan_decode"]
+    original = hook.function
+    log: list[str] = []
+    behaviour: dict[str, Any] = {"hook": original}
+
+    def planned(backend: str, problem: Any, batch: Any, tactic: Any, options: Any) -> Any:
+        made = original(backend, problem, batch, tactic, options)
+        if made is None:
+            return None
+        log.append("hook")
+        return Replannable(made, log, behaviour)
+
+    hook.function = planned
+    try:
+        yield log, behaviour
+    finally:
+        hook.function = original
+        set_tactic_source(None)
+
+
+def plan(wrapper: tactix.PagedDecode, last: int = 5, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+    """Two requests of 16 + ``last`` and 16 keys (one bucket for any ``last`` in 1..16)."""
+    kwargs = {"q_data_type": torch.float32, **kwargs}
+    metadata = (i32(0, 2, 3), i32(0, 1, 2), i32(last, 16))
+    wrapper.plan(*metadata, 8, 2, 64, 16, **kwargs)
+    return metadata
+
+
+def check_output(wrapper: tactix.PagedDecode, metadata: tuple[torch.Tensor, ...]) -> None:
+    gen = torch.Generator().manual_seed(int(metadata[2][0]))
+    q = torch.randn(2, 8, 64, generator=gen)
+    k, v = torch.randn(3, 16, 2, 64, generator=gen), torch.randn(3, 16, 2, 64, generator=gen)
+    out = wrapper.run(q, (k, v))
+    assert isinstance(out, torch.Tensor)
+    ref = attention_reference(q, k, v, i32(0, 1, 2), *metadata, kv_layout="NHD", causal=False,
+                              sm_scale=wrapper.problem.sm_scale)  # fmt: skip
+    ref_out = ref[0] if isinstance(ref, tuple) else ref
+    torch.testing.assert_close(out, ref_out.to(out.dtype), rtol=1e-4, atol=1e-4)
+
+
+def test_re_plans_of_the_same_static_arguments_take_the_plans_fast_path(replannable: Any) -> None:
+    log, _ = replannable
+    wrapper = tactix.PagedDecode(device="cpu")
+    tactix.reset_stats()
+    check_output(wrapper, plan(wrapper))
+    for last in (6, 7, 16):  # new batches of the same bucket
+        check_output(wrapper, plan(wrapper, last))
+        assert wrapper.selection_source == "default" and wrapper.backend == "torch"
+    assert log == ["hook", "replan", "replan", "replan"]
+    assert tactix.stats()["plans"] == 4  # fast re-plans are counted as plans
+
+
+def test_a_declined_or_failed_replan_goes_down_the_full_path(replannable: Any) -> None:
+    log, behaviour = replannable
+    wrapper = tactix.PagedDecode(device="cpu")
+    plan(wrapper)
+    behaviour["replan"] = "decline"
+    check_output(wrapper, plan(wrapper, 6))
+    behaviour["replan"] = RuntimeError("the fast path broke")
+    check_output(wrapper, plan(wrapper, 7))
+    assert log == ["hook", "replan", "hook", "replan", "hook"]
+    behaviour["replan"] = tactix.InvalidArgumentError("paged_kv_indices", "in range", "index 99")
+    with pytest.raises(tactix.InvalidArgumentError, match="paged_kv_indices"):
+        plan(wrapper, 8)
+
+
+def test_other_static_arguments_an_explicit_tactic_or_backend_take_the_full_path(replannable: Any) -> None:
+    log, _ = replannable
+    wrapper = tactix.PagedDecode(device="cpu")
+    plan(wrapper)
+    plan(wrapper, 6, sm_scale=0.5)  # another static argument
+    plan(wrapper, 7, sm_scale=0.5)  # ... whose own re-plan is fast
+    assert log == ["hook", "hook", "replan"]
+    log.clear()
+    plan(wrapper, 8, sm_scale=0.5, tactic=MATH)  # an explicit tactic: planned and checked every time
+    plan(wrapper, 9, sm_scale=0.5, tactic=MATH)
+    assert log == ["hook", "hook"] and wrapper.selection_source == "explicit"
+    log.clear()
+    plan(wrapper, 10, sm_scale=0.5)  # no tactic again: the full path once, then fast
+    plan(wrapper, 11, sm_scale=0.5, backend="torch")  # another backend argument
+    plan(wrapper, 12, sm_scale=0.5, backend="torch")
+    assert log == ["hook", "hook", "replan"]
+
+
+def test_store_misses_and_new_stored_tactics_are_planned_the_full_way(replannable: Any, tmp_path: Path) -> None:
+    log, _ = replannable
+    wrapper = tactix.PagedDecode(device="cpu")
+    explicit = tactix.Tactic(backend="torch", kernel="explicit")
+
+    def put(tactic: tactix.Tactic) -> None:
+        problem = wrapper.problem
+        assert state.store is not None
+        state.store.put(StoreEntry(op=problem.op, key=problem.key(), key_hash=problem.key_hash(), tactic=tactic,
+                                   baseline=tactix.Tactic.default("torch"), env_hash=state.store.env_hash))  # fmt: skip
+
+    with autotune(mode="replay", cache_dir=tmp_path) as state:
+        plan(wrapper)
+        plan(wrapper, 6)  # a store miss looks on disk every plan (other processes' entries)
+        assert log == ["hook", "hook"] and wrapper.selection_source == "default"
+        put(MATH)
+        plan(wrapper, 7)  # the store changed: selected again, and the stored tactic wins
+        plan(wrapper, 8)  # a hit is remembered: re-planned fast
+        assert log[2:] == ["hook", "replan"]
+        assert wrapper.selection_source == "store" and wrapper.tactic == MATH
+        put(explicit)  # a re-tune, say
+        plan(wrapper, 9)
+        assert log[4:] == ["hook"] and wrapper.tactic == explicit
+    plan(wrapper, 10)  # outside the block: no store, selected again
+    plan(wrapper, 11)
+    assert log[5:] == ["hook", "replan"] and wrapper.selection_source == "default"
+    set_tactic_source(lambda problem: None)  # a new source: selected again
+    plan(wrapper, 12)
+    assert log[7:] == ["hook"]
+
+
+def test_a_new_bucket_is_selected_again(replannable: Any) -> None:
+    log, _ = replannable
+    wrapper = tactix.PagedDecode(device="cpu")
+    plan(wrapper)
+    wrapper.plan(i32(0, 3), i32(0, 1, 2), i32(5), 8, 2, 64, 16, q_data_type=torch.float32)  # one request
+    assert log == ["hook", "hook"]
