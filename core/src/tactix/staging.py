@@ -78,6 +78,18 @@ Piece: TypeAlias = "Sequence[int] | array.array[int] | torch.Tensor"
 """What `Sections.write` takes for a section: ints, an ``array("i")``, or an int32 CPU tensor."""
 
 
+@functools.lru_cache(maxsize=256)
+def _int32_struct(n: int) -> struct.Struct:
+    return struct.Struct(f"={n}i")
+
+
+@functools.lru_cache(maxsize=64)
+def _bytes_at(address: int, nbytes: int) -> memoryview:
+    """A writable byte view of ``nbytes`` at ``address`` (it owns nothing: the same as making it
+    again, so views of the few staging buffers a process writes are kept)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
 def write_int32(dst: int, values: Sequence[int]) -> int:
     """Write ``values`` as int32 at address ``dst`` with one C-level call; how many were written.
 
@@ -85,7 +97,7 @@ def write_int32(dst: int, values: Sequence[int]) -> int:
     n = len(values)
     if n:
         try:
-            struct.pack_into(f"={n}i", (ctypes.c_char * (4 * n)).from_address(dst), 0, *values)
+            _int32_struct(n).pack_into(_bytes_at(dst, 4 * n), 0, *values)
         except struct.error as exc:
             raise TactixError(f"staging: metadata must be int32 values ({exc})") from None
     return n
@@ -166,7 +178,7 @@ def write_table(dst: int, src: int, indptr: list[int], rows: int, width: int) ->
     if size == 0:
         return
     # slice assignment between memoryviews: ~0.1 us a row, where a ctypes.memmove call costs ~0.5
-    table = memoryview((ctypes.c_int32 * size).from_address(dst)).cast("B").cast("i")
+    table = _bytes_at(dst, 4 * size).cast("i")
     table[:] = _zero_view(size)
     if nnz == 0:
         return

@@ -424,6 +424,19 @@ larger batches send the CSR indices in the same transfer and gather the rows on 
 kernel, whatever the batch size)."""
 
 
+@functools.lru_cache(maxsize=256)
+def _fixed_addresses(base: int, table: int, offsets: tuple[int, ...], ragged: bool, lse: bool) -> dict[int, int]:
+    """The metadata addresses a graph reads, by tensor uid, for metadata staged at ``base``.
+    Shared between plans: never modified (run() copies it)."""
+    fixed = {UID_SEQ_Q: base + 4 * offsets[0], UID_SEQ_KV: base + 4 * offsets[1], UID_TABLE: table}
+    if ragged:
+        fixed[UID_Q_OFF] = base + 4 * offsets[3]
+        fixed[UID_O_OFF] = base + 4 * offsets[4]
+        if lse:
+            fixed[UID_STATS_OFF] = base + 4 * offsets[5]
+    return fixed
+
+
 class CudnnAttentionPlan:
     """Device metadata for one batch plus the graph(s) that read it.
 
@@ -527,7 +540,7 @@ class CudnnAttentionPlan:
         b, width, nnz = key.batch, key.table_width, batch.num_page_entries
         indices = batch.kv_indices
         n = len(flat)
-        if indices.device.type == "cpu" and nnz <= _HOST_TABLE_ENTRIES:
+        if indices.is_cpu and nnz <= _HOST_TABLE_ENTRIES:
             # one pinned buffer written with C-level copies and one transfer into the wrapper's
             # staging slot: [small | the page table] for a few rows, else [small | the CSR
             # indices | width zeros] and one gather on the device (torch.tensor(list) costs
@@ -560,12 +573,10 @@ class CudnnAttentionPlan:
             slot = mine.slot(self._graph_mode)
             base = mine.send(slot, n + (b * width if on_host else nnz + width), fill)
             table_ptr = base + 4 * n if on_host else mine.gather(slot, n, b, width, offsets[2])
-            self._fixed = {UID_SEQ_Q: base + 4 * offsets[0], UID_SEQ_KV: base + 4 * offsets[1], UID_TABLE: table_ptr}
-            if key.ragged_q:
-                self._fixed[UID_Q_OFF] = base + 4 * offsets[3]
-                self._fixed[UID_O_OFF] = base + 4 * offsets[4]
-                if key.lse:
-                    self._fixed[UID_STATS_OFF] = base + 4 * offsets[5]
+            # the same slot and table give the same addresses: one dict per (slot, table), kept
+            # across re-plans (run() copies it before adding the tensors' addresses)
+            fixed = _fixed_addresses(base, table_ptr, tuple(offsets), key.ragged_q, key.lse)
+            self._fixed = fixed
             return
         else:
             small_host = torch.tensor(flat, dtype=torch.int32)
