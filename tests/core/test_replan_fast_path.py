@@ -30,8 +30,8 @@ class Replannable:
     """A real torch-backend plan that also offers ``replan`` (which plans the batch through the
     torch backend's own hook, so outputs are real) and records how each plan was made."""
 
-    def __init__(self, inner: Any, log: list[str], behaviour: dict[str, Any]) -> None:
-        self.inner, self.log, self.behaviour = inner, log, behaviour
+    def __init__(self, inner: Any, log: list[str], behaviour: dict[str, Any], hook: str) -> None:
+        self.inner, self.log, self.behaviour, self.hook = inner, log, behaviour, hook
         self.tactic = inner.tactic
         self.built = False
 
@@ -45,31 +45,38 @@ class Replannable:
             return None
         if isinstance(what, BaseException):
             raise what
-        inner = self.behaviour["hook"]("torch", problem, batch, self.inner.tactic, options)
-        return Replannable(inner, self.log, self.behaviour)
+        inner = self.behaviour[self.hook]("torch", problem, batch, self.inner.tactic, options)
+        if self.behaviour.get("in_place"):  # as the cudnn plugin's: the plan becomes the new batch's
+            self.inner = inner
+            return self
+        return Replannable(inner, self.log, self.behaviour, self.hook)
 
 
 @pytest.fixture
 def replannable() -> Iterator[tuple[list[str], dict[str, Any]]]:
-    """The torch backend's decode plans, made replannable; (log, behaviour)."""
+    """The torch backend's decode and prefill plans, made replannable; (log, behaviour)."""
     set_tactic_source(None)
-    hook = get_registry().get("torch")._hooks["tactix_plan_decode"]
-    original = hook.function
+    hooks = get_registry().get("torch")._hooks
     log: list[str] = []
-    behaviour: dict[str, Any] = {"hook": original}
+    behaviour: dict[str, Any] = {}
+    originals = {}
+    for name in ("tactix_plan_decode", "tactix_plan_prefill"):
+        originals[name] = behaviour[name] = original = hooks[name].function
 
-    def planned(backend: str, problem: Any, batch: Any, tactic: Any, options: Any) -> Any:
-        made = original(backend, problem, batch, tactic, options)
-        if made is None:
-            return None
-        log.append("hook")
-        return Replannable(made, log, behaviour)
+        def planned(backend: str, problem: Any, batch: Any, tactic: Any, options: Any, name: str = name,
+                    original: Any = original) -> Any:  # fmt: skip
+            made = original(backend, problem, batch, tactic, options)
+            if made is None:
+                return None
+            log.append("hook")
+            return Replannable(made, log, behaviour, name)
 
-    hook.function = planned
+        hooks[name].function = planned
     try:
         yield log, behaviour
     finally:
-        hook.function = original
+        for name, original in originals.items():
+            hooks[name].function = original
         set_tactic_source(None)
 
 
@@ -174,3 +181,28 @@ def test_a_new_bucket_is_selected_again(replannable: Any) -> None:
     plan(wrapper)
     wrapper.plan(i32(0, 3), i32(0, 1, 2), i32(5), 8, 2, 64, 16, q_data_type=torch.float32)  # one request
     assert log == ["hook", "hook"]
+
+
+def test_a_plan_kept_by_its_replan_serves_a_batch_of_other_rows(replannable: Any) -> None:
+    """A re-plan that keeps its plan object (as cudnn's does) with another number of query rows
+    in the same bucket: run() takes the new batch's q shape and refuses the old one."""
+    log, behaviour = replannable
+    behaviour["in_place"] = True
+    wrapper = tactix.PagedPrefill(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(4, 16, 2, 64, generator=gen), torch.randn(4, 16, 2, 64, generator=gen)
+    outputs = []
+    for q_lens in ([5, 2], [6, 2]):  # 7 then 8 query rows: one bucket (8 rows, longest q 8)
+        qo = i32(0, q_lens[0], sum(q_lens))
+        metadata = (qo, i32(0, 2, 4), i32(0, 1, 2, 3), i32(16, 16))
+        wrapper.plan(*metadata, 8, 2, 64, 16, q_data_type=torch.float32, causal=True)
+        q = torch.randn(sum(q_lens), 8, 64, generator=gen)
+        out = wrapper.run(q, (k, v))
+        assert isinstance(out, torch.Tensor)
+        ref, _ = attention_reference(q, k, v, *metadata, kv_layout="NHD", causal=True,
+                                     sm_scale=wrapper.problem.sm_scale)  # fmt: skip
+        torch.testing.assert_close(out, ref.to(out.dtype), rtol=1e-4, atol=1e-4)
+        outputs.append(wrapper.plan_object)
+    assert log == ["hook", "replan"] and outputs[0] is outputs[1]
+    with pytest.raises(tactix.InvalidArgumentError, match="q"):
+        wrapper.run(torch.randn(7, 8, 64), (k, v))
