@@ -535,6 +535,44 @@ def test_decode_work_orders_items_as_one_stable_sort_longest_first() -> None:
         assert geometry.decode_work(ranges, chunk).items == reference(ranges, chunk), (ranges, chunk)
 
 
+def test_decode_plan_helpers_equal_their_plain_definitions() -> None:
+    """The work-list helpers a decode plan calls every batch (written with C-level iteration)
+    give what their plain definitions give: the chunk, the small-batch test and the kernel's item
+    records, over ragged batches, windows and tiles."""
+
+    def chunk_reference(lengths: list[int], units: int, tile: int, slots: int, min_chunk: int) -> int:
+        tiles = [max(1, -(-n // tile)) for n in lengths]
+        chunk_tiles = -(-(sum(tiles) * units) // (geometry.DECODE_ITEMS_PER_SLOT * slots))
+        chunk_tiles = min(max(chunk_tiles, -(-min_chunk // tile), 1), max(tiles))
+        pieces = -(-max(tiles) // chunk_tiles)
+        return -(-max(tiles) // pieces) * tile
+
+    def items_reference(work: geometry.DecodeWork, page_base: list[int]) -> list[int]:
+        out = []
+        for req, start, end, slot in work.items:
+            first, count = work.splits[req]
+            out += [req, start, end, slot, page_base[req], first, count, 0]
+        return out
+
+    rng = random.Random(11)
+    for _ in range(1000):
+        lens = [rng.choice([1, 2, 63, 64, 65, 511, 512, 513, 2048, rng.randint(1, 9000)])
+                for _ in range(rng.randint(1, 70))]  # fmt: skip
+        window = rng.choice([-1, -1, 0, 100, 1000])
+        ranges = geometry.effective_lengths(lens, window)
+        assert ranges == [((max(0, n - 1 - window) if window >= 0 else 0), n) for n in lens]
+        lengths = [e - s for s, e in ranges]
+        units, tile, slots = rng.choice([1, 8, 16]), rng.choice([32, 64, 128]), rng.choice([132, 264, 396])
+        min_chunk = rng.choice([64, 256, geometry.DECODE_MIN_CHUNK])
+        chunk = geometry.decode_chunk(lengths, units, tile, slots, min_chunk)
+        assert chunk == chunk_reference(lengths, units, tile, slots, min_chunk), (lengths, units, tile, slots)
+        pieces = sum(max(1, -(-n // min_chunk)) for n in lengths) * units
+        assert geometry.decode_is_small(lengths, units, H200, min_chunk) == (pieces <= 2 * H200.sms)
+        work = geometry.decode_work(ranges, chunk)
+        page_base = sorted(rng.sample(range(100000), len(lens)))
+        assert geometry.decode_items(work, page_base) == items_reference(work, page_base)
+
+
 def test_window_limits_the_attended_range() -> None:
     assert geometry.effective_lengths([1, 10, 100], -1) == [(0, 1), (0, 10), (0, 100)]
     assert geometry.effective_lengths([1, 10, 100], 0) == [(0, 1), (9, 10), (99, 100)]

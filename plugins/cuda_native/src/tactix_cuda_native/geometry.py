@@ -8,7 +8,9 @@ ahead of time (and for the tests).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import operator
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
@@ -189,8 +191,20 @@ idle SMs (benchmarks/results/h200-decode-sweep-deep.json)."""
 def decode_is_small(lengths: list[int], units: int, info: DeviceInfo, min_chunk: int = DECODE_MIN_CHUNK) -> bool:
     """Whether a batch is one wave at two CTAs per SM even when cut into ``min_chunk``-key pieces
     (D2: 8192 keys x 8 KV heads = 128 pieces of 512 keys <= 264): latency-bound."""
-    pieces = sum(max(1, -(-n // min_chunk)) for n in lengths) * units
+    pieces = _ceil_sum(lengths, min_chunk) * units
     return pieces <= 2 * info.sms
+
+
+def _ceils(lengths: list[int], unit: int) -> list[int]:
+    """``max(1, ceil(n / unit))`` per length, in C-level maps (plans call this for every batch)."""
+    out = list(map(operator.floordiv, map(operator.add, lengths, itertools.repeat(unit - 1)), itertools.repeat(unit)))
+    if lengths and min(lengths) < 1:
+        out = [max(1, c) for c in out]
+    return out
+
+
+def _ceil_sum(lengths: list[int], unit: int) -> int:
+    return sum(_ceils(lengths, unit))
 
 
 def q_tiles(gqa: int) -> int:
@@ -201,7 +215,7 @@ def q_tiles(gqa: int) -> int:
 def effective_lengths(kv_lens: list[int], window_left: int) -> list[tuple[int, int]]:
     """Each request's attended key range ``[start, end)``: all keys, or the last ``window_left + 1``."""
     if window_left < 0:
-        return [(0, n) for n in kv_lens]
+        return list(zip(itertools.repeat(0), kv_lens))
     return [(max(0, n - 1 - window_left), n) for n in kv_lens]
 
 
@@ -222,7 +236,7 @@ def decode_chunk(lengths: list[int], units: int, tile: int, slots: int, min_chun
     the longest request is then cut into equal pieces (no short last piece). D2 (1 x 8192 keys,
     8 KV heads) gives 512-key chunks, 128 CTAs; D3 (256 x 2048, 396 slots) no split: 2048 CTAs.
     """
-    tiles = [max(1, -(-n // tile)) for n in lengths]
+    tiles = _ceils(lengths, tile)
     longest = max(tiles)
     total = sum(tiles) * units
     chunk_tiles = -(-total // (DECODE_ITEMS_PER_SLOT * slots))
