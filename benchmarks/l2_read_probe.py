@@ -1,15 +1,17 @@
 """How fast one kernel can read N bytes from HBM right after the suite's L2 flush, and why.
 
-    python benchmarks/l2_read_probe.py [--mib 32 256] [--json PATH]
+    python benchmarks/l2_read_probe.py [--mib 32 2048] [--repeat 30] [--json PATH]
 
 The suite flushes L2 with a 256 MB memset before every timed call, which leaves L2 full of
 dirty lines. A kernel that then reads 32 MiB (G2's weight, D2's K/V) allocates 32 MiB of L2
-lines, and each allocation may first write a dirty line back to HBM: the read can cost up to
-twice its own bytes of HBM traffic. This probe times pure-read kernels after a dirty flush
-(the memset) and after a clean one (a 256 MB read), with and without an L2 evict_first policy
-on the streamed bytes, through 16-byte loads and through bulk copies (``cp.async.bulk``) into
-shared memory, beside torch's matmul at m = 1 (cuBLAS) under the same flushes. CUDA-event
-median of 30 per row; every kernel's sum is checked against torch's.
+lines, and an allocation may first write a dirty line back to HBM. This probe times pure-read
+kernels after a dirty flush (the memset) and after a clean one (a 256 MB read): 16-byte loads
+into registers, cp.async rings in shared memory (also over 4 KB blocks in a random order, as a
+paged cache with random page order is read), and bulk copies (``cp.async.bulk``) of whole
+chunks, 4 KB pieces or 256-byte rows, with and without an L2 evict_first policy; beside torch's
+matmul at m = 1 (cuBLAS) and ``torch.sum`` under the same flushes. CUDA-event median of
+``--repeat`` per row; every kernel's sum is checked against torch's. The H200's figures
+(``benchmarks/results/h200-l2-read-probe.log``) bound what G2, D2 and D3 can reach.
 """
 
 from __future__ import annotations
