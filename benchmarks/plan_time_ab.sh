@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Same-host A/B of plan times: plan_time.py of an older commit's wheels and of the checkout,
+# alternating twice (H200 hosts differ by up to 2x in Python speed, and one host drifts between
+# runs: compare only numbers from one such run).
+#
+# On this machine, before ../shared/device/prepare.sh:
+#   git worktree add /tmp/wt-old <commit>
+#   for d in core plugins/cudnn plugins/cuda_native; do
+#     python -m pip wheel -q --no-deps --no-build-isolation -w .gpu/old /tmp/wt-old/$d; done
+#   git worktree remove --force /tmp/wt-old
+# On the GPU machine (after `source .gpu/env.sh`; AB_BACKENDS defaults to cudnn,cuda_native):
+#   AB_BACKENDS=cudnn bash benchmarks/plan_time_ab.sh      # writes $OUT/r/ab.txt
+# Run it on a settled machine: right after the GPU tests, plan times are disturbed.
+set -uo pipefail
+mkdir -p "$OUT/r"
+export TACTIX_CACHE_DIR=${TACTIX_CACHE_DIR:-/tmp/txcache}
+if [ ! -f /tmp/old-site/.ok ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/old-site .gpu/deps/*.whl .gpu/project/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old-site .gpu/old/*.whl
+  touch /tmp/old-site/.ok
+fi
+NEW=$PYTHONPATH
+for round in 1 2; do
+  for which in old new; do
+    if [ "$which" = old ]; then export PYTHONPATH=/tmp/old-site; else export PYTHONPATH=$NEW; fi
+    echo "== $which (round $round): $(python3 -c 'import tactix; print(tactix.__file__)')"
+    (cd benchmarks && python3 plan_floor.py | head -1 \
+      && python3 plan_time.py --backends "${AB_BACKENDS:-cudnn,cuda_native}" --plans 200 | tail -6)
+  done
+done 2>&1 | tee "$OUT/r/ab.txt"
+export PYTHONPATH=$NEW
