@@ -45,11 +45,17 @@ class Replannable:
             return None
         if isinstance(what, BaseException):
             raise what
-        inner = self.behaviour[self.hook]("torch", problem, batch, self.inner.tactic, options)
+        inner = self.behaviour[self.hook]("torch", problem, batch, self.inner.tactic, unwrapped(options))
         if self.behaviour.get("in_place"):  # as the cudnn plugin's: the plan becomes the new batch's
             self.inner = inner
             return self
         return Replannable(inner, self.log, self.behaviour, self.hook)
+
+
+def unwrapped(options: Any) -> Any:
+    """The options with the torch backend's own plan as ``previous`` (its CUDA-graph re-plans read it)."""
+    previous = options["previous"]
+    return {**options, "previous": previous.inner} if isinstance(previous, Replannable) else options
 
 
 @pytest.fixture
@@ -65,7 +71,7 @@ def replannable() -> Iterator[tuple[list[str], dict[str, Any]]]:
 
         def planned(backend: str, problem: Any, batch: Any, tactic: Any, options: Any, name: str = name,
                     original: Any = original) -> Any:  # fmt: skip
-            made = original(backend, problem, batch, tactic, options)
+            made = original(backend, problem, batch, tactic, unwrapped(options))
             if made is None:
                 return None
             log.append("hook")
@@ -206,3 +212,16 @@ def test_a_plan_kept_by_its_replan_serves_a_batch_of_other_rows(replannable: Any
     assert log == ["hook", "replan"] and outputs[0] is outputs[1]
     with pytest.raises(tactix.InvalidArgumentError, match="q"):
         wrapper.run(torch.randn(7, 8, 64), (k, v))
+
+
+def test_after_a_declined_replan_a_cuda_graph_wrapper_takes_the_fast_path_again(replannable: Any) -> None:
+    """In CUDA-graph mode a declined re-plan goes through the full path's graph branch (same
+    backend and tactic); the plan it makes still offers the fast path to the next batch."""
+    log, behaviour = replannable
+    wrapper = tactix.PagedDecode(device="cpu", use_cuda_graph=True)
+    check_output(wrapper, plan(wrapper))
+    behaviour["replan"] = "decline"
+    check_output(wrapper, plan(wrapper, 6))
+    behaviour["replan"] = "plan"
+    check_output(wrapper, plan(wrapper, 7))
+    assert log == ["hook", "replan", "hook", "replan"]

@@ -144,40 +144,21 @@ class PagedBatch:
     ) -> PagedBatch:
         """Check the CSR arrays of a batch. ``qo_indptr=None`` means decode (one row each)."""
         decode = qo_indptr is None
-        if (  # the usual case, checked inline: 1-D int32/int64 CPU tensors (_index_array's rules)
-            type(kv_indptr) is torch.Tensor
-            and type(kv_last_page_len) is torch.Tensor
-            and type(kv_indices) is torch.Tensor
-            and decode
-            and kv_indptr.is_cpu
-            and kv_last_page_len.is_cpu
-            and kv_indptr.dtype in _INDEX_DTYPES
-            and kv_last_page_len.dtype in _INDEX_DTYPES
-            and kv_indices.dtype in _INDEX_DTYPES
-            and kv_indptr.dim() == 1
-            and kv_last_page_len.dim() == 1
-            and kv_indices.dim() == 1
-            and (kv_indices.is_cpu or kv_indices.device == device)
-        ):
-            indices_t = kv_indices
-            kv_list: list[int] = kv_indptr.tolist()
-            last_list: list[int] = kv_last_page_len.tolist()
-        else:
-            kv_indptr_t = _index_array(kv_indptr, kv_indptr_name, device)
-            indices_t = _index_array(kv_indices, kv_indices_name, device)
-            last_t = _index_array(kv_last_page_len, last_page_len_name, device)
-            qo_t = None if decode else _index_array(qo_indptr, "qo_indptr", device)
+        kv_indptr_t = _index_array(kv_indptr, kv_indptr_name, device)
+        indices_t = _index_array(kv_indices, kv_indices_name, device)
+        last_t = _index_array(kv_last_page_len, last_page_len_name, device)
+        qo_t = None if decode else _index_array(qo_indptr, "qo_indptr", device)
 
-            # One transfer brings device-resident indptrs to the host (their values decide shapes).
-            small = [kv_indptr_t, last_t] if qo_t is None else [kv_indptr_t, last_t, qo_t]
-            if not (kv_indptr_t.is_cpu and last_t.is_cpu and (qo_t is None or qo_t.is_cpu)):
-                sizes = [t.numel() for t in small]
-                host = torch.cat([t.to(device, torch.int64) for t in small]).cpu()
-                small = list(torch.split(host, sizes))
-            # The small arrays are checked as Python lists: a few microseconds for hundreds of
-            # requests, where a chain of small torch ops costs tens.
-            kv_list = small[0].tolist()
-            last_list = small[1].tolist()
+        # One transfer brings device-resident indptrs to the host (their values decide shapes).
+        small = [kv_indptr_t, last_t] if qo_t is None else [kv_indptr_t, last_t, qo_t]
+        if not (kv_indptr_t.is_cpu and last_t.is_cpu and (qo_t is None or qo_t.is_cpu)):
+            sizes = [t.numel() for t in small]
+            host = torch.cat([t.to(device, torch.int64) for t in small]).cpu()
+            small = list(torch.split(host, sizes))
+        # The small arrays are checked as Python lists: a few microseconds for hundreds of
+        # requests, where a chain of small torch ops costs tens.
+        kv_list: list[int] = small[0].tolist()
+        last_list: list[int] = small[1].tolist()
         batch_size = len(kv_list) - 1
         if batch_size < 1:
             raise InvalidArgumentError(kv_indptr_name, "of length batch_size + 1 >= 2", f"length {len(kv_list)}")

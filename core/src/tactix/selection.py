@@ -163,7 +163,7 @@ def select_and_plan(
                 "in CUDA-graph mode a wrapper keeps its backend and tactic across re-plans "
                 f"(planned with {t}); create a new wrapper to change them"
             )
-        return Selection(b, _plan_or_raise(b, t, problem, batch, plan), previous.source, problem)
+        return Selection(b, _plan_or_raise(b, t, problem, batch, plan), previous.source, problem, previous.requested)
 
     if tactic is not None:
         if backend != "auto" and tactic.backend != backend:

@@ -191,7 +191,7 @@ idle SMs (benchmarks/results/h200-decode-sweep-deep.json)."""
 def decode_is_small(lengths: list[int], units: int, info: DeviceInfo, min_chunk: int = DECODE_MIN_CHUNK) -> bool:
     """Whether a batch is one wave at two CTAs per SM even when cut into ``min_chunk``-key pieces
     (D2: 8192 keys x 8 KV heads = 128 pieces of 512 keys <= 264): latency-bound."""
-    pieces = _ceil_sum(lengths, min_chunk) * units
+    pieces = sum(_ceils(lengths, min_chunk)) * units
     return pieces <= 2 * info.sms
 
 
@@ -201,10 +201,6 @@ def _ceils(lengths: list[int], unit: int) -> list[int]:
     if lengths and min(lengths) < 1:
         out = [max(1, c) for c in out]
     return out
-
-
-def _ceil_sum(lengths: list[int], unit: int) -> int:
-    return sum(_ceils(lengths, unit))
 
 
 def q_tiles(gqa: int) -> int:

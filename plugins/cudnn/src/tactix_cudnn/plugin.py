@@ -575,8 +575,7 @@ class CudnnAttentionPlan:
             table_ptr = base + 4 * n if on_host else mine.gather(slot, n, b, width, offsets[2])
             # the same slot and table give the same addresses: one dict per (slot, table), kept
             # across re-plans (run() copies it before adding the tensors' addresses)
-            fixed = _fixed_addresses(base, table_ptr, tuple(offsets), key.ragged_q, key.lse)
-            self._fixed = fixed
+            self._fixed = _fixed_addresses(base, table_ptr, tuple(offsets), key.ragged_q, key.lse)
             return
         else:
             small_host = torch.tensor(flat, dtype=torch.int32)
@@ -597,17 +596,7 @@ class CudnnAttentionPlan:
                 table = torch.empty(b, width, dtype=torch.int32, device=self.device)
             gather_table(ext[: nnz + width], small[offsets[2] : offsets[2] + b], out=table)
         self._small, self._table = small, table
-        ptr = small.data_ptr()
-        self._fixed = {
-            UID_SEQ_Q: ptr + 4 * offsets[0],
-            UID_SEQ_KV: ptr + 4 * offsets[1],
-            UID_TABLE: table.data_ptr(),
-        }
-        if key.ragged_q:
-            self._fixed[UID_Q_OFF] = ptr + 4 * offsets[3]
-            self._fixed[UID_O_OFF] = ptr + 4 * offsets[4]
-            if key.lse:
-                self._fixed[UID_STATS_OFF] = ptr + 4 * offsets[5]
+        self._fixed = _fixed_addresses(small.data_ptr(), table.data_ptr(), tuple(offsets), key.ragged_q, key.lse)
 
     def _graph_for(self, k: torch.Tensor, v: torch.Tensor) -> BuiltGraph:
         strides = (_container_strides(k.stride(), self.problem.kv_layout),
