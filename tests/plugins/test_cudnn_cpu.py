@@ -150,6 +150,12 @@ def test_plan_metadata_and_page_table_match_the_batch() -> None:
     for r, n in enumerate(pages):
         assert table[r, :n].tolist() == indices[kv_indptr[r] : kv_indptr[r] + n].tolist()
     assert int(table.min()) >= 0 and int(table.max()) < len(indices) + 7  # every entry a valid page
+    # without row starts (a table laid out on the host): the same sections, none for the starts
+    lean, lean_offsets = plugin.host_metadata(problem, batch, key, starts=False)
+    assert lean_offsets[2] == -1 and len(lean) == len(flat) - 32
+    for i in (0, 1, 3, 4, 5):
+        n = 8 if i < 2 else 9
+        assert lean[lean_offsets[i] : lean_offsets[i] + n] == section(i, n)
     # small batches lay the table out on the host instead: the same rows, zeros past each request
     host = torch.full((key.batch * key.table_width,), -1, dtype=torch.int32)
     src = indices.to(torch.int32).contiguous()
@@ -158,6 +164,29 @@ def test_plan_metadata_and_page_table_match_the_batch() -> None:
     for r in range(key.batch):
         n = pages[r] if r < len(pages) else 0
         assert host[r, :n].tolist() == table[r, :n].tolist() and not host[r, n:].any()
+
+
+def test_decode_metadata_gives_every_request_one_query_row() -> None:
+    """Decode graphs read q lengths too: one row per request, the kv lengths, no offsets."""
+    kv_lens = [5, 40, 16, 1, 33]
+    pages = [-(-n // 16) for n in kv_lens]
+    kv_indptr = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32)
+    last = torch.tensor([(n - 1) % 16 + 1 for n in kv_lens], dtype=torch.int32)
+    batch = tactix.PagedBatch.build(qo_indptr=None, kv_indptr=kv_indptr, kv_indices=torch.arange(sum(pages)),
+                                    kv_last_page_len=last, page_size=16, device=torch.device("cpu"),
+                                    causal=False)  # fmt: skip
+    problem = DecodeProblem(**dict(BASE, batch_size=5, max_kv_len=40))  # type: ignore[arg-type]
+    key = key_of(problem)
+    assert not key.ragged_q and key.batch == 5
+    for starts in (True, False):
+        flat, offsets = plugin.host_metadata(problem, batch, key, starts=starts)
+        assert len(offsets) == 3 and all(o % 32 == 0 for o in offsets if o >= 0)
+        assert flat[offsets[0] : offsets[0] + 32] == [1] * 5 + [0] * 27
+        assert flat[offsets[1] : offsets[1] + 32] == kv_lens + [0] * 27
+        if starts:
+            assert flat[offsets[2] : offsets[2] + 5] == kv_indptr[:-1].tolist()
+        else:
+            assert offsets[2] == -1 and len(flat) == 64
 
 
 def gemm(**changes: object) -> tactix.problems.GemmProblem:

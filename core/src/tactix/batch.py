@@ -13,7 +13,6 @@ kernel that follows it.
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 import threading
 from dataclasses import dataclass, field
@@ -178,14 +177,14 @@ class PagedBatch:
             )
         # each check is one C-level min/max over the list; the loop that names the culprit runs
         # only when a check fails
-        num_pages = list(map(operator.sub, itertools.islice(kv_list, 1, None), kv_list))
+        num_pages = list(map(operator.sub, kv_list[1:], kv_list))
         fewest_pages = min(num_pages)
         _check_offsets(kv_indptr_name, kv_list, num_pages, fewest_pages)
         if decode:
             qo_lens_list = [1] * batch_size
             max_qo_len = 1
         else:
-            qo_lens_list = list(map(operator.sub, itertools.islice(qo_list, 1, None), qo_list))
+            qo_lens_list = list(map(operator.sub, qo_list[1:], qo_list))
             _check_offsets("qo_indptr", qo_list, qo_lens_list, min(qo_lens_list))
             max_qo_len = max(qo_lens_list)
         if fewest_pages < 1:

@@ -385,32 +385,63 @@ def _zeros(n: int, device: torch.device | None = None) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int32, device=device)
 
 
-def host_metadata(
-    problem: PrefillProblem | DecodeProblem, batch: PagedBatch, key: GraphKey
-) -> tuple[list[int], list[int]]:
+def _span(n: int) -> int:
+    """Entries a section of ``n`` takes: ``n`` rounded up to the 128-byte alignment."""
+    return n + (-n % _ALIGN)
+
+
+@functools.lru_cache(maxsize=256)
+def metadata_offsets(batch: int, ragged: bool, lse: bool, starts: bool = True) -> tuple[int, ...]:
+    """Where each section of `host_metadata` starts (int32 entries), for a key of ``batch``
+    requests: q lengths, kv lengths, row starts (-1 without them), then for ragged q the q, out
+    and (with ``lse``) stats offsets."""
+    sizes = [batch, batch, batch if starts else 0]
+    if ragged:
+        sizes += [batch + 1] * (3 if lse else 2)
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at if n else -1)
+        at += _span(n)
+    return tuple(offsets)
+
+
+_NO_PAGES: Final = [0] * 4096  # sliced for padding (list slices are C-level copies)
+
+
+def host_metadata(problem: PrefillProblem | DecodeProblem, batch: PagedBatch, key: GraphKey, *,
+                  starts: bool = True) -> tuple[list[int], tuple[int, ...]]:  # fmt: skip
     """The small int32 metadata of a plan as one flat list, and where each section starts.
 
-    Sections (each 128-byte aligned; ``key.batch`` entries, requests past the real batch empty):
-    q lengths, kv lengths, each request's first entry in the page indices, and for ragged q the
+    Sections (each 128-byte aligned, `metadata_offsets`; ``key.batch`` entries, requests past the
+    real batch empty): q lengths, kv lengths, each request's first entry in the page indices
+    (only with ``starts``: a table gathered on the device reads them), and for ragged q the
     element offsets of q, out and (with LSE) the stats rows (``key.batch + 1`` entries each).
+    A re-plan pays for this every batch: a few list concatenations and comprehensions.
     """
     b, real = key.batch, batch.batch_size
-    pad = [0] * (b - real)
-    sections: list[list[int]] = [batch.qo_lens_list + pad, batch.kv_lens_list + pad, batch.kv_indptr_list[:-1] + pad]
+    span = _span(b)
+    pad = _NO_PAGES[: span - real] if span - real <= len(_NO_PAGES) else [0] * (span - real)
+    flat = (batch.qo_lens_list + pad) if key.ragged_q else ([1] * real + pad)  # decode: one row each
+    flat += batch.kv_lens_list
+    flat += pad
+    if starts:
+        flat += batch.kv_indptr_list
+        del flat[-1]
+        flat += pad
     if key.ragged_q:
         qo = batch.qo_indptr_list
-        starts = qo + [qo[-1]] * (b - real)
-        sections.append([s * (problem.num_qo_heads * problem.head_dim_qk) for s in starts])
-        sections.append([s * (problem.num_qo_heads * problem.head_dim_vo) for s in starts])
+        rows = qo + [qo[-1]] * (b - real) if b > real else qo
+        tail = [0] * (_span(b + 1) - b - 1)
+        hq = problem.num_qo_heads
+        q_row, o_row = hq * problem.head_dim_qk, hq * problem.head_dim_vo
+        flat += [s * q_row for s in rows]
+        flat += tail
+        flat += [s * o_row for s in rows]
+        flat += tail
         if key.lse:
-            sections.append([s * problem.num_qo_heads for s in starts])
-    flat: list[int] = []
-    offsets = []
-    for sec in sections:
-        offsets.append(len(flat))
-        flat += sec
-        flat += [0] * (-len(flat) % _ALIGN)
-    return flat, offsets
+            flat += [s * hq for s in rows]
+            flat += tail
+    return flat, metadata_offsets(b, key.ragged_q, key.lse, starts)
 
 
 _HOST_TABLE_ENTRIES: Final = 1 << 20
@@ -536,11 +567,12 @@ class CudnnAttentionPlan:
         return _key(self.problem, b, q, kv, pages, k_strides, v_strides, self._requested)
 
     def _fill_metadata(self, batch: PagedBatch, key: GraphKey, previous: CudnnAttentionPlan | None) -> None:
-        flat, offsets = host_metadata(self.problem, batch, key)
         b, width, nnz = key.batch, key.table_width, batch.num_page_entries
         indices = batch.kv_indices
-        n = len(flat)
         if indices.is_cpu and nnz <= _HOST_TABLE_ENTRIES:
+            on_host = b <= _HOST_ROWS
+            flat, offsets = host_metadata(self.problem, batch, key, starts=not on_host)  # no gather: no row starts
+            n = len(flat)
             # one pinned buffer written with C-level copies and one transfer into the wrapper's
             # staging slot: [small | the page table] for a few rows, else [small | the CSR
             # indices | width zeros] and one gather on the device (torch.tensor(list) costs
@@ -548,7 +580,6 @@ class CudnnAttentionPlan:
             if previous is not None and previous._staging is None:
                 raise UnsupportedProblemError(NAME, self.problem, [
                     "in CUDA-graph mode a re-plan must keep the graph's buckets (page entries)"])  # fmt: skip
-            on_host = b <= _HOST_ROWS
             # sized by the buckets alone (nnz <= rows x width), so that CUDA-graph re-plans of the
             # same buckets keep the slot and its addresses
             size = n + b * width + (0 if on_host else width)
@@ -575,9 +606,11 @@ class CudnnAttentionPlan:
             table_ptr = base + 4 * n if on_host else mine.gather(slot, n, b, width, offsets[2])
             # the same slot and table give the same addresses: one dict per (slot, table), kept
             # across re-plans (run() copies it before adding the tensors' addresses)
-            self._fixed = _fixed_addresses(base, table_ptr, tuple(offsets), key.ragged_q, key.lse)
+            self._fixed = _fixed_addresses(base, table_ptr, offsets, key.ragged_q, key.lse)
             return
         else:
+            flat, offsets = host_metadata(self.problem, batch, key)
+            n = len(flat)
             small_host = torch.tensor(flat, dtype=torch.int32)
             if indices.device.type == "cpu":
                 # one pinned buffer and one transfer: [small | page indices | width zeros]
@@ -596,7 +629,7 @@ class CudnnAttentionPlan:
                 table = torch.empty(b, width, dtype=torch.int32, device=self.device)
             gather_table(ext[: nnz + width], small[offsets[2] : offsets[2] + b], out=table)
         self._small, self._table = small, table
-        self._fixed = _fixed_addresses(small.data_ptr(), table.data_ptr(), tuple(offsets), key.ragged_q, key.lse)
+        self._fixed = _fixed_addresses(small.data_ptr(), table.data_ptr(), offsets, key.ragged_q, key.lse)
 
     def _graph_for(self, k: torch.Tensor, v: torch.Tensor) -> BuiltGraph:
         strides = (_container_strides(k.stride(), self.problem.kv_layout),
