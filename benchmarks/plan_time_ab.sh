@@ -9,7 +9,9 @@
 #     python -m pip wheel -q --no-deps --no-build-isolation -w .gpu/old /tmp/wt-old/$d; done
 #   git worktree remove --force /tmp/wt-old
 # On the GPU machine (after `source .gpu/env.sh`; AB_BACKENDS defaults to cudnn,cuda_native):
-#   AB_BACKENDS=cudnn bash benchmarks/plan_time_ab.sh      # writes $OUT/r/ab.txt
+#   AB_BACKENDS=cudnn AB_ROUNDS=5 bash benchmarks/plan_time_ab.sh      # writes $OUT/r/ab.txt
+# AB_ROUNDS (default 2): old/new alternations. Hosts drift within a run too: take the median of
+# each side over the rounds.
 # Run it on a settled machine: right after the GPU tests, plan times are disturbed.
 set -uo pipefail
 mkdir -p "$OUT/r"
@@ -20,7 +22,7 @@ if [ ! -f /tmp/old-site/.ok ]; then
   touch /tmp/old-site/.ok
 fi
 NEW=$PYTHONPATH
-for round in 1 2; do
+for round in $(seq "${AB_ROUNDS:-2}"); do
   for which in old new; do
     if [ "$which" = old ]; then export PYTHONPATH=/tmp/old-site; else export PYTHONPATH=$NEW; fi
     echo "== $which (round $round): $(python3 -c 'import tactix; print(tactix.__file__)')"

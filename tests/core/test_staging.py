@@ -10,6 +10,7 @@ the transfers themselves, the events and the CUDA runtime calls are covered by t
 from __future__ import annotations
 
 import array
+import gc
 import itertools
 from pathlib import Path
 from typing import ClassVar
@@ -196,3 +197,31 @@ def test_a_grown_staging_keeps_the_old_buffers_until_their_transfers_ran() -> No
     _send(new, new.slot(False), [5] * 1500)  # frees what ran, keeps what may still be read
     assert first.released and not second.released and new._retired == [second]
     assert len(new._host) == 1 and new._host[0].tensor.numel() == 2048
+
+
+def test_a_dropped_staging_makes_no_cuda_call_and_a_later_plan_releases_its_buffers() -> None:
+    """The garbage collector may drop a staging during a CUDA-graph capture, where an event query
+    or synchronisation would invalidate the capture: its buffers wait for the next transfer."""
+    _Pinned.made.clear()
+    cpu = torch.device("cpu")
+    dropped = _CpuStaging.reuse(None, cpu, 100)
+    for i in range(2):
+        _send(dropped, dropped.slot(False), [i] * 8)
+    first, second = _Pinned.made
+    calls: list[str] = []
+    for buffer in (first, second):  # any query or release now would be a CUDA call
+        buffer.free = lambda: bool(calls.append("free"))  # type: ignore[method-assign]
+        buffer.release = lambda: calls.append("release")  # type: ignore[method-assign]
+    del dropped
+    gc.collect()
+    assert calls == []
+    for buffer in (first, second):
+        del buffer.free, buffer.release  # back to the class's methods
+    assert not first.released and not second.released
+    first.ran()
+    other = _CpuStaging.reuse(None, cpu, 100)
+    _send(other, other.slot(False), [9] * 8)  # releases what ran, keeps what may still be read
+    assert first.released and not second.released
+    second.ran()
+    _send(other, other.slot(False), [9] * 8)
+    assert second.released

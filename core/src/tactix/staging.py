@@ -248,6 +248,25 @@ class HostBuffer:
         self.pending = False
 
 
+_dropped: list[HostBuffer] = []
+"""Pinned buffers of stagings that were dropped (`Staging.__del__`), released by a later plan
+once their transfers ran."""
+
+
+def _release_dropped() -> None:
+    global _dropped
+    pending, _dropped = _dropped, []  # a collection that drops a staging meanwhile appends to `pending`
+    for buffer in pending:
+        try:
+            done = buffer.free()
+        except TactixError:  # its context is gone: the memory went with it
+            continue
+        if done:
+            buffer.release()
+        else:
+            _dropped.append(buffer)
+
+
 class Staging:
     """The device metadata buffers one wrapper's plans reuse, and their transfers.
 
@@ -282,9 +301,11 @@ class Staging:
         self._views: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def __del__(self) -> None:
-        for buffer in getattr(self, "_host", []) + getattr(self, "_retired", []):
-            with contextlib.suppress(Exception):  # interpreter shutdown or a broken context
-                buffer.release()
+        # No CUDA call here: the garbage collector may run this anywhere, a CUDA-graph capture
+        # included, where an event query or synchronisation invalidates the capture. The next
+        # plan's transfer releases them (`_release_dropped`).
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            _dropped.extend(getattr(self, "_host", []) + getattr(self, "_retired", []))
 
     @staticmethod
     def sized(old_capacity: int, old_table: int, size: int, table: int) -> tuple[int, int]:
@@ -320,6 +341,8 @@ class Staging:
         return HostBuffer(self.capacity, self.index)
 
     def _free_host(self) -> HostBuffer:
+        if _dropped:
+            _release_dropped()
         if self._retired:
             for buffer in self._retired:
                 if buffer.free():
