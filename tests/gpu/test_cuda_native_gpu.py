@@ -689,6 +689,34 @@ class PoolBatch:
         self.q = torch.randn(sum(q_lens), hq, d, generator=gen).to(CUDA, torch.bfloat16)
 
 
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_re_plans_of_one_bucket_skip_the_check_and_the_plan_hook(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A re-plan with the same static arguments and a batch of a bucket already planned is made by
+    the plan's own ``replan`` (the core's fast path): no check and no plan hook (both ask the
+    plugin's reasons), one plan counted, and each batch matches the float64 oracle."""
+    name = "_decode_reasons" if op == "decode" else "_prefill_reasons"
+    asked: list[int] = []
+    real = getattr(plugin, name)
+    monkeypatch.setattr(plugin, name, lambda *a: asked.append(1) or real(*a))
+    cases: list[Case] | list[PrefillCase]
+    if op == "decode":  # 3-4 requests, longest 513-1024 keys: one bucket
+        cases = [Case(lens, seed=s) for s, lens in enumerate(([5, 700, 33], [1000, 17, 1], [600, 513, 100, 1]))]
+    else:  # 3 requests, 65-128 new tokens, longest q 33-64, longest kv 257-512
+        shapes = (([17, 1, 64], [17, 300, 64]), ([40, 30, 20], [500, 30, 300]), ([60, 3, 50], [60, 400, 512]))
+        cases = [PrefillCase(q, kv, seed=s) for s, (q, kv) in enumerate(shapes)]
+    w = cases[0].wrapper()
+    cases[0].plan(w)  # type: ignore[arg-type]
+    assert asked, "the first plan goes through the check and the plan hook"
+    cases[0].check(w, "first plan")  # type: ignore[arg-type]
+    for i, case in enumerate(cases[1:], 1):
+        asked.clear()
+        tactix.reset_stats()
+        case.plan(w)  # type: ignore[arg-type]
+        assert not asked, f"re-plan {i} went through the check or the plan hook"
+        assert tactix.stats()["plans"] == 1
+        case.check(w, f"re-plan {i}")  # type: ignore[arg-type]
+
+
 def _far_ahead_series(op: str, graph: bool, on_device: bool) -> tuple[list[PoolBatch], torch.Tensor, torch.Tensor]:
     """Six batches of one shape bucket over one page pool (12 requests, kv 1100..2000 keys with
     one of 2000, so a CUDA-graph wrapper re-plans all of them; prefill: 768 query rows in all in

@@ -467,6 +467,18 @@ class _StagedPlan:
 
     device: torch.device
     _staging: Staging  # the wrapper's metadata slots and pinned buffers (handed from plan to plan)
+    _requested: Tactic  # the tactic this plan was made for (the default, or a tuned one)
+    _graph: bool  # made for CUDA-graph mode
+
+    def replan(self, problem: Problem, batch: PagedBatch, options: PlanOptions) -> _StagedPlan | None:
+        """The plan of a new batch with this plan's static problem and tactic (the core's fast
+        re-plan, `tactix.selection.replan_selection`): made as the plugin's plan hook would make
+        it, without the selection, the check and the hook dispatch in front of it. What
+        ``tactix_check`` says depends on the static problem, the tactic and the device only, so
+        it holds for every batch. None for another device or mode (the full path decides)."""
+        if options["device"] != self.device or bool(options["use_cuda_graph"]) != self._graph:
+            return None
+        return type(self)(problem, batch, self._requested, {**options, "previous": self})  # type: ignore[call-arg]
 
     def _send(self, problem: Problem, batch: PagedBatch, previous: object, graph: bool,
               layout_for: Callable[[int | None], Sections], pieces: list[Piece],
@@ -566,8 +578,10 @@ class CudaNativeDecodePlan(_StagedPlan):
         index = _device_index(options["device"])
         self.device = _cuda(index)
         self.problem = problem
+        self._requested = tactic
         info = device_info(index)
         graph = options["use_cuda_graph"]
+        self._graph = bool(graph)
         previous = options["previous"]
         b, hq, hkv, d = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim_qk
         gqa = problem.gqa_ratio
@@ -758,9 +772,11 @@ class CudaNativePrefillPlan(_StagedPlan):
         index = _device_index(options["device"])
         self.device = _cuda(index)
         self.problem = problem
+        self._requested = tactic
         info = device_info(index)
         d = problem.head_dim_qk
         graph = options["use_cuda_graph"]
+        self._graph = bool(graph)
         previous = options["previous"]
         params = default_prefill_params(d, info) if tactic.is_default else PrefillParams.from_tactic(tactic)
         b, hq, hkv, gqa = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.gqa_ratio
