@@ -56,7 +56,8 @@ _get_device = getattr(torch._C, "_cuda_getDevice", None)
 def _current_cuda_device() -> int:
     """What ``torch.cuda.current_device()`` answers. Once CUDA is initialised (`cudart.runtime`
     does it) torch's own C entry point answers without the Python lazy-init check in front of it
-    (a fifth of the cost of a ctypes ``cudaGetDevice``)."""
+    (0.16 us on an H200 host, where a ctypes ``cudaGetDevice`` costs 1.2 and
+    ``torch.cuda.current_device()`` 0.4)."""
     rt = cudart.runtime()
     if rt is None:
         return torch.cuda.current_device()
