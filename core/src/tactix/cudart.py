@@ -56,19 +56,11 @@ class CudaRuntime:
         self._error.restype = ctypes.c_char_p
         self._error.argtypes = [i]
         self._last_error = _fn(lib.cudaGetLastError, [])
-        self._get_device = _fn(lib.cudaGetDevice, [ctypes.POINTER(i)])
 
     def _check(self, rc: int, what: str) -> None:
         if rc:
             self._last_error()  # clear the sticky-free error so torch does not report it later
             raise TactixError(f"tactix plan: the CUDA runtime's {what} failed: {self._error(rc).decode()} ({rc})")
-
-    def current_device(self) -> int:
-        """The calling thread's current device (what ``torch.cuda.current_device()`` answers, at a
-        third of its cost)."""
-        out = ctypes.c_int()
-        self._check(self._get_device(ctypes.byref(out)), "cudaGetDevice")
-        return out.value
 
     def copy_to_device(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self._check(self._memcpy(dst, src, nbytes, _HOST_TO_DEVICE, stream), "cudaMemcpyAsync")

@@ -56,9 +56,8 @@ _get_device = getattr(torch._C, "_cuda_getDevice", None)
 def _current_cuda_device() -> int:
     """What ``torch.cuda.current_device()`` answers. Once CUDA is initialised (`cudart.runtime`
     does it) torch's own C entry point answers without the Python lazy-init check in front of it
-    (0.16 us on an H200 host, where a ctypes ``cudaGetDevice`` costs 1.2 and
-    ``torch.cuda.current_device()`` 0.4)."""
-    rt = cudart.runtime()
-    if rt is None:
-        return torch.cuda.current_device()
-    return _get_device() if _get_device is not None else rt.current_device()
+    (0.16 us on an H200 host, where ``torch.cuda.current_device()`` costs 0.4 and a ctypes
+    ``cudaGetDevice`` 1.2: benchmarks/results/h200-current-device-cost.txt)."""
+    if _get_device is not None and cudart.runtime() is not None:
+        return int(_get_device())
+    return torch.cuda.current_device()

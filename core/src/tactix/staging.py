@@ -258,13 +258,12 @@ def _release_dropped() -> None:
     pending, _dropped = _dropped, []  # a collection that drops a staging meanwhile appends to `pending`
     for buffer in pending:
         try:
-            done = buffer.free()
-        except TactixError:  # its context is gone: the memory went with it
-            continue
-        if done:
+            if not buffer.free():
+                _dropped.append(buffer)
+                continue
             buffer.release()
-        else:
-            _dropped.append(buffer)
+        except TactixError:  # its context is gone: the memory went with it
+            pass
 
 
 class Staging:
