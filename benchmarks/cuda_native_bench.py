@@ -182,10 +182,15 @@ def _gem(bn: int, bk: int, wn: int, wk: int, stages: int, splits: int = 0, l2: i
     return {"backend": "cuda_native", "kernel": "gemm", "params": params}
 
 
+def _wg(bw: int, bk: int, stages: int, splits: int = 0) -> dict[str, Any]:
+    return {"backend": "cuda_native", "kernel": "gemm_wgmma",
+            "params": {"bw": bw, "bk": bk, "stages": stages, "splits": splits}}  # fmt: skip
+
+
 # The candidates beside each default: the L2 hint off (0) and with a 256-byte prefetch (2), the
-# pipeline depth (CTAs per SM), fixed chunk / split counts. The GEMM has no L2 policy (l2 0 is
-# its default kernel, see kernels/common.cuh); m <= 16 also runs a bk = 64 shape, the shapes
-# that ptxas's cache-policy miscompile used to crash.
+# pipeline depth (CTAs per SM), fixed chunk / split counts. The GEMM's default on Hopper is the
+# wgmma kernel: beside it, its deeper and shallower rings, other split counts and 128-column
+# tiles, and the mma.sync kernel's former defaults (no L2 policy there, see kernels/common.cuh).
 QUICK: dict[str, list[dict[str, Any]]] = {
     "D1": [_dec(64, 4, 2, l2=0), _dec(64, 4, 2, l2=2), _dec(64, 4, 3), _dec(32, 2, 2), _dec(64, 4, 2, 1024)],
     "D2": [
@@ -198,6 +203,10 @@ QUICK: dict[str, list[dict[str, Any]]] = {
     ],
     "D3": [_dec(64, 4, 2, l2=0), _dec(64, 4, 2, l2=2), _dec(64, 4, 3), _dec(32, 2, 2), _dec(64, 4, 2, 2048)],
     "G2-m1": [
+        _wg(64, 64, 3),
+        _wg(64, 64, 4, 8),
+        _wg(128, 64, 3),
+        _gem(32, 128, 1, 4, 4),
         _gem(64, 64, 2, 2, 4),
         _gem(32, 128, 1, 4, 4, l2=2),
         _gem(32, 128, 1, 4, 6, 4),
@@ -206,6 +215,10 @@ QUICK: dict[str, list[dict[str, Any]]] = {
         _gem(32, 128, 1, 4, 4, 2),
     ],
     "G2-m16": [
+        _wg(64, 64, 3),
+        _wg(64, 64, 4, 8),
+        _wg(128, 64, 3),
+        _gem(32, 128, 1, 4, 4),
         _gem(64, 64, 2, 2, 4),
         _gem(32, 128, 1, 4, 4, l2=2),
         _gem(32, 128, 1, 4, 6, 4),
@@ -213,6 +226,11 @@ QUICK: dict[str, list[dict[str, Any]]] = {
         _gem(64, 128, 2, 2, 4, 4),
     ],
     "G2-m64": [
+        _wg(64, 64, 3),
+        _wg(64, 64, 6, 2),
+        _wg(128, 64, 3),
+        _wg(128, 64, 3, 4),
+        _gem(64, 64, 2, 2, 6),
         _gem(64, 64, 2, 2, 6, l2=2),
         _gem(64, 64, 2, 2, 6, 8),
         _gem(128, 64, 4, 2, 4),
@@ -245,9 +263,8 @@ def precompile(cases: list[BenchCase]) -> None:
                 p = geometry.DecodeParams.from_tactic(tactic)
                 variants.append(plugin.decode_variant("bfloat16", case.head_dim, p, info.arch))
             else:
-                variants.append(
-                    plugin.gemm_variant("bfloat16", case.m, geometry.GemmParams.from_tactic(tactic), info.arch)
-                )
+                params = plugin._gemm_params(tactic)
+                variants.append(plugin.gemm_params_variant("bfloat16", case.m, params, info, case.n, case.k))
     variants = list(dict.fromkeys(variants))
     t0 = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")  # fresh processes: NVRTC only, no CUDA context

@@ -53,7 +53,7 @@ def _library(source: str, defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
             raise RuntimeError(f"g++ failed for {source} {defines}:\n{done.stderr[-4000:]}")
         tmp.replace(out)
     lib = ctypes.CDLL(str(out))
-    for name in ("emu_prefill", "emu_decode"):
+    for name in ("emu_prefill", "emu_decode", "emu_gemm"):
         if hasattr(lib, name):
             getattr(lib, name).restype = ctypes.c_char_p
     return lib
@@ -260,5 +260,42 @@ class DecodePlan:
         gx, gy, gz = self.grid
         err = self.lib.emu_decode(ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(gz), ctypes.c_int(self.threads),
                                   ctypes.c_longlong(self.smem), *schedule.args(), *args)  # fmt: skip
+        if err:
+            raise RuntimeError(f"emulated kernel misuse: {err.decode()}")
+
+
+class GemmPlan:
+    """`plugin.CudaNativeGemmPlan` on the CPU for the H200's geometry, for the Hopper kernel
+    (kernels/gemm_sm90.cu, tactic kernel "gemm_wgmma"): the same variant, shared memory, split
+    count (the cluster), k per split and grid, the GPU buffers being CPU tensors."""
+
+    def __init__(self, problem: Any, tactic: Any) -> None:
+        from tactix_cuda_native import geometry, plugin
+
+        info = geometry.H200
+        params = geometry.GemmWgmmaParams.from_tactic(tactic)
+        self.problem, self.params = problem, params
+        m, n, k, batch = problem.m, problem.n, problem.k, problem.batch
+        self.splits = geometry.gemm_wgmma_splits(m, n, k, params, info)
+        self.kps = -(-k // self.splits // params.bk) * params.bk if self.splits > 1 else k
+        variant = plugin.gemm_wgmma_variant(problem.a_dtype, params, self.splits, info.arch)
+        self.lib = _library("emu_gemm_sm90.cpp", variant.defines)
+        self.smem = params.smem_bytes
+        self.grid = geometry.gemm_grid(n, params.bw, self.splits, batch)
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
+            schedule: Schedule = SCHEDULES[0]) -> None:  # fmt: skip
+        """`plugin.CudaNativeGemmPlan.run`'s argument list on the emulation (``b`` is the [k, n]
+        k-major view of the [n, k] weight)."""
+        p = self.problem
+        lda = a.stride(-2) if p.m > 1 else p.k
+        ldb = b.stride(-1) if p.n > 1 else p.k
+        a_sb = a.stride(0) if p.batched else 0
+        b_sb = b.stride(0) if p.batched else 0
+        args = _args([a, lda, a_sb, b, ldb, b_sb, out, p.m * p.n, bias, None, None, p.m, p.n, p.k, self.kps])
+        gx, gy, gz = self.grid
+        err = self.lib.emu_gemm(ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(gz),
+                                ctypes.c_int(self.params.THREADS), ctypes.c_longlong(self.smem), *schedule.args(),
+                                *args)  # fmt: skip
         if err:
             raise RuntimeError(f"emulated kernel misuse: {err.decode()}")

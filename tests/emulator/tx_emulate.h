@@ -64,6 +64,7 @@
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __cluster_dims__(...)
 #define __align__(n) __attribute__((aligned(n)))
 #define __shared__
 #define TX_DEVICE static inline
@@ -127,8 +128,18 @@ struct Slots {
   const void* p;
 };
 
+struct Cta;
+
+struct Cluster {  // the CTAs of one thread block cluster (started together, in rank order)
+  std::vector<Cta*> members;
+  Barrier bar;  // barrier.cluster: every thread of every member
+  int done = 0;  // members that have exited
+};
+
 struct Cta {
   Dim3 idx{0, 0, 0};
+  Cluster* cluster = nullptr;
+  unsigned rank = 0;  // in its cluster
   std::vector<Thread> threads;
   Barrier bar;
   std::vector<Barrier> warp_bars;
@@ -160,6 +171,7 @@ struct Schedule {
 
 inline Thread* cur = nullptr;
 inline Cta* cta = nullptr;  // the CTA being stepped
+inline Cta* loaded = nullptr;  // the CTA whose shared memory is in `smem`
 inline Dim3 grid_dim{0, 0, 0};
 inline ucontext_t sched_ctx;
 inline std::function<void()> body;
@@ -243,35 +255,60 @@ inline void start(Cta& c, Dim3 idx) {
   }
 }
 
-// Run `kernel` once per CTA of the grid, with `nthreads` threads each, as `schedule` says.
-inline const char* launch(Dim3 grid, int nthreads, std::function<void()> kernel, Schedule schedule = {}) {
+// Run `kernel` once per CTA of the grid, with `nthreads` threads each, as `schedule` says. With a
+// `cluster` of more than one CTA, the CTAs of a cluster start together (rank order inside it,
+// x fastest) and the scheduler orders, and keeps resident, whole clusters (at least one).
+inline const char* launch(Dim3 grid, int nthreads, std::function<void()> kernel, Schedule schedule = {},
+                          Dim3 cluster = {1, 1, 1}) {
   error = nullptr;
   const char* env = std::getenv("TXE_EAGER_COPIES");
   eager = env != nullptr && env[0] == '1';
   if (schedule.smem_bytes > sizeof(smem)) return "launch: more dynamic shared memory than the emulation has";
+  if (grid.x % cluster.x || grid.y % cluster.y || grid.z % cluster.z) return "launch: grid not a multiple of the cluster";
   body = std::move(kernel);
   park = schedule.park;
   grid_dim = grid;
   smem_size = schedule.smem_bytes;
-  std::vector<Dim3> order;
-  for (unsigned z = 0; z < grid.z; ++z)
-    for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) order.push_back({x, y, z});
+  const size_t csize = (size_t)cluster.x * cluster.y * cluster.z;
+  std::vector<std::vector<Dim3>> order;  // clusters (single CTAs without one), each in rank order
+  for (unsigned z = 0; z < grid.z; z += cluster.z)
+    for (unsigned y = 0; y < grid.y; y += cluster.y)
+      for (unsigned x = 0; x < grid.x; x += cluster.x) {
+        order.emplace_back();
+        for (unsigned cz = 0; cz < cluster.z; ++cz)
+          for (unsigned cy = 0; cy < cluster.y; ++cy)
+            for (unsigned cx = 0; cx < cluster.x; ++cx) order.back().push_back({x + cx, y + cy, z + cz});
+      }
   if (schedule.order == 1) std::reverse(order.begin(), order.end());
   if (schedule.order == 2) std::shuffle(order.begin(), order.end(), std::mt19937(schedule.seed));
   std::mt19937 pick(schedule.seed);
-  const size_t resident = std::max<size_t>(1, std::min<size_t>(schedule.resident, order.size()));
+  const size_t units = std::max<size_t>(1, std::min<size_t>(schedule.resident / csize, order.size()));
   std::vector<std::unique_ptr<Cta>> pool;
+  std::vector<std::unique_ptr<Cluster>> clusters;
   std::vector<Cta*> active;
   size_t next = 0;
-  for (size_t i = 0; i < resident && next < order.size(); ++i) {
-    pool.push_back(std::make_unique<Cta>());
-    pool.back()->threads = std::vector<Thread>(nthreads);
-    start(*pool.back(), order[next++]);
-    active.push_back(pool.back().get());
+  auto start_unit = [&](Cluster* cl) {
+    const std::vector<Dim3>& ctas = order[next++];
+    cl->bar = Barrier{};
+    cl->done = 0;
+    for (size_t r = 0; r < csize; ++r) {
+      start(*cl->members[r], ctas[r]);
+      active.push_back(cl->members[r]);
+    }
+  };
+  for (size_t i = 0; i < units && next < order.size(); ++i) {
+    clusters.push_back(std::make_unique<Cluster>());
+    for (size_t r = 0; r < csize; ++r) {
+      pool.push_back(std::make_unique<Cta>());
+      pool.back()->threads = std::vector<Thread>(nthreads);
+      pool.back()->cluster = clusters.back().get();
+      pool.back()->rank = (unsigned)r;
+      clusters.back()->members.push_back(pool.back().get());
+    }
+    start_unit(clusters.back().get());
   }
   std::memset(smem, 0xFF, sizeof(smem));
-  Cta* loaded = nullptr;  // whose shared memory is in `smem`
+  loaded = nullptr;
   size_t turn = 0;
   std::vector<size_t> runnable;
   while (!active.empty()) {
@@ -304,12 +341,10 @@ inline const char* launch(Dim3 grid, int nthreads, std::function<void()> kernel,
       fail("shared memory written past the launch's dynamic size");
       std::memset(smem + smem_size, 0xFF, sizeof(smem) - smem_size);
     }
+    std::memcpy(c->saved.data(), smem, smem_size);  // what the cluster's other CTAs may still read
     loaded = nullptr;
-    if (next < order.size()) {
-      start(*c, order[next++]);
-    } else {
-      active.erase(active.begin() + (long)i);
-    }
+    active.erase(active.begin() + (long)i);
+    if (++c->cluster->done == (int)csize && next < order.size()) start_unit(c->cluster);
   }
   cur = nullptr;
   cta = nullptr;
@@ -341,6 +376,14 @@ struct alignas(16) float4 {
   float x, y, z, w;
 };
 static inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+struct alignas(8) float2 {
+  float x, y;
+};
+static inline float2 make_float2(float x, float y) { return float2{x, y}; }
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
+static inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
 
 static inline float __int_as_float(int i) { return txe::from_bits((u32)i); }
 static inline float __uint_as_float(u32 u) { return txe::from_bits(u); }
@@ -766,4 +809,24 @@ TX_DEVICE void tx_wgmma_wait() {
     }
   }
   txe::wait(txe::cta->wg_bars[wg], 128);
+}
+
+// Thread block clusters (kernels/gemm_sm90.cu): rank, barrier.cluster (every thread of every CTA of
+// the cluster), and 16-byte reads of a cluster peer's shared memory, which must be in the launch's
+// dynamic shared memory and whose CTA must not have exited.
+TX_DEVICE u32 tx_cluster_rank() { return txe::cta->rank; }
+TX_DEVICE void tx_cluster_sync() {
+  txe::Cluster& cl = *txe::cta->cluster;
+  txe::wait(cl.bar, (int)(cl.members.size() * txe::cta->threads.size()));
+}
+TX_DEVICE float4 tx_ld_cluster_f4(u32 addr, u32 rank) {
+  txe::Cluster& cl = *txe::cta->cluster;
+  float4 v{0.f, 0.f, 0.f, 0.f};
+  if (rank >= cl.members.size()) return txe::fail("ld.shared::cluster: rank outside the cluster"), v;
+  if (addr % 16 || addr + 16 > txe::smem_size) return txe::fail("ld.shared::cluster: unaligned or outside"), v;
+  const txe::Cta* peer = cl.members[rank];
+  if (peer->live == 0) return txe::fail("ld.shared::cluster: the peer CTA has exited"), v;
+  const unsigned char* mem = peer == txe::loaded ? smem : peer->saved.data();
+  std::memcpy(&v, mem + addr, 16);
+  return v;
 }

@@ -882,16 +882,41 @@ def test_gemm_matches_oracle(dtype: torch.dtype, m: int, nk: tuple[int, int]) ->
 def test_gemm_batched_and_split_k_paths() -> None:
     a, b, bias = _gemm_case(16, 512, 1024, torch.bfloat16, batch=3, bias=True, seed=3)
     ref = gemm_reference(a, b, bias=bias)
-    for splits in (0, 1, 2, 4, 8):
-        g = tactix.Gemm(backend="cuda_native", device=CUDA)
-        tactic = {"backend": "cuda_native", "kernel": "gemm",
-                  "params": {"bn": 32, "bk": 128, "wn": 1, "wk": 4, "stages": 4, "splits": splits}}  # fmt: skip
-        g.plan(16, 512, 1024, batch=3, bias_dtype=torch.bfloat16, tactic=tactic)
-        if splits > 1:
-            assert g.plan_object.splits == splits
-        out = g.run(a, b, bias=bias)
-        err = relative_error(out, ref)
-        assert err <= tolerance_for(torch.bfloat16), f"splits={splits}: relative error {err:.3e}"
+    for kernel, params in (("gemm", {"bn": 32, "bk": 128, "wn": 1, "wk": 4, "stages": 4}),
+                           ("gemm_wgmma", {"bw": 64, "bk": 64, "stages": 4})):  # fmt: skip
+        for splits in (0, 1, 2, 4, 8):
+            g = tactix.Gemm(backend="cuda_native", device=CUDA)
+            tactic = {"backend": "cuda_native", "kernel": kernel, "params": {**params, "splits": splits}}
+            g.plan(16, 512, 1024, batch=3, bias_dtype=torch.bfloat16, tactic=tactic)
+            if splits > 1:
+                assert g.plan_object.splits == splits
+            out = g.run(a, b, bias=bias)
+            err = relative_error(out, ref)
+            assert err <= tolerance_for(torch.bfloat16), f"{kernel} splits={splits}: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("splits", [1, 4, 8])
+@pytest.mark.parametrize("m", [1, 37, 64])
+def test_wgmma_gemm_odd_n_and_unaligned_out(m: int, splits: int) -> None:
+    """The Hopper kernel writes pairs (one split) or quads (a cluster's column slices) of outputs
+    where n and out's address allow, single elements elsewhere: with n odd and out one element into
+    a NaN buffer, every element matches the oracle and nothing outside out is written."""
+    n, k = 1001, 136 * 8
+    a, b, bias = _gemm_case(m, n, k, torch.float16, bias=True, seed=m + splits)
+    buf = torch.full((m * n + 65,), float("nan"), device=CUDA, dtype=torch.float16)
+    out = buf[1 : 1 + m * n].view(m, n)
+    g = tactix.Gemm(backend="cuda_native", device=CUDA)
+    tactic = {"backend": "cuda_native", "kernel": "gemm_wgmma", "params": {"bw": 64, "bk": 64, "stages": 4,
+                                                                             "splits": splits}}  # fmt: skip
+    g.plan(m, n, k, a_dtype=torch.float16, bias_dtype=torch.float16, tactic=tactic)
+    g.run(a, b, out=out, bias=bias)
+    torch.cuda.synchronize()
+    assert bool(buf[0].isnan()) and bool(buf[1 + m * n :].isnan().all()), "wrote outside out"
+    ref = gemm_reference(a, b, bias=bias)
+    err = relative_error(out, ref)
+    assert err <= tolerance_for(torch.float16), f"m{m} splits {splits}: relative error {err:.3e}"
+    worst = float(((out.double() - ref).abs() / (ref.abs() + ref.pow(2).mean().sqrt() * 0.25)).max())
+    assert worst <= 2.0**-7, f"m{m} splits {splits}: worst element off by {worst:.3e} of its scale"
 
 
 def test_every_enumerated_gemm_tactic() -> None:

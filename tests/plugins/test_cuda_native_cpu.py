@@ -62,14 +62,19 @@ def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path) -> None:
     variants = plugin.default_variants(H200)
     # bf16 and fp16: prefill for each head dim, with and without persistent CTAs (the default's
-    # two forms), decode for each head dim (large and small batches), GEMM for 1, 2 and 4 m-tiles
+    # two forms), decode for each head dim (large and small batches), and the GEMM: on the H200 the
+    # wgmma kernel, whose one variant serves every m (its tile has 64 rows)
     persistent = sum(geometry.default_prefill_params(d, H200).pingpong for d in geometry.HEAD_DIMS)
     assert persistent == 2  # d64 and d128
-    assert len(variants) == len(set(variants)) == 2 * (3 * len(geometry.HEAD_DIMS) + persistent + 3)
+    assert len(variants) == len(set(variants)) == 2 * (3 * len(geometry.HEAD_DIMS) + persistent + 1)
     assert sum(("TX_PERSIST", "1") in v.defines for v in variants) == 2 * persistent
-    # prefill on the H200 is the wgmma kernel, compiled for the arch-specific sm_90a
+    # prefill and GEMM on the H200 are the wgmma kernels, compiled for the arch-specific sm_90a
     assert {(v.source, v.arch) for v in variants} == {
-        ("decode.cu", "sm_90"), ("gemm.cu", "sm_90"), ("prefill_sm90.cu", "sm_90a")}  # fmt: skip
+        ("decode.cu", "sm_90"), ("gemm_sm90.cu", "sm_90a"), ("prefill_sm90.cu", "sm_90a")}  # fmt: skip
+    # elsewhere (sm_80) the mma.sync kernels, GEMM for 1, 2 and 4 m-tiles
+    a100 = geometry.DeviceInfo(108, 166912, 167936, "sm_80")
+    assert {v.source for v in plugin.default_variants(a100)} == {"decode.cu", "gemm.cu", "prefill.cu"}
+    assert sum(v.source == "gemm.cu" for v in plugin.default_variants(a100)) == 2 * 3
     seen = []
     compiled = runtime.compile_all(
         variants, lambda done, total, label: seen.append((done, total, label)), root=cache_root
@@ -84,15 +89,16 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
     for variant in variants:
         cubin, _ = runtime.compile_variant(variant, root=cache_root)
         name = {"decode.cu": b"tactix_decode", "prefill.cu": b"tactix_prefill", "prefill_sm90.cu": b"tactix_prefill",
-                "gemm.cu": b"tactix_gemm"}[variant.source]  # fmt: skip
+                "gemm.cu": b"tactix_gemm", "gemm_sm90.cu": b"tactix_gemm"}[variant.source]  # fmt: skip
         assert name in cubin, f"{name!r} missing from {variant.label()}"
         assert b"_merge" not in cubin and b"_reduce" not in cubin, variant.label()
 
 
 def test_tuning_candidates_compile(cache_root: Path) -> None:
-    """Every decode geometry the tuner may pick for d128, and the GEMM geometries for m=16."""
+    """Every decode geometry the tuner may pick for d128, and the GEMM geometries for m=16 (both kernels)."""
     variants = {plugin.decode_variant("bfloat16", 128, p, "sm_90") for p in geometry.decode_candidates(128, H200)}
     variants |= {plugin.gemm_variant("bfloat16", 16, p, "sm_90") for p in geometry.gemm_candidates(16, H200)}
+    variants |= {plugin.gemm_params_variant("bfloat16", 16, p, H200) for p in plugin.gemm_tactic_params(16, H200)}
     assert len(variants) >= 10
     runtime.compile_all(sorted(variants, key=lambda v: v.label()), root=cache_root)
 
@@ -145,6 +151,7 @@ def _enumerated_variants() -> list[runtime.Variant]:
         out |= {plugin.decode_variant("bfloat16", d, p, "sm_90") for p in geometry.decode_candidates(d, H200)}
     for m in (1, 16, 32, 64):
         out |= {plugin.gemm_variant("bfloat16", m, p, "sm_90") for p in geometry.gemm_candidates(m, H200)}
+        out |= {plugin.gemm_params_variant("bfloat16", m, p, H200) for p in plugin.gemm_tactic_params(m, H200)}
     return sorted(out, key=lambda v: v.label())
 
 
@@ -259,7 +266,15 @@ def test_cache_key_covers_every_compile_input() -> None:
     # headers are inlined into the hashed text, so editing common.cuh changes every key
     assert "tx_cp_async16" in runtime.source_text("decode.cu")
     assert "#include" not in runtime.source_text("gemm.cu")
-    assert set(runtime.sources()) == {"common.cuh", "decode.cu", "gemm.cu", "prefill.cu", "prefill_sm90.cu"}
+    assert set(runtime.sources()) == {
+        "common.cuh",
+        "decode.cu",
+        "gemm.cu",
+        "gemm_sm90.cu",
+        "prefill.cu",
+        "prefill_sm90.cu",
+        "sm90.cuh",
+    }
     # the arch is part of the key: the wgmma kernel's sm_90a cubin is not an sm_90 one
     wgmma = geometry.default_prefill_params(128, H200)
     assert plugin.prefill_variant("bfloat16", 128, wgmma, "sm_90").arch == "sm_90a"
@@ -279,7 +294,7 @@ def test_a_compile_error_raises_tactix_error_with_the_log(tmp_path: Path) -> Non
 
 def test_parallel_compile_fills_the_cache_and_reports_a_workers_error(tmp_path: Path) -> None:
     info = geometry.H200
-    good = [plugin.gemm_variant("bfloat16", m, geometry.default_gemm_params(m, info), "sm_90") for m in (1, 32)]
+    good = [plugin.gemm_variant("bfloat16", m, geometry.default_sync_gemm_params(m, info), "sm_90") for m in (1, 32)]
     seen: list[tuple[int, int, str]] = []
     assert runtime.compile_all(good, lambda *a: seen.append(a), root=tmp_path, jobs=2) == 2
     assert [(d, t) for d, t, _ in seen] == [(1, 2), (2, 2)]
@@ -287,7 +302,7 @@ def test_parallel_compile_fills_the_cache_and_reports_a_workers_error(tmp_path: 
         assert runtime._read_cached(runtime.cache_dir(tmp_path) / "sm_90" / f"{v.key()}.cubin") is not None
     assert runtime.compile_all(good, root=tmp_path, jobs=2) == 0  # now cached: nothing compiled
     bad = runtime.Variant.make("decode.cu", "sm_90", TX_BF16=1, TX_D=100, TX_TILE=64, TX_WARPS=4, TX_STAGES=3)
-    other = plugin.gemm_variant("float16", 1, geometry.default_gemm_params(1, info), "sm_90")
+    other = plugin.gemm_variant("float16", 1, geometry.default_sync_gemm_params(1, info), "sm_90")
     with pytest.raises(runtime.KernelCompileError) as raised:
         runtime.compile_all([bad, other], root=tmp_path, jobs=2)
     assert raised.value.variant == bad
@@ -302,8 +317,8 @@ def test_module_command_compiles_every_candidate_variant_count(
     every = plugin.candidate_variants(geometry.H200)
     assert set(plugin.default_variants(geometry.H200)) <= set(every)
     for problem_m in (1, 16, 64):  # every GEMM tactic the backend enumerates has its variant in the list
-        for p in geometry.gemm_candidates(problem_m, geometry.H200):
-            assert plugin.gemm_variant("float16", problem_m, p, "sm_90") in every
+        for p in plugin.gemm_tactic_params(problem_m, geometry.H200):
+            assert plugin.gemm_params_variant("float16", problem_m, p, geometry.H200) in every
     monkeypatch.setenv("TACTIX_CACHE_DIR", str(tmp_path))
     runtime._memory.clear()
     assert main(["--arch", "sm_90", "--jobs", "2"]) == 0
@@ -352,15 +367,29 @@ def test_tactics_are_enumerated_valid_and_round_trip() -> None:
             assert tactix.tactics.parse_tactic(t.to_json()) == t
             assert DecodeParams.from_tactic(t).to_tactic() == t
     assert backend.tactics(decode())[0] == tactix.Tactic.default("cuda_native")
+    a100 = DeviceInfo(sms=108, smem_per_block=232448, smem_per_sm=233472, arch="sm_80")
     for m in (1, 16, 64):
-        tactics = plugin.tactix_tactics("cuda_native", gemm(m=m))
-        assert tactics and all(t.kernel == "gemm" for t in tactics)
-        assert all(plugin._reasons(gemm(m=m), t, H200) == [] for t in tactics)
-        assert {t.params["splits"] for t in tactics} >= {0, 1, 2}
-        for t in tactics:
+        # elsewhere: the mma.sync kernel's every split count and L2 hint
+        sync = [p.to_tactic() for p in plugin.gemm_tactic_params(m, a100)]
+        assert sync and all(t.kernel == "gemm" for t in sync)
+        assert all(plugin._reasons(gemm(m=m), t, a100) == [] for t in sync)
+        assert {t.params["splits"] for t in sync} >= {0, 1, 2}
+        for t in sync:
             assert GemmParams.from_tactic(t).to_tactic() == t
         # W has no L2 policy (kernels/common.cuh): l2 0 and 1 are one kernel, so only 2 is a candidate
-        assert {t.params.get("l2", 1) for t in tactics} == {1, 2}
+        assert {t.params.get("l2", 1) for t in sync} == {1, 2}
+        # Hopper: the wgmma kernel's candidates first (its default leading), then each mma.sync
+        # shape with its split count chosen per shape; few enough for the tuner's 64-tactic budget
+        tactics = plugin.tactix_tactics("cuda_native", gemm(m=m))
+        assert len(set(tactics)) == len(tactics) <= tactix.MeasurementPolicy().max_candidates
+        assert all(plugin._reasons(gemm(m=m), t, H200) == [] for t in tactics)
+        kinds = [t.kernel for t in tactics]
+        assert kinds == sorted(kinds, key=lambda k: k != "gemm_wgmma") and {"gemm", "gemm_wgmma"} <= set(kinds)
+        assert tactics[0] == geometry.default_gemm_params(m, H200).to_tactic()
+        assert {t.params["splits"] for t in tactics if t.kernel == "gemm_wgmma"} == {0, 2, 4, 8}
+        assert {t.params["splits"] for t in tactics if t.kernel == "gemm"} == {0}
+        for t in tactics:
+            assert plugin._gemm_params(t).to_tactic() == t
     shape = GemmParams(bn=64, bk=64, wn=2, wk=2, stages=4)
     variants = [plugin.gemm_variant("bfloat16", 16, dataclasses.replace(shape, l2=l2), "sm_90") for l2 in (0, 1, 2)]
     assert variants[0] == variants[1] != variants[2]
@@ -643,7 +672,7 @@ def test_plan_metadata_sections_hold_what_the_kernels_read() -> None:
 
 
 def test_gemm_splits_and_grids() -> None:
-    p1 = geometry.default_gemm_params(1, H200)
+    p1 = geometry.default_sync_gemm_params(1, H200)
     assert (p1.bn, p1.bk, p1.wn, p1.wk) == (32, 128, 1, 4)
     smem = geometry.gemm_smem_bytes(1, p1.bn, p1.bk, p1.stages)
     ctas = geometry.ctas_per_sm(H200, smem, 128)
@@ -654,7 +683,7 @@ def test_gemm_splits_and_grids() -> None:
     assert splits == 4 and ctas == 4
     assert H200.sms <= geometry.gemm_grid(4096, p1.bn, splits, 1)[0] * splits <= H200.sms * ctas
     # m = 64: 64 x 64 tiles, 6 stages (2 CTAs per SM): 4 splits; partial sums under a quarter of W
-    p64 = geometry.default_gemm_params(64, H200)
+    p64 = geometry.default_sync_gemm_params(64, H200)
     assert (p64.bn, p64.bk, p64.wn, p64.wk, p64.stages) == (64, 64, 2, 2, 6)
     c64 = geometry.ctas_per_sm(H200, geometry.gemm_smem_bytes(4, p64.bn, p64.bk, p64.stages), 128)
     assert c64 == 2 and geometry.gemm_splits(64, 4096, 4096, p64.bn, p64.bk, H200, c64) == 4
@@ -669,6 +698,49 @@ def test_gemm_splits_and_grids() -> None:
     assert [geometry.m_tiles(m) for m in (1, 16, 17, 32, 33, 48, 64)] == [1, 1, 2, 2, 4, 4, 4]
     for m in (1, 16, 32, 64):
         assert geometry.default_gemm_params(m, H200).reasons(m, H200) == []
+
+
+def test_wgmma_gemm_geometry() -> None:
+    """The Hopper GEMM: the default on sm_90 for every m <= 64 (the mma.sync kernel's elsewhere),
+    its split count a power of two up to 8 (the CTAs of a cluster) and one wave of CTAs for the
+    suite's shape, and clear reasons for what it cannot run."""
+    a100 = DeviceInfo(sms=108, smem_per_block=232448, smem_per_sm=233472, arch="sm_80")
+    for m in (1, 16, 33, 64):
+        params = geometry.default_gemm_params(m, H200)
+        assert isinstance(params, geometry.GemmWgmmaParams) and (params.bw, params.bk, params.stages) == (64, 64, 4)
+        assert isinstance(geometry.default_gemm_params(m, a100), GemmParams)
+        assert geometry.gemm_wgmma_candidates(m, a100) == []
+    p = geometry.GemmWgmmaParams(64, 64, 4)
+    assert p.smem_bytes == 4 * (64 + 64) * 64 * 2 and geometry.ctas_per_sm(H200, p.smem_bytes, p.THREADS) == 3
+    # 64 column blocks x 4 splits = 256 CTAs: one wave at 3 per SM, as many k splits as fit
+    splits = geometry.gemm_wgmma_splits(64, 4096, 4096, p, H200)
+    assert splits == 4 and 64 * splits <= H200.sms * 3 < 64 * 8
+    for m, n, k in ((1, 4096, 4096), (64, 14336, 4096), (16, 512, 256), (64, 40, 8), (7, 4096, 14336)):
+        s = geometry.gemm_wgmma_splits(m, n, k, p, H200)
+        assert s in geometry.GEMM_WGMMA_SPLITS, (m, n, k, s)
+    assert geometry.gemm_wgmma_splits(64, 40, 8, p, H200) == 1  # one k tile: nothing to split
+    assert geometry.gemm_wgmma_splits(64, 4096, 4096, geometry.GemmWgmmaParams(64, 64, 4, 8), H200) == 8
+    # reasons
+    assert "needs a Hopper GPU" in geometry.GemmWgmmaParams(64, 64, 4).reasons(16, a100)[0]
+    assert "m <= 64" in geometry.GemmWgmmaParams(64, 64, 4).reasons(65, H200)[0]
+    assert "bw must be 64, 128 or 256" in geometry.GemmWgmmaParams(96, 64, 4).reasons(16, H200)[0]
+    assert "splits must be 0 (auto) or 1, 2, 4 or 8" in geometry.GemmWgmmaParams(64, 64, 4, 3).reasons(16, H200)[0]
+    assert "shared memory" in geometry.GemmWgmmaParams(256, 128, 4).reasons(16, H200)[0]
+
+    # through the plugin's check: names, types, and a tactic round trip
+    def reasons(params: dict[str, object]) -> list[str]:
+        return plugin._reasons(
+            gemm(m=16), tactix.Tactic(backend="cuda_native", kernel="gemm_wgmma", params=params), H200
+        )
+
+    good = {"bw": 128, "bk": 64, "stages": 3, "splits": 4}
+    assert reasons(good) == [] and reasons({k: v for k, v in good.items() if k != "splits"}) == []
+    assert "gemm_wgmma params must be" in reasons({**good, "wn": 2})[0]
+    assert "must be integers" in reasons({**good, "bw": 128.0})[0]
+    odd = tactix.Tactic(backend="cuda_native", kernel="gemm_x", params={})
+    assert "unknown gemm kernel" in plugin._reasons(gemm(m=16), odd, H200)[0]
+    wgmma = tactix.Tactic(backend="cuda_native", kernel="gemm_wgmma", params=good)
+    assert plugin._gemm_params(wgmma) == geometry.GemmWgmmaParams(128, 64, 3, 4)
 
 
 # -- prefill ---------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The cuda_native kernel sources run on a CPU emulation of the CUDA features they use
-(tests/emulator/tx_emulate.h, built with g++): prefill against the float64 oracle on a machine
-without a GPU.
+(tests/emulator/tx_emulate.h, built with g++): prefill and the Hopper skinny GEMM against the
+float64 oracle on a machine without a GPU.
 
 The emulation is checked first on the decode kernel, which is proven on the H200 (it passes
 there against the same oracle): the same fragment layouts (ldmatrix with and without .trans,
@@ -30,9 +30,17 @@ pytest.importorskip("tactix_cuda_native", reason="plugins/cuda_native is not ins
 from tactix_cuda_native import geometry, plugin
 from tactix_cuda_native.geometry import H200
 
+import tactix
 from tactix import Tactic
 from tactix.attention import attention_problem
-from tactix.testing import LSE_TOLERANCE, attention_reference, lse_error, relative_error, tolerance_for
+from tactix.testing import (
+    LSE_TOLERANCE,
+    attention_reference,
+    gemm_reference,
+    lse_error,
+    relative_error,
+    tolerance_for,
+)
 from tests.emulator import emulate
 
 if emulate.available() is not None:
@@ -544,3 +552,99 @@ def test_emulated_pingpong_concurrent_ctas(schedule: emulate.Schedule, persist: 
                        schedule=schedule, persistent=3 if persist else 0, capacity=32 if persist else 0,
                        **case)  # fmt: skip
     assert torch.equal(out, got[0]) and torch.equal(lse, got[1]), f"{schedule} persist {persist}"
+
+
+# -- the Hopper skinny GEMM (kernels/gemm_sm90.cu) -------------------------------------------
+
+
+def _gemm_check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Every element within the output dtype's rounding of the float64 oracle (plus a little of the
+    result's scale for the fp32 sums): a lost k chunk, a wrong fragment or an unwritten element
+    each show in single elements, which a norm-wise error could average away."""
+    assert bool(torch.isfinite(out).all()), f"{what}: unwritten or NaN output"
+    diff = (out.to(torch.float64) - ref).abs()
+    bound = ref.abs() * 2.0**-7 + ref.pow(2).mean().sqrt() * 2.0**-9
+    worst = int(torch.argmax(diff - bound))
+    got, want = out.flatten()[worst].item(), ref.flatten()[worst].item()
+    assert bool((diff <= bound).all()), f"{what}: element {worst} (of {ref.numel()}) is {got}, oracle {want}"
+
+
+def _gemm_run(m: int, n: int, k: int, params: tuple[int, int, int, int] | None, *, dtype: torch.dtype = torch.bfloat16,
+              bias: bool = False, batch: int = 1, offset: int = 0, seed: int = 0,
+              schedule: emulate.Schedule = emulate.SCHEDULES[0]) -> tuple[torch.Tensor, emulate.GemmPlan]:  # fmt: skip
+    """One emulated launch as the plan makes it: ``out`` a contiguous [batch,] m x n view ``offset``
+    elements into a NaN buffer whose rest must stay NaN; checked against the float64 oracle."""
+    gen = torch.Generator().manual_seed(seed)
+    lead = (batch,) if batch > 1 else ()
+    a = torch.randn(*lead, m, k, generator=gen).to(dtype)
+    w = (torch.randn(*lead, n, k, generator=gen) / math.sqrt(k)).to(dtype)
+    b = w.transpose(-1, -2)  # the k-major [k, n] view of the nn.Linear weight
+    bias_t = torch.randn(n, generator=gen).to(dtype) if bias else None
+    name = str(dtype).removeprefix("torch.")
+    problem = tactix.GemmProblem(device_type="cuda", m=m, n=n, k=k, batch=batch, batched=batch > 1, a_dtype=name,
+                                 b_dtype=name, out_dtype=name, bias_dtype=name if bias else None)  # fmt: skip
+    default = geometry.default_gemm_params(m, H200)
+    assert isinstance(default, geometry.GemmWgmmaParams)
+    chosen = default if params is None else geometry.GemmWgmmaParams(*params)
+    tactic = chosen.to_tactic()
+    assert plugin._reasons(problem, tactic, H200) == [], tactic
+    plan = emulate.GemmPlan(problem, tactic)
+    size = batch * m * n
+    buf = torch.full((offset + size + 64,), float("nan"), dtype=dtype)
+    out = buf[offset : offset + size].view(*lead, m, n)
+    plan.run(a, b, out, bias_t, schedule)
+    ref = gemm_reference(a, b, bias=bias_t)
+    what = f"m{m} n{n} k{k} batch {batch} {tactic} splits {plan.splits} offset {offset} {schedule}"
+    _gemm_check(out, ref, what)
+    assert bool(buf[:offset].isnan().all()) and bool(buf[offset + size :].isnan().all()), f"{what}: wrote outside out"
+    return out, plan
+
+
+GEMM_CASES = [
+    # m, n, k, (bw, bk, stages, splits) or None (the default), dtype, bias, batch, out offset
+    (64, 256, 1024, None, torch.bfloat16, True, 1, 0),  # the default: its auto splits (a cluster of 4 here)
+    (64, 256, 512, (64, 64, 4, 4), torch.bfloat16, False, 1, 0),
+    (1, 200, 264, (64, 64, 4, 2), torch.bfloat16, True, 1, 0),  # a ragged column block, a k tail
+    (37, 201, 136, (128, 64, 3, 8), torch.float16, True, 1, 1),  # odd n, out 2-byte aligned, splits with no k
+    (16, 64, 1024, (64, 128, 3, 2), torch.bfloat16, True, 3, 0),  # batched (a cluster per batch entry)
+    (24, 300, 8, None, torch.float16, False, 1, 0),  # one 16-byte chunk of k
+    (64, 130, 704, (128, 64, 6, 1), torch.bfloat16, True, 2, 2),  # one split: out from registers, n % 4 != 0
+    (33, 520, 2048, (256, 64, 3, 4), torch.bfloat16, False, 1, 0),  # the widest tile (m64n256k16)
+]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["copies-late", "copies-early"])
+@pytest.mark.parametrize(("m", "n", "k", "params", "dtype", "bias", "batch", "offset"), GEMM_CASES)
+def test_emulated_wgmma_gemm_matches_oracle(m: int, n: int, k: int, params: tuple[int, int, int, int] | None,
+                                           dtype: torch.dtype, bias: bool, batch: int, offset: int, eager: bool,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """kernels/gemm_sm90.cu as the plan launches it: every element of ``out`` matches the float64
+    oracle and nothing outside it is written (column blocks past n, rows past m, k tails and k
+    splits that get no k, out not 4-byte aligned, batches, both dtypes). Copies land as late as the
+    hardware allows (a tile read before its copies shows) and as early (a stage refilled while a
+    wgmma still reads it shows)."""
+    monkeypatch.setenv("TXE_EAGER_COPIES", "1" if eager else "0")
+    _gemm_run(m, n, k, params, dtype=dtype, bias=bias, batch=batch, offset=offset, seed=m + n + k)
+
+
+def test_emulated_wgmma_gemm_clusters_give_the_same_bits_under_every_schedule() -> None:
+    """The k splits of a column block are one cluster that adds its partial tiles up in rank order
+    through distributed shared memory: whichever CTAs run first, interleave or wait, the output is
+    bitwise the same, and no CTA reads a partial tile its owner has not written or has left (the
+    emulation fails a read of an exited CTA's shared memory)."""
+    first = None
+    for schedule in emulate.SCHEDULES:
+        out, plan = _gemm_run(48, 320, 1536, (64, 64, 3, 8), bias=True, schedule=schedule, seed=5)
+        assert plan.splits == 8 and plan.grid == (5, 8, 1)
+        if first is None:
+            first = out.clone()
+        else:
+            assert torch.equal(out, first), f"{schedule}: not bitwise the same"
+
+
+def test_emulated_wgmma_gemm_every_enumerated_tactic() -> None:
+    """Every Hopper GEMM tactic the backend enumerates, on one skinny shape with a bias."""
+    tactics = [p for p in plugin.gemm_tactic_params(40, H200) if isinstance(p, geometry.GemmWgmmaParams)]
+    assert len(tactics) >= 10
+    for p in tactics:
+        _gemm_run(40, 256, 1024, (p.bw, p.bk, p.stages, p.splits), bias=True, seed=p.bw + p.stages + p.splits)

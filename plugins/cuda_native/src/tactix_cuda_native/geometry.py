@@ -8,6 +8,7 @@ ahead of time (and for the tests).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import operator
@@ -22,6 +23,7 @@ __all__ = [
     "DecodeWork",
     "DeviceInfo",
     "GemmParams",
+    "GemmWgmmaParams",
     "PrefillParams",
     "PrefillWork",
     "ctas_per_sm",
@@ -32,8 +34,10 @@ __all__ = [
     "default_decode_params",
     "default_gemm_params",
     "default_prefill_params",
+    "default_sync_gemm_params",
     "gemm_smem_bytes",
     "gemm_splits",
+    "gemm_wgmma_candidates",
     "prefill_candidates",
     "prefill_capacity",
     "prefill_default_persist",
@@ -68,6 +72,13 @@ class DeviceInfo:
 
 
 H200: Final = DeviceInfo(sms=132, smem_per_block=232448, smem_per_sm=233472, arch="sm_90")
+
+
+def _int_param(tactic: Tactic, key: str, default: int | None = None) -> int:
+    """An integer parameter of a tactic (the plugin's check has validated it before a plan is made)."""
+    value = tactic.params.get(key, default)
+    assert isinstance(value, int)
+    return value
 
 
 def ctas_per_sm(info: DeviceInfo, smem: int, threads: int, max_threads: int = 2048, resident: int | None = None) -> int:
@@ -107,13 +118,7 @@ class DecodeParams:
 
     @classmethod
     def from_tactic(cls, tactic: Tactic) -> DecodeParams:
-        p = tactic.params
-
-        def get(key: str, default: int | None = None) -> int:
-            value = p.get(key, default)
-            assert isinstance(value, int)  # validated by the plugin's check before a plan is made
-            return value
-
+        get = functools.partial(_int_param, tactic)
         return cls(get("tile"), get("warps"), get("stages"), get("kv_chunk", 0), get("l2", 1))
 
     def reasons(self, head_dim: int, info: DeviceInfo) -> list[str]:
@@ -402,14 +407,8 @@ class PrefillParams:
 
     @classmethod
     def from_tactic(cls, tactic: Tactic) -> PrefillParams:
-        p = tactic.params
-
-        def get(key: str, default: int | None = None) -> int:
-            value = p.get(key, default)
-            assert isinstance(value, int)  # validated by the plugin's check before a plan is made
-            return value
-
-        mma = p.get("mma", "sync")
+        get = functools.partial(_int_param, tactic)
+        mma = tactic.params.get("mma", "sync")
         assert isinstance(mma, str)
         return cls(get("q_tile"), get("kv_tile"), get("warps"), get("stages"), get("pack", 0), get("sched", 0), mma,
                    get("persist", 0), get("pingpong", 0))  # fmt: skip
@@ -730,13 +729,7 @@ class GemmParams:
 
     @classmethod
     def from_tactic(cls, tactic: Tactic) -> GemmParams:
-        p = tactic.params
-
-        def get(key: str, default: int | None = None) -> int:
-            value = p.get(key, default)
-            assert isinstance(value, int)  # validated by the plugin's check before a plan is made
-            return value
-
+        get = functools.partial(_int_param, tactic)
         return cls(get("bn"), get("bk"), get("wn"), get("wk"), get("stages"), get("splits", 0), get("l2", 1))
 
     def reasons(self, m: int, info: DeviceInfo) -> list[str]:
@@ -768,6 +761,85 @@ class GemmParams:
         return out
 
 
+@dataclass(frozen=True)
+class GemmWgmmaParams:
+    """A tactic of the Hopper skinny GEMM (kernels/gemm_sm90.cu, ``kernel="gemm_wgmma"``): ``bw``
+    columns of W per CTA (the wgmma's N: 64, 128 or 256), ``bk`` of k per stage (64 or 128),
+    ``stages`` of the cp.async ring and the k ``splits`` (0: chosen per shape,
+    `gemm_wgmma_splits`; else 1, 2, 4 or 8: the CTAs of a thread block cluster, which add their
+    partial sums up in distributed shared memory). One warpgroup per CTA; the m rows are padded to
+    the wgmma's 64."""
+
+    bw: int
+    bk: int
+    stages: int
+    splits: int = 0
+
+    THREADS: ClassVar[int] = 128
+
+    def to_tactic(self) -> Tactic:
+        params = {"bw": self.bw, "bk": self.bk, "stages": self.stages, "splits": self.splits}
+        return Tactic(backend=NAME, kernel="gemm_wgmma", params=params)
+
+    @classmethod
+    def from_tactic(cls, tactic: Tactic) -> GemmWgmmaParams:
+        get = functools.partial(_int_param, tactic)
+        return cls(get("bw"), get("bk"), get("stages"), get("splits", 0))
+
+    @property
+    def smem_bytes(self) -> int:
+        """The ring: an a tile of 64 rows and a W tile of ``bw`` rows per stage."""
+        return self.stages * (64 + self.bw) * self.bk * 2
+
+    def reasons(self, m: int, info: DeviceInfo) -> list[str]:
+        out = []
+        if info.arch not in WGMMA_ARCHS:
+            out.append(f"kernel 'gemm_wgmma' needs a Hopper GPU (sm_90); this one is {info.arch} (use kernel 'gemm')")
+        if m > GEMM_MAX_M:
+            out.append(f"kernel 'gemm_wgmma' takes m <= {GEMM_MAX_M} (got m={m})")
+        if self.bw not in (64, 128, 256):
+            out.append(f"bw must be 64, 128 or 256 (got {self.bw})")
+        if self.bk not in (64, 128):
+            out.append(f"bk must be 64 or 128 (got {self.bk})")
+        if not 2 <= self.stages <= 8:
+            out.append(f"stages must be in 2..8 (got {self.stages})")
+        if self.splits not in (0, *GEMM_WGMMA_SPLITS):
+            out.append(f"splits must be 0 (auto) or 1, 2, 4 or 8 (the CTAs of a cluster; got {self.splits})")
+        if not out and self.smem_bytes > info.smem_per_block:
+            out.append(f"needs {self.smem_bytes} bytes of shared memory; this GPU allows {info.smem_per_block} per CTA")
+        return out
+
+
+GEMM_WGMMA_SPLITS: Final = (1, 2, 4, 8)
+"""k splits of the Hopper GEMM: the CTAs of one thread block cluster (8 is the portable maximum)."""
+
+
+def gemm_wgmma_splits(m: int, n: int, k: int, params: GemmWgmmaParams, info: DeviceInfo) -> int:
+    """The Hopper GEMM's k splits: the requested count, else `gemm_splits`' count for one wave
+    of CTAs (shared memory decides how many an SM holds) rounded down to a power of two, at most 8.
+    The grid has exactly this many CTAs along y (a cluster); where k is too short for all of
+    them, the last ones get no k and add zeros."""
+    if params.splits:
+        return params.splits
+    ctas = ctas_per_sm(info, params.smem_bytes, params.THREADS)
+    want = gemm_splits(m, n, k, params.bw, params.bk, info, ctas)
+    return max(s for s in GEMM_WGMMA_SPLITS if s <= want)
+
+
+def gemm_wgmma_candidates(m: int, info: DeviceInfo) -> list[GemmWgmmaParams]:
+    """The Hopper kernel's tactic space (empty elsewhere), the default first: 64-column W tiles
+    with 64 of k per stage at 3, 4 and 6 stages, then 128-column tiles and 128 of k per stage, each
+    with the split count chosen per shape or forced. (256-column tiles, and 128 x 128, were never
+    within 30 % of the best at m = 1, 16 or 64 on the H200: h200-gemm-wgmma-sweep-all-shapes.log.)"""
+    if info.arch not in WGMMA_ARCHS or m > GEMM_MAX_M:
+        return []
+    out = [GemmWgmmaParams(*GEMM_WGMMA_DEFAULT)]
+    out += [GemmWgmmaParams(64, 64, s, sp) for s in (4, 3, 6) for sp in (0, 2, 4, 8)]
+    out += [GemmWgmmaParams(128, 64, s, sp) for s in (3, 4) for sp in (0, 4, 8)]
+    out += [GemmWgmmaParams(64, 128, s, sp) for s in (3, 4) for sp in (0, 2)]
+    return [p for p in dict.fromkeys(out) if not p.reasons(m, info)]
+
+
 def m_tiles(m: int) -> int:
     """16-row MMA tiles for ``m`` rows (1, 2 or 4)."""
     tiles = -(-m // 16)
@@ -778,10 +850,30 @@ def gemm_smem_bytes(mt: int, bn: int, bk: int, stages: int) -> int:
     return stages * (mt * 16 + bn) * bk * 2 + FLAG_BYTES
 
 
-def default_gemm_params(m: int, info: DeviceInfo) -> GemmParams:
-    """The heuristic tactic (the H200 sweep's best shapes): m <= 16: 32 columns x 128 of k per
-    stage, 4 stages, one warp per 32 of k (48 KB: 4 CTAs per SM); m > 16: 64 x 64, warps 2 x 2,
-    6 stages (m <= 32: 72 KB, 3 CTAs; m <= 64: 96 KB, 2 CTAs). Splits are chosen per shape."""
+GEMM_WGMMA_DEFAULT: Final = (64, 64, 4)
+"""The Hopper GEMM's default (bw, bk, stages): 64 columns x 64 of k per stage, 4 stages (64 KB: 3
+CTAs per SM), splits chosen per shape. On the H200 (n = k = 4096, the suite's method,
+benchmarks/results/h200-gemm-wgmma-sweep.log) it took 17.3 / 17.9 / 19.4 us at m = 1 / 16 / 64,
+against 17.8 / 18.6 / 25.2 for the mma.sync kernel's best tactic and 18.8 / 19.3 / 17.9 for
+cuBLAS; 256-column W tiles and 128 x 128 tiles were never within 30 % of the best
+(h200-gemm-wgmma-sweep-all-shapes.log)."""
+
+
+def default_gemm_params(m: int, info: DeviceInfo) -> GemmParams | GemmWgmmaParams:
+    """The heuristic tactic: on Hopper the wgmma kernel (`GEMM_WGMMA_DEFAULT`), elsewhere the
+    mma.sync kernel's (`default_sync_gemm_params`)."""
+    if info.arch in WGMMA_ARCHS:
+        params = GemmWgmmaParams(*GEMM_WGMMA_DEFAULT)
+        if not params.reasons(m, info):
+            return params
+    return default_sync_gemm_params(m, info)
+
+
+def default_sync_gemm_params(m: int, info: DeviceInfo) -> GemmParams:
+    """The mma.sync kernel's heuristic tactic (the H200 sweep's best shapes): m <= 16: 32 columns
+    x 128 of k per stage, 4 stages, one warp per 32 of k (48 KB: 4 CTAs per SM); m > 16: 64 x 64,
+    warps 2 x 2, 6 stages (m <= 32: 72 KB, 3 CTAs; m <= 64: 96 KB, 2 CTAs). Splits are chosen per
+    shape."""
     if m <= 16:
         params = GemmParams(bn=32, bk=128, wn=1, wk=4, stages=4)
     else:
@@ -795,7 +887,7 @@ def default_gemm_params(m: int, info: DeviceInfo) -> GemmParams:
 def gemm_candidates(m: int, info: DeviceInfo) -> list[GemmParams]:
     shapes = [(32, 128, 1, 4), (64, 64, 2, 2), (64, 128, 2, 2), (128, 64, 4, 1), (128, 64, 4, 2)]
     out = [GemmParams(bn, bk, wn, wk, s, sp) for bn, bk, wn, wk in shapes for s in (4, 6) for sp in (0, 1, 2, 4, 8)]
-    base = default_gemm_params(m, info)
+    base = default_sync_gemm_params(m, info)
     out.append(GemmParams(base.bn, base.bk, base.wn, base.wk, base.stages, 0, 2))  # l2 0 is the same kernel as 1
     return [p for p in out if not p.reasons(m, info)]
 

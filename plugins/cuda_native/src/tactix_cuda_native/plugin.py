@@ -51,6 +51,7 @@ from tactix_cuda_native.geometry import (
     DecodeParams,
     DeviceInfo,
     GemmParams,
+    GemmWgmmaParams,
     PrefillParams,
     PrefillWork,
     ctas_per_sm,
@@ -71,6 +72,8 @@ from tactix_cuda_native.geometry import (
     gemm_k_per_split,
     gemm_smem_bytes,
     gemm_splits,
+    gemm_wgmma_candidates,
+    gemm_wgmma_splits,
     log2_exact,
     m_tiles,
     prefill_candidates,
@@ -163,8 +166,9 @@ def tactix_backends() -> list[tactix.BackendSpec]:
             # h200-bench-deterministic.json): deterministic and faster than cuDNN's deterministic
             # decode plan on D1-D3. prefill stays at 5, behind cudnn (10): the wgmma kernel matches
             # it on P2/P4 but not P1/P3 (h200-prefill-sweep.log). gemm: behind torch (cuBLAS, -100)
-            # untuned, since the skinny GEMM's default is 1.0-1.05x cuBLAS at m <= 16 and 0.6x at
-            # m = 64 (h200-cuda-native-quick.log); tuning picks it where it wins.
+            # untuned, since the skinny GEMM's default (the Hopper wgmma kernel) is 1.03-1.12x
+            # cuBLAS at m <= 16 but 0.91x at m = 64 (h200-bench-gemm.md); tuning picks it where
+            # it wins.
             op_preference={"decode": 20, "gemm": -150},
         )
     ]
@@ -269,8 +273,16 @@ def _gemm_reasons(problem: GemmProblem, tactic: Tactic, info: DeviceInfo) -> lis
         if tactic.params:
             out.append(f"the default tactic takes no params (got {tactic.params})")
         return out
+    if tactic.kernel == "gemm_wgmma":
+        known = {"bw", "bk", "stages", "splits"}
+        given = set(tactic.params)
+        if not known - {"splits"} <= given or given - known:
+            return [*out, f"gemm_wgmma params must be {sorted(known)} with splits optional (got {sorted(given)})"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in tactic.params.values()):
+            return [*out, f"gemm_wgmma params must be integers (got {tactic.params})"]
+        return out + GemmWgmmaParams.from_tactic(tactic).reasons(problem.m, info)
     if tactic.kernel != "gemm":
-        return [*out, f"unknown gemm kernel '{tactic.kernel}' (known: default, gemm)"]
+        return [*out, f"unknown gemm kernel '{tactic.kernel}' (known: default, gemm, gemm_wgmma)"]
     known = {"bn", "bk", "wn", "wk", "stages", "splits", "l2"}
     given = set(tactic.params)
     if not known - {"splits", "l2"} <= given or given - known:
@@ -305,8 +317,18 @@ def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
     if isinstance(problem, DecodeProblem):
         return [p.to_tactic() for p in decode_candidates(problem.head_dim_qk, info)]
     if isinstance(problem, GemmProblem):
-        return [p.to_tactic() for p in gemm_candidates(problem.m, info)]
+        return [p.to_tactic() for p in gemm_tactic_params(problem.m, info)]
     return []
+
+
+def gemm_tactic_params(m: int, info: DeviceInfo) -> list[GemmParams | GemmWgmmaParams]:
+    """The GEMM tactics the tuner measures, in order: on Hopper the wgmma kernel's candidates, then
+    each mma.sync shape with its split count chosen per shape (its forced split counts and L2
+    hints never won there: h200-gemm-wgmma-sweep.log); elsewhere every mma.sync candidate."""
+    wgmma = gemm_wgmma_candidates(m, info)
+    if not wgmma:
+        return list(gemm_candidates(m, info))
+    return [*wgmma, *(p for p in gemm_candidates(m, info) if p.splits == 0 and p.l2 == 1)]
 
 
 # -- kernel variants -------------------------------------------------------------------------
@@ -384,6 +406,31 @@ def gemm_variant(dtype: str, m: int, params: GemmParams, arch: str) -> Variant:
     )
 
 
+def gemm_wgmma_variant(dtype: str, params: GemmWgmmaParams, splits: int, arch: str) -> Variant:
+    """kernels/gemm_sm90.cu for the arch-specific target (sm_90a) of an sm_90 ``arch``, with
+    ``splits`` CTAs per cluster (`geometry.gemm_wgmma_splits`); one variant serves every m (its
+    tile is 64 rows)."""
+    return Variant.make(
+        "gemm_sm90.cu",
+        wgmma_arch(arch),
+        TX_BF16=_bf16(dtype),
+        TX_BW=params.bw,
+        TX_BK=params.bk,
+        TX_STAGES=params.stages,
+        TX_CLUSTER=splits,
+        TX_SMEM=params.smem_bytes,  # the kernel asserts that its layout has this size
+    )
+
+
+def gemm_params_variant(dtype: str, m: int, params: GemmParams | GemmWgmmaParams, info: DeviceInfo,
+                        n: int = 4096, k: int = 4096) -> Variant:  # fmt: skip
+    """The variant a GEMM tactic compiles to for ``m`` rows (the Hopper kernel's also depends on
+    its split count, hence on ``n`` and ``k``: by default the suite's decode-sized n = k = 4096)."""
+    if isinstance(params, GemmWgmmaParams):
+        return gemm_wgmma_variant(dtype, params, gemm_wgmma_splits(m, n, k, params, info), info.arch)
+    return gemm_variant(dtype, m, params, info.arch)
+
+
 def default_variants(info: DeviceInfo = H200) -> list[Variant]:
     """Every kernel variant the default tactics use on a GPU like ``info`` (what `warmup` compiles):
     prefill for each head dim, with persistent CTAs where the default takes them for batches of
@@ -400,8 +447,8 @@ def default_variants(info: DeviceInfo = H200) -> list[Variant]:
             for small in (False, True):
                 out.append(decode_variant(dtype, d, default_decode_params(d, info, small), info.arch))
         for m in (1, 32, GEMM_MAX_M):  # one m per m-tile count (1, 2, 4 tiles of 16 rows)
-            out.append(gemm_variant(dtype, m, default_gemm_params(m, info), info.arch))
-    return out
+            out.append(gemm_params_variant(dtype, m, default_gemm_params(m, info), info))
+    return list(dict.fromkeys(out))
 
 
 def candidate_variants(info: DeviceInfo) -> list[Variant]:
@@ -415,7 +462,7 @@ def candidate_variants(info: DeviceInfo) -> list[Variant]:
             for gqa in (1, 4, 8):
                 out += [prefill_variant(dtype, d, p, info.arch) for p in prefill_candidates(d, info, gqa)]
         for m in (1, 32, GEMM_MAX_M):
-            out += [gemm_variant(dtype, m, p, info.arch) for p in gemm_candidates(m, info)]
+            out += [gemm_params_variant(dtype, m, p, info) for p in gemm_tactic_params(m, info)]
     return list(dict.fromkeys(out))
 
 
@@ -868,6 +915,12 @@ def tactix_plan_prefill(backend: str, problem: PrefillProblem, batch: PagedBatch
 # -- GEMM plans ------------------------------------------------------------------------------
 
 
+def _gemm_params(tactic: Tactic) -> GemmParams | GemmWgmmaParams:
+    if tactic.kernel == "gemm_wgmma":
+        return GemmWgmmaParams.from_tactic(tactic)
+    return GemmParams.from_tactic(tactic)
+
+
 class CudaNativeGemmPlan:
     """A planned skinny GEMM: split count and workspace fixed in plan; ``run`` launches one kernel."""
 
@@ -876,18 +929,28 @@ class CudaNativeGemmPlan:
         self.device = torch.device("cuda", index)
         self.problem = problem
         info = device_info(index)
-        params = default_gemm_params(problem.m, info) if tactic.is_default else GemmParams.from_tactic(tactic)
+        params = default_gemm_params(problem.m, info) if tactic.is_default else _gemm_params(tactic)
         self.tactic = params.to_tactic()
-        module, self.built = load(gemm_variant(problem.a_dtype, problem.m, params, info.arch), index)
-        smem = gemm_smem_bytes(m_tiles(problem.m), params.bn, params.bk, params.stages)
-        threads = 32 * params.wn * params.wk
-        self._kernel = module.kernel("tactix_gemm", smem)
-        self.ctas_per_sm = ctas_per_sm(info, smem, threads, resident=resident_ctas(self._kernel, threads, smem))
         m, n, k, batch = problem.m, problem.n, problem.k, problem.batch
-        wanted = gemm_splits(m, n, k, params.bn, params.bk, info, self.ctas_per_sm, params.splits)
-        self.kps, self.splits = gemm_k_per_split(k, params.bk, wanted)
-        grid = gemm_grid(n, params.bn, self.splits, batch)
-        if self.splits > 1:  # fp32 partial tiles, and a ticket counter per column block (zero between runs)
+        if isinstance(params, GemmWgmmaParams):  # splits: the CTAs of a cluster, all launched
+            self.splits = gemm_wgmma_splits(m, n, k, params, info)
+            self.kps = -(-k // self.splits // params.bk) * params.bk if self.splits > 1 else k
+            smem, threads = params.smem_bytes, params.THREADS
+            module, self.built = load(gemm_wgmma_variant(problem.a_dtype, params, self.splits, info.arch), index)
+            self._kernel = module.kernel("tactix_gemm", smem)
+            self.ctas_per_sm = ctas_per_sm(info, smem, threads)
+            grid = gemm_grid(n, params.bw, self.splits, batch)
+        else:
+            smem = gemm_smem_bytes(m_tiles(problem.m), params.bn, params.bk, params.stages)
+            threads = 32 * params.wn * params.wk
+            module, self.built = load(gemm_variant(problem.a_dtype, problem.m, params, info.arch), index)
+            self._kernel = module.kernel("tactix_gemm", smem)
+            self.ctas_per_sm = ctas_per_sm(info, smem, threads, resident=resident_ctas(self._kernel, threads, smem))
+            wanted = gemm_splits(m, n, k, params.bn, params.bk, info, self.ctas_per_sm, params.splits)
+            self.kps, self.splits = gemm_k_per_split(k, params.bk, wanted)
+            grid = gemm_grid(n, params.bn, self.splits, batch)
+        if self.splits > 1 and not isinstance(params, GemmWgmmaParams):
+            # fp32 partial tiles, and a ticket counter per column block (zero between runs)
             self._ws: torch.Tensor | None = torch.empty(self.splits * batch * m * n, dtype=torch.float32,
                                                         device=self.device)  # fmt: skip
             self._counters: torch.Tensor | None = torch.zeros(grid[0] * batch, dtype=torch.int32, device=self.device)
