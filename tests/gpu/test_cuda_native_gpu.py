@@ -693,11 +693,17 @@ class PoolBatch:
 def test_re_plans_of_one_bucket_skip_the_check_and_the_plan_hook(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A re-plan with the same static arguments and a batch of a bucket already planned is made by
     the plan's own ``replan`` (the core's fast path): no check and no plan hook (both ask the
-    plugin's reasons), one plan counted, and each batch matches the float64 oracle."""
+    plugin's reasons), one plan counted, and each batch matches the float64 oracle. The cache
+    strides are checked by the first run only: re-plans keep what it found (the caches here
+    differ in size, not in strides)."""
     name = "_decode_reasons" if op == "decode" else "_prefill_reasons"
     asked: list[int] = []
     real = getattr(plugin, name)
     monkeypatch.setattr(plugin, name, lambda *a: asked.append(1) or real(*a))
+    plan_class = plugin.CudaNativeDecodePlan if op == "decode" else plugin.CudaNativePrefillPlan
+    accepted: list[int] = []
+    real_accept = plan_class._accept
+    monkeypatch.setattr(plan_class, "_accept", lambda self, *a: accepted.append(1) or real_accept(self, *a))
     cases: list[Case] | list[PrefillCase]
     if op == "decode":  # 3-4 requests, longest 513-1024 keys: one bucket
         cases = [Case(lens, seed=s) for s, lens in enumerate(([5, 700, 33], [1000, 17, 1], [600, 513, 100, 1]))]
@@ -715,6 +721,7 @@ def test_re_plans_of_one_bucket_skip_the_check_and_the_plan_hook(op: str, monkey
         assert not asked, f"re-plan {i} went through the check or the plan hook"
         assert tactix.stats()["plans"] == 1
         case.check(w, f"re-plan {i}")  # type: ignore[arg-type]
+    assert len(accepted) == 1, f"the cache strides were checked {len(accepted)} times, not once"
 
 
 def _far_ahead_series(op: str, graph: bool, on_device: bool) -> tuple[list[PoolBatch], torch.Tensor, torch.Tensor]:

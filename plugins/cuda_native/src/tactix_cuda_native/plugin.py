@@ -516,6 +516,23 @@ class _StagedPlan:
     _staging: Staging  # the wrapper's metadata slots and pinned buffers (handed from plan to plan)
     _requested: Tactic  # the tactic this plan was made for (the default, or a tuned one)
     _graph: bool  # made for CUDA-graph mode
+    problem: DecodeProblem | PrefillProblem
+    _seen: tuple[Any, ...] | None  # the q, k and v strides run() last checked (`_accept`)
+    _strides: tuple[int, ...]  # the cache stride arguments they gave
+    _q_direct: bool  # q is read in place (else through a copy)
+
+    def _inherit_accepted(self, previous: object) -> None:
+        """Keep what the previous plan of the wrapper (same class, device and cache layout) found
+        when it checked the run's strides, so that the first run after a re-plan does not check
+        them again when they are the same (``run`` compares them on every call)."""
+        if (
+            isinstance(previous, _StagedPlan)
+            and type(previous) is type(self)
+            and previous._seen is not None
+            and previous.device == self.device
+            and previous.problem.kv_layout == self.problem.kv_layout
+        ):
+            self._seen, self._strides, self._q_direct = previous._seen, previous._strides, previous._q_direct
 
     def replan(self, problem: Problem, batch: PagedBatch, options: PlanOptions) -> _StagedPlan | None:
         """The plan of a new batch with this plan's static problem and tactic (the core's fast
@@ -701,6 +718,7 @@ class CudaNativeDecodePlan(_StagedPlan):
         self._seen: tuple[Any, ...] | None = None
         self._strides: tuple[int, ...] = ()
         self._q_copy: torch.Tensor | None = None
+        self._inherit_accepted(previous)
 
     def _accept(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Check the cache strides and q's once per new set of strides; keep the stride arguments."""
@@ -872,6 +890,7 @@ class CudaNativePrefillPlan(_StagedPlan):
         self._seen: tuple[Any, ...] | None = None
         self._strides: tuple[int, ...] = ()
         self._q_copy: torch.Tensor | None = None
+        self._inherit_accepted(previous)
 
     def _accept(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Check the cache strides and q's once per new set of strides; keep the stride arguments."""
