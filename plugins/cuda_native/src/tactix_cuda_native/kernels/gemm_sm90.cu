@@ -65,8 +65,8 @@ static_assert(STAGES >= 2 && STAGES <= 8, "2 to 8 stages");
 static_assert(64 * KCH % NT == 0 && BW * KCH % NT == 0, "whole passes of 16-byte copies");
 static_assert(CL == 1 || CL == 2 || CL == 4 || CL == 8, "TX_CLUSTER must be 1, 2, 4 or 8");
 static_assert(64 * PART_LD * 4 <= RING, "the partial tile must fit in the ring");
-#ifdef TX_SMEM  // the dynamic shared memory the plan launches with (geometry.gemm_wgmma_smem_bytes)
-static_assert(RING == TX_SMEM, "geometry.gemm_wgmma_smem_bytes disagrees with this kernel's layout");
+#ifdef TX_SMEM  // the dynamic shared memory the plan launches with (geometry.GemmWgmmaParams.smem_bytes)
+static_assert(RING == TX_SMEM, "GemmWgmmaParams.smem_bytes disagrees with this kernel's layout");
 #endif
 
 #include "sm90.cuh"
