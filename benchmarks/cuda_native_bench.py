@@ -263,7 +263,7 @@ def precompile(cases: list[BenchCase]) -> None:
                 p = geometry.DecodeParams.from_tactic(tactic)
                 variants.append(plugin.decode_variant("bfloat16", case.head_dim, p, info.arch))
             else:
-                params = plugin._gemm_params(tactic)
+                params = plugin.gemm_params_of(tactic)
                 variants.append(plugin.gemm_params_variant("bfloat16", case.m, params, info, case.n, case.k))
     variants = list(dict.fromkeys(variants))
     t0 = time.perf_counter()

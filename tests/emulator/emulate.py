@@ -277,7 +277,7 @@ class GemmPlan:
         self.problem, self.params = problem, params
         m, n, k, batch = problem.m, problem.n, problem.k, problem.batch
         self.splits = geometry.gemm_wgmma_splits(m, n, k, params, info)
-        self.kps = -(-k // self.splits // params.bk) * params.bk if self.splits > 1 else k
+        self.kps = geometry.gemm_wgmma_k_per_split(k, params.bk, self.splits)
         variant = plugin.gemm_wgmma_variant(problem.a_dtype, params, self.splits, info.arch)
         self.lib = _library("emu_gemm_sm90.cpp", variant.defines)
         self.smem = params.smem_bytes

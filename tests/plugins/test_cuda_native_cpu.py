@@ -389,7 +389,7 @@ def test_tactics_are_enumerated_valid_and_round_trip() -> None:
         assert {t.params["splits"] for t in tactics if t.kernel == "gemm_wgmma"} == {0, 2, 4, 8}
         assert {t.params["splits"] for t in tactics if t.kernel == "gemm"} == {0}
         for t in tactics:
-            assert plugin._gemm_params(t).to_tactic() == t
+            assert plugin.gemm_params_of(t).to_tactic() == t
     shape = GemmParams(bn=64, bk=64, wn=2, wk=2, stages=4)
     variants = [plugin.gemm_variant("bfloat16", 16, dataclasses.replace(shape, l2=l2), "sm_90") for l2 in (0, 1, 2)]
     assert variants[0] == variants[1] != variants[2]
@@ -719,6 +719,10 @@ def test_wgmma_gemm_geometry() -> None:
         s = geometry.gemm_wgmma_splits(m, n, k, p, H200)
         assert s in geometry.GEMM_WGMMA_SPLITS, (m, n, k, s)
     assert geometry.gemm_wgmma_splits(64, 40, 8, p, H200) == 1  # one k tile: nothing to split
+    # k per CTA of a cluster: whole tiles, the cluster keeps its size (trailing CTAs may get no k)
+    assert geometry.gemm_wgmma_k_per_split(4096, 64, 4) == 1024
+    assert geometry.gemm_wgmma_k_per_split(136, 64, 8) == 64  # 3 CTAs of 8 get k, 5 add zeros
+    assert geometry.gemm_wgmma_k_per_split(136, 64, 1) == 136
     assert geometry.gemm_wgmma_splits(64, 4096, 4096, geometry.GemmWgmmaParams(64, 64, 4, 8), H200) == 8
     # reasons
     assert "needs a Hopper GPU" in geometry.GemmWgmmaParams(64, 64, 4).reasons(16, a100)[0]
@@ -740,7 +744,7 @@ def test_wgmma_gemm_geometry() -> None:
     odd = tactix.Tactic(backend="cuda_native", kernel="gemm_x", params={})
     assert "unknown gemm kernel" in plugin._reasons(gemm(m=16), odd, H200)[0]
     wgmma = tactix.Tactic(backend="cuda_native", kernel="gemm_wgmma", params=good)
-    assert plugin._gemm_params(wgmma) == geometry.GemmWgmmaParams(128, 64, 3, 4)
+    assert plugin.gemm_params_of(wgmma) == geometry.GemmWgmmaParams(128, 64, 3, 4)
 
 
 # -- prefill ---------------------------------------------------------------------------------

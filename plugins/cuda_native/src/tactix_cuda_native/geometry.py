@@ -38,6 +38,8 @@ __all__ = [
     "gemm_smem_bytes",
     "gemm_splits",
     "gemm_wgmma_candidates",
+    "gemm_wgmma_k_per_split",
+    "gemm_wgmma_splits",
     "prefill_candidates",
     "prefill_capacity",
     "prefill_default_persist",
@@ -824,6 +826,13 @@ def gemm_wgmma_splits(m: int, n: int, k: int, params: GemmWgmmaParams, info: Dev
     ctas = ctas_per_sm(info, params.smem_bytes, params.THREADS)
     want = gemm_splits(m, n, k, params.bw, params.bk, info, ctas)
     return max(s for s in GEMM_WGMMA_SPLITS if s <= want)
+
+
+def gemm_wgmma_k_per_split(k: int, bk: int, splits: int) -> int:
+    """k per CTA of the Hopper GEMM's cluster of ``splits`` (rounded up to ``bk``; unlike
+    `gemm_k_per_split`, no split is dropped: the cluster keeps its size, and trailing CTAs may get
+    no k)."""
+    return -(-k // splits // bk) * bk if splits > 1 else k
 
 
 def gemm_wgmma_candidates(m: int, info: DeviceInfo) -> list[GemmWgmmaParams]:

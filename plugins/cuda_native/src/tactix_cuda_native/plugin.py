@@ -73,6 +73,7 @@ from tactix_cuda_native.geometry import (
     gemm_smem_bytes,
     gemm_splits,
     gemm_wgmma_candidates,
+    gemm_wgmma_k_per_split,
     gemm_wgmma_splits,
     log2_exact,
     m_tiles,
@@ -475,7 +476,7 @@ def tactix_warmup(backend: str, arch: str | None, progress: Callable[[int, int, 
     else:
         base = _info_for(None)
         info = DeviceInfo(base.sms, base.smem_per_block, base.smem_per_sm, arch)
-    return compile_all(list(dict.fromkeys(default_variants(info))), progress)
+    return compile_all(default_variants(info), progress)
 
 
 # -- plan metadata ---------------------------------------------------------------------------
@@ -934,7 +935,8 @@ def tactix_plan_prefill(backend: str, problem: PrefillProblem, batch: PagedBatch
 # -- GEMM plans ------------------------------------------------------------------------------
 
 
-def _gemm_params(tactic: Tactic) -> GemmParams | GemmWgmmaParams:
+def gemm_params_of(tactic: Tactic) -> GemmParams | GemmWgmmaParams:
+    """The parameters of a checked, non-default GEMM tactic of either kernel."""
     if tactic.kernel == "gemm_wgmma":
         return GemmWgmmaParams.from_tactic(tactic)
     return GemmParams.from_tactic(tactic)
@@ -948,12 +950,12 @@ class CudaNativeGemmPlan:
         self.device = torch.device("cuda", index)
         self.problem = problem
         info = device_info(index)
-        params = default_gemm_params(problem.m, info) if tactic.is_default else _gemm_params(tactic)
+        params = default_gemm_params(problem.m, info) if tactic.is_default else gemm_params_of(tactic)
         self.tactic = params.to_tactic()
         m, n, k, batch = problem.m, problem.n, problem.k, problem.batch
         if isinstance(params, GemmWgmmaParams):  # splits: the CTAs of a cluster, all launched
             self.splits = gemm_wgmma_splits(m, n, k, params, info)
-            self.kps = -(-k // self.splits // params.bk) * params.bk if self.splits > 1 else k
+            self.kps = gemm_wgmma_k_per_split(k, params.bk, self.splits)
             smem, threads = params.smem_bytes, params.THREADS
             module, self.built = load(gemm_wgmma_variant(problem.a_dtype, params, self.splits, info.arch), index)
             self._kernel = module.kernel("tactix_gemm", smem)

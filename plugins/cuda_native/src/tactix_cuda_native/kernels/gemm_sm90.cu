@@ -33,8 +33,8 @@
 // so no partial tile is read after its CTA is gone.
 //
 // Compile-time parameters: TX_BF16, TX_BW (64, 128, 256), TX_BK (64, 128), TX_STAGES (2..8),
-// TX_CLUSTER (1, 2, 4, 8), TX_L2_PREFETCH_256, TX_SMEM (optional: the size the host computed,
-// checked against the layout).
+// TX_CLUSTER (1, 2, 4, 8), TX_SMEM (optional: the size the host computed, checked against the
+// layout).
 #include "common.cuh"
 
 #ifndef TX_BW
@@ -48,7 +48,6 @@ constexpr int BW = TX_BW;
 constexpr int BK = TX_BK;
 constexpr int STAGES = TX_STAGES;
 constexpr int NT = 128;
-constexpr int KCB = BK / 64;              // 128-byte column blocks per tile row
 constexpr int KCH = BK / 8;               // 16-byte chunks per tile row
 constexpr int A_BYTES = 64 * BK * 2;      // a tile: 64 rows (m, padded)
 constexpr int W_BYTES = BW * BK * 2;      // W tile: BW rows (n)
