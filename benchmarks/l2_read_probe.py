@@ -79,7 +79,8 @@ extern "C" __global__ void read_ld(const uint4* __restrict__ x, long long n16, f
 }
 
 // Bulk copies of CHUNK bytes into a ring of STAGES stages; thread 0 issues, all threads sum.
-extern "C" __global__ void read_bulk(const unsigned char* __restrict__ x, long long nchunks, float* out) {
+extern "C" __global__ void read_bulk(const unsigned char* __restrict__ x, long long nchunks, float* out,
+                                     const int* __restrict__ perm) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) u64 full[STAGES];
   const u32 sbase = (u32)__cvta_generic_to_shared(smem);
@@ -101,14 +102,16 @@ extern "C" __global__ void read_bulk(const unsigned char* __restrict__ x, long l
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(CHUNK) : "memory");
     __syncwarp();
     for (int p = tid; p < CHUNK / PIECE; p += 32) {
+      long long off = c * CHUNK + p * PIECE;
+      if (perm != nullptr) off = (long long)__ldg(perm + (off >> 12)) * 4096 + (off & 4095);
 #if HINT
       asm volatile(
           "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-          :: "r"(sbase + s * CHUNK + p * PIECE), "l"(x + c * CHUNK + p * PIECE), "r"(PIECE), "r"(bar), "l"(pol)
+          :: "r"(sbase + s * CHUNK + p * PIECE), "l"(x + off), "r"(PIECE), "r"(bar), "l"(pol)
           : "memory");
 #else
       asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   :: "r"(sbase + s * CHUNK + p * PIECE), "l"(x + c * CHUNK + p * PIECE), "r"(PIECE), "r"(bar)
+                   :: "r"(sbase + s * CHUNK + p * PIECE), "l"(x + off), "r"(PIECE), "r"(bar)
                    : "memory");
 #endif
     }
@@ -255,11 +258,8 @@ def main() -> None:
 
             def run() -> None:
                 out.zero_()
-                if name == "read_cpasync":
-                    pages = perm.data_ptr() if permuted else 0
-                    launch(stream, cfg, k, x.data_ptr(), nbytes // chunk, out.data_ptr(), pages)
-                else:
-                    launch(stream, cfg, k, x.data_ptr(), nbytes // chunk, out.data_ptr())
+                pages = perm.data_ptr() if permuted else 0
+                launch(stream, cfg, k, x.data_ptr(), nbytes // chunk, out.data_ptr(), pages)
 
             return run
 
@@ -282,6 +282,12 @@ def main() -> None:
                                                    (32768, 3, 2, 256, 0), (16384, 4, 3, 256, 0)):  # fmt: skip
             variants.append((f"bulk {chunk // 1024} KB x {stages} x {blocks}/SM, {piece} B copies, hint {hint}",
                              smem_kernel("read_bulk", chunk, stages, blocks, HINT=hint, PIECE=piece)))  # fmt: skip
+        for chunk, stages, blocks, hint in ((32768, 3, 2, 0), (32768, 3, 2, 1), (16384, 4, 3, 0), (16384, 4, 3, 1),
+                                            (8192, 4, 6, 1), (32768, 2, 3, 1)):  # fmt: skip
+            name = f"bulk {chunk // 1024} KB x {stages} x {blocks}/SM, random 4 KB pages, hint {hint}"
+            variants.append(
+                (name, smem_kernel("read_bulk", chunk, stages, blocks, permuted=True, HINT=hint, PIECE=4096))
+            )
         for name, fn in variants:
             fn()  # type: ignore[operator]
             torch.cuda.synchronize()

@@ -196,11 +196,13 @@ class DecodePlan:
             params = geometry.DecodeParams.from_tactic(tactic)
         self.params = params
         self.lib = _library("emu_decode.cpp", plugin.decode_variant(problem.q_dtype, d, params, info.arch).defines)
-        self.smem = geometry.decode_smem_bytes(d, params.tile, params.warps, params.stages)
+        self.smem = geometry.decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk)
         self.threads = 32 * params.warps
         slots = info.sms * geometry.ctas_per_sm(info, self.smem, self.threads)  # no driver here: the estimate
         chunk = params.kv_chunk or geometry.decode_chunk(lengths, units, params.tile, slots)
         work = geometry.decode_work(ranges, chunk)
+        if not graph and not params.kv_chunk:
+            work = geometry.decode_balance_tail(work, units, slots, params.tile)
         item_cap, slot_cap, page_cap = geometry.decode_buffer_sizes(
             work, batch.num_page_entries, graph=graph, batch=b, attended_cap=attended_cap, longest_cap=longest_cap,
             chunk=chunk, page_size=problem.page_size)  # fmt: skip
@@ -227,7 +229,7 @@ class DecodePlan:
             self.packed = host
             self.part_o = torch.full((max(slot_cap, 1) * hq * d,), float("nan"), dtype=torch.float32)
             self.part_lse = torch.full((max(slot_cap, 1) * hq,), float("nan"), dtype=torch.float32)
-            grid_y = geometry.decode_grid(1, hkv, gqa)[1]
+            grid_y = geometry.decode_units(hkv, gqa)
             self.counters = torch.zeros(b * grid_y, dtype=torch.int32)
         view = {name: self.packed[o : o + n] for name, (o, n) in where.items()}
         indices = view.get("indices", batch.kv_indices)
@@ -238,7 +240,7 @@ class DecodePlan:
                          float(problem.logits_soft_cap))  # fmt: skip
         self.grid = geometry.decode_grid(item_cap, hkv, gqa)
         # every CTA of the grid reads a whole item record, idle ones included (decode.cu)
-        assert view["items"].numel() >= geometry.DECODE_ITEM_INTS * self.grid[0]
+        assert view["items"].numel() >= geometry.DECODE_ITEM_INTS * item_cap
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
             schedule: Schedule = SCHEDULES[0]) -> None:  # fmt: skip

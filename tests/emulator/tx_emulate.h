@@ -112,6 +112,8 @@ struct Thread {
 struct MBar {
   bool init = false;
   int expected = 0, pending = 0;
+  long tx = 0;            // bytes of bulk copies the phase still waits for (expect_tx adds, landing copies take)
+  std::deque<Copy> bulk;  // bulk copies issued, not yet landed
   unsigned phase = 0;
   std::deque<std::pair<int, std::vector<Copy>>> async;  // cp.async.mbarrier.arrive: (thread, its copies)
   std::vector<int> arrived;                             // threads that arrived in this phase
@@ -608,6 +610,23 @@ inline MBar& mbar(u32 addr) {
   return b;
 }
 
+// a phase completes when every arrival is in and no bulk-copy byte is outstanding
+inline void mbar_try_complete(MBar& b) {
+  if (b.pending == 0 && b.tx == 0) {
+    b.phase ^= 1;
+    b.pending = b.expected;
+    b.arrived.clear();
+  }
+}
+
+// a bulk copy lands: its bytes in shared memory, and off the barrier's transaction count
+inline void bulk_land(MBar& b, const Copy& c) {
+  std::memcpy(smem + c.dst, c.src, (size_t)c.bytes);
+  b.tx -= c.bytes;
+  if (b.tx < 0) fail("mbarrier: bulk copies landed past the bytes expected (expect_tx)");
+  mbar_try_complete(b);
+}
+
 // The kernels' protocol: a thread arrives at most once per phase (a second arrival would count
 // towards a phase other threads have not finished, e.g. a warpgroup racing over skipped tiles).
 inline void mbar_arrive(MBar& b, int thread) {
@@ -616,15 +635,17 @@ inline void mbar_arrive(MBar& b, int thread) {
     if (t == thread) return fail("mbarrier: a thread arrived twice in one phase");
   }
   b.arrived.push_back(thread);
-  if (--b.pending == 0) {
-    b.phase ^= 1;
-    b.pending = b.expected;
-    b.arrived.clear();
-  }
+  --b.pending;
+  mbar_try_complete(b);
 }
 
-// the copies of pending cp.async arrivals land, then those arrivals count
+// bulk copies land; the copies of pending cp.async arrivals land, then those arrivals count
 inline void mbar_settle(MBar& b) {
+  while (!b.bulk.empty()) {
+    const Copy c = b.bulk.front();
+    b.bulk.pop_front();
+    bulk_land(b, c);
+  }
   while (!b.async.empty()) {
     for (const Copy& c : b.async.front().second) land(c);
     const int thread = b.async.front().first;
@@ -829,4 +850,25 @@ TX_DEVICE float4 tx_ld_cluster_f4(u32 addr, u32 rank) {
   const unsigned char* mem = peer == txe::loaded ? smem : peer->saved.data();
   std::memcpy(&v, mem + addr, 16);
   return v;
+}
+
+// Bulk copies (kernels/decode.cu with TX_BULK): expect_tx adds to the barrier's transaction count
+// and arrives; a copy is queued on its barrier and lands when a thread waits on the barrier (or
+// at once with TXE_EAGER_COPIES=1), whatever the order of the two.
+TX_DEVICE void tx_mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+  txe::MBar& b = txe::mbar(bar);
+  b.tx += bytes;
+  txe::mbar_arrive(b, txe::tid());
+}
+TX_DEVICE void tx_bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+  txe::MBar& b = txe::mbar(bar);
+  if (dst % 16 || bytes % 16 || (uintptr_t)src % 16) return txe::fail("cp.async.bulk: unaligned address or size");
+  if (dst + bytes > txe::smem_size) return txe::fail("cp.async.bulk: outside the launch's dynamic shared memory");
+  b.bulk.push_back({dst, src, (int)bytes});
+  if (txe::eager) txe::mbar_settle(b);
+}
+TX_DEVICE void tx_bulk_copy_hint(u32 dst, const void* src, u32 bytes, u32 bar, u64) { tx_bulk_copy(dst, src, bytes, bar); }
+TX_DEVICE void tx_st_shared_zero16(u32 dst) {
+  if (dst % 16 || dst + 16 > txe::smem_size) return txe::fail("st.shared: unaligned or outside");
+  std::memset(smem + dst, 0, 16);
 }

@@ -42,7 +42,7 @@ class Case:
 
     def __init__(self, lens: list[int], *, page: int = 16, hq: int = 32, hkv: int = 8, d: int = 128,
                  layout: str = "HND", dtype: torch.dtype = torch.bfloat16, seed: int = 0, five_d: bool = False,
-                 q_view: bool = False) -> None:  # fmt: skip
+                 q_view: bool = False, poison: float = OUTSIDE) -> None:  # fmt: skip
         gen = torch.Generator().manual_seed(seed)
         self.lens, self.page, self.hq, self.hkv, self.d, self.layout, self.dtype = lens, page, hq, hkv, d, layout, dtype
         pages = [-(-n // page) for n in lens]
@@ -63,7 +63,7 @@ class Case:
 
         def cache() -> torch.Tensor:
             x = torch.randn(shape, generator=gen)
-            return torch.where(mask, torch.where(x >= 0, OUTSIDE, -OUTSIDE), x).to(CUDA, dtype)
+            return torch.where(mask, torch.where(x >= 0, poison, -poison), x).to(CUDA, dtype)
 
         k, v = cache(), cache()
         if five_d:
@@ -212,6 +212,20 @@ def test_decode_large_batch_and_replan_on_one_wrapper() -> None:
     other.check(w, "re-planned")
 
 
+def test_decode_cuts_a_short_last_wave_of_whole_requests() -> None:
+    """200 requests of 1024 keys x 8 KV heads are 4 waves of 396 CTAs (3 an SM) and 16 more: the
+    requests of that last wave are cut into pieces (geometry.decode_balance_tail) and merged."""
+    case = Case([1024] * 200, seed=19)
+    w = case.wrapper()
+    case.plan(w, return_lse=True)
+    plan = w.plan_object
+    slots = plan.ctas_per_sm * plugin.device_info(0).sms
+    assert plan.chunk == 1024
+    if 0 < 1600 % slots <= slots // 2:  # the H200: 1600 % 396 = 16
+        assert plan.work.needs_merge and len(plan.work.items) > 200, plan.work.splits[-4:]
+    case.check(w, "last wave cut", return_lse=True)
+
+
 def test_every_enumerated_decode_tactic() -> None:
     for d in (64, 128, 256):
         case = Case(RAGGED, d=d, seed=17)
@@ -225,6 +239,61 @@ def test_every_enumerated_decode_tactic() -> None:
             case.plan(w, tactic=tactic, return_lse=True)
             assert w.tactic == tactic
             case.check(w, f"tactic {tactic}", return_lse=True)
+
+
+def _bulk(tile: int, warps: int, stages: int, bulk: int, l2: int = 0, kv_chunk: int = 0) -> dict[str, Any]:
+    params = {"tile": tile, "warps": warps, "stages": stages, "kv_chunk": kv_chunk, "l2": l2, "bulk": bulk}
+    return {"backend": "cuda_native", "kernel": "decode", "params": params}
+
+
+@pytest.mark.parametrize("page", [8, 16, 32, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_bulk_copy_decode_pages_windows_splits_and_nan_outside(page: int, d: int) -> None:
+    """The bulk-copy tactics (HND): whole segments are copied, so keys before a window's first key
+    and past a request's last one land in shared memory; NaN there (slots outside the batch) must
+    not reach the output. Ragged lengths, unaligned windows, forced splits, GQA 1/4/20, soft-cap."""
+    if not geometry.arch_at_least(plugin.device_info(0).arch, 90):
+        pytest.skip("bulk copies need sm_90")
+    lens = [1, 7, 8, 9, 15, 16, 17, 100, 513, 2048 + 7]
+    for i, (heads, feats, tactic) in enumerate([
+        ((32, 8), {}, _bulk(64, 4, 2, 16)),
+        ((32, 8), {"window_left": 100}, _bulk(64, 4, 2, 8, l2=1)),
+        ((8, 8), {"window_left": 1000, "logits_soft_cap": 20.0}, _bulk(64, 4, 3, 16, kv_chunk=64)),
+        ((40, 2), {"window_left": 37}, _bulk(32, 2, 2, 8, kv_chunk=128)),
+        ((32, 4), {"sm_scale": 0.2}, _bulk(128, 8, 2, 32 if page >= 32 else 16, kv_chunk=256)),
+    ]):  # fmt: skip
+        bulk = tactic["params"]["bulk"]
+        if page % bulk or (d == 256 and tactic["params"]["tile"] == 128):
+            continue
+        case = Case(lens, page=page, hq=heads[0], hkv=heads[1], d=d, seed=100 + i, poison=float("nan"))
+        w = case.wrapper()
+        case.plan(w, tactic=tactic, return_lse=True, **feats)
+        assert w.tactic.params["bulk"] == bulk
+        case.check(w, f"bulk {feats}", return_lse=True, **feats)
+
+
+def test_bulk_copy_decode_refuses_nhd_odd_pages_and_rows_not_contiguous() -> None:
+    backend = tactix.get_registry().get("cuda_native")
+    nhd = Case([40, 3], layout="NHD", seed=31)
+    w = nhd.wrapper()
+    with pytest.raises(tactix.TactixError, match="HND"):
+        nhd.plan(w, tactic=_bulk(64, 4, 2, 16))
+    small = Case([40, 3], page=4, seed=32)
+    w = small.wrapper()
+    with pytest.raises(tactix.TactixError, match="multiple"):
+        small.plan(w, tactic=_bulk(64, 4, 2, 8))
+    # the tuner is never offered a bulk tactic the problem cannot take
+    small.plan(w)
+    assert not [t for t in backend.tactics(w.problem) if t.params.get("bulk")]
+    case = Case([40, 3], seed=33)
+    w = case.wrapper()
+    case.plan(w, tactic=_bulk(64, 4, 2, 16))
+    # rows 16 elements apart in a wider buffer: the cp.async path reads them, bulk copies cannot
+    wide = [torch.zeros(*t.shape[:3], t.shape[3] + 16, device=CUDA, dtype=t.dtype) for t in (case.k, case.v)]
+    for t, src in zip(wide, (case.k, case.v), strict=True):
+        t[..., : case.d].copy_(src)
+    with pytest.raises(tactix.InvalidArgumentError, match="token stride"):
+        w.run(case.q, (wide[0][..., : case.d], wide[1][..., : case.d]))
 
 
 def test_decode_run_does_not_sync_and_replays_in_a_cuda_graph() -> None:

@@ -367,7 +367,13 @@ def test_tactics_are_enumerated_valid_and_round_trip() -> None:
             assert tactix.tactics.parse_tactic(t.to_json()) == t
             assert DecodeParams.from_tactic(t).to_tactic() == t
     assert backend.tactics(decode())[0] == tactix.Tactic.default("cuda_native")
+    # bulk-copy tactics on Hopper for HND caches whose pages they divide, never otherwise
+    bulk = {t.params["bulk"] for t in plugin.tactix_tactics("cuda_native", decode()) if "bulk" in t.params}
+    assert bulk == {8, 16}
+    for other in (decode(kv_layout="NHD"), decode(page_size=4)):
+        assert not [t for t in plugin.tactix_tactics("cuda_native", other) if "bulk" in t.params]
     a100 = DeviceInfo(sms=108, smem_per_block=232448, smem_per_sm=233472, arch="sm_80")
+    assert not [p for p in geometry.decode_candidates(128, a100) if p.bulk]
     for m in (1, 16, 64):
         # elsewhere: the mma.sync kernel's every split count and L2 hint
         sync = [p.to_tactic() for p in plugin.gemm_tactic_params(m, a100)]
@@ -403,6 +409,19 @@ def test_bad_tactic_params_give_reasons() -> None:
     ok = {"tile": 64, "warps": 4, "stages": 3, "kv_chunk": 0}
     assert reasons("decode", ok, decode()) == []
     assert reasons("decode", {**ok, "l2": 0}, decode()) == reasons("decode", {**ok, "l2": 2}, decode()) == []
+    # bulk copies: HND, a page size they divide, 4 to 16 copies a tile, sm_90
+    assert reasons("decode", {**ok, "bulk": 16}, decode()) == reasons("decode", {**ok, "bulk": 8}, decode()) == []
+    assert "needs the HND layout" in reasons("decode", {**ok, "bulk": 16}, decode(kv_layout="NHD"))[0]
+    assert "multiple of it (got 8)" in reasons("decode", {**ok, "bulk": 16}, decode(page_size=8))[0]
+    assert "bulk must be 0" in reasons("decode", {**ok, "bulk": 4}, decode())[0]
+    assert "into 4 to 16 copies" in reasons("decode", {**ok, "bulk": 32}, decode(page_size=32))[0]
+    a100 = DeviceInfo(sms=108, smem_per_block=232448, smem_per_sm=233472, arch="sm_80")
+    tactic = tactix.Tactic(backend="cuda_native", kernel="decode", params={**ok, "bulk": 16})
+    assert "need sm_90 or later" in plugin._reasons(decode(), tactic, a100)[0]
+    assert geometry.arch_at_least("sm_90a", 90) and geometry.arch_at_least("sm_100", 90)
+    assert not geometry.arch_at_least("sm_89", 90)
+    # each copy's segment is 16 bytes longer in shared memory (banks): 4 segments a K or V tile
+    assert geometry.decode_smem_bytes(128, 64, 4, 2, 16) == geometry.decode_smem_bytes(128, 64, 4, 2) + 2 * 2 * 4 * 16
     assert "l2 must be 0" in reasons("decode", {**ok, "l2": 3}, decode())[0]
     assert "tile / warps must be 16 or 32" in reasons("decode", {**ok, "tile": 48}, decode())[0]
     assert "stages must be in 2..8" in reasons("decode", {**ok, "stages": 1}, decode())[0]
@@ -487,7 +506,7 @@ def test_decode_chunks_fill_the_gpu_for_the_benchmark_shapes() -> None:
     assert chunk == geometry.DECODE_MIN_CHUNK == 512
     work = geometry.decode_work([(0, 8192)], chunk)
     assert len(work.items) == 16 and work.slots == 16 and work.splits == [(0, 16)]
-    assert geometry.decode_grid(len(work.items), 8, 4) == (16, 8, 1)
+    assert geometry.decode_grid(len(work.items), 8, 4) == (16 * 8, 1, 1)
     assert slots >= 16 * 8
     # D3: 256 x 2048 keys: no split, 2048 CTAs, no merge
     chunk = geometry.decode_chunk([2048] * 256, 8, 64, slots)
@@ -610,7 +629,48 @@ def test_window_limits_the_attended_range() -> None:
 
 def test_grids_and_q_tiles() -> None:
     assert [geometry.q_tiles(g) for g in (1, 4, 8, 16, 17, 32)] == [1, 1, 1, 1, 2, 2]
-    assert geometry.decode_grid(10, 4, 32) == (10, 8, 1)
+    # one CTA per item and (KV head, q tile), an item's CTAs adjacent
+    assert geometry.decode_units(4, 32) == 8
+    assert geometry.decode_grid(10, 4, 32) == (80, 1, 1)
+
+
+def test_a_short_last_wave_of_whole_requests_is_cut_into_pieces() -> None:
+    """D3 at 3 CTAs per SM: 256 whole requests x 8 KV heads are 5 waves of 396 CTAs and 68 more.
+    The 9 requests that reach into that last wave are cut into 512-key pieces that fill it; the
+    work still covers every key once, split requests merge, and items stay longest first."""
+    slots = H200.sms * 3
+    work = geometry.decode_work([(0, 2048)] * 256, 2048)
+    balanced = geometry.decode_balance_tail(work, 8, slots, 64)
+    assert len(balanced.items) == 247 + 9 * 4 and balanced.slots == 36
+    assert balanced.items[:247] == work.items[:247]
+    assert {r for r, *_ in balanced.items[247:]} == set(range(247, 256))
+    assert all(e - s == 512 for _, s, e, _ in balanced.items[247:])
+    assert balanced.splits[:247] == work.splits[:247] and all(c == 4 for _, c in balanced.splits[247:])
+    assert slots >= 9 * 4 * 8  # the pieces fit one wave
+    lengths = [e - s for _, s, e, _ in balanced.items]
+    assert lengths == sorted(lengths, reverse=True)
+    for req in range(247, 256):
+        first, count = balanced.splits[req]
+        pieces = sorted((s, e, slot) for r, s, e, slot in balanced.items if r == req)
+        assert [p[:2] for p in pieces] == [(0, 512), (512, 1024), (1024, 1536), (1536, 2048)]
+        assert sorted(p[2] for p in pieces) == list(range(first, first + count))
+    # windowed ranges of 1995 keys: 3 pieces of at least 512 keys, a multiple of the tile, the last shorter
+    cut = geometry.decode_balance_tail(geometry.decode_work([(5, 2000)] * 256, 2048), 8, slots, 64)
+    assert [(s, e) for r, s, e, _ in cut.items if r == 255] == [(5, 709), (709, 1413), (1413, 2000)]
+    # left alone: a whole number of waves, a last wave over half full, one wave only, a tail of
+    # short requests (already short: the wave is short too) or of pieces of split requests
+    same = [
+        geometry.decode_work([(0, 2048)] * 297, 2048),  # 6 waves exactly
+        geometry.decode_work([(0, 2048)] * 280, 2048),  # 5 waves and 260 CTAs
+        geometry.decode_work([(0, 2048)] * 40, 2048),
+        geometry.decode_work([(0, 2048)] * 250 + [(0, 700)] * 6, 2048),
+        geometry.decode_work([(0, 2048)] * 250 + [(0, 4096)] * 3, 2048),
+    ]
+    for w in same:
+        assert geometry.decode_balance_tail(w, 8, slots, 64) is w
+    # pieces are never shorter than DECODE_MIN_CHUNK keys: 1000-key requests stay whole
+    short = geometry.decode_work([(0, 1000)] * 256, 1000)
+    assert geometry.decode_balance_tail(short, 8, slots, 64) is short
 
 
 def test_decode_item_records() -> None:

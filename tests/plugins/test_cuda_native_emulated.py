@@ -134,6 +134,13 @@ def _decode_case(lens: list[int], kw: dict[str, Any], seed: int = 1) -> tuple[An
     dtype = kw.get("dtype", torch.bfloat16)
     window, cap = kw.get("window", -1), kw.get("cap", 0.0)
     _, k, v, indptr, indices, last = _cache(lens, page, hkv, d, layout, dtype, gen, False)
+    if kw.get("nan_outside"):  # every cache slot outside the batch's keys is NaN
+        inside = torch.zeros(k.shape[0], page, dtype=torch.bool)
+        for r, n in enumerate(lens):
+            for i, p in enumerate(indices[indptr[r] : indptr[r + 1]].tolist()):
+                inside[p, : min(page, n - i * page)] = True
+        mask = ~inside[:, :, None, None] if layout == "NHD" else ~inside[:, None, :, None]
+        k, v = k.masked_fill(mask, float("nan")), v.masked_fill(mask, float("nan"))
     q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
     problem, batch = attention_problem(
         "decode", device=CPU, kv_layout=layout, qo_indptr=None, paged_kv_indptr=indptr, paged_kv_indices=indices,
@@ -198,6 +205,51 @@ def test_emulation_reproduces_the_h200_proven_decode_kernel(lens: list[int], kw:
     # without an LSE output (a null pointer): the same output
     out, _ = _decode_run(plan, q, k, v, lse=False, schedule=emulate.SCHEDULES[-1])
     assert torch.equal(out, first[0])
+
+
+_B64 = {"tile": 64, "warps": 4}
+BULK_CASES = [
+    ([1, 17, 700, 64], {"tactic": {**_B64, "stages": 2, "bulk": 16}}),
+    ([1, 7, 9, 300], {"page": 8, "window": 37, "tactic": {**_B64, "stages": 3, "bulk": 8}}),
+    ([700, 5, 130], {"window": 200, "cap": 10.0, "tactic": {**_B64, "stages": 2, "kv_chunk": 64, "bulk": 16}}),
+    (
+        [33, 260],
+        {
+            "d": 128,
+            "page": 32,
+            "hq": 40,
+            "hkv": 2,
+            "tactic": {"tile": 32, "warps": 2, "stages": 2, "kv_chunk": 64, "bulk": 8},
+        },
+    ),
+    ([100, 513], {"d": 256, "page": 128, "dtype": torch.float16, "tactic": {**_B64, "stages": 2, "bulk": 16}}),
+]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["late-copies", "eager-copies"])
+@pytest.mark.parametrize(("lens", "kw"), BULK_CASES)
+def test_emulated_bulk_copy_decode(lens: list[int], kw: dict[str, Any], eager: bool,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The bulk-copy tactics (whole segments of a page per copy, an mbarrier per stage) with NaN in
+    every cache slot outside the batch: keys before a window and past a request's end are copied
+    with their segment and must not reach the output. Unaligned windows, forced splits, GQA 20 (two
+    q tiles), page sizes 8 to 128; every schedule; copies landing at once and as late as allowed."""
+    monkeypatch.setenv("TXE_EAGER_COPIES", "1" if eager else "0")
+    problem, batch, q, k, v, ref, ref_lse = _decode_case(lens, {**kw, "nan_outside": True})
+    t = Tactic(backend="cuda_native", kernel="decode", params=kw["tactic"])
+    assert plugin._reasons(problem, t, H200) == []  # type: ignore[arg-type]
+    plan = emulate.DecodePlan(problem, batch, t)  # type: ignore[arg-type]
+    first = None
+    for schedule in emulate.SCHEDULES:
+        out, lse = _decode_run(plan, q, k, v, lse=True, schedule=schedule)
+        assert lse is not None and not torch.isnan(out).any(), f"{schedule}: NaN in the output"
+        err, lerr = relative_error(out, ref), lse_error(lse, ref_lse)
+        assert err <= tolerance_for(q.dtype), f"{schedule}: relative error {err:.3e}"
+        assert lerr <= LSE_TOLERANCE[str(q.dtype)[6:]], f"{schedule}: LSE error {lerr:.3e}"
+        if first is None:
+            first = out
+        else:
+            assert torch.equal(out, first), f"{schedule}: not bitwise the same"
 
 
 def test_emulated_decode_graph_mode_replays_and_replans() -> None:

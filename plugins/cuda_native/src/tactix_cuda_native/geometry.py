@@ -18,6 +18,7 @@ from typing import ClassVar, Final
 from tactix import Tactic
 
 __all__ = [
+    "DECODE_BULK",
     "H200",
     "DecodeParams",
     "DecodeWork",
@@ -26,10 +27,13 @@ __all__ = [
     "GemmWgmmaParams",
     "PrefillParams",
     "PrefillWork",
+    "arch_at_least",
     "ctas_per_sm",
+    "decode_balance_tail",
     "decode_buffer_sizes",
     "decode_chunk",
     "decode_smem_bytes",
+    "decode_units",
     "decode_work",
     "default_decode_params",
     "default_gemm_params",
@@ -103,7 +107,9 @@ class DecodeParams:
     ``kv_chunk`` is the number of keys one CTA handles before its partial result is merged with
     the others of its request (a multiple of ``tile``), or 0 for the heuristic (`decode_chunk`).
     ``l2``: 1 (default) streams K/V with an L2 evict_first policy, 0 without a hint, 2 adds a
-    256-byte L2 prefetch to 1.
+    256-byte L2 prefetch to 1. ``bulk``: 0 (default) gathers K/V rows with 16-byte ``cp.async``;
+    8, 16 or 32 copies that many tokens at a time with bulk copies (sm_90 and later; HND caches
+    whose pages hold a multiple of ``bulk`` tokens, rows contiguous: kernels/decode.cu).
     """
 
     tile: int
@@ -111,20 +117,30 @@ class DecodeParams:
     stages: int
     kv_chunk: int = 0
     l2: int = 1
+    bulk: int = 0
 
     def to_tactic(self) -> Tactic:
         params = {"tile": self.tile, "warps": self.warps, "stages": self.stages, "kv_chunk": self.kv_chunk}
         if self.l2 != 1:  # the default hint stays implicit, so tactics stored before it existed still match
             params["l2"] = self.l2
+        if self.bulk:  # as does cp.async (0)
+            params["bulk"] = self.bulk
         return Tactic(backend=NAME, kernel="decode", params=params)
 
     @classmethod
     def from_tactic(cls, tactic: Tactic) -> DecodeParams:
         get = functools.partial(_int_param, tactic)
-        return cls(get("tile"), get("warps"), get("stages"), get("kv_chunk", 0), get("l2", 1))
+        return cls(get("tile"), get("warps"), get("stages"), get("kv_chunk", 0), get("l2", 1), get("bulk", 0))
 
     def reasons(self, head_dim: int, info: DeviceInfo) -> list[str]:
         out = []
+        if self.bulk not in DECODE_BULK:
+            out.append(f"bulk must be 0 (cp.async) or tokens per bulk copy in {DECODE_BULK[1:]} (got {self.bulk})")
+        elif self.bulk:
+            if not arch_at_least(info.arch, 90):
+                out.append(f"bulk copies need sm_90 or later; this GPU is {info.arch} (use bulk 0)")
+            if self.tile % self.bulk or not 4 <= self.tile // self.bulk <= 16:
+                out.append(f"bulk {self.bulk} must cut tile {self.tile} into 4 to 16 copies")
         if self.l2 not in L2_HINTS:
             out.append(
                 f"l2 must be 0 (evict_normal), 1 (evict_first) or 2 (evict_first + 256B prefetch) (got {self.l2})"
@@ -140,16 +156,27 @@ class DecodeParams:
         if self.kv_chunk < 0 or (self.kv_chunk and self.kv_chunk % self.tile):
             out.append(f"kv_chunk must be 0 (auto) or a positive multiple of tile {self.tile} (got {self.kv_chunk})")
         if not out:
-            smem = decode_smem_bytes(head_dim, self.tile, self.warps, self.stages)
+            smem = decode_smem_bytes(head_dim, self.tile, self.warps, self.stages, self.bulk)
             if smem > info.smem_per_block:
                 out.append(f"needs {smem} bytes of shared memory; this GPU allows {info.smem_per_block} per CTA")
         return out
 
 
-def decode_smem_bytes(head_dim: int, tile: int, warps: int, stages: int) -> int:
-    """Dynamic shared memory of the decode kernel (see the layout in kernels/decode.cu)."""
+def decode_smem_bytes(head_dim: int, tile: int, warps: int, stages: int, bulk: int = 0) -> int:
+    """Dynamic shared memory of the decode kernel (see the layout in kernels/decode.cu): with
+    ``bulk``, each copy's segment of a tile is 16 bytes longer."""
     row = head_dim * 2
-    return stages * 2 * tile * row + 16 * row + stages * 2 * tile * 8 + warps * 32 * 4 + 32 * 4 + FLAG_BYTES
+    tile_bytes = tile * row + (tile // bulk * 16 if bulk else 0)
+    return stages * 2 * tile_bytes + 16 * row + stages * 2 * tile * 8 + warps * 32 * 4 + 32 * 4 + FLAG_BYTES
+
+
+DECODE_BULK: Final = (0, 8, 16, 32)
+
+
+def arch_at_least(arch: str, cc: int) -> bool:
+    """Whether ``arch`` ("sm_90", "sm_90a", "sm_100") is compute capability ``cc`` or later."""
+    digits = arch.removeprefix("sm_").rstrip("abf")
+    return digits.isdigit() and int(digits) >= cc
 
 
 def decode_candidates(head_dim: int, info: DeviceInfo) -> list[DecodeParams]:
@@ -165,6 +192,11 @@ def decode_candidates(head_dim: int, info: DeviceInfo) -> list[DecodeParams]:
     # deep pipelines: most of a short work item's bytes in flight at once (latency-bound batches)
     out += [DecodeParams(base.tile, base.warps, s, c) for s in (4, 6) for c in (0, 256, 512, 1024)]
     out += [DecodeParams(base.tile, base.warps, base.stages, 0, hint) for hint in L2_HINTS if hint != base.l2]
+    # bulk copies (sm_90+; the plugin drops them for NHD caches and page sizes they do not divide)
+    if arch_at_least(info.arch, 90):
+        out += [DecodeParams(t, w, s, 0, hint, bulk) for t, w, s, bulk in
+                ((64, 4, 2, 16), (64, 4, 2, 8), (64, 4, 3, 16), (64, 4, 3, 8), (128, 8, 2, 16), (32, 2, 2, 8))
+                for hint in (0, 1)]  # fmt: skip
     return [p for p in dict.fromkeys(out) if not p.reasons(head_dim, info)]
 
 
@@ -295,6 +327,47 @@ def decode_work(ranges: list[tuple[int, int]], chunk: int) -> DecodeWork:
     return DecodeWork(full + short, splits, slots)
 
 
+def decode_balance_tail(work: DecodeWork, units: int, slots: int, tile: int,
+                        min_chunk: int = DECODE_MIN_CHUNK) -> DecodeWork:  # fmt: skip
+    """Cut the whole requests of a short last wave into pieces, so that they fill the GPU.
+
+    CTAs are dispatched in the work list's order (the ``units`` of an item together), ``slots``
+    at a time. When the last wave holds only a few CTAs (at most half the slots) and they are
+    whole requests (not pieces) as long as the longest item, they would run with most SMs idle:
+    D3 (256 requests of 2048 keys, 8 KV heads, 396 slots) is 5 full waves and 68 CTAs. Those
+    requests are cut into ``p`` pieces of at least ``min_chunk`` keys (a multiple of ``tile``), so
+    that their pieces fill the last wave, and go to the end of the list (merged as split requests
+    are). Measured on the H200 (D3 shapes): throughput drops 1.5-3 % from a whole number of waves
+    to 0.17-0.33 of a wave more (``benchmarks/results/h200-decode-tail-waves.log``).
+    """
+    items = work.items
+    ctas = len(items) * units
+    tail = ctas % slots
+    if ctas <= slots or tail == 0 or 2 * tail > slots:
+        return work
+    count = -(-tail // units)  # items that reach into the last wave
+    longest = max(end - start for _, start, end, _ in items)
+    last = items[-count:]
+    if any(slot >= 0 or (end - start) * 4 < longest * 3 for _, start, end, slot in last):
+        return work
+    shortest = min(end - start for _, start, end, _ in last)
+    pieces = min(slots // (count * units), shortest // min_chunk)
+    if pieces < 2:
+        return work
+    splits = list(work.splits)
+    slot = work.slots
+    out = items[:-count]
+    added: list[tuple[int, int, int, int]] = []
+    for req, start, end, _ in last:
+        size = -(-(end - start) // (pieces * tile)) * tile
+        starts = range(start, end, size)
+        splits[req] = (slot, len(starts))
+        added += [(req, s, min(s + size, end), slot + i) for i, s in enumerate(starts)]
+        slot += len(starts)
+    added.sort(key=lambda it: it[1] - it[2])  # longest first, stable
+    return DecodeWork(out + added, splits, slot)
+
+
 def decode_capacity(batch: int, max_len: int, chunk: int) -> int:
     """Most work items any batch of ``batch`` requests up to ``max_len`` keys can need at ``chunk``."""
     return batch * max(1, -(-max_len // chunk))
@@ -311,8 +384,14 @@ def decode_buffer_sizes(work: DecodeWork, num_page_entries: int, *, graph: bool,
     return len(work.items), work.slots, num_page_entries
 
 
+def decode_units(num_kv_heads: int, gqa: int) -> int:
+    """CTAs per work item: one per KV head and q tile."""
+    return num_kv_heads * q_tiles(gqa)
+
+
 def decode_grid(items: int, num_kv_heads: int, gqa: int) -> tuple[int, int, int]:
-    return (items, num_kv_heads * q_tiles(gqa), 1)
+    """One CTA per work item and unit, the units of an item adjacent (kernels/decode.cu)."""
+    return (items * decode_units(num_kv_heads, gqa), 1, 1)
 
 
 def decode_items(work: DecodeWork, page_base: list[int]) -> list[int]:

@@ -55,6 +55,7 @@ from tactix_cuda_native.geometry import (
     PrefillParams,
     PrefillWork,
     ctas_per_sm,
+    decode_balance_tail,
     decode_buffer_sizes,
     decode_candidates,
     decode_chunk,
@@ -62,6 +63,7 @@ from tactix_cuda_native.geometry import (
     decode_is_small,
     decode_items,
     decode_smem_bytes,
+    decode_units,
     decode_work,
     default_decode_params,
     default_gemm_params,
@@ -229,13 +231,20 @@ def _decode_reasons(problem: DecodeProblem, tactic: Tactic, info: DeviceInfo) ->
         return out
     if tactic.kernel != "decode":
         return [*out, f"unknown decode kernel '{tactic.kernel}' (known: default, decode)"]
-    known = {"tile", "warps", "stages", "kv_chunk", "l2"}
+    known = {"tile", "warps", "stages", "kv_chunk", "l2", "bulk"}
     given = set(tactic.params)
     if not {"tile", "warps", "stages"} <= given or given - known:
-        return [*out, f"decode params must be {sorted(known)} with kv_chunk and l2 optional (got {sorted(given)})"]
+        return [*out, f"decode params must be {sorted(known)} with kv_chunk, l2 and bulk optional "
+                      f"(got {sorted(given)})"]  # fmt: skip
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in tactic.params.values()):
         return [*out, f"decode params must be integers (got {tactic.params})"]
-    return out + DecodeParams.from_tactic(tactic).reasons(problem.head_dim_qk, info)
+    params = DecodeParams.from_tactic(tactic)
+    if params.bulk > 0:
+        if problem.kv_layout != "HND":
+            out.append(f"bulk {params.bulk} copies a head's rows of a page at once: it needs the HND layout")
+        if problem.page_size % params.bulk:
+            out.append(f"bulk {params.bulk} needs a page size that is a multiple of it (got {problem.page_size})")
+    return out + params.reasons(problem.head_dim_qk, info)
 
 
 def _prefill_reasons(problem: PrefillProblem, tactic: Tactic, info: DeviceInfo) -> list[str]:
@@ -316,7 +325,8 @@ def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
     if isinstance(problem, PrefillProblem):
         return [p.to_tactic() for p in prefill_candidates(problem.head_dim_qk, info, problem.gqa_ratio)]
     if isinstance(problem, DecodeProblem):
-        return [p.to_tactic() for p in decode_candidates(problem.head_dim_qk, info)]
+        tactics = [p.to_tactic() for p in decode_candidates(problem.head_dim_qk, info)]
+        return [t for t in tactics if not _decode_reasons(problem, t, info)]
     if isinstance(problem, GemmProblem):
         return [p.to_tactic() for p in gemm_tactic_params(problem.m, info)]
     return []
@@ -359,6 +369,7 @@ def decode_variant(dtype: str, head_dim: int, params: DecodeParams, arch: str) -
         TX_WARPS=params.warps,
         TX_STAGES=params.stages,
         **_l2_defines(params.l2),
+        **({"TX_BULK": params.bulk} if params.bulk else {}),  # absent when 0: the variants keep their keys
     )
 
 
@@ -532,6 +543,7 @@ class _StagedPlan:
             and previous._seen is not None
             and previous.device == self.device
             and previous.problem.kv_layout == self.problem.kv_layout
+            and getattr(previous, "_bulk", 0) == getattr(self, "_bulk", 0)  # bulk copies check more
         ):
             self._seen, self._strides, self._q_direct = previous._seen, previous._strides, previous._q_direct
 
@@ -598,7 +610,7 @@ _kernels: dict[tuple[Any, ...], _Kernel] = {}
 
 def _decode_kernel(index: int, dtype: str, d: int, params: DecodeParams, info: DeviceInfo) -> tuple[_Kernel, bool]:
     """The decode kernel of ``params`` on device ``index``, and whether NVRTC compiled it now."""
-    smem = decode_smem_bytes(d, params.tile, params.warps, params.stages)
+    smem = decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk)
     key = ("decode", index, dtype, d, params, info.arch)
     return _kernel(key, lambda: decode_variant(dtype, d, params, info.arch), "tactix_decode", smem, 32 * params.warps,
                    params, index, info)  # fmt: skip
@@ -667,12 +679,15 @@ class CudaNativeDecodePlan(_StagedPlan):
         slots = info.sms * self.ctas_per_sm
         chunk = params.kv_chunk or decode_chunk(lengths, units, params.tile, slots)
         work = decode_work(ranges, chunk)
+        if not graph and not params.kv_chunk:  # (a captured grid is sized for the bucket: no re-cut)
+            work = decode_balance_tail(work, units, slots, params.tile)
         item_cap, slot_cap, page_cap = decode_buffer_sizes(
             work, batch.num_page_entries, graph=graph, batch=b, attended_cap=attended_cap, longest_cap=longest_cap,
             chunk=chunk, page_size=problem.page_size)  # fmt: skip
         self.work = work
         self.chunk = chunk
         self._geometry = (b, hq, hkv, d, problem.page_size, item_cap, slot_cap, page_cap, params)
+        self._bulk = params.bulk
         replaced = previous if graph and previous is not None else None
         if replaced is not None and (
             not isinstance(replaced, CudaNativeDecodePlan) or replaced._geometry != self._geometry
@@ -685,7 +700,7 @@ class CudaNativeDecodePlan(_StagedPlan):
                                                functools.partial(decode_sections, item_cap),
                                                [decode_items(work, batch.kv_indptr_list), [len(work.items)]],
                                                page_cap)  # fmt: skip
-        grid_y = decode_grid(1, hkv, gqa)[1]
+        grid_y = decode_units(hkv, gqa)
         if isinstance(replaced, CudaNativeDecodePlan):  # CUDA-graph re-plan: the captured workspace
             self._part_o, self._part_lse = replaced._part_o, replaced._part_lse
             self._counters = replaced._counters
@@ -732,6 +747,13 @@ class CudaNativeDecodePlan(_StagedPlan):
                 raise InvalidArgumentError(
                     f"paged_kv_cache ({name})",
                     "dense along head_dim with page, token and head strides that are multiples of 8 elements",
+                    f"strides {tuple(s)}",
+                )
+            if self._bulk and tok != s[3] * t.shape[3]:
+                raise InvalidArgumentError(
+                    f"paged_kv_cache ({name})",
+                    f"rows of a page contiguous (token stride = head_dim) for the bulk-copy tactic "
+                    f"(bulk={self._bulk}; plan with another tactic for this cache)",
                     f"strides {tuple(s)}",
                 )
             strides += [page, tok, head]

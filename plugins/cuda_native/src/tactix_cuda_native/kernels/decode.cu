@@ -1,7 +1,9 @@
 // Paged decode attention: one query row per request over a paged K/V cache.
 //
-// Grid: x = work item (a request and a contiguous range of its keys, planned on the host),
-//       y = kv head x q tile (a q tile is up to 16 query heads of one GQA group).
+// Grid: x = work item (a request and a contiguous range of its keys, planned on the host) x
+//       unit (kv head x q tile; a q tile is up to 16 query heads of one GQA group), units
+//       fastest: the CTAs of one item run together and read the heads of each page side by side,
+//       and items are dispatched in the plan's order.
 // A CTA reads each K/V row of its range once for all query heads of its tile: K/V tiles of
 // TX_TILE tokens are gathered page by page with cp.async into a TX_STAGES-deep ring of
 // swizzled shared-memory buffers; every warp takes TX_TILE / TX_WARPS tokens of each tile and
@@ -17,9 +19,25 @@
 // Work item record (8 ints, 32 bytes): request, first key, end key, partial slot (-1: whole
 // request), the request's offset in kv_indices, its first partial slot, its partial count, 0.
 //
+// With TX_BULK = s (sm_90, HND caches whose rows are contiguous within a page and head) K/V
+// tiles arrive by bulk copies (cp.async.bulk, the TMA unit without a tensor map) of s tokens
+// each, one copy per segment of s tokens of a tile, counted on one mbarrier per stage. Lanes of
+// warp 0 issue the copies, with the page index of each segment loaded one tile ahead. A copy
+// lands its rows unswizzled, so segment j of a tile starts at j x (s rows + 16 bytes): tile row r
+// is token (r mod NSEG) x s + r / NSEG (NSEG = tile / s segments), so that the eight rows an
+// ldmatrix phase reads lie in eight different segments, i.e. different banks (with 4 segments,
+// two-way conflicts). Tiles start at the item's first key rounded down to s; keys outside the
+// item are masked in S, and their V rows (whatever the cache holds there) are zeroed before P V.
+//
 // Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_TILE, TX_WARPS, TX_STAGES,
-// TX_L2 (1: K/V streamed with an L2 evict_first policy, 0: no hint), TX_L2_PREFETCH_256.
+// TX_L2 (1: K/V streamed with an L2 evict_first policy, 0: no hint), TX_L2_PREFETCH_256, TX_BULK.
+#ifndef TX_BULK
+#define TX_BULK 0
+#endif
 #include "common.cuh"
+#if TX_BULK
+#include "sm90.cuh"
+#endif
 
 #ifndef TX_D
 #error "TX_D must be defined"
@@ -47,7 +65,12 @@ constexpr int NNT = TPW / 8;       // n8 tiles of S per warp
 constexpr int NKS = TPW / 16;      // k16 steps of P V per warp
 constexpr int DCH = D / 8;         // 16-byte chunks per row
 constexpr int ROW_BYTES = D * 2;
-constexpr int TILE_BYTES = TILE * ROW_BYTES;
+constexpr bool BULK = TX_BULK != 0;
+constexpr int SEG = BULK ? TX_BULK : 1;      // tokens per bulk copy
+constexpr int NSEG = TILE / SEG;             // bulk copies per K (or V) tile
+constexpr int SEG_BYTES = SEG * ROW_BYTES;   // bytes of one bulk copy
+constexpr int SEG_PITCH = SEG_BYTES + 16;    // a segment's place in shared memory (16 bytes apart: banks)
+constexpr int TILE_BYTES = BULK ? NSEG * SEG_PITCH : TILE * ROW_BYTES;
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;
 constexpr bool Q_IN_REGS = D <= 128;
 constexpr int ROWS_PER_PASS = NT / DCH;        // tile rows one pass of the CTA's threads copies
@@ -62,8 +85,18 @@ static_assert(TILE <= NT, "one thread per token of a tile computes its offsets")
 static_assert(STAGES >= 2, "at least two stages");
 static_assert(NT % DCH == 0 && TILE % ROWS_PER_PASS == 0, "threads tile the rows of a K/V tile evenly");
 static_assert(WARPS * 16 * D * 4 <= STAGES * STAGE_BYTES, "warp merge buffer must fit in the stage area");
+static_assert(!BULK || (TILE % SEG == 0 && NSEG >= 4 && 2 * NSEG <= 32), "bulk: 4 to 16 segments a tile");
 
-// Dynamic shared memory: [stages: K tile, V tile] [Q 16 rows] [row addresses: stages x (K, V) x TILE]
+// Byte offset of 16-byte chunk `ch` of row `row` of a K or V tile, and the row's token (from the
+// tile's first key): swizzled rows in token order, or with TX_BULK rows interleaved over segments.
+TX_DEVICE u32 kv_row(int row, int ch) {
+  if (BULK) return (u32)((row % NSEG) * SEG_PITCH + (row / NSEG) * ROW_BYTES + ch * 16);
+  return tx_swz(row, ch, ROW_BYTES);
+}
+TX_DEVICE int row_token(int row) { return BULK ? (row % NSEG) * SEG + row / NSEG : row; }
+
+// Dynamic shared memory: [stages: K tile, V tile] [Q 16 rows] [row addresses: stages x (K, V) x TILE;
+// TX_BULK: an mbarrier per stage there instead]
 // [per-warp row max/sum: WARPS x 16 x 2] [final row max/sum: 16 x 2] [flag: 4 ints]
 extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
     const u16* __restrict__ q, i64 q_sb, i64 q_sh, const u16* __restrict__ k, const u16* __restrict__ v,
@@ -72,7 +105,8 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
     float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ counters, i64 num_qo_heads, i64 gqa,
     i64 q_tiles, i64 page_shift, double scale_log2_d, double cap_d) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const int item = blockIdx.x;
+  const int units = (int)(num_qo_heads / gqa * q_tiles);
+  const int item = blockIdx.x / units, unit = blockIdx.x % units;
   // the item record and the item count are loaded together (items holds one record per CTA of
   // the grid, so the record is in bounds even for an idle CTA)
   int req, start, end, slot, page_base, first_slot, nsplit, unused;
@@ -84,14 +118,15 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
   const int grp = lane >> 2, tig = lane & 3;
 
   const int H = (int)num_qo_heads;
-  const int kvh = blockIdx.y / (int)q_tiles, qt = blockIdx.y % (int)q_tiles;
+  const int kvh = unit / (int)q_tiles, qt = unit % (int)q_tiles;
   const int head0 = kvh * (int)gqa + qt * 16;
   const int nrows = min(16, (int)gqa - qt * 16);
   const u16* kh = k + kvh * k_sh;
   const u16* vh = v + kvh * v_sh;
   const int* pages = kv_indices + page_base;
   const int pshift = (int)page_shift, pmask = (1 << pshift) - 1;
-  const int ntiles = (end - start + TILE - 1) / TILE;
+  const int first = BULK ? start & ~(SEG - 1) : start;  // key of tile 0's first row
+  const int ntiles = (end - first + TILE - 1) / TILE;
   const float cap = (float)cap_d;
   const float scale_log2 = (float)scale_log2_d;           // sm_scale * log2(e)
   const float scale_over_cap = cap > 0.f ? scale_log2 / (cap * LOG2E) : 0.f;  // sm_scale / cap
@@ -106,9 +141,10 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
   int* flag = reinterpret_cast<int*>(fin + 32);
   const u32 sbase = tx_smem_addr(smem);
   const u32 qbase = tx_smem_addr(q_s);
+  const u32 bars = tx_smem_addr(raddr);  // TX_BULK: "stage s landed" mbarriers, 8 bytes each
 
   // addresses of the K and V rows of the first STAGES tiles (one thread per token)
-  if (tid < TILE) {
+  if (!BULK && tid < TILE) {
 #pragma unroll
     for (int t = 0; t < STAGES; ++t) {
       const int tok = start + t * TILE + tid;
@@ -134,6 +170,12 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
     }
     tx_cp_async_commit();
   }
+#if TX_BULK
+  if (tid == 0) {
+    for (int st = 0; st < STAGES; ++st) tx_mbar_init(bars + st * 8, 1);
+    tx_mbar_init_fence();
+  }
+#endif
   __syncthreads();
 
   // each thread copies 16-byte chunk `cch` of rows crow, crow + ROWS_PER_PASS, ... of a tile
@@ -166,14 +208,60 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
     }
     tx_cp_async_commit();  // always, so that group counting stays uniform
   };
+#if TX_BULK
+  // lane l < 2 NSEG of warp 0 copies segment l % NSEG of the K (l < NSEG) or V tile; `pg` holds
+  // the page of its segment of the next tile to issue (-1: past the item's end, no copy)
+  const bool issuer = warp == 0 && lane < 2 * NSEG;
+  auto seg_page = [&](int tile) -> int {
+    const int s0 = first + tile * TILE + (lane % NSEG) * SEG;
+    return tile < ntiles && s0 < end ? __ldg(pages + (s0 >> pshift)) : -1;
+  };
+  int pg = issuer ? seg_page(0) : -1;
+  auto issue_bulk = [&](int tile) {
+    if (warp != 0 || tile >= ntiles) return;
+    const int s = tile % STAGES;
+    const u32 bar = bars + s * 8;
+    const int t0 = first + tile * TILE;
+    const int nvalid = min(NSEG, (end - t0 + SEG - 1) / SEG);
+    if (lane == 0) tx_mbar_arrive_expect_tx(bar, (u32)(2 * nvalid * SEG_BYTES));
+    __syncwarp();
+    if (issuer) {
+      if (pg >= 0) {
+        const int sg = lane % NSEG;
+        const bool is_v = lane >= NSEG;
+        const u32 dst = sbase + s * STAGE_BYTES + (is_v ? TILE_BYTES : 0) + sg * SEG_PITCH;
+        const i64 in = (t0 + sg * SEG) & pmask;
+        const u16* src = is_v ? vh + (i64)pg * v_sp + in * v_st : kh + (i64)pg * k_sp + in * k_st;
+        if (TX_L2) {
+          tx_bulk_copy_hint(dst, src, (u32)SEG_BYTES, bar, policy);
+        } else {
+          tx_bulk_copy(dst, src, (u32)SEG_BYTES, bar);
+        }
+      }
+      pg = seg_page(tile + 1);
+    }
+  };
+#endif
 
 #pragma unroll
-  for (int t = 0; t < STAGES - 1; ++t) issue(t);
+  for (int t = 0; t < STAGES - 1; ++t) {
+#if TX_BULK
+    issue_bulk(t);
+#else
+    issue(t);
+#endif
+  }
 
   u32 qf[Q_IN_REGS ? D / 16 : 1][4];
-  if (Q_IN_REGS) {
-    tx_cp_async_wait<STAGES - 1>();  // the Q group (the oldest) has landed
+  if (BULK || Q_IN_REGS) {
+    if (BULK) {
+      tx_cp_async_wait<0>();  // Q (the only cp.async group)
+    } else {
+      tx_cp_async_wait<STAGES - 1>();  // the Q group (the oldest) has landed
+    }
     __syncthreads();
+  }
+  if (Q_IN_REGS) {
 #pragma unroll
     for (int kk = 0; kk < (Q_IN_REGS ? D / 16 : 1); ++kk) {
       const int row = (lane & 7) + (((lane >> 3) & 1) << 3);
@@ -189,6 +277,24 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
   const int wrow = warp * TPW;
 
   for (int i = 0; i < ntiles; ++i) {
+    const int s = i % STAGES;
+    const u32 kb = sbase + s * STAGE_BYTES, vb = kb + TILE_BYTES;
+    const int t0 = first + i * TILE;
+#if TX_BULK
+    tx_mbar_wait(bars + s * 8, (u32)((i / STAGES) & 1));
+    if (t0 < start || t0 + TILE > end) {
+      // V rows of keys outside the item (never copied, or whatever the cache holds there) must
+      // be finite for P V: zero them (S masks those keys)
+      for (int c = tid; c < TILE * DCH; c += NT) {
+        const int row = c / DCH, tok = t0 + row_token(row);
+        if (tok < start || tok >= end) tx_st_shared_zero16(vb + kv_row(row, c % DCH));
+      }
+      tx_fence_proxy_async();  // before a later bulk copy into this stage
+    }
+    __syncthreads();
+    issue_bulk(i + STAGES - 1);
+    const int pt = i + STAGES, ptok = 0, ppage = -1;  // (row addresses: cp.async only)
+#else
     tx_cp_async_wait<STAGES - 2>();
     __syncthreads();
     issue(i + STAGES - 1);
@@ -197,10 +303,7 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
     const int ptok = start + pt * TILE + tid;
     int ppage = -1;
     if (tid < TILE && pt < ntiles && ptok < end) ppage = __ldg(pages + (ptok >> pshift));
-
-    const int s = i % STAGES;
-    const u32 kb = sbase + s * STAGE_BYTES, vb = kb + TILE_BYTES;
-    const int t0 = start + i * TILE;
+#endif
 
     float sc[NNT][4];
 #pragma unroll
@@ -223,7 +326,7 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
         const int row = wrow + np * 16 + (lane & 7) + ((lane >> 4) << 3);
         const int ch = kk * 2 + ((lane >> 3) & 1);
         u32 b0, b1, b2, b3;
-        tx_ldmatrix_x4(kb + tx_swz(row, ch, ROW_BYTES), b0, b1, b2, b3);
+        tx_ldmatrix_x4(kb + kv_row(row, ch), b0, b1, b2, b3);
         tx_mma(sc[2 * np], a, b0, b1);
         tx_mma(sc[2 * np + 1], a, b2, b3);
       }
@@ -235,10 +338,10 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
     for (int j = 0; j < NNT; ++j) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const int tok = t0 + wrow + j * 8 + tig * 2 + (c & 1);
+        const int tok = t0 + row_token(wrow + j * 8 + tig * 2 + (c & 1));
         float x = sc[j][c];
         x = cap > 0.f ? cap_log2 * tx_tanh(x * scale_over_cap) : x * scale_log2;
-        x = tok < end ? x : tx_neg_inf();
+        x = tok < end && (!BULK || tok >= start) ? x : tx_neg_inf();
         sc[j][c] = x;
         if (c < 2) {
           mx0 = fmaxf(mx0, x);
@@ -292,14 +395,14 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
         const int row = wrow + ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
         const int ch = dp * 2 + (lane >> 4);
         u32 b0, b1, b2, b3;
-        tx_ldmatrix_x4_trans(vb + tx_swz(row, ch, ROW_BYTES), b0, b1, b2, b3);
+        tx_ldmatrix_x4_trans(vb + kv_row(row, ch), b0, b1, b2, b3);
         tx_mma(o[2 * dp], pa, b0, b1);
         tx_mma(o[2 * dp + 1], pa, b2, b3);
       }
     }
 
     // row addresses of tile i + STAGES into the ring slot of tile i (read when it is issued, next iteration)
-    if (tid < TILE && pt < ntiles) {
+    if (!BULK && tid < TILE && pt < ntiles) {
       u64 ka = 0, va = 0;
       if (ppage >= 0) {
         const i64 in = ptok & pmask;
@@ -394,7 +497,7 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
   // over the request's slots in order (the same operations whichever CTA merges: deterministic).
   __threadfence();  // this CTA's partial is visible device-wide before its ticket is taken
   __syncthreads();
-  int* counter = counters + (i64)req * gridDim.y + blockIdx.y;
+  int* counter = counters + (i64)req * units + unit;
   if (tid == 0) flag[0] = atomicAdd(counter, 1) == nsplit - 1;
   __syncthreads();
   if (flag[0] == 0) return;

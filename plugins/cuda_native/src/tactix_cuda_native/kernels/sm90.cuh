@@ -39,6 +39,27 @@ TX_DEVICE void tx_mbar_wait(u32 bar, u32 parity) {
 TX_DEVICE void tx_cp_async_mbar_arrive(u32 bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
+// the phase's transaction count grows by `bytes` (the bulk copies to come), then one arrival
+TX_DEVICE void tx_mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// bulk copy (the TMA unit, no tensor map) of `bytes` (a multiple of 16, both ends 16-byte
+// aligned) into this CTA's shared memory; its bytes count against `bar`'s transaction count
+TX_DEVICE void tx_bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+TX_DEVICE void tx_bulk_copy_hint(u32 dst, const void* src, u32 bytes, u32 bar, u64 policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(
+          dst),
+      "l"(src), "r"(bytes), "r"(bar), "l"(policy)
+      : "memory");
+}
+TX_DEVICE void tx_st_shared_zero16(u32 dst) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0u) : "memory");
+}
 // orders this thread's generic-proxy shared-memory accesses (cp.async, st.shared) with the
 // async proxy (wgmma operand reads)
 TX_DEVICE void tx_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
