@@ -346,7 +346,7 @@ def decode_balance_tail(work: DecodeWork, units: int, slots: int, tile: int,
     if ctas <= slots or tail == 0 or 2 * tail > slots:
         return work
     count = -(-tail // units)  # items that reach into the last wave
-    longest = max(end - start for _, start, end, _ in items)
+    longest = items[0][2] - items[0][1]  # (longest first)
     last = items[-count:]
     if any(slot >= 0 or (end - start) * 4 < longest * 3 for _, start, end, slot in last):
         return work
