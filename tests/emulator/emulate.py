@@ -185,7 +185,7 @@ class DecodePlan:
         self.problem = problem
         b, hq, hkv, d = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim_qk
         gqa = problem.gqa_ratio
-        units = hkv * geometry.q_tiles(gqa)
+        units = geometry.decode_units(hkv, gqa)
         ranges = geometry.effective_lengths(batch.kv_lens_list, problem.window_left)
         longest_cap = bucket_size(batch.max_kv_len) if graph else batch.max_kv_len
         attended_cap = longest_cap if problem.window_left < 0 else min(longest_cap, problem.window_left + 1)
@@ -199,10 +199,7 @@ class DecodePlan:
         self.smem = geometry.decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk)
         self.threads = 32 * params.warps
         slots = info.sms * geometry.ctas_per_sm(info, self.smem, self.threads)  # no driver here: the estimate
-        chunk = params.kv_chunk or geometry.decode_chunk(lengths, units, params.tile, slots)
-        work = geometry.decode_work(ranges, chunk)
-        if not graph and not params.kv_chunk:
-            work = geometry.decode_balance_tail(work, units, slots, params.tile)
+        chunk, work = geometry.decode_plan_work(ranges, lengths, units, slots, params, graph)
         item_cap, slot_cap, page_cap = geometry.decode_buffer_sizes(
             work, batch.num_page_entries, graph=graph, batch=b, attended_cap=attended_cap, longest_cap=longest_cap,
             chunk=chunk, page_size=problem.page_size)  # fmt: skip
@@ -229,8 +226,7 @@ class DecodePlan:
             self.packed = host
             self.part_o = torch.full((max(slot_cap, 1) * hq * d,), float("nan"), dtype=torch.float32)
             self.part_lse = torch.full((max(slot_cap, 1) * hq,), float("nan"), dtype=torch.float32)
-            grid_y = geometry.decode_units(hkv, gqa)
-            self.counters = torch.zeros(b * grid_y, dtype=torch.int32)
+            self.counters = torch.zeros(b * units, dtype=torch.int32)
         view = {name: self.packed[o : o + n] for name, (o, n) in where.items()}
         indices = view.get("indices", batch.kv_indices)
         self._buffers = (view["items"], view["num_items"], indices, self.part_o, self.part_lse, self.counters)

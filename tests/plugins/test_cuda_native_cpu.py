@@ -14,6 +14,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -446,6 +447,27 @@ def test_bad_tactic_params_give_reasons() -> None:
     assert reasons("gemm", {**wide, "stages": 4}, gemm(m=64)) == []
 
 
+def test_decode_run_checks_the_cache_strides_the_bulk_tactic_needs() -> None:
+    """`CudaNativeDecodePlan._accept` (run() calls it when the strides change; only strides are
+    read, so CPU tensors do): every cache must be dense along head_dim with 16-byte strides, and
+    the bulk-copy tactic also needs each page's rows contiguous. The error names the argument."""
+    import torch
+
+    def accept(bulk: int, k: torch.Tensor, v: torch.Tensor) -> types.SimpleNamespace:
+        plan = types.SimpleNamespace(problem=decode(), _bulk=bulk)
+        plugin.CudaNativeDecodePlan._accept(plan, torch.zeros(2, 32, 128), k, v)  # type: ignore[arg-type]
+        return plan
+
+    hnd = torch.zeros(6, 8, 16, 128)  # [pages, heads, tokens, head_dim]
+    assert accept(16, hnd, hnd)._strides == (16384, 128, 2048) * 2
+    padded = torch.zeros(6, 8, 16, 136)[..., :128]  # rows 136 elements apart: cp.async reads them
+    assert accept(0, padded, padded)._strides == (17408, 136, 2176) * 2
+    with pytest.raises(tactix.InvalidArgumentError, match=r"paged_kv_cache \(k\).*token stride = head_dim"):
+        accept(16, padded, hnd)
+    with pytest.raises(tactix.InvalidArgumentError, match=r"paged_kv_cache \(v\).*multiples of 8"):
+        accept(0, hnd, torch.zeros(6, 8, 16, 129)[..., 1:])
+
+
 # -- support reasons -------------------------------------------------------------------------
 
 
@@ -668,6 +690,12 @@ def test_a_short_last_wave_of_whole_requests_is_cut_into_pieces() -> None:
     ]
     for w in same:
         assert geometry.decode_balance_tail(w, 8, slots, 64) is w
+    # the plan cuts the last wave in eager mode with the automatic chunk only
+    d3 = DecodeParams(64, 4, 2)
+    ranges = [(0, 2048)] * 256
+    for params, graph, cut in ((d3, False, True), (d3, True, False), (DecodeParams(64, 4, 2, 2048), False, False)):
+        chunk, planned = geometry.decode_plan_work(ranges, [2048] * 256, 8, slots, params, graph)
+        assert chunk == 2048 and (len(planned.items) == 283) == cut, (params, graph)
     # pieces are never shorter than DECODE_MIN_CHUNK keys: 1000-key requests stay whole
     short = geometry.decode_work([(0, 1000)] * 256, 1000)
     assert geometry.decode_balance_tail(short, 8, slots, 64) is short

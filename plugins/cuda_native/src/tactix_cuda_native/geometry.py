@@ -32,6 +32,7 @@ __all__ = [
     "decode_balance_tail",
     "decode_buffer_sizes",
     "decode_chunk",
+    "decode_plan_work",
     "decode_smem_bytes",
     "decode_units",
     "decode_work",
@@ -337,8 +338,9 @@ def decode_balance_tail(work: DecodeWork, units: int, slots: int, tile: int,
     D3 (256 requests of 2048 keys, 8 KV heads, 396 slots) is 5 full waves and 68 CTAs. Those
     requests are cut into ``p`` pieces of at least ``min_chunk`` keys (a multiple of ``tile``), so
     that their pieces fill the last wave, and go to the end of the list (merged as split requests
-    are). Measured on the H200 (D3 shapes): throughput drops 1.5-3 % from a whole number of waves
-    to 0.17-0.33 of a wave more (``benchmarks/results/h200-decode-tail-waves.log``).
+    are). Measured on the H200 (D3 shapes, ``benchmarks/decode_waves.py``): throughput drops
+    1.5-3 % from a whole number of waves to 0.17-0.33 of a wave more
+    (``benchmarks/results/h200-decode-tail-waves.log``).
     """
     items = work.items
     ctas = len(items) * units
@@ -366,6 +368,19 @@ def decode_balance_tail(work: DecodeWork, units: int, slots: int, tile: int,
         slot += len(starts)
     added.sort(key=lambda it: it[1] - it[2])  # longest first, stable
     return DecodeWork(out + added, splits, slot)
+
+
+def decode_plan_work(ranges: list[tuple[int, int]], lengths: list[int], units: int, slots: int,
+                     params: DecodeParams, graph: bool) -> tuple[int, DecodeWork]:  # fmt: skip
+    """A decode plan's chunk and work list: ``params.kv_chunk`` or `decode_chunk` of ``lengths``
+    (the bucket's in CUDA-graph mode), the ranges cut by it, and in eager mode with the automatic
+    chunk a short last wave cut further (`decode_balance_tail`; a captured grid is sized for its
+    bucket, and a forced chunk is kept)."""
+    chunk = params.kv_chunk or decode_chunk(lengths, units, params.tile, slots)
+    work = decode_work(ranges, chunk)
+    if not graph and not params.kv_chunk:
+        work = decode_balance_tail(work, units, slots, params.tile)
+    return chunk, work
 
 
 def decode_capacity(batch: int, max_len: int, chunk: int) -> int:

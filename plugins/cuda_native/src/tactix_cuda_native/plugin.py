@@ -55,16 +55,14 @@ from tactix_cuda_native.geometry import (
     PrefillParams,
     PrefillWork,
     ctas_per_sm,
-    decode_balance_tail,
     decode_buffer_sizes,
     decode_candidates,
-    decode_chunk,
     decode_grid,
     decode_is_small,
     decode_items,
+    decode_plan_work,
     decode_smem_bytes,
     decode_units,
-    decode_work,
     default_decode_params,
     default_gemm_params,
     default_prefill_params,
@@ -532,6 +530,7 @@ class _StagedPlan:
     _seen: tuple[Any, ...] | None  # the q, k and v strides run() last checked (`_accept`)
     _strides: tuple[int, ...]  # the cache stride arguments they gave
     _q_direct: bool  # q is read in place (else through a copy)
+    _bulk = 0  # tokens per bulk copy of a decode plan's kernel (0: cp.async): _accept checks more
 
     def _inherit_accepted(self, previous: object) -> None:
         """Keep what the previous plan of the wrapper (same class, device and cache layout) found
@@ -543,7 +542,7 @@ class _StagedPlan:
             and previous._seen is not None
             and previous.device == self.device
             and previous.problem.kv_layout == self.problem.kv_layout
-            and getattr(previous, "_bulk", 0) == getattr(self, "_bulk", 0)  # bulk copies check more
+            and previous._bulk == self._bulk
         ):
             self._seen, self._strides, self._q_direct = previous._seen, previous._strides, previous._q_direct
 
@@ -662,7 +661,7 @@ class CudaNativeDecodePlan(_StagedPlan):
         previous = options["previous"]
         b, hq, hkv, d = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim_qk
         gqa = problem.gqa_ratio
-        units = hkv * q_tiles(gqa)
+        units = decode_units(hkv, gqa)
         ranges = effective_lengths(batch.kv_lens_list, problem.window_left)
         longest_cap = bucket_size(batch.max_kv_len) if graph else batch.max_kv_len
         attended_cap = longest_cap if problem.window_left < 0 else min(longest_cap, problem.window_left + 1)
@@ -677,10 +676,7 @@ class CudaNativeDecodePlan(_StagedPlan):
         self._kernel = kernel.kernel
         self.ctas_per_sm = kernel.ctas_per_sm
         slots = info.sms * self.ctas_per_sm
-        chunk = params.kv_chunk or decode_chunk(lengths, units, params.tile, slots)
-        work = decode_work(ranges, chunk)
-        if not graph and not params.kv_chunk:  # (a captured grid is sized for the bucket: no re-cut)
-            work = decode_balance_tail(work, units, slots, params.tile)
+        chunk, work = decode_plan_work(ranges, lengths, units, slots, params, bool(graph))
         item_cap, slot_cap, page_cap = decode_buffer_sizes(
             work, batch.num_page_entries, graph=graph, batch=b, attended_cap=attended_cap, longest_cap=longest_cap,
             chunk=chunk, page_size=problem.page_size)  # fmt: skip
@@ -700,7 +696,6 @@ class CudaNativeDecodePlan(_StagedPlan):
                                                functools.partial(decode_sections, item_cap),
                                                [decode_items(work, batch.kv_indptr_list), [len(work.items)]],
                                                page_cap)  # fmt: skip
-        grid_y = decode_units(hkv, gqa)
         if isinstance(replaced, CudaNativeDecodePlan):  # CUDA-graph re-plan: the captured workspace
             self._part_o, self._part_lse = replaced._part_o, replaced._part_lse
             self._counters = replaced._counters
@@ -709,7 +704,7 @@ class CudaNativeDecodePlan(_StagedPlan):
             and previous.device == self.device
             and previous._part_o.numel() >= max(slot_cap, 1) * hq * d
             and previous._part_lse.numel() >= max(slot_cap, 1) * hq
-            and previous._counters.numel() >= b * grid_y
+            and previous._counters.numel() >= b * units
         ):
             # an eager re-plan takes over the replaced plan's workspace (stream-ordered after its runs,
             # as the staging slots are); the kernel leaves every counter at zero after a run
@@ -717,7 +712,7 @@ class CudaNativeDecodePlan(_StagedPlan):
         else:
             self._part_o = torch.empty(max(slot_cap, 1) * hq * d, dtype=torch.float32, device=self.device)
             self._part_lse = torch.empty(max(slot_cap, 1) * hq, dtype=torch.float32, device=self.device)
-            self._counters = torch.zeros(b * grid_y, dtype=torch.int32, device=self.device)
+            self._counters = torch.zeros(b * units, dtype=torch.int32, device=self.device)
         self._ptrs = (
             base + 4 * layout.offset("items"),
             base + 4 * layout.offset("num_items"),
@@ -738,26 +733,15 @@ class CudaNativeDecodePlan(_StagedPlan):
 
     def _accept(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Check the cache strides and q's once per new set of strides; keep the stride arguments."""
-        layout = self.problem.kv_layout
-        strides = []
-        for name, t in (("k", k), ("v", v)):
-            s = t.stride()
-            page, tok, head = (s[0], s[1], s[2]) if layout == "NHD" else (s[0], s[2], s[1])
-            if s[3] != 1 or page % 8 or tok % 8 or head % 8:
-                raise InvalidArgumentError(
-                    f"paged_kv_cache ({name})",
-                    "dense along head_dim with page, token and head strides that are multiples of 8 elements",
-                    f"strides {tuple(s)}",
-                )
-            if self._bulk and tok != s[3] * t.shape[3]:
+        self._strides = _cache_strides(self.problem.kv_layout, k, v)
+        for name, t in (("k", k), ("v", v)) if self._bulk else ():
+            if t.stride(2) != t.shape[3]:  # HND (the tactic's check): [pages, heads, tokens, head_dim]
                 raise InvalidArgumentError(
                     f"paged_kv_cache ({name})",
                     f"rows of a page contiguous (token stride = head_dim) for the bulk-copy tactic "
                     f"(bulk={self._bulk}; plan with another tactic for this cache)",
-                    f"strides {tuple(s)}",
+                    f"strides {tuple(t.stride())}",
                 )
-            strides += [page, tok, head]
-        self._strides = tuple(strides)
         self._q_direct = q.stride(2) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0
         self._seen = (q.stride(), k.stride(), v.stride())
 
