@@ -1,17 +1,18 @@
 """How fast one kernel can read N bytes from HBM right after the suite's L2 flush, and why.
 
-    python benchmarks/l2_read_probe.py [--mib 32 2048] [--repeat 30] [--json PATH]
+    python benchmarks/l2_read_probe.py [--mib 32 2048] [--repeat 30] [--json PATH] [--pages 4 8 ...] [--only TEXT]
 
 The suite flushes L2 with a 256 MB memset before every timed call, which leaves L2 full of
 dirty lines. A kernel that then reads 32 MiB (G2's weight, D2's K/V) allocates 32 MiB of L2
 lines, and an allocation may first write a dirty line back to HBM. This probe times pure-read
 kernels after a dirty flush (the memset) and after a clean one (a 256 MB read): 16-byte loads
-into registers, cp.async rings in shared memory (also over 4 KB blocks in a random order, as a
-paged cache with random page order is read), and bulk copies (``cp.async.bulk``) of whole
-chunks, 4 KB pieces or 256-byte rows, with and without an L2 evict_first policy; beside torch's
-matmul at m = 1 (cuBLAS) and ``torch.sum`` under the same flushes. CUDA-event median of
-``--repeat`` per row; every kernel's sum is checked against torch's. The H200's figures
-(``benchmarks/results/h200-l2-read-probe.log``) bound what G2, D2 and D3 can reach.
+into registers, cp.async rings in shared memory (also over blocks in a random order, as a
+paged cache with random page order is read: 4 KB blocks, or the ``--pages`` sizes in KB), and
+bulk copies (``cp.async.bulk``) of whole chunks, 4 KB pieces or 256-byte rows, with and
+without an L2 evict_first policy; beside torch's matmul at m = 1 (cuBLAS) and ``torch.sum``
+under the same flushes. CUDA-event median of ``--repeat`` per row; every kernel's sum is
+checked against torch's. The H200's figures (``benchmarks/results/h200-l2-read-probe*.log``)
+bound what G2, D2 and D3 can reach.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ typedef unsigned int u32;
 #ifndef PIECE
 #define PIECE CHUNK
 #endif
+#ifndef PAGE_SHIFT
+#define PAGE_SHIFT 12
+#endif
 
 __device__ __forceinline__ u64 policy_first() {
   u64 p; asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p)); return p;
@@ -47,6 +51,11 @@ __device__ __forceinline__ float sum8(uint4 v) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) s += __uint_as_float(w[i] << 16) + __uint_as_float(w[i] & 0xffff0000u);
   return s;
+}
+
+// byte `off` of the flat range, read from a randomly placed block of 1 << PAGE_SHIFT bytes
+__device__ __forceinline__ long long paged(const int* perm, long long off) {
+  return ((long long)__ldg(perm + (off >> PAGE_SHIFT)) << PAGE_SHIFT) + (off & ((1 << PAGE_SHIFT) - 1));
 }
 
 // 16-byte loads, UNROLL in flight per thread, grid-stride.
@@ -103,7 +112,7 @@ extern "C" __global__ void read_bulk(const unsigned char* __restrict__ x, long l
     __syncwarp();
     for (int p = tid; p < CHUNK / PIECE; p += 32) {
       long long off = c * CHUNK + p * PIECE;
-      if (perm != nullptr) off = (long long)__ldg(perm + (off >> 12)) * 4096 + (off & 4095);
+      if (perm != nullptr) off = paged(perm, off);
 #if HINT
       asm volatile(
           "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
@@ -138,8 +147,8 @@ extern "C" __global__ void read_bulk(const unsigned char* __restrict__ x, long l
 }
 
 // cp.async 16-byte copies (cg, L2 only) into a ring of STAGES stages of CHUNK bytes.
-// With perm != nullptr, 4 KB block b of the flat range is read from block perm[b] (a paged
-// cache's random page order).
+// With perm != nullptr, block b (of 1 << PAGE_SHIFT bytes) of the flat range is read from block
+// perm[b] (a paged cache's random page order).
 extern "C" __global__ void read_cpasync(const unsigned char* __restrict__ x, long long nchunks, float* out,
                                         const int* __restrict__ perm) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -151,7 +160,7 @@ extern "C" __global__ void read_cpasync(const unsigned char* __restrict__ x, lon
       for (int j = tid; j < CHUNK / 16; j += blockDim.x)
       {
         long long off = c * CHUNK + j * 16;
-        if (perm != nullptr) off = (long long)__ldg(perm + (off >> 12)) * 4096 + (off & 4095);
+        if (perm != nullptr) off = paged(perm, off);
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
                      :: "r"(sbase + s * CHUNK + j * 16), "l"(x + off) : "memory");
       }
@@ -197,6 +206,9 @@ def main() -> None:
     parser.add_argument("--mib", type=int, nargs="+", default=[32, 2048])
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--json")
+    parser.add_argument("--pages", type=int, nargs="+", default=[4],
+                        help="KB sizes of the randomly ordered blocks (powers of two; default: 4)")  # fmt: skip
+    parser.add_argument("--only", help="run only the rows whose name contains this text")
     args = parser.parse_args()
     from cuda.bindings import driver  # type: ignore[import-not-found]
 
@@ -240,43 +252,54 @@ def main() -> None:
         want = float(x.float().sum())
         w = x.view(-1, 4096)
         vec = torch.randn(1, 4096, dtype=torch.bfloat16, device=dev)
-        variants: list[tuple[str, object]] = [("torch.matmul m=1 (cuBLAS)", lambda: torch.matmul(vec, w.t()))]
-        variants.append(("torch.sum", lambda: torch.sum(x, dtype=torch.float32)))
-        perm = torch.randperm(nbytes // 4096, device=dev).to(torch.int32)
+        perms = {kb: torch.randperm(nbytes // (kb << 10), device=dev).to(torch.int32) for kb in args.pages}
 
-        def smem_kernel(name: str, chunk: int, stages: int, blocks: int, permuted: bool = False, **defines: int):
-            k, LaunchConfig, launch, cdev = compile_kernel(name, CHUNK=chunk, STAGES=stages, **defines)
-            smem = chunk * stages
-            handle = k.handle if hasattr(k, "handle") else k._handle
-            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            if isinstance(handle, driver.CUkernel):
-                driver.cuKernelSetAttribute(attr, smem, handle, driver.CUdevice(0))
-            else:
-                driver.cuFuncSetAttribute(handle, attr, smem)
-            cfg = LaunchConfig(grid=(sms * blocks, 1, 1), block=(256, 1, 1), shmem_size=smem)
+        def smem_kernel(name: str, chunk: int, stages: int, blocks: int, page_kb: int = 0, **defines: int):
+            def make():
+                shift = (page_kb << 10).bit_length() - 1 if page_kb else 12
+                k, LaunchConfig, launch, cdev = compile_kernel(name, CHUNK=chunk, STAGES=stages, PAGE_SHIFT=shift,
+                                                               **defines)  # fmt: skip
+                smem = chunk * stages
+                handle = k.handle if hasattr(k, "handle") else k._handle
+                attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                if isinstance(handle, driver.CUkernel):
+                    driver.cuKernelSetAttribute(attr, smem, handle, driver.CUdevice(0))
+                else:
+                    driver.cuFuncSetAttribute(handle, attr, smem)
+                cfg = LaunchConfig(grid=(sms * blocks, 1, 1), block=(256, 1, 1), shmem_size=smem)
+                stream = cdev.create_stream(_S())
+
+                def run() -> None:
+                    out.zero_()
+                    pages = perms[page_kb].data_ptr() if page_kb else 0
+                    launch(stream, cfg, k, x.data_ptr(), nbytes // chunk, out.data_ptr(), pages)
+
+                return run
+
+            return make
+
+        def ld_kernel():
+            k, LaunchConfig, launch, cdev = compile_kernel("read_ld", HINT=0, UNROLL=8)
+            cfg = LaunchConfig(grid=(sms * 4, 1, 1), block=(512, 1, 1))
             stream = cdev.create_stream(_S())
 
-            def run() -> None:
+            def run_ld() -> None:
                 out.zero_()
-                pages = perm.data_ptr() if permuted else 0
-                launch(stream, cfg, k, x.data_ptr(), nbytes // chunk, out.data_ptr(), pages)
+                launch(stream, cfg, k, x.data_ptr(), nbytes // 16, out.data_ptr())
 
-            return run
+            return run_ld
 
-        k, LaunchConfig, launch, cdev = compile_kernel("read_ld", HINT=0, UNROLL=8)
-        cfg = LaunchConfig(grid=(sms * 4, 1, 1), block=(512, 1, 1))
-        stream = cdev.create_stream(_S())
-
-        def run_ld(k=k, cfg=cfg, stream=stream, launch=launch) -> None:
-            out.zero_()
-            launch(stream, cfg, k, x.data_ptr(), nbytes // 16, out.data_ptr())
-
-        variants.append(("ld16 unroll 8 x 512 thr x 4/SM", run_ld))
+        variants: list[tuple[str, object]] = [
+            ("torch.matmul m=1 (cuBLAS)", lambda: lambda: torch.matmul(vec, w.t())),
+            ("torch.sum", lambda: lambda: torch.sum(x, dtype=torch.float32)),
+            ("ld16 unroll 8 x 512 thr x 4/SM", ld_kernel),
+        ]
         for chunk, stages, blocks in ((16384, 4, 3), (32768, 3, 2)):
             variants.append((f"cp.async16 {chunk // 1024} KB x {stages} x {blocks}/SM",
                              smem_kernel("read_cpasync", chunk, stages, blocks)))  # fmt: skip
-            variants.append((f"cp.async16 {chunk // 1024} KB x {stages} x {blocks}/SM, random 4 KB pages",
-                             smem_kernel("read_cpasync", chunk, stages, blocks, permuted=True)))  # fmt: skip
+            for kb in args.pages:
+                variants.append((f"cp.async16 {chunk // 1024} KB x {stages} x {blocks}/SM, random {kb} KB pages",
+                                 smem_kernel("read_cpasync", chunk, stages, blocks, page_kb=kb)))  # fmt: skip
         for chunk, stages, blocks, piece, hint in ((32768, 3, 2, 32768, 0), (32768, 3, 2, 32768, 1),
                                                    (16384, 4, 3, 16384, 0), (32768, 3, 2, 4096, 0),
                                                    (32768, 3, 2, 256, 0), (16384, 4, 3, 256, 0)):  # fmt: skip
@@ -284,12 +307,17 @@ def main() -> None:
                              smem_kernel("read_bulk", chunk, stages, blocks, HINT=hint, PIECE=piece)))  # fmt: skip
         for chunk, stages, blocks, hint in ((32768, 3, 2, 0), (32768, 3, 2, 1), (16384, 4, 3, 0), (16384, 4, 3, 1),
                                             (8192, 4, 6, 1), (32768, 2, 3, 1)):  # fmt: skip
-            name = f"bulk {chunk // 1024} KB x {stages} x {blocks}/SM, random 4 KB pages, hint {hint}"
-            variants.append(
-                (name, smem_kernel("read_bulk", chunk, stages, blocks, permuted=True, HINT=hint, PIECE=4096))
-            )
-        for name, fn in variants:
-            fn()  # type: ignore[operator]
+            for kb in args.pages:
+                name = f"bulk {chunk // 1024} KB x {stages} x {blocks}/SM, random {kb} KB pages, hint {hint}"
+                piece = min(4096, kb << 10)
+                variants.append(
+                    (name, smem_kernel("read_bulk", chunk, stages, blocks, page_kb=kb, HINT=hint, PIECE=piece))
+                )
+        if args.only:
+            variants = [(n, f) for n, f in variants if args.only in n]
+        for name, make in variants:
+            fn = make()  # type: ignore[operator]
+            fn()
             torch.cuda.synchronize()
             err = None
             if not name.startswith("torch"):
