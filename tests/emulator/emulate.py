@@ -262,6 +262,28 @@ class DecodePlan:
             raise RuntimeError(f"emulated kernel misuse: {err.decode()}")
 
 
+TXE_MAP_MAGIC = 0x5458454D41500001  # tx_emulate.h
+
+
+class TensorMap(ctypes.Structure):
+    """A kernel's TxTensorMap (128 bytes, passed by value) in the emulation's layout."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+def tensor_map(view: torch.Tensor, box: tuple[int, int, int]) -> TensorMap:
+    """What `runtime.tensor_map_3d` encodes for the GPU, in the layout tx_emulate.h's
+    tx_tma_load_3d reads: a 3-D view [d2][d1][d0] (d0 contiguous), boxes of ``box`` (outermost first)."""
+    assert view.dim() == 3 and view.stride(2) == 1, "a 3-D view, innermost dimension contiguous"
+    esz = view.element_size()
+    m = TensorMap()
+    fields = [view.data_ptr(), view.shape[2], view.shape[1], view.shape[0], view.stride(1) * esz,
+              view.stride(0) * esz, box[2], box[1], box[0], esz, TXE_MAP_MAGIC]  # fmt: skip
+    for i, value in enumerate(fields):
+        m.opaque[i] = value
+    return m
+
+
 class GemmPlan:
     """`plugin.CudaNativeGemmPlan` on the CPU for the H200's geometry, for the Hopper kernel
     (kernels/gemm_sm90.cu, tactic kernel "gemm_wgmma"): the same variant, shared memory, split
@@ -291,6 +313,14 @@ class GemmPlan:
         a_sb = a.stride(0) if p.batched else 0
         b_sb = b.stride(0) if p.batched else 0
         args = _args([a, lda, a_sb, b, ldb, b_sb, out, p.m * p.n, bias, None, None, p.m, p.n, p.k, self.kps])
+        if self.params.tma:  # the plan's views: [batch][rows][k] (plugin.CudaNativeGemmPlan._tensor_map)
+            w_view = b.as_strided((p.batch, p.n, p.k), (b_sb if p.batched else p.n * ldb, ldb, 1))
+            wmap = tensor_map(w_view, (1, self.params.bw, 64))
+            amap = wmap
+            if self.params.tma == 2:
+                a_view = a.as_strided((p.batch, p.m, p.k), (a_sb if p.batched else p.m * lda, lda, 1))
+                amap = tensor_map(a_view, (1, 64, 64))
+            args = [ctypes.byref(wmap), ctypes.byref(amap), *args]
         gx, gy, gz = self.grid
         err = self.lib.emu_gemm(ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(gz),
                                 ctypes.c_int(self.params.THREADS), ctypes.c_longlong(self.smem), *schedule.args(),

@@ -37,6 +37,8 @@
 // them. A wgmma runs when its warpgroup waits for its group (wgmma.wait_group: the latest moment
 // the hardware allows), reading the A registers and shared memory as they are then: a kernel that
 // touches them before the wait, or lets the producer overwrite a stage too early, computes garbage.
+// Tensor-map copies (cp.async.bulk.tensor, 3-D boxes, 128-byte swizzle) read a layout of the
+// map's 128 bytes of the emulation's own (tx_tma_load_3d) and land like bulk copies.
 // Proxy fences, wgmma.fence and setmaxnreg have nothing to emulate. Mbarriers (keyed by their
 // shared-memory address), named barriers, warpgroup barriers and wgmma queues (per thread) are
 // CTA state like the rest: each resident CTA has its own, kept across the scheduler's switches.
@@ -65,6 +67,7 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __cluster_dims__(...)
+#define __grid_constant__
 #define __align__(n) __attribute__((aligned(n)))
 #define __shared__
 #define TX_DEVICE static inline
@@ -619,9 +622,14 @@ inline void mbar_try_complete(MBar& b) {
   }
 }
 
-// a bulk copy lands: its bytes in shared memory, and off the barrier's transaction count
+// a bulk copy lands: its bytes in shared memory (zeros where src is null: a tensor-map copy's
+// elements outside the tensor), and off the barrier's transaction count
 inline void bulk_land(MBar& b, const Copy& c) {
-  std::memcpy(smem + c.dst, c.src, (size_t)c.bytes);
+  if (c.src != nullptr) {
+    std::memcpy(smem + c.dst, c.src, (size_t)c.bytes);
+  } else {
+    std::memset(smem + c.dst, 0, (size_t)c.bytes);
+  }
   b.tx -= c.bytes;
   if (b.tx < 0) fail("mbarrier: bulk copies landed past the bytes expected (expect_tx)");
   mbar_try_complete(b);
@@ -868,6 +876,49 @@ TX_DEVICE void tx_bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
   if (txe::eager) txe::mbar_settle(b);
 }
 TX_DEVICE void tx_bulk_copy_hint(u32 dst, const void* src, u32 bytes, u32 bar, u64) { tx_bulk_copy(dst, src, bytes, bar); }
+// A tensor map as the emulation reads it (tests/emulator/emulate.py `tensor_map` writes it):
+// opaque[0] the base address, [1..3] the dims (elements, innermost first), [4..5] the strides of
+// dims 1 and 2 in bytes, [6..8] the box (elements, innermost first), [9] the element size, [10]
+// TXE_MAP_MAGIC. The box lands in the 128-byte swizzle (rows of exactly 128 bytes: the swizzle
+// span), one 16-byte copy per chunk, zeros for elements outside the tensor; all of the box's
+// bytes count against the barrier.
+constexpr u64 TXE_MAP_MAGIC = 0x5458454d41500001ull;
+TX_DEVICE void tx_tma_load_3d(u32 dst, const void* map, int c0, int c1, int c2, u32 bar) {
+  const u64* f = static_cast<const u64*>(map);  // the kernel's TxTensorMap
+  if (f[10] != TXE_MAP_MAGIC) return txe::fail("tensor map: not one the emulation encoded");
+  const long long dims[3] = {(long long)f[1], (long long)f[2], (long long)f[3]};
+  const long long esz = (long long)f[9], box0 = (long long)f[6], box1 = (long long)f[7], box2 = (long long)f[8];
+  if (box0 * esz != 128) return txe::fail("tensor map: the 128-byte swizzle needs 128-byte box rows");
+  if (dst % 1024) return txe::fail("tensor map copy: the 128-byte swizzle needs a 1024-byte aligned destination");
+  if (dst + box0 * box1 * box2 * esz > txe::smem_size) return txe::fail("tensor map copy: outside shared memory");
+  txe::MBar& b = txe::mbar(bar);
+  const unsigned char* base = reinterpret_cast<const unsigned char*>(f[0]);
+  const int per = (int)(16 / esz);  // elements per 16-byte chunk
+  for (long long z = 0; z < box2; ++z) {
+    for (long long r = 0; r < box1; ++r) {
+      const u32 row = dst + (u32)((z * box1 + r) * 128);
+      const long long y = c1 + r, w = c2 + z;
+      const bool row_in = y >= 0 && y < dims[1] && w >= 0 && w < dims[2];
+      const unsigned char* src_row = base + w * (long long)f[5] + y * (long long)f[4];
+      for (int j = 0; j < 8; ++j) {
+        const u32 to = txe::swizzle128(row + 16 * j);
+        const long long x0 = c0 + (long long)j * per;
+        if (!row_in || x0 >= dims[0] || x0 + per <= 0) {
+          b.bulk.push_back({to, nullptr, 16});  // wholly outside: zeros
+        } else if (x0 >= 0 && x0 + per <= dims[0]) {
+          b.bulk.push_back({to, src_row + x0 * esz, 16});
+        } else {  // a chunk across the tensor's edge, element by element
+          for (int e = 0; e < per; ++e) {
+            const long long x = x0 + e;
+            const bool in = x >= 0 && x < dims[0];
+            b.bulk.push_back({to + (u32)(e * esz), in ? src_row + x * esz : nullptr, (int)esz});
+          }
+        }
+      }
+    }
+  }
+  if (txe::eager) txe::mbar_settle(b);
+}
 TX_DEVICE void tx_st_shared_zero16(u32 dst) {
   if (dst % 16 || dst + 16 > txe::smem_size) return txe::fail("st.shared: unaligned or outside");
   std::memset(smem + dst, 0, 16);

@@ -978,7 +978,8 @@ def test_gemm_batched_and_split_k_paths() -> None:
     a, b, bias = _gemm_case(16, 512, 1024, torch.bfloat16, batch=3, bias=True, seed=3)
     ref = gemm_reference(a, b, bias=bias)
     for kernel, params in (("gemm", {"bn": 32, "bk": 128, "wn": 1, "wk": 4, "stages": 4}),
-                           ("gemm_wgmma", {"bw": 64, "bk": 64, "stages": 4})):  # fmt: skip
+                           ("gemm_wgmma", {"bw": 64, "bk": 64, "stages": 4}),
+                           ("gemm_wgmma", {"bw": 64, "bk": 128, "stages": 3, "tma": 2})):  # fmt: skip
         for splits in (0, 1, 2, 4, 8):
             g = tactix.Gemm(backend="cuda_native", device=CUDA)
             tactic = {"backend": "cuda_native", "kernel": kernel, "params": {**params, "splits": splits}}
@@ -990,19 +991,21 @@ def test_gemm_batched_and_split_k_paths() -> None:
             assert err <= tolerance_for(torch.bfloat16), f"{kernel} splits={splits}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("tma", [0, 1, 2], ids=["cp.async", "tma-w", "tma-w-a"])
 @pytest.mark.parametrize("splits", [1, 4, 8])
 @pytest.mark.parametrize("m", [1, 37, 64])
-def test_wgmma_gemm_odd_n_and_unaligned_out(m: int, splits: int) -> None:
+def test_wgmma_gemm_odd_n_and_unaligned_out(m: int, splits: int, tma: int) -> None:
     """The Hopper kernel writes pairs (one split) or quads (a cluster's column slices) of outputs
     where n and out's address allow, single elements elsewhere: with n odd and out one element into
-    a NaN buffer, every element matches the oracle and nothing outside out is written."""
+    a NaN buffer, every element matches the oracle and nothing outside out is written. With tensor
+    maps (tma 1, 2) the boxes past n, m and k read zeros."""
     n, k = 1001, 136 * 8
     a, b, bias = _gemm_case(m, n, k, torch.float16, bias=True, seed=m + splits)
     buf = torch.full((m * n + 65,), float("nan"), device=CUDA, dtype=torch.float16)
     out = buf[1 : 1 + m * n].view(m, n)
     g = tactix.Gemm(backend="cuda_native", device=CUDA)
     tactic = {"backend": "cuda_native", "kernel": "gemm_wgmma", "params": {"bw": 64, "bk": 64, "stages": 4,
-                                                                             "splits": splits}}  # fmt: skip
+                                                                             "splits": splits, "tma": tma}}  # fmt: skip
     g.plan(m, n, k, a_dtype=torch.float16, bias_dtype=torch.float16, tactic=tactic)
     g.run(a, b, out=out, bias=bias)
     torch.cuda.synchronize()
@@ -1012,6 +1015,38 @@ def test_wgmma_gemm_odd_n_and_unaligned_out(m: int, splits: int) -> None:
     assert err <= tolerance_for(torch.float16), f"m{m} splits {splits}: relative error {err:.3e}"
     worst = float(((out.double() - ref).abs() / (ref.abs() + ref.pow(2).mean().sqrt() * 0.25)).max())
     assert worst <= 2.0**-7, f"m{m} splits {splits}: worst element off by {worst:.3e} of its scale"
+
+
+def test_tma_gemm_maps_follow_the_tensors_they_are_given() -> None:
+    """Tensor maps hold addresses, so the plan keeps one per tensor it is given: a new `a` (a new
+    address) gets its own map, an `a` rewritten in place reuses its map and reads the new values,
+    a second weight gets its own map, and the plan keeps a bounded number of maps however many
+    tensors pass through. A CUDA graph captured with the maps replays with new values in place."""
+    m, n, k = 64, 2048, 1024
+    g = tactix.Gemm(backend="cuda_native", device=CUDA)
+    tactic = {"backend": "cuda_native", "kernel": "gemm_wgmma", "params": {"bw": 64, "bk": 128, "stages": 4,
+                                                                             "tma": 2}}  # fmt: skip
+    g.plan(m, n, k, tactic=tactic)
+    plan = g.plan_object
+    a, b, _ = _gemm_case(m, n, k, torch.bfloat16, seed=11)
+    _, b2, _ = _gemm_case(m, n, k, torch.bfloat16, seed=12)
+
+    def check(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
+        out = torch.full((m, n), float("nan"), device=CUDA, dtype=torch.bfloat16)
+        g.run(x, w, out=out)
+        err = relative_error(out, gemm_reference(x, w))
+        assert err <= tolerance_for(torch.bfloat16), f"{what}: relative error {err:.3e}"
+
+    check(a, b, "first call")
+    a.copy_(torch.randn_like(a))  # same address, new values: the kept map reads them
+    check(a, b, "a rewritten in place")
+    check(a, b2, "a second weight")
+    for i in range(plan._MAPS_KEPT + 4):  # fresh activations, each at its own address
+        x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16) + i
+        check(x, b, f"fresh a {i}")
+    assert len(plan._maps) <= plan._MAPS_KEPT
+    check(a, b, "the first a again, its map long dropped")
+    _gemm_graph_replays_new_values(g, a, b, rewritten=(a, b))
 
 
 def test_every_enumerated_gemm_tactic() -> None:
@@ -1031,21 +1066,29 @@ def test_every_enumerated_gemm_tactic() -> None:
             assert err <= tolerance_for(torch.bfloat16), f"m{m} {tactic}: relative error {err:.3e}"
 
 
-def test_gemm_replays_in_a_cuda_graph_and_auto_routes_large_m_elsewhere() -> None:
-    a, b, _ = _gemm_case(16, 4096, 4096, torch.bfloat16, seed=5)
-    g = tactix.Gemm(backend="cuda_native", device=CUDA)
-    g.plan(16, 4096, 4096)
-    out = torch.empty(16, 4096, device=CUDA, dtype=torch.bfloat16)
+def _gemm_graph_replays_new_values(g: tactix.Gemm, a: torch.Tensor, b: torch.Tensor,
+                                   rewritten: tuple[torch.Tensor, ...]) -> None:  # fmt: skip
+    """Capture one run into a CUDA graph, write new values into ``rewritten`` in place, replay
+    into a NaN-filled out: the replay reads the new values."""
+    out = torch.empty(a.shape[-2], b.shape[-1], device=CUDA, dtype=a.dtype)
     g.run(a, b, out=out)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         g.run(a, b, out=out)
-    a.copy_(torch.randn_like(a))
+    for t in rewritten:
+        t.copy_(torch.randn_like(t))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert relative_error(out, gemm_reference(a, b)) <= tolerance_for(torch.bfloat16)
+    assert relative_error(out, gemm_reference(a, b)) <= tolerance_for(a.dtype)
+
+
+def test_gemm_replays_in_a_cuda_graph_and_auto_routes_large_m_elsewhere() -> None:
+    a, b, _ = _gemm_case(16, 4096, 4096, torch.bfloat16, seed=5)
+    g = tactix.Gemm(backend="cuda_native", device=CUDA)
+    g.plan(16, 4096, 4096)
+    _gemm_graph_replays_new_values(g, a, b, rewritten=(a,))
     big = tactix.Gemm(device=CUDA)
     big.plan(256, 4096, 4096)
     assert big.backend != "cuda_native"

@@ -163,6 +163,9 @@ def test_no_variant_gets_the_ldgsts_form_ptxas_miscompiles(cache_root: Path) -> 
     for variant in variants:
         cubin, _ = runtime.compile_variant(variant, root=cache_root)
         plain, uniform = _ldgsts_forms(cubin)
+        if dict(variant.defines).get("TX_TMA") == "2":  # both operands through tensor maps: no cp.async at all
+            assert plain == uniform == 0, f"{variant.label()}: LDGSTS in a kernel without cp.async"
+            continue
         assert plain > 0, f"no LDGSTS found in {variant.label()}: the cubin reader is wrong"
         if uniform:
             bad.append(f"{variant.label()}: {uniform} LDGSTS [R+UR]")
@@ -833,6 +836,33 @@ def test_wgmma_gemm_geometry() -> None:
     assert "unknown gemm kernel" in plugin._reasons(gemm(m=16), odd, H200)[0]
     wgmma = tactix.Tactic(backend="cuda_native", kernel="gemm_wgmma", params=good)
     assert plugin.gemm_params_of(wgmma) == geometry.GemmWgmmaParams(128, 64, 3, 4)
+
+
+def test_wgmma_gemm_tensor_map_tactics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tma`` 1 (W) and 2 (W and a) through tensor maps: an mbarrier per stage after the ring, a
+    variant of its own (TX_TMA) while tma 0 keeps the variant and the stored tactic it always had,
+    clear reasons for bad values and for a cuda.core that cannot encode maps, and candidates the
+    tuner is offered for every m of the kernel."""
+    p = geometry.GemmWgmmaParams(64, 128, 4, 0, 2)
+    assert p.smem_bytes == 4 * (64 + 64) * 128 * 2 + 4 * 8
+    assert geometry.GemmWgmmaParams(64, 128, 4).smem_bytes == 4 * (64 + 64) * 128 * 2
+    assert geometry.GemmWgmmaParams(64, 64, 4).to_tactic().params == {"bw": 64, "bk": 64, "stages": 4, "splits": 0}
+    assert geometry.GemmWgmmaParams.from_tactic(p.to_tactic()) == p and p.to_tactic().params["tma"] == 2
+    variant = plugin.gemm_wgmma_variant("bfloat16", p, 2, "sm_90")
+    plain = plugin.gemm_wgmma_variant("bfloat16", geometry.GemmWgmmaParams(64, 128, 4), 2, "sm_90")
+    assert dict(variant.defines)["TX_TMA"] == "2" and "TX_TMA" not in dict(plain.defines)
+    assert dict(variant.defines)["TX_SMEM"] == str(p.smem_bytes)
+    assert "tma must be 0 (cp.async), 1" in geometry.GemmWgmmaParams(64, 64, 4, 0, 3).reasons(16, H200)[0]
+    tactic = tactix.Tactic(backend="cuda_native", kernel="gemm_wgmma", params={"bw": 64, "bk": 64, "stages": 4,
+                                                                                "tma": 1})  # fmt: skip
+    assert plugin._reasons(gemm(m=16), tactic, H200) == []
+    monkeypatch.setattr(plugin, "tensor_maps_status", lambda: "this cuda.core cannot encode tensor maps (x)")
+    assert plugin._reasons(gemm(m=16), tactic, H200) == [
+        "tma 1 needs tensor maps: this cuda.core cannot encode tensor maps (x)"
+    ]
+    for m in (1, 16, 64):
+        tmas = {c.tma for c in geometry.gemm_wgmma_candidates(m, H200)}
+        assert tmas == {0, 1, 2}, (m, tmas)
 
 
 # -- prefill ---------------------------------------------------------------------------------

@@ -621,7 +621,7 @@ def _gemm_check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert bool((diff <= bound).all()), f"{what}: element {worst} (of {ref.numel()}) is {got}, oracle {want}"
 
 
-def _gemm_run(m: int, n: int, k: int, params: tuple[int, int, int, int] | None, *, dtype: torch.dtype = torch.bfloat16,
+def _gemm_run(m: int, n: int, k: int, params: tuple[int, ...] | None, *, dtype: torch.dtype = torch.bfloat16,
               bias: bool = False, batch: int = 1, offset: int = 0, seed: int = 0,
               schedule: emulate.Schedule = emulate.SCHEDULES[0]) -> tuple[torch.Tensor, emulate.GemmPlan]:  # fmt: skip
     """One emulated launch as the plan makes it: ``out`` a contiguous [batch,] m x n view ``offset``
@@ -653,7 +653,7 @@ def _gemm_run(m: int, n: int, k: int, params: tuple[int, int, int, int] | None, 
 
 
 GEMM_CASES = [
-    # m, n, k, (bw, bk, stages, splits) or None (the default), dtype, bias, batch, out offset
+    # m, n, k, (bw, bk, stages, splits[, tma]) or None (the default), dtype, bias, batch, out offset
     (64, 256, 1024, None, torch.bfloat16, True, 1, 0),  # the default: its auto splits (a cluster of 4 here)
     (64, 256, 512, (64, 64, 4, 4), torch.bfloat16, False, 1, 0),
     (1, 200, 264, (64, 64, 4, 2), torch.bfloat16, True, 1, 0),  # a ragged column block, a k tail
@@ -662,12 +662,18 @@ GEMM_CASES = [
     (24, 300, 8, None, torch.float16, False, 1, 0),  # one 16-byte chunk of k
     (64, 130, 704, (128, 64, 6, 1), torch.bfloat16, True, 2, 2),  # one split: out from registers, n % 4 != 0
     (33, 520, 2048, (256, 64, 3, 4), torch.bfloat16, False, 1, 0),  # the widest tile (m64n256k16)
+    # operands through tensor maps (tma 1: W, 2: W and a): boxes past n, m and k read as zeros
+    (1, 200, 264, (64, 64, 4, 2, 1), torch.bfloat16, True, 1, 0),  # a ragged column block, a k tail
+    (37, 201, 136, (64, 128, 3, 8, 2), torch.float16, True, 1, 1),  # splits with no k, a box past k
+    (16, 64, 1024, (64, 128, 3, 2, 2), torch.bfloat16, True, 3, 0),  # batched: the maps' third dimension
+    (64, 130, 704, (128, 64, 4, 1, 2), torch.bfloat16, False, 2, 2),  # one split, 128-row boxes of W
+    (24, 300, 8, (64, 64, 3, 0, 1), torch.float16, False, 1, 0),  # one 16-byte chunk of k
 ]
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["copies-late", "copies-early"])
 @pytest.mark.parametrize(("m", "n", "k", "params", "dtype", "bias", "batch", "offset"), GEMM_CASES)
-def test_emulated_wgmma_gemm_matches_oracle(m: int, n: int, k: int, params: tuple[int, int, int, int] | None,
+def test_emulated_wgmma_gemm_matches_oracle(m: int, n: int, k: int, params: tuple[int, ...] | None,
                                            dtype: torch.dtype, bias: bool, batch: int, offset: int, eager: bool,
                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """kernels/gemm_sm90.cu as the plan launches it: every element of ``out`` matches the float64
@@ -699,4 +705,4 @@ def test_emulated_wgmma_gemm_every_enumerated_tactic() -> None:
     tactics = [p for p in plugin.gemm_tactic_params(40, H200) if isinstance(p, geometry.GemmWgmmaParams)]
     assert len(tactics) >= 10
     for p in tactics:
-        _gemm_run(40, 256, 1024, (p.bw, p.bk, p.stages, p.splits), bias=True, seed=p.bw + p.stages + p.splits)
+        _gemm_run(40, 256, 1024, (p.bw, p.bk, p.stages, p.splits, p.tma), bias=True, seed=p.bw + p.stages + p.splits)

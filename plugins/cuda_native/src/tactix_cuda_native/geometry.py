@@ -19,6 +19,7 @@ from tactix import Tactic
 
 __all__ = [
     "DECODE_BULK",
+    "GEMM_TMA",
     "H200",
     "DecodeParams",
     "DecodeWork",
@@ -864,28 +865,33 @@ class GemmWgmmaParams:
     ``stages`` of the cp.async ring and the k ``splits`` (0: chosen per shape,
     `gemm_wgmma_splits`; else 1, 2, 4 or 8: the CTAs of a thread block cluster, which add their
     partial sums up in distributed shared memory). One warpgroup per CTA; the m rows are padded to
-    the wgmma's 64."""
+    the wgmma's 64. ``tma``: 0 (default) loads W and a with ``cp.async``; 1 loads W and 2 both
+    through the tensor memory accelerator (tensor maps the plan encodes and keeps per tensor)."""
 
     bw: int
     bk: int
     stages: int
     splits: int = 0
+    tma: int = 0
 
     THREADS: ClassVar[int] = 128
 
     def to_tactic(self) -> Tactic:
         params = {"bw": self.bw, "bk": self.bk, "stages": self.stages, "splits": self.splits}
+        if self.tma:  # 0 stays implicit: tactics stored before it existed still match
+            params["tma"] = self.tma
         return Tactic(backend=NAME, kernel="gemm_wgmma", params=params)
 
     @classmethod
     def from_tactic(cls, tactic: Tactic) -> GemmWgmmaParams:
         get = functools.partial(_int_param, tactic)
-        return cls(get("bw"), get("bk"), get("stages"), get("splits", 0))
+        return cls(get("bw"), get("bk"), get("stages"), get("splits", 0), get("tma", 0))
 
     @property
     def smem_bytes(self) -> int:
-        """The ring: an a tile of 64 rows and a W tile of ``bw`` rows per stage."""
-        return self.stages * (64 + self.bw) * self.bk * 2
+        """The ring: an a tile of 64 rows and a W tile of ``bw`` rows per stage (with ``tma``, an
+        mbarrier per stage after it)."""
+        return self.stages * (64 + self.bw) * self.bk * 2 + (8 * self.stages if self.tma else 0)
 
     def reasons(self, m: int, info: DeviceInfo) -> list[str]:
         out = []
@@ -901,11 +907,16 @@ class GemmWgmmaParams:
             out.append(f"stages must be in 2..8 (got {self.stages})")
         if self.splits not in (0, *GEMM_WGMMA_SPLITS):
             out.append(f"splits must be 0 (auto) or 1, 2, 4 or 8 (the CTAs of a cluster; got {self.splits})")
+        if self.tma not in GEMM_TMA:
+            out.append(f"tma must be 0 (cp.async), 1 (W through tensor maps) or 2 (W and a; got {self.tma})")
         if not out and self.smem_bytes > info.smem_per_block:
             out.append(f"needs {self.smem_bytes} bytes of shared memory; this GPU allows {info.smem_per_block} per CTA")
         return out
 
 
+GEMM_TMA: Final = (0, 1, 2)
+"""How the Hopper GEMM loads its operands: 0 cp.async, 1 W through the tensor memory accelerator
+(TMA), 2 W and a through it."""
 GEMM_WGMMA_SPLITS: Final = (1, 2, 4, 8)
 """k splits of the Hopper GEMM: the CTAs of one thread block cluster (8 is the portable maximum)."""
 
@@ -940,6 +951,12 @@ def gemm_wgmma_candidates(m: int, info: DeviceInfo) -> list[GemmWgmmaParams]:
     out += [GemmWgmmaParams(64, 64, s, sp) for s in (4, 3, 6) for sp in (0, 2, 4, 8)]
     out += [GemmWgmmaParams(128, 64, s, sp) for s in (3, 4) for sp in (0, 4, 8)]
     out += [GemmWgmmaParams(64, 128, s, sp) for s in (3, 4) for sp in (0, 2)]
+    # operands through tensor maps (h200-gemm-tma-sweep.log, h200-gemm-tma2-m64-sweep.log): W alone
+    # (tma 1) matches cp.async at m = 1 and 16; W and a (tma 2) lead at m = 64 with one CTA per SM
+    # (128 of k per stage, 4-5 stages, 2 splits: 18.1 us against 19.4 for the default)
+    out += [GemmWgmmaParams(64, bk, 4, 0, 1) for bk in (64, 128)]
+    out += [GemmWgmmaParams(64, 64, 4, 0, 2), GemmWgmmaParams(64, 128, 4, 0, 2), GemmWgmmaParams(64, 128, 5, 2, 2),
+            GemmWgmmaParams(64, 64, 8, 2, 2)]  # fmt: skip
     return [p for p in dict.fromkeys(out) if not p.reasons(m, info)]
 
 

@@ -16,7 +16,10 @@ Tactics are the kernels' compile-time and launch parameters:
   (``kv_chunk`` 0: the split of long requests is chosen per batch by `geometry.decode_chunk`);
 * ``Tactic(backend="cuda_native", kernel="gemm", params={"bn": 32, "bk": 128, "wn": 1, "wk": 4, "stages": 4,
   "splits": 0})`` (``splits`` 0: chosen from the shape by `geometry.gemm_splits`);
-* both take an optional ``"l2"``: 1 (the default, left out of the params) streams the KV cache
+* ``Tactic(backend="cuda_native", kernel="gemm_wgmma", params={"bw": 64, "bk": 64, "stages": 4, "splits": 0})``
+  (kernels/gemm_sm90.cu, the default on sm_90; ``splits``: the CTAs of a thread block cluster; an optional
+  ``"tma"``: 1 loads W, 2 W and a, through tensor maps the plan keeps per tensor);
+* decode and the mma.sync GEMM take an optional ``"l2"``: 1 (the default, left out of the params) streams the KV cache
   with an L2 evict_first policy, 0 with evict_normal (L2's default, same copy form), 2 adds a
   256-byte L2 prefetch; the GEMM's weight gets no policy (l2 0 and 1 are one kernel, 2 adds the
   prefetch): ptxas miscompiles its cp.async with one for some shapes on sm_90 (kernels/common.cuh).
@@ -32,7 +35,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 import torch
 
@@ -95,6 +98,8 @@ from tactix_cuda_native.runtime import (
     load,
     resident_ctas,
     stream_for,
+    tensor_map_3d,
+    tensor_maps_status,
 )
 
 NAME: Final = "cuda_native"
@@ -282,13 +287,17 @@ def _gemm_reasons(problem: GemmProblem, tactic: Tactic, info: DeviceInfo) -> lis
             out.append(f"the default tactic takes no params (got {tactic.params})")
         return out
     if tactic.kernel == "gemm_wgmma":
-        known = {"bw", "bk", "stages", "splits"}
+        known = {"bw", "bk", "stages", "splits", "tma"}
         given = set(tactic.params)
-        if not known - {"splits"} <= given or given - known:
-            return [*out, f"gemm_wgmma params must be {sorted(known)} with splits optional (got {sorted(given)})"]
+        if not known - {"splits", "tma"} <= given or given - known:
+            return [*out, f"gemm_wgmma params must be {sorted(known)} with splits and tma optional "
+                          f"(got {sorted(given)})"]  # fmt: skip
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in tactic.params.values()):
             return [*out, f"gemm_wgmma params must be integers (got {tactic.params})"]
-        return out + GemmWgmmaParams.from_tactic(tactic).reasons(problem.m, info)
+        params = GemmWgmmaParams.from_tactic(tactic)
+        if params.tma and (why := tensor_maps_status()) is not None:
+            out.append(f"tma {params.tma} needs tensor maps: {why}")
+        return out + params.reasons(problem.m, info)
     if tactic.kernel != "gemm":
         return [*out, f"unknown gemm kernel '{tactic.kernel}' (known: default, gemm, gemm_wgmma)"]
     known = {"bn", "bk", "wn", "wk", "stages", "splits", "l2"}
@@ -429,6 +438,7 @@ def gemm_wgmma_variant(dtype: str, params: GemmWgmmaParams, splits: int, arch: s
         TX_STAGES=params.stages,
         TX_CLUSTER=splits,
         TX_SMEM=params.smem_bytes,  # the kernel asserts that its layout has this size
+        **({"TX_TMA": params.tma} if params.tma else {}),  # absent when 0: the variants keep their keys
     )
 
 
@@ -967,6 +977,8 @@ class CudaNativeGemmPlan:
             self._kernel = module.kernel("tactix_gemm", smem)
             self.ctas_per_sm = ctas_per_sm(info, smem, threads)
             grid = gemm_grid(n, params.bw, self.splits, batch)
+            self._tma = params.tma
+            self._tma_bw = params.bw
         else:
             smem = gemm_smem_bytes(m_tiles(problem.m), params.bn, params.bk, params.stages)
             threads = 32 * params.wn * params.wk
@@ -985,6 +997,28 @@ class CudaNativeGemmPlan:
             self._ws = self._counters = None
         self._cfg = launch_config(grid, threads, smem)
         self._index = index
+        self._maps: dict[tuple[Any, ...], Any] = {}
+
+    _tma = 0  # the Hopper kernel's operands through tensor maps: 1 W, 2 W and a (GemmWgmmaParams.tma)
+    _tma_bw = 64
+    _MAPS_KEPT: ClassVar[int] = 16
+
+    def _tensor_map(self, t: torch.Tensor, rows: int, ld: int, sb: int, box_rows: int) -> Any:
+        """The tensor map of a k-contiguous operand seen as [batch][rows][k] (row stride ``ld``,
+        batch stride ``sb``), boxes of ``box_rows`` x 64 of k. Kept per address and layout, the
+        ``_MAPS_KEPT`` latest: a weight does not move, so its map is encoded once (tens of
+        microseconds); a CUDA graph replays the maps it captured."""
+        p = self.problem
+        key = (t.data_ptr(), t.dtype, rows, ld, sb, box_rows)
+        found = self._maps.pop(key, None)
+        if found is None:
+            batch_stride = sb if p.batched else rows * ld  # any multiple of 16 bytes for one batch
+            view = t.as_strided((p.batch, rows, p.k), (batch_stride, ld, 1))
+            found = tensor_map_3d(view, (1, box_rows, 64))
+            while len(self._maps) >= self._MAPS_KEPT:
+                self._maps.pop(next(iter(self._maps)))
+        self._maps[key] = found  # the most recently used last
+        return found
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
             scale_a: torch.Tensor | None, scale_b: torch.Tensor | None) -> None:  # fmt: skip
@@ -1003,8 +1037,13 @@ class CudaNativeGemmPlan:
         cc = _cc()
         ws = 0 if self._ws is None else self._ws.data_ptr()
         counters = 0 if self._counters is None else self._counters.data_ptr()
-        cc.launch(stream, self._cfg, self._kernel, a_ptr, lda, a_sb, b_ptr, ldb, b_sb, out_ptr, p.m * p.n, bias_ptr,
-                  ws, counters, p.m, p.n, p.k, self.kps)  # fmt: skip
+        args: tuple[Any, ...] = (a_ptr, lda, a_sb, b_ptr, ldb, b_sb, out_ptr, p.m * p.n, bias_ptr, ws, counters, p.m,
+                                 p.n, p.k, self.kps)  # fmt: skip
+        if self._tma:
+            wmap = self._tensor_map(b, p.n, ldb, b_sb, self._tma_bw)
+            amap = self._tensor_map(a, p.m, lda, a_sb, 64) if self._tma == 2 else wmap  # (tma 1: not read)
+            args = (wmap, amap, *args)
+        cc.launch(stream, self._cfg, self._kernel, *args)
 
 
 @tactix.hookimpl

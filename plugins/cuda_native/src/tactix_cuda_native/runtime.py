@@ -56,6 +56,8 @@ __all__ = [
     "nvrtc_version",
     "resource_usage",
     "source_text",
+    "tensor_map_3d",
+    "tensor_maps_status",
 ]
 
 KERNEL_DIR: Final = Path(__file__).resolve().parent / "kernels"
@@ -525,3 +527,44 @@ def launch_config(grid: tuple[int, int, int], block: int, smem: int) -> Any:
 def launch(stream: Any, config: Any, kernel: Any, *args: int | float) -> None:
     """Enqueue ``kernel`` on ``stream``: ints are passed as 64-bit values, floats as doubles."""
     cuda_core().launch(stream, config, kernel, *args)
+
+
+# -- tensor maps (TMA descriptors) -----------------------------------------------------------
+
+
+@functools.cache
+def _tensor_map_api() -> tuple[Any, Any, str | None]:
+    """(``cuda.core._tensor_map``, ``StridedMemoryView``, None), or (None, None, why not)."""
+    try:
+        enums = importlib.import_module("cuda.core._tensor_map")
+        view = importlib.import_module("cuda.core.utils").StridedMemoryView
+        for name in ("TensorMapDataType", "TensorMapL2Promotion", "TensorMapSwizzle"):
+            getattr(enums, name)
+    except Exception as exc:  # an older or newer cuda.core
+        return None, None, f"this cuda.core cannot encode tensor maps ({type(exc).__name__}: {exc})"
+    if not hasattr(view, "as_tensor_map"):
+        return None, None, "this cuda.core's StridedMemoryView has no as_tensor_map"
+    return enums, view, None
+
+
+def tensor_maps_status() -> str | None:
+    """None where this ``cuda.core`` can encode tiled tensor maps (``StridedMemoryView.as_tensor_map``
+    and the enums of ``cuda.core._tensor_map``), else why not."""
+    return _tensor_map_api()[2]
+
+
+def tensor_map_3d(t: Any, box: tuple[int, int, int]) -> Any:
+    """The tiled TMA descriptor (a cuda.core ``TensorMapDescriptor``, a kernel argument) of a 3-D
+    CUDA tensor ``t`` of 16-bit floats whose last dimension is contiguous, with boxes of ``box``
+    elements (outermost first), the 128-byte swizzle and zeros outside the tensor. Encoding costs
+    tens of microseconds of host time: callers keep the descriptors of tensors that do not move."""
+    import torch
+
+    enums, view_type, why = _tensor_map_api()
+    if why is not None:
+        raise CudaUnavailableError(f"cuda_native: {why}")
+    from_dlpack = getattr(view_type, "from_dlpack", None)
+    view = from_dlpack(t, stream_ptr=-1) if from_dlpack is not None else view_type(t, stream_ptr=-1)
+    dtype = enums.TensorMapDataType.BFLOAT16 if t.dtype == torch.bfloat16 else enums.TensorMapDataType.FLOAT16
+    return view.as_tensor_map(box, data_type=dtype, swizzle=enums.TensorMapSwizzle.SWIZZLE_128B,
+                              l2_promotion=enums.TensorMapL2Promotion.L2_256B)  # fmt: skip

@@ -25,6 +25,14 @@
 // that group is pending (the previous tile's wgmmas are complete, so its stage is free) and
 // issue the copies of the tile TX_STAGES - 1 ahead into it.
 //
+// With TX_TMA (1: W, 2: W and a) those operands arrive through the tensor memory accelerator
+// instead: thread 0 arms the stage's mbarrier with the tile's bytes and issues one 3-D tensor-map
+// copy per 64 of k (a box of 64 k x TX_BW rows of W, or 64 x 64 of a) that lands already in the
+// 128-byte swizzle; every thread waits on the mbarrier (parity: the tile's round of the ring).
+// The maps (host: plugin.CudaNativeGemmPlan, `gemm_tensor_map`) are 3-D [batch][rows][k]; rows
+// past n or m and k past k_ read as zeros. Splits start on multiples of TX_BK
+// (geometry.gemm_wgmma_k_per_split), so a box never reaches into the next split's k.
+//
 // Epilogue: thread t of warp w holds rows 16 w + t / 4 and + 8, columns 8 j + 2 (t % 4) and + 1
 // of the 64 x TX_BW tile. With one split it writes `out` (+ bias) from registers. With several,
 // each CTA writes its fp32 partial tile into its own (now idle) ring, the cluster meets, and CTA
@@ -33,8 +41,8 @@
 // so no partial tile is read after its CTA is gone.
 //
 // Compile-time parameters: TX_BF16, TX_BW (64, 128, 256), TX_BK (64, 128), TX_STAGES (2..8),
-// TX_CLUSTER (1, 2, 4, 8), TX_SMEM (optional: the size the host computed, checked against the
-// layout).
+// TX_CLUSTER (1, 2, 4, 8), TX_TMA (0, 1, 2), TX_SMEM (optional: the size the host computed,
+// checked against the layout).
 #include "common.cuh"
 
 #ifndef TX_BW
@@ -42,6 +50,9 @@
 #endif
 #ifndef TX_CLUSTER
 #define TX_CLUSTER 1
+#endif
+#ifndef TX_TMA
+#define TX_TMA 0
 #endif
 
 constexpr int BW = TX_BW;
@@ -52,7 +63,11 @@ constexpr int KCH = BK / 8;               // 16-byte chunks per tile row
 constexpr int A_BYTES = 64 * BK * 2;      // a tile: 64 rows (m, padded)
 constexpr int W_BYTES = BW * BK * 2;      // W tile: BW rows (n)
 constexpr int STAGE_BYTES = A_BYTES + W_BYTES;
-constexpr int RING = STAGES * STAGE_BYTES;  // the dynamic shared memory
+constexpr int RING = STAGES * STAGE_BYTES;
+constexpr int TMA = TX_TMA;                // 0: cp.async; 1: W through tensor maps; 2: W and a
+constexpr int BARS = RING;                 // TMA: an mbarrier per stage ("the tile landed") after the ring
+constexpr int SMEM = RING + (TMA ? 8 * STAGES : 0);  // the dynamic shared memory
+constexpr int KCB = BK / 64;               // 64-wide column blocks (tensor-map boxes) per tile
 constexpr int A_PASSES = 64 * KCH / NT, W_PASSES = BW * KCH / NT;
 constexpr int CL = TX_CLUSTER;            // k splits: the CTAs of a cluster (grid y)
 constexpr int COLS = BW / CL;             // columns of the tile each CTA of a cluster adds up
@@ -64,14 +79,21 @@ static_assert(STAGES >= 2 && STAGES <= 8, "2 to 8 stages");
 static_assert(64 * KCH % NT == 0 && BW * KCH % NT == 0, "whole passes of 16-byte copies");
 static_assert(CL == 1 || CL == 2 || CL == 4 || CL == 8, "TX_CLUSTER must be 1, 2, 4 or 8");
 static_assert(64 * PART_LD * 4 <= RING, "the partial tile must fit in the ring");
+static_assert(TMA >= 0 && TMA <= 2, "TX_TMA must be 0, 1 or 2");
 #ifdef TX_SMEM  // the dynamic shared memory the plan launches with (geometry.GemmWgmmaParams.smem_bytes)
-static_assert(RING == TX_SMEM, "GemmWgmmaParams.smem_bytes disagrees with this kernel's layout");
+static_assert(SMEM == TX_SMEM, "GemmWgmmaParams.smem_bytes disagrees with this kernel's layout");
 #endif
 
 #include "sm90.cuh"
 
 extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT, 1)
-    tactix_gemm(const u16* __restrict__ a, i64 lda, i64 a_sb, const u16* __restrict__ b, i64 ldb, i64 b_sb,
+    tactix_gemm(
+#if TX_TMA
+        // W as [batch][n][k], boxes of 64 (k) x TX_BW rows; with TX_TMA 2 also a as [batch][m][k],
+        // boxes of 64 x 64 (the map of TX_TMA 1 is not read)
+        const __grid_constant__ TxTensorMap wmap, const __grid_constant__ TxTensorMap amap,
+#endif
+        const u16* __restrict__ a, i64 lda, i64 a_sb, const u16* __restrict__ b, i64 ldb, i64 b_sb,
                 u16* __restrict__ out, i64 o_sb, const u16* __restrict__ bias, float* __restrict__ ws,
                 int* __restrict__ counters, i64 m_, i64 n_, i64 k_, i64 kps) {
   extern __shared__ __align__(1024) unsigned char smem[];  // [stages: a tile, W tile]
@@ -85,12 +107,31 @@ extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT, 1)
   const u16* az = a + z * a_sb;
   const u16* bz = b + z * b_sb;
   const u32 sbase = tx_smem_addr(smem);
+#if TX_TMA
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) tx_mbar_init(sbase + BARS + 8 * s, 1);
+    tx_mbar_init_fence();
+  }
+  __syncthreads();
+#endif
 
   // Copy c of a tile: row c / KCH, 16-byte chunk c % KCH of the row.
   auto issue = [&](int tile) {
     if (tile < ntiles) {
       const u32 sa = sbase + (tile % STAGES) * STAGE_BYTES, sw = sa + A_BYTES;
       const i64 kt = kbeg + (i64)tile * BK;
+#if TX_TMA
+      if (tid == 0) {
+        const u32 bar = sbase + BARS + 8 * (tile % STAGES);
+        tx_mbar_arrive_expect_tx(bar, TMA == 2 ? W_BYTES + A_BYTES : W_BYTES);
+#pragma unroll
+        for (int cb = 0; cb < KCB; ++cb) tx_tma_load_3d(sw + cb * BW * 128, &wmap, (int)kt + 64 * cb, n0, z, bar);
+#if TX_TMA == 2
+#pragma unroll
+        for (int cb = 0; cb < KCB; ++cb) tx_tma_load_3d(sa + cb * 64 * 128, &amap, (int)kt + 64 * cb, 0, z, bar);
+#endif
+      }
+#else
 #pragma unroll
       for (int p = 0; p < W_PASSES; ++p) {
         const int c = tid + p * NT;
@@ -102,6 +143,8 @@ extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT, 1)
                                ok ? (const void*)(bz + (i64)(n0 + row) * ldb + kk) : (const void*)bz, ok ? 16 : 0);
         }
       }
+#endif
+#if TX_TMA != 2
 #pragma unroll
       for (int p = 0; p < A_PASSES; ++p) {
         const int c = tid + p * NT;
@@ -113,6 +156,7 @@ extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT, 1)
                         ok ? 16 : 0);
         }
       }
+#endif
     }
     tx_cp_async_commit();
   };
@@ -127,6 +171,9 @@ extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT, 1)
   for (int i = 0; i < ntiles; ++i) {
     tx_cp_async_wait<STAGES - 2>();  // this thread's copies of tile i have landed
     tx_fence_proxy_async();          // ... and are visible to the wgmma (async proxy) reads
+#if TX_TMA
+    tx_mbar_wait(sbase + BARS + 8 * (i % STAGES), (u32)(i / STAGES) & 1);  // tile i's tensor-map copies
+#endif
     tx_bar_sync(0, NT);              // every thread's copies of tile i
     const u32 sa = sbase + (i % STAGES) * STAGE_BYTES, sw = sa + A_BYTES;
 #pragma unroll

@@ -8,6 +8,12 @@
 
 #include "common.cuh"
 
+// A tensor map (CUtensorMap: 128 opaque bytes the driver encodes on the host), passed by value as
+// a __grid_constant__ kernel parameter. The CPU emulation reads its own layout from it.
+struct alignas(64) TxTensorMap {
+  u64 opaque[16];
+};
+
 #ifndef TX_EMULATE
 #if TX_BF16
 #define TX_WG_TYPES ".f32.bf16.bf16"
@@ -55,6 +61,16 @@ TX_DEVICE void tx_bulk_copy_hint(u32 dst, const void* src, u32 bytes, u32 bar, u
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(
           dst),
       "l"(src), "r"(bytes), "r"(bar), "l"(policy)
+      : "memory");
+}
+// a box of a 3-D tensor map at coordinates (c0 innermost, c1, c2) into shared memory at `dst`
+// (laid out as the map's swizzle says; elements outside the tensor are zeros); the box's bytes
+// count against `bar`'s transaction count
+TX_DEVICE void tx_tma_load_3d(u32 dst, const TxTensorMap* map, int c0, int c1, int c2, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(dst),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
 }
 TX_DEVICE void tx_st_shared_zero16(u32 dst) {
