@@ -2,7 +2,7 @@
 
     python benchmarks/tensor_map_cost.py [--m 64] [--n 4096] [--k 4096] [--calls 200] [--json PATH]
 
-Times, on the host: encoding one tensor map (`runtime.tensor_map_3d`, what a plan pays once per
+Times, on the host: encoding one tensor map (`runtime.tensor_map`, what a plan pays once per
 weight and once per new activation address); and ``Gemm.run`` (enqueue only, CUDA-event-free:
 ``time.perf_counter`` over ``--calls`` calls, the GPU's queue drained before and after) for
 ``tma`` 0 (cp.async, no maps), ``tma`` 2 with the same ``a`` every call (its map kept), and
@@ -41,13 +41,13 @@ def main() -> None:
     rows = []
 
     view = w.unsqueeze(0)
-    runtime.tensor_map_3d(view, (1, 64, 64))
+    runtime.tensor_map(view, (1, 64, 64))
     times = []
     for _ in range(50):
         t0 = time.perf_counter()
-        runtime.tensor_map_3d(view, (1, 64, 64))
+        runtime.tensor_map(view, (1, 64, 64))
         times.append((time.perf_counter() - t0) * 1e6)
-    rows.append({"what": "encode one tensor map (runtime.tensor_map_3d)", "us": round(statistics.median(times), 2)})
+    rows.append({"what": "encode one tensor map (runtime.tensor_map)", "us": round(statistics.median(times), 2)})
 
     def run_cost(tma: int, fresh: bool) -> float:
         g = tactix.Gemm(backend="cuda_native", device=dev)

@@ -196,7 +196,7 @@ class DecodePlan:
             params = geometry.DecodeParams.from_tactic(tactic)
         self.params = params
         self.lib = _library("emu_decode.cpp", plugin.decode_variant(problem.q_dtype, d, params, info.arch).defines)
-        self.smem = geometry.decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk)
+        self.smem = geometry.decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk, params.tma)
         self.threads = 32 * params.warps
         slots = info.sms * geometry.ctas_per_sm(info, self.smem, self.threads)  # no driver here: the estimate
         chunk, work = geometry.decode_plan_work(ranges, lengths, units, slots, params, graph)
@@ -255,6 +255,10 @@ class DecodePlan:
             q = q.contiguous().clone()
         assert (k.data_ptr() | v.data_ptr() | out.data_ptr()) % 16 == 0
         args = _args([q, q.stride(0), q.stride(1), k, v, *strides, out, lse, *self._buffers, *self._scalars])
+        if self.params.tma:  # the plan's maps: the caches as they are ([pages][heads][tokens][D], HND)
+            box = (1, 1, self.params.bulk, 64)
+            self._maps = (tensor_map(k, box), tensor_map(v, box))  # alive until the launch is done
+            args = [ctypes.byref(self._maps[0]), ctypes.byref(self._maps[1]), *args]
         gx, gy, gz = self.grid
         err = self.lib.emu_decode(ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(gz), ctypes.c_int(self.threads),
                                   ctypes.c_longlong(self.smem), *schedule.args(), *args)  # fmt: skip
@@ -262,25 +266,30 @@ class DecodePlan:
             raise RuntimeError(f"emulated kernel misuse: {err.decode()}")
 
 
-TXE_MAP_MAGIC = 0x5458454D41500001  # tx_emulate.h
+TXE_MAP_MAGIC = 0x5458454D4150  # tx_emulate.h: opaque[1] is this << 8 | the rank
 
 
 class TensorMap(ctypes.Structure):
-    """A kernel's TxTensorMap (128 bytes, passed by value) in the emulation's layout."""
+    """A kernel's TxTensorMap (128 bytes) in the emulation's layout; the wrappers take its address."""
 
     _fields_ = [("opaque", ctypes.c_uint64 * 16)]
 
 
-def tensor_map(view: torch.Tensor, box: tuple[int, int, int]) -> TensorMap:
-    """What `runtime.tensor_map_3d` encodes for the GPU, in the layout tx_emulate.h's
-    tx_tma_load_3d reads: a 3-D view [d2][d1][d0] (d0 contiguous), boxes of ``box`` (outermost first)."""
-    assert view.dim() == 3 and view.stride(2) == 1, "a 3-D view, innermost dimension contiguous"
-    esz = view.element_size()
+def tensor_map(view: torch.Tensor, box: tuple[int, ...]) -> TensorMap:
+    """What `runtime.tensor_map` encodes for the GPU, in the layout tx_emulate.h's tensor-map
+    copies read: opaque[0] the base address, [1] magic << 8 | rank, [2..6] the dims and [11..15]
+    the box (elements, innermost first), [7..10] the strides of dims 1 to 4 in bytes (16-bit
+    elements, the innermost dimension contiguous)."""
+    rank = view.dim()
+    assert 1 <= rank <= 5 and len(box) == rank and view.stride(-1) == 1 and view.element_size() == 2
     m = TensorMap()
-    fields = [view.data_ptr(), view.shape[2], view.shape[1], view.shape[0], view.stride(1) * esz,
-              view.stride(0) * esz, box[2], box[1], box[0], esz, TXE_MAP_MAGIC]  # fmt: skip
-    for i, value in enumerate(fields):
-        m.opaque[i] = value
+    m.opaque[0] = view.data_ptr()
+    m.opaque[1] = TXE_MAP_MAGIC << 8 | rank
+    for i in range(rank):  # innermost first
+        m.opaque[2 + i] = view.shape[rank - 1 - i]
+        m.opaque[11 + i] = box[rank - 1 - i]
+        if i:
+            m.opaque[7 + i - 1] = view.stride(rank - 1 - i) * 2
     return m
 
 

@@ -877,47 +877,69 @@ TX_DEVICE void tx_bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
 }
 TX_DEVICE void tx_bulk_copy_hint(u32 dst, const void* src, u32 bytes, u32 bar, u64) { tx_bulk_copy(dst, src, bytes, bar); }
 // A tensor map as the emulation reads it (tests/emulator/emulate.py `tensor_map` writes it):
-// opaque[0] the base address, [1..3] the dims (elements, innermost first), [4..5] the strides of
-// dims 1 and 2 in bytes, [6..8] the box (elements, innermost first), [9] the element size, [10]
-// TXE_MAP_MAGIC. The box lands in the 128-byte swizzle (rows of exactly 128 bytes: the swizzle
-// span), one 16-byte copy per chunk, zeros for elements outside the tensor; all of the box's
-// bytes count against the barrier.
-constexpr u64 TXE_MAP_MAGIC = 0x5458454d41500001ull;
-TX_DEVICE void tx_tma_load_3d(u32 dst, const void* map, int c0, int c1, int c2, u32 bar) {
+// opaque[0] the base address, [1] TXE_MAP_MAGIC << 8 | rank, [2..6] the dims and [11..15] the
+// box (elements, innermost first), [7..10] the strides of dims 1 to 4 in bytes; 16-bit elements.
+// The box lands in the 128-byte swizzle (rows of exactly 128 bytes: the swizzle span), one
+// 16-byte copy per chunk, zeros for elements outside the tensor; all of the box's bytes count
+// against the barrier.
+namespace txe {
+constexpr u64 MAP_MAGIC = 0x5458454d4150ull;
+inline void tma_load(u32 dst, const void* map, const int* coords, int rank, u32 bar) {
   const u64* f = static_cast<const u64*>(map);  // the kernel's TxTensorMap
-  if (f[10] != TXE_MAP_MAGIC) return txe::fail("tensor map: not one the emulation encoded");
-  const long long dims[3] = {(long long)f[1], (long long)f[2], (long long)f[3]};
-  const long long esz = (long long)f[9], box0 = (long long)f[6], box1 = (long long)f[7], box2 = (long long)f[8];
-  if (box0 * esz != 128) return txe::fail("tensor map: the 128-byte swizzle needs 128-byte box rows");
-  if (dst % 1024) return txe::fail("tensor map copy: the 128-byte swizzle needs a 1024-byte aligned destination");
-  if (dst + box0 * box1 * box2 * esz > txe::smem_size) return txe::fail("tensor map copy: outside shared memory");
-  txe::MBar& b = txe::mbar(bar);
+  if (f[1] >> 8 != MAP_MAGIC) return fail("tensor map: not one the emulation encoded");
+  if ((int)(f[1] & 0xff) != rank) return fail("tensor map: copied with a rank other than the map's");
+  long long dim[5] = {1, 1, 1, 1, 1}, box[5] = {1, 1, 1, 1, 1}, stride[5] = {2, 0, 0, 0, 0}, c[5] = {0, 0, 0, 0, 0};
+  for (int i = 0; i < rank; ++i) {
+    dim[i] = (long long)f[2 + i];
+    box[i] = (long long)f[11 + i];
+    if (i) stride[i] = (long long)f[7 + i - 1];
+    c[i] = coords[i];
+  }
+  if (box[0] * 2 != 128) return fail("tensor map: the 128-byte swizzle needs 128-byte box rows");
+  if (dst % 1024) return fail("tensor map copy: the 128-byte swizzle needs a 1024-byte aligned destination");
+  const long long rows = box[1] * box[2] * box[3] * box[4];
+  if (dst + rows * 128 > smem_size) return fail("tensor map copy: outside shared memory");
+  MBar& b = mbar(bar);
   const unsigned char* base = reinterpret_cast<const unsigned char*>(f[0]);
-  const int per = (int)(16 / esz);  // elements per 16-byte chunk
-  for (long long z = 0; z < box2; ++z) {
-    for (long long r = 0; r < box1; ++r) {
-      const u32 row = dst + (u32)((z * box1 + r) * 128);
-      const long long y = c1 + r, w = c2 + z;
-      const bool row_in = y >= 0 && y < dims[1] && w >= 0 && w < dims[2];
-      const unsigned char* src_row = base + w * (long long)f[5] + y * (long long)f[4];
-      for (int j = 0; j < 8; ++j) {
-        const u32 to = txe::swizzle128(row + 16 * j);
-        const long long x0 = c0 + (long long)j * per;
-        if (!row_in || x0 >= dims[0] || x0 + per <= 0) {
-          b.bulk.push_back({to, nullptr, 16});  // wholly outside: zeros
-        } else if (x0 >= 0 && x0 + per <= dims[0]) {
-          b.bulk.push_back({to, src_row + x0 * esz, 16});
-        } else {  // a chunk across the tensor's edge, element by element
-          for (int e = 0; e < per; ++e) {
-            const long long x = x0 + e;
-            const bool in = x >= 0 && x < dims[0];
-            b.bulk.push_back({to + (u32)(e * esz), in ? src_row + x * esz : nullptr, (int)esz});
-          }
+  for (long long row = 0; row < rows; ++row) {  // box rows, dimension 1 fastest
+    long long rest = row, off = 0;
+    bool in = true;
+    for (int i = 1; i < 5; ++i) {
+      const long long x = c[i] + rest % box[i];
+      rest /= box[i];
+      in = in && x >= 0 && x < dim[i];
+      off += x * stride[i];
+    }
+    const u32 at = dst + (u32)(row * 128);
+    for (int j = 0; j < 8; ++j) {
+      const u32 to = swizzle128(at + 16 * j);
+      const long long x0 = c[0] + 8LL * j;
+      if (!in || x0 >= dim[0] || x0 + 8 <= 0) {
+        b.bulk.push_back({to, nullptr, 16});  // wholly outside: zeros
+      } else if (x0 >= 0 && x0 + 8 <= dim[0]) {
+        b.bulk.push_back({to, base + off + x0 * 2, 16});
+      } else {  // a chunk across the tensor's edge, element by element
+        for (int e = 0; e < 8; ++e) {
+          const long long x = x0 + e;
+          const bool inside = x >= 0 && x < dim[0];
+          b.bulk.push_back({to + (u32)(2 * e), inside ? base + off + x * 2 : nullptr, 2});
         }
       }
     }
   }
-  if (txe::eager) txe::mbar_settle(b);
+  if (eager) mbar_settle(b);
+}
+}  // namespace txe
+TX_DEVICE void tx_tma_load_3d(u32 dst, const void* map, int c0, int c1, int c2, u32 bar) {
+  const int c[3] = {c0, c1, c2};
+  txe::tma_load(dst, map, c, 3, bar);
+}
+TX_DEVICE void tx_tma_load_4d(u32 dst, const void* map, int c0, int c1, int c2, int c3, u32 bar) {
+  const int c[4] = {c0, c1, c2, c3};
+  txe::tma_load(dst, map, c, 4, bar);
+}
+TX_DEVICE void tx_tma_load_4d_hint(u32 dst, const void* map, int c0, int c1, int c2, int c3, u32 bar, u64) {
+  tx_tma_load_4d(dst, map, c0, c1, c2, c3, bar);
 }
 TX_DEVICE void tx_st_shared_zero16(u32 dst) {
   if (dst % 16 || dst + 16 > txe::smem_size) return txe::fail("st.shared: unaligned or outside");

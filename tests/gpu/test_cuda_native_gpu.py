@@ -244,26 +244,31 @@ def test_every_enumerated_decode_tactic() -> None:
             case.check(w, f"tactic {tactic}", return_lse=True)
 
 
-def _bulk(tile: int, warps: int, stages: int, bulk: int, l2: int = 0, kv_chunk: int = 0) -> dict[str, Any]:
+def _bulk(tile: int, warps: int, stages: int, bulk: int, l2: int = 0, kv_chunk: int = 0,
+          tma: int = 0) -> dict[str, Any]:  # fmt: skip
     params = {"tile": tile, "warps": warps, "stages": stages, "kv_chunk": kv_chunk, "l2": l2, "bulk": bulk}
+    if tma:
+        params["tma"] = tma
     return {"backend": "cuda_native", "kernel": "decode", "params": params}
 
 
+@pytest.mark.parametrize("tma", [0, 1], ids=["linear", "tensor-maps"])
 @pytest.mark.parametrize("page", [8, 16, 32, 128])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_bulk_copy_decode_pages_windows_splits_and_nan_outside(page: int, d: int) -> None:
-    """The bulk-copy tactics (HND): whole segments are copied, so keys before a window's first key
-    and past a request's last one land in shared memory; NaN there (slots outside the batch) must
-    not reach the output. Ragged lengths, unaligned windows, forced splits, GQA 1/4/20, soft-cap."""
+def test_bulk_copy_decode_pages_windows_splits_and_nan_outside(page: int, d: int, tma: int) -> None:
+    """The bulk-copy tactics (HND), linear or through tensor maps: whole segments are copied, so
+    keys before a window's first key and past a request's last one land in shared memory; NaN
+    there (slots outside the batch) must not reach the output. Ragged lengths, unaligned windows,
+    forced splits, GQA 1/4/20, soft-cap."""
     if not geometry.arch_at_least(plugin.device_info(0).arch, 90):
         pytest.skip("bulk copies need sm_90")
     lens = [1, 7, 8, 9, 15, 16, 17, 100, 513, 2048 + 7]
     for i, (heads, feats, tactic) in enumerate([
-        ((32, 8), {}, _bulk(64, 4, 2, 16)),
-        ((32, 8), {"window_left": 100}, _bulk(64, 4, 2, 8, l2=1)),
-        ((8, 8), {"window_left": 1000, "logits_soft_cap": 20.0}, _bulk(64, 4, 3, 16, kv_chunk=64)),
-        ((40, 2), {"window_left": 37}, _bulk(32, 2, 2, 8, kv_chunk=128)),
-        ((32, 4), {"sm_scale": 0.2}, _bulk(128, 8, 2, 32 if page >= 32 else 16, kv_chunk=256)),
+        ((32, 8), {}, _bulk(64, 4, 2, 16, tma=tma)),
+        ((32, 8), {"window_left": 100}, _bulk(64, 4, 2, 8, l2=1, tma=tma)),
+        ((8, 8), {"window_left": 1000, "logits_soft_cap": 20.0}, _bulk(64, 4, 3, 16, kv_chunk=64, tma=tma)),
+        ((40, 2), {"window_left": 37}, _bulk(32, 2, 2, 8, kv_chunk=128, tma=tma)),
+        ((32, 4), {"sm_scale": 0.2}, _bulk(128, 8, 2, 32 if page >= 32 else 16, kv_chunk=256, tma=tma)),
     ]):  # fmt: skip
         bulk = tactic["params"]["bulk"]
         if page % bulk or (d == 256 and tactic["params"]["tile"] == 128):
@@ -271,8 +276,8 @@ def test_bulk_copy_decode_pages_windows_splits_and_nan_outside(page: int, d: int
         case = Case(lens, page=page, hq=heads[0], hkv=heads[1], d=d, seed=100 + i, poison=float("nan"))
         w = case.wrapper()
         case.plan(w, tactic=tactic, return_lse=True, **feats)
-        assert w.tactic.params["bulk"] == bulk
-        case.check(w, f"bulk {feats}", return_lse=True, **feats)
+        assert w.tactic.params["bulk"] == bulk and w.tactic.params.get("tma", 0) == tma
+        case.check(w, f"bulk {feats} tma {tma}", return_lse=True, **feats)
 
 
 def test_bulk_copy_decode_refuses_nhd_odd_pages_and_rows_not_contiguous() -> None:
@@ -297,6 +302,38 @@ def test_bulk_copy_decode_refuses_nhd_odd_pages_and_rows_not_contiguous() -> Non
         t[..., : case.d].copy_(src)
     with pytest.raises(tactix.InvalidArgumentError, match="token stride"):
         w.run(case.q, (wide[0][..., : case.d], wide[1][..., : case.d]))
+    # tensor maps take any 16-byte strides: the same padded cache reads right
+    case.plan(w, tactic=_bulk(64, 4, 2, 16, tma=1))
+    out = w.run(case.q, (wide[0][..., : case.d], wide[1][..., : case.d]))
+    ref, _ = case.reference()
+    assert relative_error(out, ref) <= tolerance_for(case.dtype)
+
+
+def test_tma_decode_replans_share_the_cache_maps_and_replay_in_a_cuda_graph() -> None:
+    """A tensor-map decode plan encodes one map per cache tensor on its first run; a re-plan (a
+    server's every step) keeps them, and a CUDA graph replays them with new queries."""
+    case = Case([40, 300, 7, 2048], seed=41)
+    w = case.wrapper()
+    case.plan(w, tactic=_bulk(64, 4, 2, 16, tma=1))
+    case.check(w, "first plan")
+    maps = w.plan_object._maps
+    assert len(maps) == 2
+    case.plan(w, tactic=_bulk(64, 4, 2, 16, tma=1))
+    case.check(w, "re-plan")
+    assert w.plan_object._maps is maps and len(maps) == 2
+    g = case.wrapper(graph=True)
+    case.plan(g, tactic=_bulk(64, 4, 2, 16, tma=1))
+    out = torch.empty(len(case.lens), case.hq, case.d, device=CUDA, dtype=case.dtype)
+    g.run(case.q, case.cache, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g.run(case.q, case.cache, out=out)
+    case.q.copy_(torch.randn_like(case.q))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relative_error(out, case.reference()[0]) <= tolerance_for(case.dtype)
 
 
 def test_decode_run_does_not_sync_and_replays_in_a_cuda_graph() -> None:

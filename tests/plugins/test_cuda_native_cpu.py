@@ -426,6 +426,15 @@ def test_bad_tactic_params_give_reasons() -> None:
     assert not geometry.arch_at_least("sm_89", 90)
     # each copy's segment is 16 bytes longer in shared memory (banks): 4 segments a K or V tile
     assert geometry.decode_smem_bytes(128, 64, 4, 2, 16) == geometry.decode_smem_bytes(128, 64, 4, 2) + 2 * 2 * 4 * 16
+    # the same segments through tensor maps: no padding (the swizzle), a variant of their own, bulk needed
+    assert geometry.decode_smem_bytes(128, 64, 4, 2, 16, 1) == geometry.decode_smem_bytes(128, 64, 4, 2)
+    assert reasons("decode", {**ok, "bulk": 16, "tma": 1}, decode()) == []
+    assert "needs bulk 8, 16 or 32" in reasons("decode", {**ok, "tma": 1}, decode())[0]
+    assert "tma must be 0 or 1" in reasons("decode", {**ok, "bulk": 16, "tma": 2}, decode())[0]
+    assert "needs the HND layout" in reasons("decode", {**ok, "bulk": 16, "tma": 1}, decode(kv_layout="NHD"))[0]
+    with_maps = geometry.DecodeParams(64, 4, 3, 0, 1, 16, 1)
+    assert dict(plugin.decode_variant("bfloat16", 128, with_maps, "sm_90").defines)["TX_TMA"] == "1"
+    assert geometry.DecodeParams.from_tactic(with_maps.to_tactic()) == with_maps
     assert "l2 must be 0" in reasons("decode", {**ok, "l2": 3}, decode())[0]
     assert "tile / warps must be 16 or 32" in reasons("decode", {**ok, "tile": 48}, decode())[0]
     assert "stages must be in 2..8" in reasons("decode", {**ok, "stages": 1}, decode())[0]
@@ -453,11 +462,12 @@ def test_bad_tactic_params_give_reasons() -> None:
 def test_decode_run_checks_the_cache_strides_the_bulk_tactic_needs() -> None:
     """`CudaNativeDecodePlan._accept` (run() calls it when the strides change; only strides are
     read, so CPU tensors do): every cache must be dense along head_dim with 16-byte strides, and
-    the bulk-copy tactic also needs each page's rows contiguous. The error names the argument."""
+    the bulk-copy tactic also needs each page's rows contiguous (not through tensor maps). The
+    error names the argument."""
     import torch
 
-    def accept(bulk: int, k: torch.Tensor, v: torch.Tensor) -> types.SimpleNamespace:
-        plan = types.SimpleNamespace(problem=decode(), _bulk=bulk)
+    def accept(bulk: int, k: torch.Tensor, v: torch.Tensor, tma: int = 0) -> types.SimpleNamespace:
+        plan = types.SimpleNamespace(problem=decode(), _bulk=bulk, _tma=tma)
         plugin.CudaNativeDecodePlan._accept(plan, torch.zeros(2, 32, 128), k, v)  # type: ignore[arg-type]
         return plan
 
@@ -467,6 +477,8 @@ def test_decode_run_checks_the_cache_strides_the_bulk_tactic_needs() -> None:
     assert accept(0, padded, padded)._strides == (17408, 136, 2176) * 2
     with pytest.raises(tactix.InvalidArgumentError, match=r"paged_kv_cache \(k\).*token stride = head_dim"):
         accept(16, padded, hnd)
+    # the same segments through tensor maps take any 16-byte strides
+    assert accept(16, padded, hnd, tma=1)._strides == (17408, 136, 2176, 16384, 128, 2048)
     with pytest.raises(tactix.InvalidArgumentError, match=r"paged_kv_cache \(v\).*multiples of 8"):
         accept(0, hnd, torch.zeros(6, 8, 16, 129)[..., 1:])
 

@@ -210,7 +210,7 @@ def test_emulation_reproduces_the_h200_proven_decode_kernel(lens: list[int], kw:
 _B64 = {"tile": 64, "warps": 4}
 BULK_CASES = [
     ([1, 17, 700, 64], {"tactic": {**_B64, "stages": 2, "bulk": 16}}),
-    ([1, 7, 9, 300], {"page": 8, "window": 37, "tactic": {**_B64, "stages": 3, "bulk": 8}}),
+    ([1, 7, 9, 300], {"page": 8, "window": 37, "tactic": {**_B64, "stages": 3, "bulk": 8, "l2": 0}}),  # no L2 hint
     ([700, 5, 130], {"window": 200, "cap": 10.0, "tactic": {**_B64, "stages": 2, "kv_chunk": 64, "bulk": 16}}),
     (
         [33, 260],
@@ -219,24 +219,26 @@ BULK_CASES = [
             "page": 32,
             "hq": 40,
             "hkv": 2,
-            "tactic": {"tile": 32, "warps": 2, "stages": 2, "kv_chunk": 64, "bulk": 8},
+            "tactic": {"tile": 32, "warps": 2, "stages": 2, "kv_chunk": 64, "bulk": 8, "l2": 0},
         },
     ),
     ([100, 513], {"d": 256, "page": 128, "dtype": torch.float16, "tactic": {**_B64, "stages": 2, "bulk": 16}}),
 ]
 
 
+@pytest.mark.parametrize("tma", [0, 1], ids=["linear", "tensor-maps"])
 @pytest.mark.parametrize("eager", [False, True], ids=["late-copies", "eager-copies"])
 @pytest.mark.parametrize(("lens", "kw"), BULK_CASES)
-def test_emulated_bulk_copy_decode(lens: list[int], kw: dict[str, Any], eager: bool,
+def test_emulated_bulk_copy_decode(lens: list[int], kw: dict[str, Any], eager: bool, tma: int,
                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """The bulk-copy tactics (whole segments of a page per copy, an mbarrier per stage) with NaN in
-    every cache slot outside the batch: keys before a window and past a request's end are copied
-    with their segment and must not reach the output. Unaligned windows, forced splits, GQA 20 (two
-    q tiles), page sizes 8 to 128; every schedule; copies landing at once and as late as allowed."""
+    """The bulk-copy tactics (whole segments of a page per copy, an mbarrier per stage; linear
+    copies, or tensor-map boxes in the 128-byte swizzle) with NaN in every cache slot outside the
+    batch: keys before a window and past a request's end are copied with their segment and must
+    not reach the output. Unaligned windows, forced splits, GQA 20 (two q tiles), page sizes 8 to
+    128, d 64 to 256; every schedule; copies landing at once and as late as allowed."""
     monkeypatch.setenv("TXE_EAGER_COPIES", "1" if eager else "0")
     problem, batch, q, k, v, ref, ref_lse = _decode_case(lens, {**kw, "nan_outside": True})
-    t = Tactic(backend="cuda_native", kernel="decode", params=kw["tactic"])
+    t = Tactic(backend="cuda_native", kernel="decode", params={**kw["tactic"], "tma": tma})
     assert plugin._reasons(problem, t, H200) == []  # type: ignore[arg-type]
     plan = emulate.DecodePlan(problem, batch, t)  # type: ignore[arg-type]
     first = None

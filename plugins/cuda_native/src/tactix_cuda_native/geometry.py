@@ -111,7 +111,9 @@ class DecodeParams:
     ``l2``: 1 (default) streams K/V with an L2 evict_first policy, 0 without a hint, 2 adds a
     256-byte L2 prefetch to 1. ``bulk``: 0 (default) gathers K/V rows with 16-byte ``cp.async``;
     8, 16 or 32 copies that many tokens at a time with bulk copies (sm_90 and later; HND caches
-    whose pages hold a multiple of ``bulk`` tokens, rows contiguous: kernels/decode.cu).
+    whose pages hold a multiple of ``bulk`` tokens, rows contiguous: kernels/decode.cu). ``tma``
+    1 (with ``bulk``) copies those segments through tensor maps of the caches (the 128-byte
+    swizzle, any 16-byte strides) instead of linear bulk copies.
     """
 
     tile: int
@@ -120,6 +122,7 @@ class DecodeParams:
     kv_chunk: int = 0
     l2: int = 1
     bulk: int = 0
+    tma: int = 0
 
     def to_tactic(self) -> Tactic:
         params = {"tile": self.tile, "warps": self.warps, "stages": self.stages, "kv_chunk": self.kv_chunk}
@@ -127,12 +130,15 @@ class DecodeParams:
             params["l2"] = self.l2
         if self.bulk:  # as does cp.async (0)
             params["bulk"] = self.bulk
+        if self.tma:  # and linear bulk copies
+            params["tma"] = self.tma
         return Tactic(backend=NAME, kernel="decode", params=params)
 
     @classmethod
     def from_tactic(cls, tactic: Tactic) -> DecodeParams:
         get = functools.partial(_int_param, tactic)
-        return cls(get("tile"), get("warps"), get("stages"), get("kv_chunk", 0), get("l2", 1), get("bulk", 0))
+        return cls(get("tile"), get("warps"), get("stages"), get("kv_chunk", 0), get("l2", 1), get("bulk", 0),
+                   get("tma", 0))  # fmt: skip
 
     def reasons(self, head_dim: int, info: DeviceInfo) -> list[str]:
         out = []
@@ -143,6 +149,10 @@ class DecodeParams:
                 out.append(f"bulk copies need sm_90 or later; this GPU is {info.arch} (use bulk 0)")
             if self.tile % self.bulk or not 4 <= self.tile // self.bulk <= 16:
                 out.append(f"bulk {self.bulk} must cut tile {self.tile} into 4 to 16 copies")
+        if self.tma not in (0, 1):
+            out.append(f"tma must be 0 or 1 (got {self.tma})")
+        elif self.tma and not self.bulk:
+            out.append("tma 1 copies bulk segments through tensor maps: it needs bulk 8, 16 or 32")
         if self.l2 not in L2_HINTS:
             out.append(
                 f"l2 must be 0 (evict_normal), 1 (evict_first) or 2 (evict_first + 256B prefetch) (got {self.l2})"
@@ -158,17 +168,17 @@ class DecodeParams:
         if self.kv_chunk < 0 or (self.kv_chunk and self.kv_chunk % self.tile):
             out.append(f"kv_chunk must be 0 (auto) or a positive multiple of tile {self.tile} (got {self.kv_chunk})")
         if not out:
-            smem = decode_smem_bytes(head_dim, self.tile, self.warps, self.stages, self.bulk)
+            smem = decode_smem_bytes(head_dim, self.tile, self.warps, self.stages, self.bulk, self.tma)
             if smem > info.smem_per_block:
                 out.append(f"needs {smem} bytes of shared memory; this GPU allows {info.smem_per_block} per CTA")
         return out
 
 
-def decode_smem_bytes(head_dim: int, tile: int, warps: int, stages: int, bulk: int = 0) -> int:
+def decode_smem_bytes(head_dim: int, tile: int, warps: int, stages: int, bulk: int = 0, tma: int = 0) -> int:
     """Dynamic shared memory of the decode kernel (see the layout in kernels/decode.cu): with
-    ``bulk``, each copy's segment of a tile is 16 bytes longer."""
+    ``bulk`` (linear copies, not ``tma``), each copy's segment of a tile is 16 bytes longer."""
     row = head_dim * 2
-    tile_bytes = tile * row + (tile // bulk * 16 if bulk else 0)
+    tile_bytes = tile * row + (tile // bulk * 16 if bulk and not tma else 0)
     return stages * 2 * tile_bytes + 16 * row + stages * 2 * tile * 8 + warps * 32 * 4 + 32 * 4 + FLAG_BYTES
 
 
@@ -199,6 +209,9 @@ def decode_candidates(head_dim: int, info: DeviceInfo) -> list[DecodeParams]:
         out += [DecodeParams(t, w, s, 0, hint, bulk) for t, w, s, bulk in
                 ((64, 4, 2, 16), (64, 4, 2, 8), (64, 4, 3, 16), (64, 4, 3, 8), (128, 8, 2, 16), (32, 2, 2, 8))
                 for hint in (0, 1)]  # fmt: skip
+        # the same segments through tensor maps (the plugin drops them where maps cannot be encoded):
+        # the two that led on the H200 (h200-decode-tma-sweep.log: D3 without the L2 hint, D2 with 3 stages)
+        out += [DecodeParams(64, 4, 2, 0, 0, 16, 1), DecodeParams(64, 4, 3, 0, 1, 16, 1)]
     return [p for p in dict.fromkeys(out) if not p.reasons(head_dim, info)]
 
 

@@ -13,7 +13,9 @@ Tactics are the kernels' compile-time and launch parameters:
   work items; left out, 0, one CTA per item) and, with q_tile 128, ``"pingpong": 1``: the two consumer
   warpgroups take turns at the tensor cores (FlashAttention-3's schedule);
 * ``Tactic(backend="cuda_native", kernel="decode", params={"tile": 64, "warps": 4, "stages": 2, "kv_chunk": 0})``
-  (``kv_chunk`` 0: the split of long requests is chosen per batch by `geometry.decode_chunk`);
+  (``kv_chunk`` 0: the split of long requests is chosen per batch by `geometry.decode_chunk`; optional
+  ``"bulk"``: segments of that many tokens per bulk copy, HND, sm_90, and ``"tma": 1``: those segments through
+  tensor maps of the caches);
 * ``Tactic(backend="cuda_native", kernel="gemm", params={"bn": 32, "bk": 128, "wn": 1, "wk": 4, "stages": 4,
   "splits": 0})`` (``splits`` 0: chosen from the shape by `geometry.gemm_splits`);
 * ``Tactic(backend="cuda_native", kernel="gemm_wgmma", params={"bw": 64, "bk": 64, "stages": 4, "splits": 0})``
@@ -98,7 +100,7 @@ from tactix_cuda_native.runtime import (
     load,
     resident_ctas,
     stream_for,
-    tensor_map_3d,
+    tensor_map,
     tensor_maps_status,
 )
 
@@ -234,10 +236,10 @@ def _decode_reasons(problem: DecodeProblem, tactic: Tactic, info: DeviceInfo) ->
         return out
     if tactic.kernel != "decode":
         return [*out, f"unknown decode kernel '{tactic.kernel}' (known: default, decode)"]
-    known = {"tile", "warps", "stages", "kv_chunk", "l2", "bulk"}
+    known = {"tile", "warps", "stages", "kv_chunk", "l2", "bulk", "tma"}
     given = set(tactic.params)
     if not {"tile", "warps", "stages"} <= given or given - known:
-        return [*out, f"decode params must be {sorted(known)} with kv_chunk, l2 and bulk optional "
+        return [*out, f"decode params must be {sorted(known)} with kv_chunk, l2, bulk and tma optional "
                       f"(got {sorted(given)})"]  # fmt: skip
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in tactic.params.values()):
         return [*out, f"decode params must be integers (got {tactic.params})"]
@@ -247,6 +249,8 @@ def _decode_reasons(problem: DecodeProblem, tactic: Tactic, info: DeviceInfo) ->
             out.append(f"bulk {params.bulk} copies a head's rows of a page at once: it needs the HND layout")
         if problem.page_size % params.bulk:
             out.append(f"bulk {params.bulk} needs a page size that is a multiple of it (got {problem.page_size})")
+    if params.tma and (why := tensor_maps_status()) is not None:
+        out.append(f"tma {params.tma} needs tensor maps: {why}")
     return out + params.reasons(problem.head_dim_qk, info)
 
 
@@ -377,6 +381,7 @@ def decode_variant(dtype: str, head_dim: int, params: DecodeParams, arch: str) -
         TX_STAGES=params.stages,
         **_l2_defines(params.l2),
         **({"TX_BULK": params.bulk} if params.bulk else {}),  # absent when 0: the variants keep their keys
+        **({"TX_TMA": params.tma} if params.tma else {}),
     )
 
 
@@ -619,7 +624,7 @@ _kernels: dict[tuple[Any, ...], _Kernel] = {}
 
 def _decode_kernel(index: int, dtype: str, d: int, params: DecodeParams, info: DeviceInfo) -> tuple[_Kernel, bool]:
     """The decode kernel of ``params`` on device ``index``, and whether NVRTC compiled it now."""
-    smem = decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk)
+    smem = decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk, params.tma)
     key = ("decode", index, dtype, d, params, info.arch)
     return _kernel(key, lambda: decode_variant(dtype, d, params, info.arch), "tactix_decode", smem, 32 * params.warps,
                    params, index, info)  # fmt: skip
@@ -694,6 +699,11 @@ class CudaNativeDecodePlan(_StagedPlan):
         self.chunk = chunk
         self._geometry = (b, hq, hkv, d, problem.page_size, item_cap, slot_cap, page_cap, params)
         self._bulk = params.bulk
+        self._tma = params.tma
+        # the caches' tensor maps: a re-plan (every step of a server) shares its predecessor's
+        self._maps: dict[tuple[Any, ...], Any] = (
+            previous._maps if isinstance(previous, CudaNativeDecodePlan) and previous.device == self.device else {}
+        )
         replaced = previous if graph and previous is not None else None
         if replaced is not None and (
             not isinstance(replaced, CudaNativeDecodePlan) or replaced._geometry != self._geometry
@@ -744,7 +754,7 @@ class CudaNativeDecodePlan(_StagedPlan):
     def _accept(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Check the cache strides and q's once per new set of strides; keep the stride arguments."""
         self._strides = _cache_strides(self.problem.kv_layout, k, v)
-        for name, t in (("k", k), ("v", v)) if self._bulk else ():
+        for name, t in (("k", k), ("v", v)) if self._bulk and not self._tma else ():
             if t.stride(2) != t.shape[3]:  # HND (the tactic's check): [pages, heads, tokens, head_dim]
                 raise InvalidArgumentError(
                     f"paged_kv_cache ({name})",
@@ -771,8 +781,25 @@ class CudaNativeDecodePlan(_StagedPlan):
         lse_ptr = 0 if lse is None else lse.data_ptr()
         stream = stream_for(self._index, raw_stream(self._index))
         cc = _cc()
-        cc.launch(stream, self._cfg, self._kernel, q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr,
-                  *self._strides, out_ptr, lse_ptr, *self._ptrs, *self._scalars)  # fmt: skip
+        args: tuple[Any, ...] = (q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr, *self._strides, out_ptr, lse_ptr,
+                                 *self._ptrs, *self._scalars)  # fmt: skip
+        if self._tma:
+            args = (self._cache_map(k_cache), self._cache_map(v_cache), *args)
+        cc.launch(stream, self._cfg, self._kernel, *args)
+
+    _MAPS_KEPT: ClassVar[int] = 8
+
+    def _cache_map(self, t: torch.Tensor) -> Any:
+        """The tensor map of a K or V cache ([pages][heads][tokens][D], HND), boxes of 64 of D x
+        ``bulk`` tokens; kept per address and layout (a cache does not move: encoded once)."""
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        found = self._maps.pop(key, None)
+        if found is None:
+            found = tensor_map(t, (1, 1, self._bulk, 64))
+            while len(self._maps) >= self._MAPS_KEPT:
+                self._maps.pop(next(iter(self._maps)))
+        self._maps[key] = found
+        return found
 
 
 def _cc() -> Any:
@@ -1014,7 +1041,7 @@ class CudaNativeGemmPlan:
         if found is None:
             batch_stride = sb if p.batched else rows * ld  # any multiple of 16 bytes for one batch
             view = t.as_strided((p.batch, rows, p.k), (batch_stride, ld, 1))
-            found = tensor_map_3d(view, (1, box_rows, 64))
+            found = tensor_map(view, (1, box_rows, 64))
             while len(self._maps) >= self._MAPS_KEPT:
                 self._maps.pop(next(iter(self._maps)))
         self._maps[key] = found  # the most recently used last

@@ -56,7 +56,7 @@ __all__ = [
     "nvrtc_version",
     "resource_usage",
     "source_text",
-    "tensor_map_3d",
+    "tensor_map",
     "tensor_maps_status",
 ]
 
@@ -553,11 +553,12 @@ def tensor_maps_status() -> str | None:
     return _tensor_map_api()[2]
 
 
-def tensor_map_3d(t: Any, box: tuple[int, int, int]) -> Any:
-    """The tiled TMA descriptor (a cuda.core ``TensorMapDescriptor``, a kernel argument) of a 3-D
-    CUDA tensor ``t`` of 16-bit floats whose last dimension is contiguous, with boxes of ``box``
-    elements (outermost first), the 128-byte swizzle and zeros outside the tensor. Encoding costs
-    tens of microseconds of host time: callers keep the descriptors of tensors that do not move."""
+def tensor_map(t: Any, box: tuple[int, ...]) -> Any:
+    """The tiled TMA descriptor (a cuda.core ``TensorMapDescriptor``, a kernel argument) of a CUDA
+    tensor ``t`` of 16-bit floats (rank 3 to 5) whose last dimension is contiguous, with boxes of
+    ``box`` elements (outermost first; 64 innermost: 128-byte rows), the 128-byte swizzle and zeros
+    outside the tensor. Encoding costs microseconds of host time: callers keep the descriptors of
+    tensors that do not move."""
     import torch
 
     enums, view_type, why = _tensor_map_api()

@@ -29,10 +29,20 @@
 // two-way conflicts). Tiles start at the item's first key rounded down to s; keys outside the
 // item are masked in S, and their V rows (whatever the cache holds there) are zeroed before P V.
 //
+// With TX_TMA as well, the segments arrive through tensor maps of the K and V caches (4-D: head
+// dim, token in page, head, page; boxes of 64 of the head dim x s tokens, the 128-byte swizzle)
+// instead of linear copies: each segment is D / 64 boxes, rows in token order, and the swizzle
+// keeps every ldmatrix phase conflict-free without padding. The maps are kernel parameters the
+// plan encodes (plugin.CudaNativeDecodePlan: kept per cache tensor), any 16-byte strides.
+//
 // Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_TILE, TX_WARPS, TX_STAGES,
-// TX_L2 (1: K/V streamed with an L2 evict_first policy, 0: no hint), TX_L2_PREFETCH_256, TX_BULK.
+// TX_L2 (1: K/V streamed with an L2 evict_first policy, 0: no hint), TX_L2_PREFETCH_256, TX_BULK,
+// TX_TMA.
 #ifndef TX_BULK
 #define TX_BULK 0
+#endif
+#ifndef TX_TMA
+#define TX_TMA 0
 #endif
 #include "common.cuh"
 #if TX_BULK
@@ -69,7 +79,8 @@ constexpr bool BULK = TX_BULK != 0;
 constexpr int SEG = BULK ? TX_BULK : 1;      // tokens per bulk copy
 constexpr int NSEG = TILE / SEG;             // bulk copies per K (or V) tile
 constexpr int SEG_BYTES = SEG * ROW_BYTES;   // bytes of one bulk copy
-constexpr int SEG_PITCH = SEG_BYTES + 16;    // a segment's place in shared memory (16 bytes apart: banks)
+constexpr bool TMA = TX_TMA != 0;            // segments through tensor maps, in the 128-byte swizzle
+constexpr int SEG_PITCH = TMA ? SEG_BYTES : SEG_BYTES + 16;  // a segment's place (bulk: 16 bytes apart: banks)
 constexpr int TILE_BYTES = BULK ? NSEG * SEG_PITCH : TILE * ROW_BYTES;
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;
 constexpr bool Q_IN_REGS = D <= 128;
@@ -86,25 +97,37 @@ static_assert(STAGES >= 2, "at least two stages");
 static_assert(NT % DCH == 0 && TILE % ROWS_PER_PASS == 0, "threads tile the rows of a K/V tile evenly");
 static_assert(WARPS * 16 * D * 4 <= STAGES * STAGE_BYTES, "warp merge buffer must fit in the stage area");
 static_assert(!BULK || (TILE % SEG == 0 && NSEG >= 4 && 2 * NSEG <= 32), "bulk: 4 to 16 segments a tile");
+static_assert(!TMA || (BULK && SEG % 8 == 0), "tensor maps: TX_BULK rows per box, 8 or more (1 KB swizzle atoms)");
 
 // Byte offset of 16-byte chunk `ch` of row `row` of a K or V tile, and the row's token (from the
-// tile's first key): swizzled rows in token order, or with TX_BULK rows interleaved over segments.
+// tile's first key): swizzled rows in token order; with TX_BULK rows interleaved over segments;
+// with TX_TMA rows in token order, segment by segment, each segment D / 64 boxes of SEG rows of
+// 128 bytes in the 128-byte swizzle (chunk c of row r at c ^ (r mod 8)).
 TX_DEVICE u32 kv_row(int row, int ch) {
+  if (TMA) {
+    const int r = row % SEG;
+    return (u32)((row / SEG) * SEG_BYTES + (ch >> 3) * (SEG * 128) + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
+  }
   if (BULK) return (u32)((row % NSEG) * SEG_PITCH + (row / NSEG) * ROW_BYTES + ch * 16);
   return tx_swz(row, ch, ROW_BYTES);
 }
-TX_DEVICE int row_token(int row) { return BULK ? (row % NSEG) * SEG + row / NSEG : row; }
+TX_DEVICE int row_token(int row) { return BULK && !TMA ? (row % NSEG) * SEG + row / NSEG : row; }
 
 // Dynamic shared memory: [stages: K tile, V tile] [Q 16 rows] [row addresses: stages x (K, V) x TILE;
 // TX_BULK: an mbarrier per stage there instead]
 // [per-warp row max/sum: WARPS x 16 x 2] [final row max/sum: 16 x 2] [flag: 4 ints]
 extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
+#if TX_TMA
+    // the K and V caches as [pages][heads][tokens][D] (dims innermost first: D, token, head, page),
+    // boxes of 64 x TX_BULK tokens, the 128-byte swizzle
+    const __grid_constant__ TxTensorMap kmap, const __grid_constant__ TxTensorMap vmap,
+#endif
     const u16* __restrict__ q, i64 q_sb, i64 q_sh, const u16* __restrict__ k, const u16* __restrict__ v,
     i64 k_sp, i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh, u16* __restrict__ out, float* __restrict__ lse,
     const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ kv_indices,
     float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ counters, i64 num_qo_heads, i64 gqa,
     i64 q_tiles, i64 page_shift, double scale_log2_d, double cap_d) {
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(1024) unsigned char smem[];  // (the tensor maps' swizzle atoms: 1 KB)
   const int units = (int)(num_qo_heads / gqa * q_tiles);
   const int item = blockIdx.x / units, unit = blockIdx.x % units;
   // the item record and the item count are loaded together (items holds one record per CTA of
@@ -231,12 +254,24 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
         const bool is_v = lane >= NSEG;
         const u32 dst = sbase + s * STAGE_BYTES + (is_v ? TILE_BYTES : 0) + sg * SEG_PITCH;
         const i64 in = (t0 + sg * SEG) & pmask;
+#if TX_TMA
+        const TxTensorMap* map = is_v ? &vmap : &kmap;
+#pragma unroll
+        for (int h = 0; h < D / 64; ++h) {
+          if (TX_L2) {
+            tx_tma_load_4d_hint(dst + h * SEG * 128, map, 64 * h, (int)in, kvh, pg, bar, policy);
+          } else {
+            tx_tma_load_4d(dst + h * SEG * 128, map, 64 * h, (int)in, kvh, pg, bar);
+          }
+        }
+#else
         const u16* src = is_v ? vh + (i64)pg * v_sp + in * v_st : kh + (i64)pg * k_sp + in * k_st;
         if (TX_L2) {
           tx_bulk_copy_hint(dst, src, (u32)SEG_BYTES, bar, policy);
         } else {
           tx_bulk_copy(dst, src, (u32)SEG_BYTES, bar);
         }
+#endif
       }
       pg = seg_page(tile + 1);
     }

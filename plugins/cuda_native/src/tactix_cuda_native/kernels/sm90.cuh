@@ -73,6 +73,22 @@ TX_DEVICE void tx_tma_load_3d(u32 dst, const TxTensorMap* map, int c0, int c1, i
       "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
 }
+// the same for a 4-D map (with an L2 cache policy: `_hint`)
+TX_DEVICE void tx_tma_load_4d(u32 dst, const TxTensorMap* map, int c0, int c1, int c2, int c3, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+      "%5}], [%6];\n" ::"r"(dst),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+TX_DEVICE void tx_tma_load_4d_hint(u32 dst, const TxTensorMap* map, int c0, int c1, int c2, int c3, u32 bar,
+                                   u64 policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, "
+      "{%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "l"(policy)
+      : "memory");
+}
 TX_DEVICE void tx_st_shared_zero16(u32 dst) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0u) : "memory");
 }
