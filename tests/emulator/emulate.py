@@ -281,7 +281,10 @@ def tensor_map(view: torch.Tensor, box: tuple[int, ...]) -> TensorMap:
     the box (elements, innermost first), [7..10] the strides of dims 1 to 4 in bytes (16-bit
     elements, the innermost dimension contiguous)."""
     rank = view.dim()
-    assert 1 <= rank <= 5 and len(box) == rank and view.stride(-1) == 1 and view.element_size() == 2
+    if not (1 <= rank <= 5 and len(box) == rank and view.stride(-1) == 1 and view.element_size() == 2):
+        raise ValueError(f"the emulation encodes 1- to 5-D maps of 16-bit elements, innermost contiguous, one box "
+                         f"size per dimension (got shape {tuple(view.shape)}, strides {view.stride()}, "
+                         f"element size {view.element_size()}, box {box})")  # fmt: skip
     m = TensorMap()
     m.opaque[0] = view.data_ptr()
     m.opaque[1] = TXE_MAP_MAGIC << 8 | rank
@@ -322,13 +325,13 @@ class GemmPlan:
         a_sb = a.stride(0) if p.batched else 0
         b_sb = b.stride(0) if p.batched else 0
         args = _args([a, lda, a_sb, b, ldb, b_sb, out, p.m * p.n, bias, None, None, p.m, p.n, p.k, self.kps])
-        if self.params.tma:  # the plan's views: [batch][rows][k] (plugin.CudaNativeGemmPlan._tensor_map)
-            w_view = b.as_strided((p.batch, p.n, p.k), (b_sb if p.batched else p.n * ldb, ldb, 1))
-            wmap = tensor_map(w_view, (1, self.params.bw, 64))
+        if self.params.tma:  # the plan's views and boxes (plugin.CudaNativeGemmPlan._tensor_map)
+            from tactix_cuda_native import plugin
+
+            wmap = tensor_map(plugin.gemm_tma_view(b, p, p.n, ldb, b_sb), (1, self.params.bw, 64))
             amap = wmap
             if self.params.tma == 2:
-                a_view = a.as_strided((p.batch, p.m, p.k), (a_sb if p.batched else p.m * lda, lda, 1))
-                amap = tensor_map(a_view, (1, 64, 64))
+                amap = tensor_map(plugin.gemm_tma_view(a, p, p.m, lda, a_sb), (1, 64, 64))
             args = [ctypes.byref(wmap), ctypes.byref(amap), *args]
         gx, gy, gz = self.grid
         err = self.lib.emu_gemm(ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(gz),

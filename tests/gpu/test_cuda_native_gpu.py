@@ -1078,10 +1078,10 @@ def test_tma_gemm_maps_follow_the_tensors_they_are_given() -> None:
     a.copy_(torch.randn_like(a))  # same address, new values: the kept map reads them
     check(a, b, "a rewritten in place")
     check(a, b2, "a second weight")
-    for i in range(plan._MAPS_KEPT + 4):  # fresh activations, each at its own address
+    for i in range(plan._maps.kept + 4):  # fresh activations, each at its own address
         x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16) + i
         check(x, b, f"fresh a {i}")
-    assert len(plan._maps) <= plan._MAPS_KEPT
+    assert len(plan._maps) <= plan._maps.kept
     check(a, b, "the first a again, its map long dropped")
     _gemm_graph_replays_new_values(g, a, b, rewritten=(a, b))
 

@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -848,6 +849,37 @@ def test_wgmma_gemm_geometry() -> None:
     assert "unknown gemm kernel" in plugin._reasons(gemm(m=16), odd, H200)[0]
     wgmma = tactix.Tactic(backend="cuda_native", kernel="gemm_wgmma", params=good)
     assert plugin.gemm_params_of(wgmma) == geometry.GemmWgmmaParams(128, 64, 3, 4)
+
+
+def test_plans_keep_the_latest_tensor_maps_and_name_a_tensor_cuda_core_refuses() -> None:
+    """`plugin._TensorMaps`, what GEMM and decode plans keep their TMA descriptors in: one encode
+    per key while it is kept, the least recently used dropped past ``kept``, and an encoding
+    error (cuda.core raises ValueError for what the TMA unit cannot describe) as an
+    InvalidArgumentError naming the argument."""
+    maps = plugin._TensorMaps(2)
+    made: list[str] = []
+
+    def make(name: str) -> Callable[[], str]:
+        def encode() -> str:
+            made.append(name)
+            return f"map {name}"
+
+        return encode
+
+    assert maps.get(("w",), make("w"), "b") == "map w" and maps.get(("a1",), make("a1"), "a") == "map a1"
+    assert maps.get(("w",), make("w"), "b") == "map w" and made == ["w", "a1"]  # kept: no second encode
+    maps.get(("a2",), make("a2"), "a")  # drops a1, the least recently used (w was used after it)
+    assert len(maps) == 2 and made == ["w", "a1", "a2"]
+    maps.get(("w",), make("w"), "b")
+    maps.get(("a1",), make("a1"), "a")
+    assert made == ["w", "a1", "a2", "a1"]
+
+    def refused() -> str:
+        raise ValueError("globalStrides[1] must be a multiple of 16")
+
+    with pytest.raises(tactix.InvalidArgumentError, match=r"paged_kv_cache \(k\).*multiple of 16"):
+        maps.get(("bad",), refused, "paged_kv_cache (k)")
+    assert len(maps) == 2
 
 
 def test_wgmma_gemm_tensor_map_tactics(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final
+from typing import Any, Final
 
 import torch
 
@@ -651,6 +651,33 @@ def _kernel(key: tuple[Any, ...], variant: Callable[[], Variant], name: str, sme
     return found, built
 
 
+class _TensorMaps:
+    """A plan's tensor maps (TMA descriptors), kept per key (a tensor's address and layout), the
+    ``kept`` most recently used: a tensor that does not move (a weight, a KV cache) is encoded once,
+    which costs microseconds of host time. A map depends on nothing but its key, so it stays valid
+    for whatever tensor later lies at that address with that layout."""
+
+    def __init__(self, kept: int) -> None:
+        self.kept = kept
+        self._maps: dict[tuple[Any, ...], Any] = {}
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def get(self, key: tuple[Any, ...], make: Callable[[], Any], argument: str) -> Any:
+        found = self._maps.pop(key, None)
+        if found is None:
+            try:
+                found = make()
+            except (ValueError, RuntimeError) as exc:  # cuda.core refuses what the TMA unit cannot describe
+                raise InvalidArgumentError(argument, "a tensor the tensor memory accelerator can describe "
+                                           "(16-byte aligned, 16-byte strides)", str(exc)) from exc  # fmt: skip
+            while len(self._maps) >= self.kept:
+                self._maps.pop(next(iter(self._maps)))
+        self._maps[key] = found  # the most recently used last
+        return found
+
+
 # -- decode plans ----------------------------------------------------------------------------
 
 
@@ -701,9 +728,10 @@ class CudaNativeDecodePlan(_StagedPlan):
         self._bulk = params.bulk
         self._tma = params.tma
         # the caches' tensor maps: a re-plan (every step of a server) shares its predecessor's
-        self._maps: dict[tuple[Any, ...], Any] = (
-            previous._maps if isinstance(previous, CudaNativeDecodePlan) and previous.device == self.device else {}
-        )
+        maps = _TensorMaps(8)
+        if isinstance(previous, CudaNativeDecodePlan) and previous.device == self.device:
+            maps = previous._maps
+        self._maps: _TensorMaps = maps
         replaced = previous if graph and previous is not None else None
         if replaced is not None and (
             not isinstance(replaced, CudaNativeDecodePlan) or replaced._geometry != self._geometry
@@ -784,22 +812,14 @@ class CudaNativeDecodePlan(_StagedPlan):
         args: tuple[Any, ...] = (q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr, *self._strides, out_ptr, lse_ptr,
                                  *self._ptrs, *self._scalars)  # fmt: skip
         if self._tma:
-            args = (self._cache_map(k_cache), self._cache_map(v_cache), *args)
+            args = (self._cache_map(k_cache, "k"), self._cache_map(v_cache, "v"), *args)
         cc.launch(stream, self._cfg, self._kernel, *args)
 
-    _MAPS_KEPT: ClassVar[int] = 8
-
-    def _cache_map(self, t: torch.Tensor) -> Any:
+    def _cache_map(self, t: torch.Tensor, name: str) -> Any:
         """The tensor map of a K or V cache ([pages][heads][tokens][D], HND), boxes of 64 of D x
-        ``bulk`` tokens; kept per address and layout (a cache does not move: encoded once)."""
+        ``bulk`` tokens."""
         key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-        found = self._maps.pop(key, None)
-        if found is None:
-            found = tensor_map(t, (1, 1, self._bulk, 64))
-            while len(self._maps) >= self._MAPS_KEPT:
-                self._maps.pop(next(iter(self._maps)))
-        self._maps[key] = found
-        return found
+        return self._maps.get(key, lambda: tensor_map(t, (1, 1, self._bulk, 64)), f"paged_kv_cache ({name})")
 
 
 def _cc() -> Any:
@@ -985,6 +1005,14 @@ def gemm_params_of(tactic: Tactic) -> GemmParams | GemmWgmmaParams:
     return GemmParams.from_tactic(tactic)
 
 
+def gemm_tma_view(t: torch.Tensor, problem: GemmProblem, rows: int, ld: int, sb: int) -> torch.Tensor:
+    """A k-contiguous GEMM operand (a, or W through b's [k, n] view) as the 3-D [batch][rows][k]
+    its tensor map describes: row stride ``ld``, batch stride ``sb`` (unbatched: any multiple of
+    16 bytes, the map's one batch never steps)."""
+    batch_stride = sb if problem.batched else rows * ld
+    return t.as_strided((problem.batch, rows, problem.k), (batch_stride, ld, 1))
+
+
 class CudaNativeGemmPlan:
     """A planned skinny GEMM: split count and workspace fixed in plan; ``run`` launches one kernel."""
 
@@ -1024,28 +1052,17 @@ class CudaNativeGemmPlan:
             self._ws = self._counters = None
         self._cfg = launch_config(grid, threads, smem)
         self._index = index
-        self._maps: dict[tuple[Any, ...], Any] = {}
+        self._maps: _TensorMaps = _TensorMaps(16)
 
     _tma = 0  # the Hopper kernel's operands through tensor maps: 1 W, 2 W and a (GemmWgmmaParams.tma)
     _tma_bw = 64
-    _MAPS_KEPT: ClassVar[int] = 16
 
-    def _tensor_map(self, t: torch.Tensor, rows: int, ld: int, sb: int, box_rows: int) -> Any:
-        """The tensor map of a k-contiguous operand seen as [batch][rows][k] (row stride ``ld``,
-        batch stride ``sb``), boxes of ``box_rows`` x 64 of k. Kept per address and layout, the
-        ``_MAPS_KEPT`` latest: a weight does not move, so its map is encoded once (tens of
-        microseconds); a CUDA graph replays the maps it captured."""
-        p = self.problem
-        key = (t.data_ptr(), t.dtype, rows, ld, sb, box_rows)
-        found = self._maps.pop(key, None)
-        if found is None:
-            batch_stride = sb if p.batched else rows * ld  # any multiple of 16 bytes for one batch
-            view = t.as_strided((p.batch, rows, p.k), (batch_stride, ld, 1))
-            found = tensor_map(view, (1, box_rows, 64))
-            while len(self._maps) >= self._MAPS_KEPT:
-                self._maps.pop(next(iter(self._maps)))
-        self._maps[key] = found  # the most recently used last
-        return found
+    def _tensor_map(self, t: torch.Tensor, name: str, rows: int, ld: int, sb: int, box_rows: int) -> Any:
+        """The tensor map of operand ``t`` (`gemm_tma_view`), boxes of ``box_rows`` x 64 of k; a CUDA
+        graph replays the maps it captured."""
+        return self._maps.get((t.data_ptr(), t.dtype, rows, ld, sb, box_rows),
+                              lambda: tensor_map(gemm_tma_view(t, self.problem, rows, ld, sb), (1, box_rows, 64)),
+                              name)  # fmt: skip
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
             scale_a: torch.Tensor | None, scale_b: torch.Tensor | None) -> None:  # fmt: skip
@@ -1067,8 +1084,8 @@ class CudaNativeGemmPlan:
         args: tuple[Any, ...] = (a_ptr, lda, a_sb, b_ptr, ldb, b_sb, out_ptr, p.m * p.n, bias_ptr, ws, counters, p.m,
                                  p.n, p.k, self.kps)  # fmt: skip
         if self._tma:
-            wmap = self._tensor_map(b, p.n, ldb, b_sb, self._tma_bw)
-            amap = self._tensor_map(a, p.m, lda, a_sb, 64) if self._tma == 2 else wmap  # (tma 1: not read)
+            wmap = self._tensor_map(b, "b", p.n, ldb, b_sb, self._tma_bw)
+            amap = self._tensor_map(a, "a", p.m, lda, a_sb, 64) if self._tma == 2 else wmap  # (tma 1: not read)
             args = (wmap, amap, *args)
         cc.launch(stream, self._cfg, self._kernel, *args)
 
