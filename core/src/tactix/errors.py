@@ -8,6 +8,8 @@ TactixError
 ├── BackendUnavailableError                  a known backend that is disabled, failed to load, or cannot run here
 │   └── DuplicateBackendError                two distributions register the same backend name
 ├── PluginError                              a plugin broke its contract (wrong return type, wrong name, ...)
+├── StoreError                               a tactic store directory cannot be used as asked (defective manifest, unwritable)
+├── DistributedError                         the ranks of a process group differ, or one stopped answering
 └── BackendError (also RuntimeError)         a backend's plan or run raised; the original error is the cause
 
 TactixWarning (UserWarning)
@@ -23,10 +25,12 @@ __all__ = [
     "BackendError",
     "BackendNotFoundError",
     "BackendUnavailableError",
+    "DistributedError",
     "DuplicateBackendError",
     "FallbackWarning",
     "InvalidArgumentError",
     "PluginError",
+    "StoreError",
     "TacticError",
     "TactixError",
     "TactixWarning",
@@ -86,6 +90,16 @@ class DuplicateBackendError(BackendUnavailableError):
 
 class PluginError(TactixError):
     """A plugin broke the plugin contract (wrong return type from a hook, mismatched name, ...)."""
+
+
+class StoreError(TactixError):
+    """A tactic store directory cannot be used as asked: its manifest is defective, or it cannot be
+    written where writing was the point (``tactix cache import``, ``clear``, ``verify --delete``)."""
+
+
+class DistributedError(TactixError):
+    """The ranks of a process group cannot agree on tactics: their environments differ, a rank
+    stopped answering within the timeout, or rank 0 failed while the others waited for it."""
 
 
 class BackendError(TactixError, RuntimeError):

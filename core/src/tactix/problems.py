@@ -288,10 +288,16 @@ def make_problem(op: Op, **fields: Any) -> Problem:
         raise InvalidArgumentError(name, err["msg"].removeprefix("Value error, "), given) from None
 
 
-def problem_from_key(key: dict[str, Any]) -> Problem:
-    """Rebuild a problem from :meth:`key` output (used when reading stored entries)."""
+def problem_from_key(key: Any) -> Problem:
+    """Rebuild a problem from :meth:`key` output (used when reading stored entries).
+
+    A key is file content, not a caller's argument: a defect raises `ValueError` (pydantic's
+    `ValidationError` for a bad field), never an error that blames an argument.
+    """
+    if not isinstance(key, dict):
+        raise ValueError(f"a key must be a JSON object (got {type(key).__name__})")
     fields = dict(key)
-    op = fields.pop("op")
-    if op not in _CLASSES:
-        raise InvalidArgumentError("op", f"one of {sorted(_CLASSES)}", op)
+    op = fields.pop("op", None)
+    if not isinstance(op, str) or op not in _CLASSES:
+        raise ValueError(f"a key's 'op' must be one of {sorted(_CLASSES)} (got {op!r:.40})")
     return _CLASSES[op].model_validate(fields)  # type: ignore[return-value]

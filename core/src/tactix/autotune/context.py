@@ -13,6 +13,7 @@ never tuned (tuning compares backends, which a named backend rules out).
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import logging
 import threading
@@ -29,7 +30,7 @@ from tactix.autotune.stats import bump, stored_tactics_changed
 from tactix.autotune.store import StoreEntry, TacticStore, default_root
 from tactix.autotune.tuner import tune
 from tactix.batch import PagedBatch
-from tactix.errors import InvalidArgumentError, UnsupportedProblemError
+from tactix.errors import DistributedError, InvalidArgumentError, UnsupportedProblemError
 from tactix.problems import Problem
 from tactix.registry import Registry, get_registry
 from tactix.tactics import Tactic
@@ -52,11 +53,13 @@ class Autotuner:
         store: TacticStore | None,
         process_group: Any = None,
         registry: Registry | None = None,
+        timeout: dt.timedelta | None = None,
     ) -> None:
         self.mode = mode
         self.policy = policy
         self.store = store
         self.process_group = process_group
+        self.timeout = timeout
         self.registry = registry or get_registry()
         self._lock = threading.RLock()
 
@@ -100,14 +103,23 @@ class Autotuner:
         if self.process_group is None:
             return measure()
         text: str | None = None
+        failure: BaseException | None = None
         if distributed.rank(self.process_group) == 0:
             try:
                 text = measure().to_json()
-            except UnsupportedProblemError as exc:  # every rank must learn it, or the others hang
-                text = json.dumps({"error": str(exc)})
-        agreed = json.loads(distributed.broadcast_text(text, self.process_group))
+            except Exception as exc:  # every rank must learn it, or the others wait for rank 0 until the timeout
+                failure = exc
+                text = json.dumps({"error": f"{type(exc).__name__}: {exc}", "unsupported": isinstance(
+                    exc, UnsupportedProblemError)})  # fmt: skip
+        agreed = json.loads(distributed.broadcast_text(text, self.process_group, self.timeout,
+                                                       f"the tuning result of {problem}"))  # fmt: skip
+        if failure is not None:
+            raise failure
         if "error" in agreed:
-            raise UnsupportedProblemError("auto", problem, [f"rank 0 could not tune it: {agreed['error']}"])
+            if agreed.get("unsupported"):
+                raise UnsupportedProblemError("auto", problem, [f"rank 0 could not tune it: {agreed['error']}"])
+            raise DistributedError(f"rank {distributed.rank(self.process_group)}: rank 0 failed to tune {problem}, "
+                                   f"so no rank uses a tuned tactic for it: {agreed['error']}")  # fmt: skip
         return StoreEntry.model_validate(agreed)
 
 
@@ -149,6 +161,7 @@ def autotune(
     policy: MeasurementPolicy | None = None,
     cache_dir: str | Path | None = None,
     process_group: Any = None,
+    timeout: dt.timedelta | float | None = None,
 ) -> Iterator[Autotuner]:
     """Tune (or replay) tactics for the plans made inside the block.
 
@@ -160,7 +173,13 @@ def autotune(
     cache_dir : path, optional
         Store root (default: ``$TACTIX_CACHE_DIR`` or the user cache directory).
     process_group : torch.distributed group, optional
-        Make every rank use rank 0's tactics (rank 0 measures; entries are broadcast).
+        Make every rank use rank 0's tactics (rank 0 measures; entries are broadcast). Every
+        rank's environment must equal rank 0's, or every rank raises `DistributedError`.
+    timeout : datetime.timedelta or seconds, optional
+        With a process group: how long a rank waits for the others at each exchange (the
+        environments, rank 0's entries, each tuning result) before raising `DistributedError`
+        that names the rank it waited for (default: the process group's own timeout). Leave room
+        for rank 0 to compile and measure a problem's candidates.
 
     Examples
     --------
@@ -169,14 +188,20 @@ def autotune(
     """
     if mode not in _MODES:
         raise InvalidArgumentError("mode", "'tune', 'replay' or 'off'", repr(mode))
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        if not timeout > 0:
+            raise InvalidArgumentError("timeout", "a positive number of seconds or a timedelta", repr(timeout))
+        timeout = dt.timedelta(seconds=timeout)
+    elif timeout is not None and (not isinstance(timeout, dt.timedelta) or timeout <= dt.timedelta(0)):
+        raise InvalidArgumentError("timeout", "a positive number of seconds or a timedelta", repr(timeout))
     policy = policy or MeasurementPolicy()
     registry = get_registry()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     store = TacticStore(Path(cache_dir) if cache_dir is not None else default_root(),
                         environment(policy, device, registry)).attach()  # fmt: skip
     if process_group is not None:
-        distributed.sync_store(store, process_group)
-    state = Autotuner(mode, policy, store, process_group, registry)
+        distributed.sync_store(store, process_group, timeout)
+    state = Autotuner(mode, policy, store, process_group, registry, timeout)
     with _lock:
         _stack.append(state)
     stored_tactics_changed()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 import tactix
-from tactix.cli.cache import cmd_cache
+from tactix.cli.cache import add_cache_parser
 from tactix.registry import get_registry
 
 __all__ = ["main"]
@@ -280,22 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="PATH", help="bar chart of ratios to the best (needs matplotlib)")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("cache", help="inspect and manage the tactic store")
-    p.add_argument("--root", help="store root (default: $TACTIX_CACHE_DIR or the user cache directory)")
-    p.add_argument("--env", help="only the environment whose hash starts with this")
-    actions = p.add_subparsers(dest="action", required=True)
-    q = actions.add_parser("ls", help="environments and their entry counts")
-    q.add_argument("--entries", action="store_true", help="list every entry too")
-    q = actions.add_parser("show", help="print the entries whose key hash starts with KEY")
-    q.add_argument("key")
-    q = actions.add_parser("verify", help="check every entry file; exit 1 if any is bad")
-    q.add_argument("--delete", action="store_true", help="delete bad entries")
-    actions.add_parser("clear", help="delete environments (all, or --env)")
-    q = actions.add_parser("export", help="write one environment's entries to a JSON bundle")
-    q.add_argument("path")
-    q = actions.add_parser("import", help="add a bundle's entries to the store")
-    q.add_argument("path")
-    p.set_defaults(func=cmd_cache)
+    add_cache_parser(sub)
 
     p = sub.add_parser("warmup", help="compile a backend's kernels ahead of time (its default tactics)")
     p.add_argument("backend", help="backend name, e.g. cuda_native")
