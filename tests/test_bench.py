@@ -53,3 +53,91 @@ def test_direct_library_calls_get_checked_rows_of_their_own(tmp_path: Path) -> N
     assert "fastest of 1 variants" in direct["detail"]
     assert "wrong: wrong result" in direct["detail"] and "boom: RuntimeError: no such plan" in direct["detail"]
     assert direct["rate"] > 0 and direct["ratio_to_best"] is not None
+
+
+def test_unknown_case_ids_are_an_error_listing_the_valid_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--suite", "cpu", "--device", "cpu", "--cases", "d1,zz"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # refused before anything ran: no empty table
+    assert captured.err == "tactix: error: '--cases' must be ids of the cpu suite: d1, d2, p1, p4, g1, g2 (got 'zz')\n"
+
+
+def test_help_lists_the_case_ids_of_both_suites(capsys: pytest.CaptureFixture[str]) -> None:
+    from tactix.bench import SUITES, suite
+
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--help"])
+    assert info.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for name in SUITES:
+        ids = ", ".join(c.id for c in suite(name))
+        assert f"{name} suite: {ids}" in shown, shown
+
+
+REFUSING = """
+import tactix
+from tactix.backends import torch as _torch
+
+REASON = {reason!r}
+
+@tactix.hookimpl
+def tactix_backends():
+    return [tactix.BackendSpec(name="refusing", version="1.0", decode=_torch.tactix_backends()[0].decode)]
+
+@tactix.hookimpl
+def tactix_check(backend, problem, tactic, batch):
+    return [REASON]
+"""
+
+
+def test_unsupported_reasons_stay_whole_in_json_and_end_at_a_word_in_markdown(tmp_path: Path) -> None:
+    from tests.plugin_fixtures import plugins_on_path, write_distribution
+
+    reason = "the frobnicator needs " + " ".join(f"setting{i} enabled" for i in range(40)) + " to serve this"
+    assert len(reason) > 300
+    root = tmp_path / "site"
+    write_distribution(root, "tactix-refusing", "1.0", {"refusing": "refusing_plugin"},
+                       {"refusing_plugin": REFUSING.format(reason=reason)})  # fmt: skip
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    with plugins_on_path(root):
+        argv = ["bench", "--suite", "cpu", "--device", "cpu", "--cases", "d2", "--backends", "refusing", "--no-tune",
+                "--json", str(out), "--markdown", str(md)]  # fmt: skip
+        assert main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["status"] == "unsupported"
+    whole = "; ".join(row["reasons"])
+    assert whole.endswith(reason) and reason in row["detail"]
+    line = next(line for line in md.read_text().splitlines() if line.startswith("| d2 |"))
+    shown = line.split("unsupported: ", 1)[1].removesuffix(" |")
+    assert shown.endswith(" …") and len(shown) < len(whole)
+    kept = shown.removesuffix(" …")
+    assert whole.startswith(kept) and whole[len(kept)] == " ", kept  # cut between words, not inside one
+
+
+def test_tuning_progress_in_a_log_is_plain_lines(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tactix bench 2> log`: the tuner's progress has no cursor controls where stderr is not a terminal."""
+    from tactix.autotune import tuner
+
+    monkeypatch.setattr(tuner._Progress, "QUIET_S", 0.0, raising=False)  # show it however quick the tuning
+    argv = ["bench", "--suite", "cpu", "--device", "cpu", "--cases", "g1", "--backends", "torch",
+            "--warmup", "0", "--repeat", "1"]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    progress = [line for line in err.splitlines() if line.startswith("tactix: tuning gemm[")]
+    assert progress, err
+    assert "\r" not in err and "\033[" not in err, repr(err)
+
+
+def test_benchmark_docs_describe_the_suite_inside_the_repository() -> None:
+    """The suite is documented in benchmarks/README.md, and nothing links outside the repository."""
+    from tactix.bench import suite
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "benchmarks" / "README.md").read_text()
+    for case in suite("gpu"):
+        assert case.id.split("-")[0] in readme, case.id
+    linking = [root / "README.md", *(root / "docs").glob("*.md"), root / "core" / "src" / "tactix" / "bench.py"]
+    for path in linking:
+        assert "../shared/" not in path.read_text(), path

@@ -2,8 +2,8 @@
 
 Every test starts from a valid call, breaks exactly one thing, and checks the error's class, that
 its message names the argument (and the offending value where one is meaningful), and, through a
-spy on the torch backend, that no attention or GEMM kernel was reached. (A wrong device cannot
-be produced on a CPU-only machine, so it is not covered here.)
+spy on the torch backend, that no attention or GEMM kernel was reached. A wrong device is a
+tensor on the ``meta`` device, which a CPU-only machine can make.
 """
 
 from __future__ import annotations
@@ -271,6 +271,33 @@ def test_page_size_differs_from_cache(spy: Spy, layout: str, form: str) -> None:
     assert spy.runs == 0
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("form", ["tuple", "5d"])
+def test_cache_in_the_other_layout_is_named_as_such(spy: Spy, layout: str, form: str) -> None:
+    """An HND cache given to an NHD wrapper (or the reverse) is a layout mistake, not a page size one."""
+    other = "HND" if layout == "NHD" else "NHD"
+    w = prefill(layout)
+    w.plan(*prefill_args(), **prefill_kwargs())
+    k, v = kv(other)
+    cache: Any = (k, v) if form == "tuple" else torch.stack([k, v], dim=1)
+    with raises(tactix.InvalidArgumentError, "paged_kv_cache", f"kv_layout='{layout}'", f"the {other} layout",
+                f"kv_layout='{other}'") as info:  # fmt: skip
+        w.run(torch.randn(5, HQ, D), cache)
+    assert info.value.argument.startswith("paged_kv_cache")
+    assert spy.runs == 0
+
+
+def test_a_page_size_mismatch_says_the_layout_may_be_wrong(spy: Spy) -> None:
+    """Where the shapes cannot tell a page size mistake from a layout one, the message says both."""
+    w = prefill("NHD")
+    w.plan(*prefill_args(), **prefill_kwargs())
+    k, v = kv("HND", page=8)  # neither an NHD cache of page 16 nor its HND transpose
+    with raises(tactix.InvalidArgumentError, "'page_size'", "kv_layout='NHD'", "if the cache is HND",
+                "kv_layout='HND'"):  # fmt: skip
+        w.run(torch.randn(5, HQ, D), (k, v))
+    assert spy.runs == 0
+
+
 def test_5d_cache_wrong_dim_1(spy: Spy) -> None:
     w = planned_prefill()
     with raises(tactix.InvalidArgumentError, "paged_kv_cache", f"({NUM_PAGES}, 3, {PAGE}, {HKV}, {D})"):
@@ -348,6 +375,36 @@ def test_page_index_check_follows_the_cache_given(spy: Spy) -> None:
     with raises(tactix.InvalidArgumentError, "paged_kv_indices", "7"):
         w.run(torch.randn(5, HQ, D), kv(pages=7))
     assert spy.runs == 1
+
+
+@pytest.mark.parametrize("argument", ["q", "paged_kv_cache", "out", "lse"])
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+def test_tensor_on_another_device_is_refused_at_run(spy: Spy, op: str, argument: str) -> None:
+    """A meta tensor has no data: a CPU plan that ran it would compute garbage (zeros or NaN)."""
+    if op == "prefill":
+        w: Any = prefill()
+        w.plan(*prefill_args(), **prefill_kwargs(return_lse=True))
+        rows = 5
+    else:
+        w = decode()
+        w.plan(*decode_args(), q_data_type=F32, return_lse=True)
+        rows = 2
+    given: dict[str, Any] = {"q": torch.randn(rows, HQ, D), "paged_kv_cache": kv(),
+                             "out": torch.empty(rows, HQ, D), "lse": torch.empty(rows, HQ)}  # fmt: skip
+    w.run(given["q"], given["paged_kv_cache"], out=given["out"], lse=given["lse"])  # all on the plan's device
+    spy.runs = 0
+    meta = given[argument]
+    given[argument] = tuple(t.to("meta") for t in meta) if isinstance(meta, tuple) else meta.to("meta")
+    with raises(tactix.InvalidArgumentError, argument, "on cpu", "on meta"):
+        w.run(given["q"], given["paged_kv_cache"], out=given["out"], lse=given["lse"])
+    assert spy.runs == 0
+
+
+def test_gemm_operand_on_another_device_is_refused_at_run(spy: Spy) -> None:
+    g = _gemm_planned()
+    with raises(tactix.InvalidArgumentError, "'a'", "on cpu", "on meta"):
+        g.run(torch.randn(4, 8, device="meta"), torch.randn(6, 8).t())
+    assert spy.runs == 0
 
 
 def test_return_lse_at_run_when_planned_without(spy: Spy) -> None:
@@ -532,10 +589,60 @@ def test_negative_page_index(spy: Spy) -> None:
 
 def test_causal_kv_shorter_than_q(spy: Spy) -> None:
     # request 1 has 2 kv tokens and 4 query rows
-    with raises(tactix.InvalidArgumentError, "request 1", "kv length 2", "4 query tokens"):
+    with raises(
+        tactix.InvalidArgumentError,
+        "'paged_kv_last_page_len' must be large enough that each request has",
+        "at least as many kv tokens as query tokens",
+        "(got request 1: kv length 2 for 4 query tokens)",
+    ):
         _plan_prefill(qo_indptr=i32(0, 3, 7), causal=True)
     assert spy.plans == 0
     _plan_prefill(qo_indptr=i32(0, 3, 7), causal=False)  # fine without the causal mask
+    assert spy.plans == 1
+
+
+@pytest.mark.parametrize("qo_indptr", [i32(0, 0, 0), torch.tensor([0, 0, 0], dtype=torch.int64)], ids=["i32", "i64"])
+def test_prefill_batch_without_query_rows_is_refused_at_plan(spy: Spy, qo_indptr: torch.Tensor) -> None:
+    """An empty batch would plan and then fail inside a kernel (index_select on zero rows)."""
+    with raises(tactix.InvalidArgumentError, "'qo_indptr'", "at least one query row", "qo_indptr[-1] = 0"):
+        _plan_prefill(qo_indptr=qo_indptr, causal=False)
+    assert spy.plans == 0
+    w = prefill()
+    w.plan(*prefill_args(qo_indptr=i32(0, 0, 2)), **prefill_kwargs(causal=False))  # one empty request is fine
+    w.run(torch.randn(2, HQ, D), kv())
+    assert spy.runs == 1
+
+
+def test_qo_indptr_beyond_int32_is_refused_naming_it(spy: Spy) -> None:
+    big = torch.tensor([0, 3, 2**31], dtype=torch.int64)
+    with raises(tactix.InvalidArgumentError, "'qo_indptr'", str(2**31 - 1), f"qo_indptr[-1] = {2**31}"):
+        _plan_prefill(qo_indptr=big, causal=False)
+    assert spy.plans == 0
+
+
+def test_paged_kv_indptr_beyond_int32_is_refused_naming_it(spy: Spy) -> None:
+    big = torch.tensor([0, 2, 2**31], dtype=torch.int64)
+    with raises(tactix.InvalidArgumentError, "'paged_kv_indptr'", str(2**31 - 1), f"paged_kv_indptr[-1] = {2**31}"):
+        _plan_prefill(paged_kv_indptr=big, causal=False)
+    assert spy.plans == 0
+
+
+def test_kv_length_beyond_int32_is_refused_naming_it(spy: Spy) -> None:
+    page = 65536
+    pages = 2**31 // page + 1  # (pages - 1) * page_size + 1 keys: one past the int32 range
+    indices = torch.zeros(pages, dtype=torch.int32)
+    with raises(tactix.InvalidArgumentError, "'paged_kv_indptr'", "kv length", str(2**31 + 1)):
+        decode().plan(torch.tensor([0, pages]), indices, i32(1), HQ, HKV, D, page, q_data_type=F32)
+    assert spy.plans == 0
+
+
+@pytest.mark.parametrize("page_size", [2**16 + 1, 2**28, 2**40])
+def test_page_size_has_an_upper_bound(spy: Spy, page_size: int) -> None:
+    """A huge page_size planned a 3 GiB mask for a 3-token request (2**28), or overflowed int32."""
+    with raises(tactix.InvalidArgumentError, "'page_size'", "between 1 and 65536", str(page_size)):
+        decode().plan(i32(0, 1), i32(0), i32(3), HQ, HKV, D, page_size, q_data_type=F32)
+    assert spy.plans == 0
+    decode().plan(i32(0, 1), i32(0), i32(3), HQ, HKV, D, 2**16, q_data_type=F32)  # the bound itself plans
     assert spy.plans == 1
 
 
@@ -555,6 +662,56 @@ def test_sizes_must_be_positive(spy: Spy, argument: str, value: int) -> None:
     with raises(tactix.InvalidArgumentError, f"'{argument}'", str(value)):
         _plan_prefill(**{argument: value})
     assert spy.plans == 0
+
+
+def _flashinfer_prefill(**kwargs: Any) -> Any:
+    from tactix.compat.flashinfer import BatchPrefillWithPagedKVCacheWrapper
+
+    w = BatchPrefillWithPagedKVCacheWrapper(torch.empty(8), "NHD", backend="torch")
+    w.plan(*prefill_args(), q_data_type=F32, **kwargs)
+    return w
+
+
+def _flashinfer_decode(**kwargs: Any) -> Any:
+    from tactix.compat.flashinfer import BatchDecodeWithPagedKVCacheWrapper
+
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(8), "NHD", backend="torch", **kwargs)
+    w.plan(*decode_args(), q_data_type=F32)
+    return w
+
+
+BOOL_ARGUMENTS: dict[str, Any] = {
+    "causal": lambda v: _plan_prefill(causal=v),
+    "return_lse": lambda v: planned_prefill(return_lse=v),
+    "deterministic": lambda v: planned_prefill(deterministic=v),
+    "return_lse (decode)": lambda v: decode().plan(*decode_args(), q_data_type=F32, return_lse=v),
+    "deterministic (decode)": lambda v: decode().plan(*decode_args(), q_data_type=F32, deterministic=v),
+    "use_cuda_graph": lambda v: tactix.PagedPrefill("NHD", backend="torch", device="cpu", use_cuda_graph=v),
+    "use_cuda_graph (decode)": lambda v: tactix.PagedDecode("NHD", backend="torch", device="cpu", use_cuda_graph=v),
+    "return_lse (run)": lambda v: planned_prefill(return_lse=True).run(*prefill_data(), return_lse=v),
+    "a_k_major": lambda v: _gemm_planned(a_k_major=v),
+    "b_k_major": lambda v: _gemm_planned(b_k_major=v),
+    "causal (flashinfer)": lambda v: _flashinfer_prefill(causal=v),
+    "non_blocking (flashinfer)": lambda v: _flashinfer_prefill(non_blocking=v),
+    "use_cuda_graph (flashinfer)": lambda v: _flashinfer_decode(use_cuda_graph=v),
+    "use_tensor_cores (flashinfer)": lambda v: _flashinfer_decode(use_tensor_cores=v),
+    "return_lse (flashinfer run)": lambda v: _flashinfer_prefill().run(*prefill_data(), return_lse=v),
+    "enable_pdl (flashinfer run)": lambda v: _flashinfer_prefill().run(*prefill_data(), enable_pdl=v),
+}
+
+
+@pytest.mark.parametrize(
+    "value", ["yes", "", 1, 0, 1.0, torch.tensor(True)], ids=["yes", "empty", "1", "0", "1.0", "tensor"]
+)
+@pytest.mark.parametrize("argument", list(BOOL_ARGUMENTS))
+def test_every_bool_argument_refuses_a_non_bool(spy: Spy, argument: str, value: Any) -> None:
+    """One rule for every flag: ``causal="no"`` must not mean causal, nor ``return_lse=0`` mean False."""
+    name = argument.split(" ")[0]
+    with raises(tactix.InvalidArgumentError, f"'{name}' must be a bool", repr(value)):
+        BOOL_ARGUMENTS[argument](value)
+    assert spy.runs == 0
+    BOOL_ARGUMENTS[argument](True)  # the same call with a bool goes through
+    BOOL_ARGUMENTS[argument](False)
 
 
 def test_window_left_below_minus_one(spy: Spy) -> None:
@@ -637,6 +794,47 @@ def test_tactic_json_that_is_valid_is_accepted(spy: Spy) -> None:
     """Contrast to the malformed cases: the same path accepts good JSON."""
     _plan_prefill(tactic='{"backend":"torch","kernel":"explicit","params":{}}')
     assert spy.plans == 1
+
+
+def test_the_tactic_a_wrapper_prints_plans_the_same_tactic(spy: Spy) -> None:
+    """``print(wrapper.tactic)`` (and every bench table) shows a form that ``tactic=`` accepts."""
+    w = planned_prefill(causal=False)
+    tactics = [t for t in tactix.get_registry().get("torch").tactics(w.problem) if not t.is_default]
+    assert any(t.params for t in tactics)  # sdpa(impl=...): params travel through the printed form too
+    for tactic in tactics:
+        again = planned_prefill(causal=False, tactic=str(tactic))
+        assert again.tactic == tactic and again.selection_source == "explicit"
+        assert planned_prefill(causal=False, tactic=str(again.tactic)).tactic == tactic
+    d = decode()
+    d.plan(*decode_args(), q_data_type=F32)
+    d.plan(*decode_args(), q_data_type=F32, tactic=str(d.tactic))
+    assert d.selection_source == "explicit"
+    g = _gemm_planned()
+    a, b = torch.randn(4, 8), torch.randn(6, 8).t()
+    assert torch.equal(tactix.gemm(a, b, backend="torch", tactic=str(g.tactic)), a @ b)
+    assert torch.equal(tactix.gemm(a, b, tactic="torch:matmul"), a @ b)
+    assert _gemm_planned(tactic="torch:matmul").tactic == tactix.Tactic(backend="torch", kernel="matmul")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("torch explicit", "'backend:kernel' or 'backend:kernel(name=value,...)'"),
+        ("torch:", "a kernel name"),
+        ("torch:sdpa(impl=math", "')' at the end"),
+        ("torch:sdpa(impl)", "'=' after parameter 'impl'"),
+        ("torch:sdpa(impl=math,impl=flash)", "'impl' is given twice"),
+        ("torch:sdpa(impl=ma th)", "',' or ')'"),
+        ("Torch:explicit", "backend"),
+    ],
+    ids=["no-colon", "no-kernel", "unclosed", "no-value", "twice", "blank-in-word", "capital-backend"],
+)
+def test_malformed_printed_tactic(spy: Spy, text: str, expected: str) -> None:
+    with raises(tactix.TacticError, "'tactic' is not a valid tactic", expected):
+        _plan_prefill(tactic=text)
+    with raises(tactix.TacticError, "'tactic'", expected):
+        tactix.gemm(torch.randn(2, 3), torch.randn(3, 4), backend="torch", tactic=text)
+    assert spy.plans == 0
 
 
 def test_torch_tactic_unknown_kernel(spy: Spy) -> None:

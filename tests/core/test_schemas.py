@@ -105,6 +105,86 @@ def test_bare_plan_indices_and_other_non_objects_are_rejected(value: object) -> 
             parse_tactic(value)  # type: ignore[arg-type]
 
 
+def _problems() -> list[Any]:
+    """Problems across devices, layouts, head dims and GEMM dtypes, for enumerating tactic spaces."""
+    decode = {k: v for k, v in PREFILL.items() if k not in ("causal", "num_qo_tokens", "max_qo_len")}
+    fp8 = {"a_dtype": "float8_e4m3fn", "b_dtype": "float8_e4m3fn", "scale_mode": "per_tensor"}
+    problems: list[Any] = []
+    for device in ("cpu", "cuda"):
+        for layout in ("HND", "NHD"):
+            for d in (64, 128, 256):
+                dims = {"device_type": device, "kv_layout": layout, "head_dim_qk": d, "head_dim_vo": d}
+                problems += [PrefillProblem(**dict(PREFILL, **dims)), DecodeProblem(**dict(decode, **dims))]
+        for m in (1, 64, 4096):
+            problems += [GemmProblem(**dict(GEMM, device_type=device, m=m)),
+                         GemmProblem(**dict(GEMM, device_type=device, m=m, **fp8))]  # fmt: skip
+    return problems
+
+
+def test_every_enumerable_tactic_reads_back_from_its_printed_form() -> None:
+    """What wrappers, bench tables and warnings print can be passed back as ``tactic=``."""
+    counted: dict[str, int] = {}
+    with_params = 0
+    problems = _problems()
+    for backend in tactix.get_registry().active():
+        for problem in problems:
+            if problem.op not in backend.spec.ops:
+                continue
+            for tactic in backend.tactics(problem):
+                shown = str(tactic)
+                assert parse_tactic(shown) == tactic, f"{backend.name}: {shown!r} reads back as another tactic"
+                counted[backend.name] = counted.get(backend.name, 0) + 1
+                with_params += bool(tactic.params)
+    assert counted.get("torch", 0) > 0 and with_params > 0, counted  # the spaces were really enumerated
+    print(f"tactics read back per backend: {counted}")
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"impl": "efficient"},
+        {"engine": 8, "knobs": {"KERNEL_CFG": 35}},  # cudnn's engine and knobs
+        {"multi_block": "auto", "pdl": True},  # trtllm's XQA variant
+        {"digits": "2", "word": "true", "nothing": "null", "nan": "NaN", "empty": ""},  # strings, not literals
+        {"spaced": "a b,c)d=e", "quoted": 'say "x"', "accent": "h\u00e9"},
+        {"int": 2, "float": 2.0, "negative": -3, "big": 1e300, "none": None, "not_a_number": float("nan")},
+        {"list": [1, "two", {"three": 3.5}], "object": {"b": [], "a": {}}},
+        {"two words": 1, "1st": 2, "\u00e9t\u00e9": 3, "with=sign": 4},
+    ],
+    ids=["word", "nested-object", "bool", "literal-like-strings", "punctuation", "numbers", "containers", "odd-names"],
+)
+def test_printed_form_keeps_every_param_type(params: dict[str, Any]) -> None:
+    tactic = Tactic(backend="some_backend", kernel="kernel_v2", params=params)
+    shown = str(tactic)
+    back = parse_tactic(shown)
+    assert back == tactic and back.to_json() == tactic.to_json(), f"{shown!r} read back as {back.to_json()}"
+    assert parse_tactic(f"  {shown} ") == tactic  # pasted with surrounding blanks
+
+
+def test_printed_forms_in_recorded_tables_read_back() -> None:
+    """The forms recorded in benchmarks/results (and shown in the docs) name these tactics."""
+    assert parse_tactic("torch:explicit") == Tactic(backend="torch", kernel="explicit")
+    assert parse_tactic("torch:sdpa(impl=efficient)") == Tactic(backend="torch", kernel="sdpa",
+                                                                params={"impl": "efficient"})  # fmt: skip
+    assert parse_tactic("cuda_native:decode(kv_chunk=0,stages=2,tile=64,warps=4)") == Tactic(
+        backend="cuda_native", kernel="decode", params={"kv_chunk": 0, "stages": 2, "tile": 64, "warps": 4}
+    )
+    assert parse_tactic('cudnn:sdpa(engine=8,knobs={"KERNEL_CFG":35})') == Tactic(
+        backend="cudnn", kernel="sdpa", params={"engine": 8, "knobs": {"KERNEL_CFG": 35}}
+    )
+    assert parse_tactic("torch:sdpa( impl = math )") == Tactic(backend="torch", kernel="sdpa", params={"impl": "math"})
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"backend": "to:rch", "kernel": "x"}, {"backend": "Torch", "kernel": "x"}, {"backend": "torch", "kernel": "a(b"},
+     {"backend": "torch", "kernel": "a b"}, {"backend": "torch", "kernel": ""}],
+)  # fmt: skip
+def test_names_that_would_make_the_printed_form_ambiguous_are_refused(fields: dict[str, str]) -> None:
+    with pytest.raises(tactix.TacticError, match="not a valid tactic"):
+        parse_tactic(fields)
+
+
 def test_foreign_schema_version_is_rejected() -> None:
     with pytest.raises(tactix.TacticError, match="schema_version"):
         parse_tactic({"schema_version": SCHEMA_VERSION + 1, "backend": "torch", "kernel": "explicit"})

@@ -115,6 +115,27 @@ def test_stored_tactic_is_used_when_valid() -> None:
         set_tactic_source(None)
 
 
+@pytest.mark.parametrize("winner", ["untuned", "any"])
+def test_the_store_names_a_tuned_choice_as_the_wrapper_does(tmp_path: Path, winner: str) -> None:
+    """The tuned entry and the wrapper it serves print one tactic, also when the untuned choice
+    (a backend's ``default``, which its plan resolves to a concrete kernel) wins."""
+    min_speedup = 1e6 if winner == "untuned" else 1.01  # 1e6: no rival can beat the untuned choice
+    policy = tactix.MeasurementPolicy(warmup=1, repeat=3, min_speedup=min_speedup)
+    with tactix.autotune(mode="tune", cache_dir=tmp_path, policy=policy) as state:
+        tuned = tactix.PagedDecode("HND", device="cpu")
+        _plan_decode(tuned)
+        assert state.store is not None
+        [entry] = state.store.entries()
+    assert not entry.tactic.is_default, f"the store names {entry.tactic}, a placeholder for another kernel"
+    assert str(entry.tactic) == str(tuned.tactic)
+    if winner == "untuned":
+        assert entry.baseline.is_default and entry.speedup() == 1.0  # the untuned choice's own timing
+    with tactix.autotune(mode="replay", cache_dir=tmp_path, policy=policy):
+        served = tactix.PagedDecode("HND", device="cpu")
+        _plan_decode(served)
+    assert served.selection_source == "store" and served.tactic == entry.tactic
+
+
 def test_cuda_graph_mode_rewrites_buffers_in_place_within_a_bucket() -> None:
     """With use_cuda_graph, a re-plan of the same shape bucket keeps every buffer's address.
 

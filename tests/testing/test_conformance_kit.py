@@ -70,6 +70,21 @@ def test_example_plugin_passes_the_kit_and_skips_what_it_does_not_claim(tmp_path
     assert "logits soft-cap not supported" in skipped["decode[bf16-h32/8-d128-p16-HND-cap30]"]
 
 
+@pytest.mark.parametrize(("backend", "ops"), [("torch", {"prefill", "decode"}), ("naive", {"decode"})])
+def test_the_kit_checks_that_an_empty_batch_is_refused(tmp_path: Path, backend: str, ops: set[str]) -> None:
+    """Every backend under test is held to the refusal of an empty batch at plan, op by op."""
+    if backend == "naive":
+        try:
+            importlib.metadata.distribution("tactix-example-naive")
+        except importlib.metadata.PackageNotFoundError:
+            pytest.skip("examples/naive-decode is not installed (scripts/setup.sh installs it)")
+    done = run_kit(backend, tmp_path / "report.json", "-k", "empty_batch")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    got = outcomes(tmp_path / "report.json")
+    checked = [r for r in got["passed"] if r["test"] == "test_attention_refuses_an_empty_batch"]
+    assert {r["op"] for r in checked} == ops and not got["failed"], got
+
+
 @pytest.mark.parametrize(
     ("flaw", "selection", "must_fail", "must_pass"),
     [
@@ -119,3 +134,74 @@ def test_declared_known_failures_run_as_strict_xfails(tmp_path: Path) -> None:
     passing = results[("test_attention", "decode[bf16-h32/8-d128-p16-HND]")]
     assert passing["outcome"] == "failed"  # XPASS(strict): the declaration is stale
     assert "XPASS(strict)" in done.stdout
+
+
+CANNOT_RUN_HERE = """
+import tactix
+from tactix.backends import torch as _torch
+
+@tactix.hookimpl
+def tactix_backends():
+    return [tactix.BackendSpec(name="elsewhere", version="1.0", decode=_torch.tactix_backends()[0].decode)]
+
+@tactix.hookimpl
+def tactix_environment(backend):
+    return ["no frobnicator is attached", "libfrob is not installed"]
+"""
+
+QUICK = "test_attention and decode and HND and not long and not large and not 5d and not edge"
+"""A handful of cases: these tests are about how a run ends, not about what the cases check."""
+
+
+def test_a_run_in_which_no_case_ran_fails_with_the_environment_reasons(tmp_path: Path) -> None:
+    write_distribution(tmp_path / "site", "tactix-elsewhere", "1.0", {"elsewhere": "tx_elsewhere"},
+                       {"tx_elsewhere": CANNOT_RUN_HERE})  # fmt: skip
+    done = run_kit("elsewhere", tmp_path / "report.json", "-k", QUICK, plugin_dir=tmp_path / "site")
+    assert done.returncode == 5, done.stdout[-3000:] + done.stderr[-2000:]  # pytest's "no tests ran"
+    errors = [line for line in done.stderr.splitlines() if line.startswith("tactix: error:")]
+    assert errors == [
+        "tactix: error: no conformance case ran on cpu: elsewhere: no frobnicator is attached; libfrob is not installed"
+    ], done.stderr
+    got = outcomes(tmp_path / "report.json")  # the report is still written: it documents the skips
+    assert got["skipped"] and not got["passed"] and not got["failed"]
+
+
+def test_a_device_the_machine_lacks_is_one_error_before_any_case(tmp_path: Path) -> None:
+    import torch
+
+    missing = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+    done = run_kit("torch", tmp_path / "report.json", "--device", missing, "-k", QUICK)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-2000:]
+    assert done.stderr.startswith("tactix: error: '--device' must be 'cpu'") and done.stderr.count("\n") == 1
+    assert done.stdout == "" and not (tmp_path / "report.json").exists()  # nothing ran
+    direct = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "tactix.testing.suite",
+         "--tactix-backend=torch", f"--tactix-device={missing}", "-k", QUICK],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert direct.returncode == 4, direct.stdout[-3000:]  # pytest's usage error, once
+    assert "ERROR: '--tactix-device' must be 'cpu'" in direct.stderr + direct.stdout
+    assert "FAILED" not in direct.stdout and "AssertionError" not in direct.stdout
+
+
+@pytest.mark.parametrize("name", ["auto", "nosuch"])
+def test_an_unknown_backend_name_lists_what_the_kit_accepts(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from tactix.cli import main
+
+    assert main(["conformance", name]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tactix: error: 'backend' must be one of 'all', ") and f"(got '{name}')" in err, err
+    assert "'torch'" in err and "'auto' or" not in err  # the kit tests named backends: 'auto' is no choice
+
+
+def test_json_without_a_path_prints_only_the_report(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tactix", "conformance", "torch", "--device", "cpu", "--json", "-k",
+         "test_gemm and not tactics and m64n256k128"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    report = json.loads(done.stdout)  # pytest's own output went to stderr
+    assert report["totals"]["passed"] > 0 and report["backends"][0]["name"] == "torch"
+    assert " passed" in done.stderr
+    assert not (tmp_path / "-").exists()

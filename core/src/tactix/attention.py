@@ -35,6 +35,7 @@ from typing import Any, ClassVar, Final, Literal
 
 import torch
 
+from tactix.arguments import flag, positive_int
 from tactix.batch import PagedBatch
 from tactix.devices import resolve_device
 from tactix.dtypes import parse_dtype, to_torch_dtype
@@ -49,11 +50,10 @@ __all__ = ["PagedDecode", "PagedPrefill", "attention_problem"]
 
 _LAYOUTS = ("NHD", "HND")
 
-
-def _positive_int(value: object, argument: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(argument, "a positive int", repr(value))
-    return value
+MAX_PAGE_SIZE: Final = 65536
+"""The largest ``page_size`` a plan accepts. Plans size their buffers by whole pages (the torch
+backend's masks, a backend's page tables), so a page far larger than any sequence only costs
+memory (3 GiB for one 3-token request at 2**28), and beyond this bound no engine uses one."""
 
 
 def _with_sizes(template: PrefillProblem | DecodeProblem, sizes: dict[str, Any]) -> Any:
@@ -155,11 +155,19 @@ def attention_problem(
         batch = _build_batch(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                              template.page_size, device, causal)  # fmt: skip
         return _sized(template, batch), batch
-    page_size = _positive_int(page_size, "page_size")
-    head_dim_qk = _positive_int(head_dim_qk, "head_dim_qk")
-    head_dim_vo = head_dim_qk if head_dim_vo is None else _positive_int(head_dim_vo, "head_dim_vo")
-    num_qo_heads = _positive_int(num_qo_heads, "num_qo_heads")
-    num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= MAX_PAGE_SIZE:
+        raise InvalidArgumentError(
+            "page_size",
+            f"an int between 1 and {MAX_PAGE_SIZE} (tokens per KV-cache page; plans size buffers by whole pages)",
+            repr(page_size),
+        )
+    head_dim_qk = positive_int(head_dim_qk, "head_dim_qk")
+    head_dim_vo = head_dim_qk if head_dim_vo is None else positive_int(head_dim_vo, "head_dim_vo")
+    num_qo_heads = positive_int(num_qo_heads, "num_qo_heads")
+    num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
+    causal = flag(causal, "causal")
+    return_lse = flag(return_lse, "return_lse")
+    deterministic = flag(deterministic, "deterministic")
     if num_qo_heads % num_kv_heads:
         raise InvalidArgumentError("num_qo_heads", f"a multiple of num_kv_heads = {num_kv_heads}", num_qo_heads)
     if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
@@ -190,13 +198,13 @@ def attention_problem(
         "sm_scale": scale,
         "window_left": window_left,
         "logits_soft_cap": cap,
-        "return_lse": bool(return_lse),
-        "deterministic": bool(deterministic),
+        "return_lse": return_lse,
+        "deterministic": deterministic,
         "batch_size": batch.batch_size,
         "max_kv_len": batch.max_kv_len,
     }
     if op == "prefill":
-        fields.update(causal=bool(causal), num_qo_tokens=batch.num_qo_tokens, max_qo_len=batch.max_qo_len)
+        fields.update(causal=causal, num_qo_tokens=batch.num_qo_tokens, max_qo_len=batch.max_qo_len)
     problem = make_problem(op, **fields)
     assert isinstance(problem, (PrefillProblem, DecodeProblem))
     if memo is not None:
@@ -261,7 +269,7 @@ class _PagedAttention(Planned):
         self.kv_layout: KVLayout = kv_layout
         self._backend = backend
         self._device = torch.device(device) if device is not None else None
-        self._use_cuda_graph = bool(use_cuda_graph)
+        self._use_cuda_graph = flag(use_cuda_graph, "use_cuda_graph")
         self._selection: Selection | None = None
         self._batch: PagedBatch | None = None
         self._fast: tuple[Any, ...] | None = None  # what run() compares against, bound at plan
@@ -286,8 +294,6 @@ class _PagedAttention(Planned):
         tactic: Tactic | dict[str, Any] | str | None,
     ) -> None:
         """``arguments``: ``op`` and the static plan arguments, in `_ARGUMENT_NAMES` order."""
-        if type(arguments[-1]) is not bool:
-            raise InvalidArgumentError("deterministic", "a bool", repr(arguments[-1]))
         explicit = self._device
         if explicit is not None and (explicit.index is not None or explicit.type == "cpu"):
             device = explicit  # what resolve_device gives back for a concrete device
@@ -362,12 +368,11 @@ class _PagedAttention(Planned):
         self._k_tail = state.k_tail
         self._v_tail = state.v_tail
         self._return_lse = state.return_lse
-        self._device_index = device.index if device.type == "cuda" else -1
         self._fast = (
             selection.plan.run,
             shapes[0],
             state.q_dtype,
-            self._device_index,
+            device,
             shapes[1],
             state.out_dtype,
             state.return_lse,
@@ -384,15 +389,20 @@ class _PagedAttention(Planned):
         lse: torch.Tensor | None = None,
         return_lse: bool | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Attention for the planned batch. Returns ``out``, or ``(out, lse)`` with the LSE."""
+        """Attention for the planned batch. Returns ``out``, or ``(out, lse)`` with the LSE.
+
+        Every tensor must be on the plan's device (``q``, the cache, ``out``, ``lse``);
+        ``return_lse`` is None (as planned) or a bool.
+        """
         fast = self._fast
         if fast is None:
             raise TactixError(f"{type(self).__name__}: call plan() before run()")
-        run, q_shape, q_dtype, index, out_shape, out_dtype, planned_lse = fast
+        run, q_shape, q_dtype, device, out_shape, out_dtype, planned_lse = fast
         # Plain attribute comparisons only (about 1 us in all); whatever fails them goes to a
-        # slow path that raises an error saying what was expected.
+        # slow path that raises an error saying what was expected. Devices are compared whole:
+        # get_device() is -1 for the CPU and for meta tensors alike, which would pass a meta q.
         try:
-            if q.shape != q_shape or q.dtype != q_dtype or q.get_device() != index:
+            if q.shape != q_shape or q.dtype != q_dtype or q.device != device:
                 self._reject("q", q, q_shape, q_dtype)
             if type(paged_kv_cache) is tuple:
                 k, v = paged_kv_cache
@@ -407,16 +417,14 @@ class _PagedAttention(Planned):
                 self._accept_cache(k, v)
             if out is None:
                 out = torch.empty(out_shape, dtype=out_dtype, device=self._device_now)
-            elif (
-                out.shape != out_shape or out.dtype != out_dtype or out.get_device() != index or not out.is_contiguous()
-            ):
+            elif out.shape != out_shape or out.dtype != out_dtype or out.device != device or not out.is_contiguous():
                 self._reject("out", out, out_shape, out_dtype, contiguous=True)
         except TactixError:
             raise
         except (AttributeError, TypeError, ValueError):
             self._diagnose(q, paged_kv_cache, out)
             raise
-        if planned_lse or lse is not None or return_lse:
+        if return_lse is not None or planned_lse or lse is not None:  # (return_lse checked there)
             return self._run_with_lse(run, q, k, v, out, lse, return_lse)
         run(q, k, v, out, None)
         return out
@@ -431,18 +439,23 @@ class _PagedAttention(Planned):
         lse: torch.Tensor | None,
         return_lse: bool | None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        want = (self._return_lse if return_lse is None else bool(return_lse)) or lse is not None
+        if return_lse is not None:
+            flag(return_lse, "return_lse")
+        want = (self._return_lse if return_lse is None else return_lse) or lse is not None
         if want and not self._return_lse:
             raise InvalidArgumentError(
                 "return_lse", "False as planned (pass return_lse=True to plan() for the LSE)", True
             )
+        if not want and not self._return_lse:
+            run(q, k, v, out, None)
+            return out
         if lse is None:
             lse = torch.empty(self._lse_shape, dtype=torch.float32, device=self._device_now)
         elif (
             not isinstance(lse, torch.Tensor)
             or lse.shape != self._lse_shape
             or lse.dtype != torch.float32
-            or lse.get_device() != self._device_index
+            or lse.device != self._device_now
             or not lse.is_contiguous()
         ):
             self._reject("lse", lse, self._lse_shape, torch.float32, contiguous=True)
@@ -514,9 +527,20 @@ class _PagedAttention(Planned):
         got = f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
         page_axis = 1 if self.kv_layout == "NHD" else 2
         if t.dim() == 4 and t.shape[page_axis] != tail[page_axis - 1]:
+            other = "HND" if self.kv_layout == "NHD" else "NHD"
+            swapped = torch.Size((tail[1], tail[0], tail[2]))  # page size and kv heads trade places
+            if t.shape[1:] == swapped:
+                raise InvalidArgumentError(
+                    f"paged_kv_cache ({name})",
+                    f"in the wrapper's kv_layout='{self.kv_layout}': {expected}",
+                    f"shape {tuple(t.shape)}, the {other} layout of that cache; make the wrapper with "
+                    f"kv_layout='{other}' for an {other} cache",
+                )
             raise InvalidArgumentError(
                 "page_size",
-                f"the cache's page size ({t.shape[page_axis]} in {name}, {self.kv_layout} layout)",
+                f"the cache's page size ({t.shape[page_axis]} in {name}, read in the wrapper's "
+                f"kv_layout='{self.kv_layout}' [num_pages, {', '.join(names)}]; if the cache is {other}, "
+                f"make the wrapper with kv_layout='{other}')",
                 tail[page_axis - 1],
             )
         raise InvalidArgumentError(f"paged_kv_cache ({name})", expected, got)
@@ -603,7 +627,9 @@ class PagedPrefill(_PagedAttention):
         Parameters
         ----------
         qo_indptr : int32/int64 ``[batch_size + 1]``, CPU or device
-            Query rows of request ``b`` are ``q[qo_indptr[b]:qo_indptr[b + 1]]``.
+            Query rows of request ``b`` are ``q[qo_indptr[b]:qo_indptr[b + 1]]``. A request may
+            have none, the batch may not (an empty batch is refused: skip the call instead).
+            Every indptr, index and length must fit int32.
         paged_kv_indptr : int32/int64 ``[batch_size + 1]``
             Request ``b`` owns pages ``paged_kv_indices[paged_kv_indptr[b]:paged_kv_indptr[b + 1]]``.
         paged_kv_indices : int32/int64 ``[>= paged_kv_indptr[-1]]``
@@ -611,11 +637,13 @@ class PagedPrefill(_PagedAttention):
         paged_kv_last_page_len : int32/int64 ``[batch_size]``
             Valid tokens in each request's last page, in ``[1, page_size]``.
         num_qo_heads, num_kv_heads, head_dim_qk, page_size : int
-            ``num_qo_heads`` must be a multiple of ``num_kv_heads`` (GQA).
+            ``num_qo_heads`` must be a multiple of ``num_kv_heads`` (GQA); ``page_size`` is at
+            most `MAX_PAGE_SIZE` (65536) tokens.
         head_dim_vo : int, optional
             Head dim of V and the output (default ``head_dim_qk``).
         causal : bool
-            Bottom-right aligned causal mask (see the module docstring).
+            Bottom-right aligned causal mask (see the module docstring). Every flag argument
+            (``causal``, ``return_lse``, ``deterministic``) must be a bool, never 0/1 or a string.
         sm_scale : float, optional
             Logit scale (default ``1 / sqrt(head_dim_qk)``).
         window_left : int
@@ -632,8 +660,10 @@ class PagedPrefill(_PagedAttention):
             split-KV decode, for one), which can differ in the last bit of a few elements.
         backend : str, optional
             Overrides the wrapper's backend for this plan (``"auto"`` or a name).
-        tactic : Tactic, optional
-            Run exactly this tactic (its backend must be able to serve the problem).
+        tactic : Tactic, str or dict, optional
+            Run exactly this tactic (its backend must be able to serve the problem): a `Tactic`,
+            the form it prints (``"torch:explicit"``, ``"torch:sdpa(impl=math)"``: what
+            ``print(wrapper.tactic)`` shows), or its JSON object.
         """
         if not isinstance(qo_indptr, torch.Tensor):
             raise InvalidArgumentError("qo_indptr", "a 1-D int32 or int64 torch.Tensor", type(qo_indptr).__name__)

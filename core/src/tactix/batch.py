@@ -187,6 +187,17 @@ class PagedBatch:
             qo_lens_list = list(map(operator.sub, qo_list[1:], qo_list))
             _check_offsets("qo_indptr", qo_list, qo_lens_list, min(qo_lens_list))
             max_qo_len = max(qo_lens_list)
+            if max_qo_len == 0:
+                # Refused here, for every backend: an empty batch leaves nothing to compute, and
+                # kernels that size their grid or gathers by the rows fail on zero of them.
+                raise InvalidArgumentError(
+                    "qo_indptr",
+                    "the offsets of at least one query row (an empty batch has nothing to compute: skip the call)",
+                    f"qo_indptr[-1] = 0 for {batch_size} requests",
+                )
+            if qo_list[-1] > _INT32_MAX:
+                raise InvalidArgumentError("qo_indptr", f"offsets up to {_INT32_MAX} (kernels index query "
+                                           "rows with int32)", f"qo_indptr[-1] = {qo_list[-1]}")  # fmt: skip
         if fewest_pages < 1:
             i = num_pages.index(fewest_pages)
             raise InvalidArgumentError(
@@ -196,6 +207,9 @@ class PagedBatch:
             i, n = next((i, n) for i, n in enumerate(last_list) if not 1 <= n <= page_size)
             raise InvalidArgumentError(f"{last_page_len_name}[{i}]", f"in [1, page_size={page_size}]", n)
         nnz = kv_list[-1]
+        if nnz > _INT32_MAX:
+            raise InvalidArgumentError(kv_indptr_name, f"offsets up to {_INT32_MAX} (kernels index pages "
+                                       "with int32)", f"{kv_indptr_name}[-1] = {nnz}")  # fmt: skip
         if nnz > indices_t.numel():
             raise InvalidArgumentError(
                 kv_indices_name,
@@ -203,14 +217,22 @@ class PagedBatch:
                 f"{indices_t.numel()} entries",
             )
         kv_lens_list = [(n - 1) * page_size + last for n, last in zip(num_pages, last_list, strict=True)]
+        max_kv_len = max(kv_lens_list)
+        if max_kv_len > _INT32_MAX:
+            i = kv_lens_list.index(max_kv_len)
+            raise InvalidArgumentError(
+                kv_indptr_name,
+                f"offsets that give kv lengths up to {_INT32_MAX} tokens (kernels index keys with int32)",
+                f"request {i}: kv length {max_kv_len}",
+            )
         if not decode and causal:
             for i, (q, kv) in enumerate(zip(qo_lens_list, kv_lens_list, strict=True)):
                 if kv < q:
                     raise InvalidArgumentError(
-                        "paged_kv_last_page_len",
-                        f"to give request {i} at least as many kv tokens as query tokens "
-                        "(causal attention aligns q to the end of kv)",
-                        f"kv length {kv} for {q} query tokens",
+                        last_page_len_name,
+                        "large enough that each request has at least as many kv tokens as query tokens "
+                        "(causal attention aligns the queries with the last keys)",
+                        f"request {i}: kv length {kv} for {q} query tokens",
                     )
         if indices_t.numel() != nnz:
             indices_t = indices_t[:nnz]
@@ -245,7 +267,7 @@ class PagedBatch:
             batch_size=batch_size,
             num_qo_tokens=qo_list[-1],
             max_qo_len=max_qo_len,
-            max_kv_len=max(kv_lens_list),
+            max_kv_len=max_kv_len,
             num_page_entries=nnz,
             max_page_index=max_page_index,
             _device_copies={},

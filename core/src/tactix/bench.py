@@ -1,4 +1,4 @@
-"""``tactix bench``: the shape suite of ../shared/BENCHMARKS.md for every backend and for tuned ``auto``.
+"""``tactix bench``: the shape suite of benchmarks/README.md for every backend and for tuned ``auto``.
 
 Backends that offer direct calls of the library they wrap (``tactix_references``; cuDNN does)
 get extra "NAME (direct)" rows: the library called by hand, same inputs, same timer, so the
@@ -18,6 +18,7 @@ import json
 import math
 import platform
 import tempfile
+import textwrap
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,7 +36,9 @@ from tactix.gemm import Gemm
 from tactix.registry import get_registry
 from tactix.testing.oracle import attention_reference, gemm_reference, relative_error, tolerance_for
 
-__all__ = ["BenchCase", "BenchRow", "run_bench", "suite"]
+__all__ = ["SUITES", "BenchCase", "BenchRow", "run_bench", "select_cases", "suite"]
+
+SUITES = ("gpu", "cpu")
 
 
 @dataclass(frozen=True)
@@ -67,17 +70,21 @@ class BenchRow:
     ratio_to_best: float | None = None
     error: float | None = None
     timed_as: str | None = None
-    detail: str = ""
+    detail: str = ""  # the whole message: the Markdown table shortens it, the JSON keeps it
+    reasons: list[str] = field(default_factory=list)  # unsupported: each reason the backend gave
     samples_us: list[float] = field(default_factory=list)
 
 
 def _randint(low: int, high: int, count: int, seed: int) -> tuple[int, ...]:
-    torch.manual_seed(seed)
-    return tuple(int(x) for x in torch.randint(low, high, (count,)))
+    """What ``torch.manual_seed(seed); torch.randint(...)`` gives, leaving torch's global generator alone."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(int(x) for x in torch.randint(low, high, (count,), generator=gen))
 
 
 def suite(name: str) -> list[BenchCase]:
-    """``gpu``: the standard suite of ../shared/BENCHMARKS.md; ``cpu``: small shapes of the same kinds."""
+    """``gpu``: the standard suite (benchmarks/README.md); ``cpu``: small shapes of the same kinds."""
+    if name not in SUITES:
+        raise tactix.InvalidArgumentError("suite", f"one of {', '.join(map(repr, SUITES))}", repr(name))
     if name == "cpu":
         return [
             BenchCase(
@@ -132,6 +139,26 @@ class _Attention:
     k: torch.Tensor
     v: torch.Tensor
     out: torch.Tensor
+
+
+def select_cases(suite_name: str, ids: list[str] | None, argument: str = "cases") -> list[BenchCase]:
+    """The suite's cases whose ids are in ``ids`` (None: all), in suite order; an unknown id is an
+    `InvalidArgumentError` naming ``argument`` and listing the suite's ids."""
+    cases = suite(suite_name)
+    if ids is None:
+        return cases
+    valid = [c.id for c in cases]
+    unknown = [i for i in ids if i not in valid]
+    if unknown or not ids:
+        given = ", ".join(map(repr, unknown)) if unknown else "no id"
+        raise tactix.InvalidArgumentError(argument, f"ids of the {suite_name} suite: {', '.join(valid)}", given)
+    return [c for c in cases if c.id in ids]
+
+
+def _unsupported(case: BenchCase, name: str, exc: TactixError) -> BenchRow:
+    if isinstance(exc, tactix.UnsupportedProblemError):
+        return BenchRow(case.id, case.description, name, "-", "unsupported", detail=str(exc), reasons=exc.reasons)
+    return BenchRow(case.id, case.description, name, "-", "failed", detail=str(exc))
 
 
 def _attention_inputs(case: BenchCase, device: torch.device, dtype: torch.dtype) -> _Attention:
@@ -204,8 +231,7 @@ def _measure_attention(
             warnings.simplefilter("error", tactix.FallbackWarning)
             wrapper.plan(*args, hq, hkv, case.head_dim, case.page_size, **kw)
     except TactixError as exc:
-        status = "unsupported" if isinstance(exc, tactix.UnsupportedProblemError) else "failed"
-        return BenchRow(case.id, case.description, name, "-", status, detail=str(exc)[:300])
+        return _unsupported(case, name, exc)
     cache = (inputs.k, inputs.v)
     inputs.out.fill_(float("nan"))
     wrapper.run(inputs.q, cache, out=inputs.out)
@@ -260,8 +286,7 @@ def _measure_gemm(
             warnings.simplefilter("error", tactix.FallbackWarning)
             g.plan(case.m, case.n, case.k, a_dtype=inputs["a"].dtype, out_dtype=torch.bfloat16 if case.fp8 else None)
     except TactixError as exc:
-        status = "unsupported" if isinstance(exc, tactix.UnsupportedProblemError) else "failed"
-        return BenchRow(case.id, case.description, name, "-", status, detail=str(exc)[:300])
+        return _unsupported(case, name, exc)
     scales = {k: inputs[k] for k in ("scale_a", "scale_b") if k in inputs}
     out = g.run(inputs["a"], inputs["b"], **scales)
     out_dtype = torch.bfloat16 if case.fp8 else dtype
@@ -300,7 +325,7 @@ def _measure_references(
     try:
         calls = get_registry().get(backend).references(case.op, inputs)
     except Exception as exc:  # a reference that cannot be set up is reported, not fatal
-        return [BenchRow(case.id, case.description, name, "-", "failed", detail=f"{type(exc).__name__}: {exc}"[:300])]
+        return [BenchRow(case.id, case.description, name, "-", "failed", detail=f"{type(exc).__name__}: {exc}")]
     out = inputs["out"]
     timed: list[tuple[str, Any, float]] = []
     problems: list[str] = []
@@ -314,11 +339,11 @@ def _measure_references(
                 continue
             timed.append((label, measure_with_policy(call, device, policy), err))
         except Exception as exc:
-            problems.append(f"{label}: {type(exc).__name__}: {exc}"[:200])
+            problems.append(f"{label}: {type(exc).__name__}: {exc}")
     if not timed:
         if not calls:
             return []
-        return [BenchRow(case.id, case.description, name, "-", "failed", detail="; ".join(problems)[:300])]
+        return [BenchRow(case.id, case.description, name, "-", "failed", detail="; ".join(problems))]
     label, timing, err = min(timed, key=lambda t: t[1].median)
     variants = ", ".join(f"{lbl} {t.median * 1e6:.1f} us" for lbl, t, _ in sorted(timed, key=lambda t: t[1].median))
     amount, unit = work
@@ -366,7 +391,7 @@ def run_bench(
     """
     policy = policy or MeasurementPolicy(warmup=3, repeat=20)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    chosen = [c for c in suite(suite_name) if cases is None or c.id in cases]
+    chosen = select_cases(suite_name, cases)
     names = backends or [b.name for b in get_registry().active()]
     rows: list[BenchRow] = []
     store = tempfile.mkdtemp(prefix="tactix-bench-store-")
@@ -479,12 +504,19 @@ def markdown(report: dict[str, Any]) -> str:
         rate = f"{r['rate']:.3g} {r['unit']}" if r["rate"] else "-"
         ratio = f"{r['ratio_to_best']:.2f}" if r["ratio_to_best"] else "-"
         err = f"{r['error']:.1e}" if r["error"] is not None else "-"
-        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['detail'][:80]}"
+        why = "; ".join(r.get("reasons") or []) or r["detail"]
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {_cell(why, 100)}"
         lines.append(
             f"| {r['case']} | {r['description']} | {r['implementation']} | `{r['tactic']}` | {time_s} | "
             f"{rate} | {ratio} | {err} | {status} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _cell(text: str, width: int) -> str:
+    """``text`` for a Markdown table cell: cut at a word boundary (marked with an ellipsis), no
+    ``|`` (it would end the cell)."""
+    return textwrap.shorten(text.replace("|", "/"), width, placeholder=" …")
 
 
 def chart(report: dict[str, Any], path: str) -> bool:
@@ -517,6 +549,7 @@ def chart(report: dict[str, Any], path: str) -> bool:
 
 
 def write_outputs(report: dict[str, Any], json_path: str | None, md_path: str | None, png_path: str | None) -> None:
+    """The report's files (``tactix bench --json PATH --markdown PATH --png PATH``)."""
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1) + "\n")
     if md_path:

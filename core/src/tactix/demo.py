@@ -10,7 +10,6 @@ float64 oracle on the same inputs, and the table names the backend and tactic th
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 
 from tactix.attention import PagedDecode, PagedPrefill
 from tactix.autotune.timing import measure
+from tactix.errors import InvalidArgumentError
 from tactix.gemm import Gemm
 from tactix.testing.oracle import attention_reference, gemm_reference, relative_error, tolerance_for
 
@@ -116,6 +116,8 @@ def _time_us(fn: Any, device: torch.device) -> float:
 
 
 def run_demo(device: torch.device, decode_steps: int = 3, seed: int = 0) -> list[DemoRow]:
+    if decode_steps < 0:
+        raise InvalidArgumentError("decode_steps", "an integer >= 0", decode_steps)
     cfg = DemoConfig.for_device(device, decode_steps)
     gen = torch.Generator().manual_seed(seed)
     rows: list[DemoRow] = []
@@ -239,7 +241,7 @@ def run_demo(device: torch.device, decode_steps: int = 3, seed: int = 0) -> list
 
 
 def format_rows(rows: list[DemoRow], device: torch.device) -> str:
-    header = ("step", "op", "shape", "backend", "tactic", "time", "rel. error", "tolerance", "")
+    header = ("step", "op", "shape", "backend", "tactic", "time", "rel. error", "tolerance", "check")
     table = [header] + [
         (
             r.step,
@@ -267,5 +269,6 @@ def format_rows(rows: list[DemoRow], device: torch.device) -> str:
     return "\n".join(lines)
 
 
-def rows_json(rows: list[DemoRow], device: torch.device) -> str:
-    return json.dumps({"device": str(device), "rows": [asdict(r) | {"ok": r.ok} for r in rows]}, indent=2)
+def rows_report(rows: list[DemoRow], device: torch.device) -> dict[str, Any]:
+    """The rows as the JSON of ``tactix demo --json``."""
+    return {"device": str(device), "rows": [asdict(r) | {"ok": r.ok} for r in rows]}

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from tactix import cudart
+from tactix.errors import InvalidArgumentError
 
-__all__ = ["cuda_available", "resolve_device"]
+__all__ = ["cuda_available", "named_device", "resolve_device"]
 
 _cuda_seen = False
 
@@ -48,6 +49,26 @@ def resolve_device(explicit: torch.device | str | None, *tensors: object) -> tor
     if cuda_available():
         return _cuda(_current_cuda_device())
     return torch.device("cpu")
+
+
+def named_device(argument: str, value: str | None) -> torch.device:
+    """The device a user typed (``cpu``, ``cuda``, ``cuda:N``; None: the default of
+    `resolve_device`), refused with an `InvalidArgumentError` naming ``argument`` when this
+    machine has no such device: a command checks it once, before any work, instead of failing
+    every case later with torch's error."""
+    if value is None:
+        return resolve_device(None)
+    count = torch.cuda.device_count() if cuda_available() else 0
+    expected = f"'cpu' or 'cuda[:N]' with N < {count}" if count else "'cpu' (no CUDA GPU is visible)"
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise InvalidArgumentError(argument, expected, repr(value)) from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda" or not count or (device.index is not None and device.index >= count):
+        raise InvalidArgumentError(argument, expected, repr(value))
+    return resolve_device(device)
 
 
 _get_device = getattr(torch._C, "_cuda_getDevice", None)

@@ -8,7 +8,7 @@ TactixError
 ├── BackendUnavailableError                  a known backend that is disabled, failed to load, or cannot run here
 │   └── DuplicateBackendError                two distributions register the same backend name
 ├── PluginError                              a plugin broke its contract (wrong return type, wrong name, ...)
-├── StoreError                               a tactic store directory cannot be used as asked (defective manifest, unwritable)
+├── StoreError                               a store directory cannot be used as asked (bad manifest, unwritable)
 ├── DistributedError                         the ranks of a process group differ, or one stopped answering
 └── BackendError (also RuntimeError)         a backend's plan or run raised; the original error is the cause
 

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 
+from tactix.arguments import flag, positive_int
 from tactix.devices import resolve_device
 from tactix.dtypes import parse_dtype, to_torch_dtype
 from tactix.errors import InvalidArgumentError, TactixError
@@ -34,12 +35,6 @@ from tactix.tactics import Tactic, parse_tactic
 __all__ = ["Gemm", "gemm", "gemm_problem"]
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
-
-
-def _positive(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(name, "a positive int", repr(value))
-    return value
 
 
 def _a_layout(a: torch.Tensor) -> Literal["k", "m"] | None:
@@ -89,9 +84,10 @@ def gemm_problem(
     device: torch.device,
 ) -> GemmProblem:
     """Validate `Gemm.plan` arguments into the problem a backend is asked about (also used by the kit)."""
-    m, n, k = _positive(m, "m"), _positive(n, "n"), _positive(k, "k")
+    m, n, k = positive_int(m, "m"), positive_int(n, "n"), positive_int(k, "k")
     if batch is not None:
-        batch = _positive(batch, "batch")
+        batch = positive_int(batch, "batch")
+    a_k_major, b_k_major = flag(a_k_major, "a_k_major"), flag(b_k_major, "b_k_major")
     a_name = parse_dtype(a_dtype, "a_dtype")
     b_name = a_name if b_dtype is None else parse_dtype(b_dtype, "b_dtype")
     if (a_name in _FP8) != (b_name in _FP8):
@@ -113,8 +109,8 @@ def gemm_problem(
         a_dtype=a_name,
         b_dtype=b_name,
         out_dtype=out_name,
-        a_k_major=bool(a_k_major),
-        b_k_major=bool(b_k_major),
+        a_k_major=a_k_major,
+        b_k_major=b_k_major,
         scale_mode="per_tensor" if fp8 else "none",
         bias_dtype=bias_name,
     )
@@ -161,7 +157,10 @@ class Gemm(Planned):
         backend: str | None = None,
         tactic: Tactic | dict[str, Any] | str | None = None,
     ) -> None:
-        """Plan ``[batch,] m x n x k``. fp8 operands imply per-tensor scales."""
+        """Plan ``[batch,] m x n x k``. fp8 operands imply per-tensor scales.
+
+        ``a_k_major`` and ``b_k_major`` are bools; ``tactic`` is a `Tactic`, the form it prints
+        (``"torch:matmul"``) or its JSON object."""
         device = resolve_device(self._device)
         chosen_backend = self._backend if backend is None else backend
         problem = gemm_problem(

@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -103,21 +103,38 @@ def _tolerance(problem: Problem) -> float:
 
 
 class _Progress:
-    """One stderr line per problem, rewritten in place, for tuning that takes a while."""
+    """Progress on stderr for a problem whose tuning takes a while.
+
+    On a terminal: one line, rewritten in place. Anywhere else (a log file, a pipe) the cursor
+    controls would show up as literal ``[K``, so plain lines go out instead, at most one every
+    ``LOG_INTERVAL_S``, to keep a log short.
+    """
+
+    QUIET_S: Final = 2.0  # quick problems print nothing
+    LOG_INTERVAL_S: Final = 30.0
 
     def __init__(self, problem: Problem, total: int) -> None:
         self.problem, self.total, self.start = problem, total, time.monotonic()
-        self.shown = False
+        self.last: float | None = None  # when a line was last written
+        isatty = getattr(sys.stderr, "isatty", None)
+        self.terminal = bool(isatty and isatty())
 
     def update(self, done: int, tactic: Tactic) -> None:
-        if time.monotonic() - self.start < 2.0 and not self.shown:
-            return  # quick problems print nothing
-        self.shown = True
-        sys.stderr.write(f"\rtactix: tuning {self.problem} [{done}/{self.total}] {tactic}\033[K")
+        now = time.monotonic()
+        if self.last is None and now - self.start < self.QUIET_S:
+            return
+        line = f"tactix: tuning {self.problem} [{done}/{self.total}] {tactic}"
+        if self.terminal:
+            sys.stderr.write(f"\r{line}\033[K")
+        elif self.last is None or now - self.last >= self.LOG_INTERVAL_S:
+            sys.stderr.write(f"{line}\n")
+        else:
+            return
+        self.last = now
         sys.stderr.flush()
 
     def close(self) -> None:
-        if self.shown:
+        if self.last is not None and self.terminal:
             sys.stderr.write("\n")
 
 
@@ -193,7 +210,9 @@ def tune(
     base_time = next(r.median_s for r in ok if r.tactic == baseline)
     best = min(ok, key=lambda r: r.median_s or float("inf"))
     assert base_time is not None and best.median_s is not None
-    winner = best.tactic if best.median_s * policy.min_speedup < base_time else baseline
+    won = best if best.median_s * policy.min_speedup < base_time else next(r for r in ok if r.tactic == baseline)
+    # named by the tactic its plan ran (what a default resolved to), the name the wrapper reports
+    winner = won.ran or won.tactic
     return StoreEntry(
         op=problem.op,
         key=problem.key(),

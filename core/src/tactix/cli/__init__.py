@@ -1,22 +1,44 @@
-"""The ``tactix`` command: backends, doctor, demo, bench, cache, conformance, warmup, support-matrix."""
+"""The ``tactix`` command: backends, doctor, demo, bench, cache, conformance, warmup, support-matrix.
+
+Anything a user can get wrong (an option's value, a name, a path) is one ``tactix: error: ...``
+line on standard error and a non-zero exit, never a traceback. The ``--json`` convention every
+subcommand follows is in `tactix.cli._output`.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import platform
 import sys
-from collections.abc import Sequence
-from typing import Any
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Final, NoReturn, cast
 
 import torch
 
 import tactix
+from tactix.cli._output import add_json_option, check_output_path, json_to_stdout, write_json
 from tactix.cli.cache import add_cache_parser
-from tactix.registry import get_registry
+from tactix.devices import named_device
+from tactix.registry import Backend, get_registry
 
 __all__ = ["main"]
+
+DESCRIPTION: Final = (
+    "One API for paged attention and GEMM whose kernels come from backend plugins. "
+    "Every subcommand that writes JSON takes --json PATH (a file; the usual text is printed too) "
+    "or --json / --json - (only the JSON, on standard output)."
+)
+
+EXIT_BROKEN_PIPE: Final = 141  # what a shell reports for a writer killed by SIGPIPE (128 + 13)
+EXIT_INTERRUPTED: Final = 130  # 128 + SIGINT, as for a shell's Ctrl-C
+
+_OUTPUT_OPTIONS: Final = {"json": "--json", "markdown": "--markdown", "png": "--png", "output": "--output"}
+"""Options that name a file to write, by their argparse destination: checked before the command runs."""
 
 
 def _backend_rows() -> list[dict[str, Any]]:
@@ -44,11 +66,21 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def _backend(argument: str, name: str) -> Backend:
+    """The active backend ``name``; for an unknown name, an error under ``argument`` listing the valid ones."""
+    try:
+        return get_registry().get(name)
+    except tactix.BackendNotFoundError as exc:
+        choices = ", ".join(repr(v) for v in exc.valid) or "none (no backend is installed)"
+        raise tactix.InvalidArgumentError(argument, f"one of {choices}", repr(name)) from None
+
+
 def cmd_backends(args: argparse.Namespace) -> int:
     rows = _backend_rows()
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
+    if args.json is not None:
+        write_json(args.json, rows)
+        if json_to_stdout(args):
+            return 0
     if not rows:
         print("no tactix backends are installed (the 'tactix.backends' entry-point group is empty)")
         return 1
@@ -99,9 +131,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             for i in range(torch.cuda.device_count())
         ]
     info["backends"] = _backend_rows()
-    if args.json:
-        print(json.dumps(info, indent=2))
-        return 0
+    if args.json is not None:
+        write_json(args.json, info)
+        if json_to_stdout(args):
+            return 0
     print(f"tactix {info['tactix']}  python {info['python']}  torch {info['torch']}  ({info['platform']})")
     if info["cuda_available"]:
         print(f"CUDA {info['torch_cuda']}  cuDNN {info['cudnn']}")
@@ -111,33 +144,23 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                 f"{g['memory_gib']} GiB  {g['multiprocessors']} SMs"
             )
     else:
-        print(f"no CUDA GPU visible (torch built with CUDA {info['torch_cuda']}); GPU backends cannot run here")
+        built = f"built with CUDA {info['torch_cuda']}" if info["torch_cuda"] else "a CPU-only build"
+        print(f"no CUDA GPU visible (torch {info['torch']} is {built}); GPU backends cannot run here")
     for k, v in info["env"].items():
         print(f"  {k}={v}")
     print()
-    return cmd_backends(argparse.Namespace(json=False))
+    return cmd_backends(argparse.Namespace(json=None))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from tactix.demo import format_rows, rows_json, run_demo
+    from tactix.demo import format_rows, rows_report, run_demo
 
-    if args.device:
-        try:
-            device = torch.device(args.device)
-        except RuntimeError as exc:
-            raise tactix.InvalidArgumentError("--device", "'cpu' or 'cuda[:N]'", repr(args.device)) from exc
-        if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
-            available = "'cpu' or 'cuda[:N]'" if torch.cuda.is_available() else "'cpu' (no CUDA GPU is visible)"
-            raise tactix.InvalidArgumentError("--device", available, repr(args.device))
-    else:
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = named_device("--device", args.device)
     rows = run_demo(device, decode_steps=args.decode_steps, seed=args.seed)
-    print(format_rows(rows, device))
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(rows_json(rows, device))
+    if args.json is not None:
+        write_json(args.json, rows_report(rows, device))
+    if not json_to_stdout(args):
+        print(format_rows(rows, device))
     return 0 if all(r.ok for r in rows) else 1
 
 
@@ -145,9 +168,12 @@ def cmd_conformance(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         import pytest
     except ImportError:
-        print("tactix conformance needs pytest: pip install 'tactix[testing]'", file=sys.stderr)
+        print("tactix: error: tactix conformance needs pytest: pip install 'tactix[testing]'", file=sys.stderr)
         return 2
-    get_registry().get(args.backend) if args.backend != "all" else None  # unknown names fail here
+    from tactix.testing.plugin import backends_to_test
+
+    backends_to_test(args.backend, "backend")  # an unknown name or a missing device: one error, before pytest
+    named_device("--device", args.device)
     argv = [
         "--pyargs",
         "tactix.testing.suite",
@@ -160,20 +186,29 @@ def cmd_conformance(args: argparse.Namespace, extra: list[str]) -> int:
         "ignore::pytest.PytestAssertRewriteWarning",
         "-rfEsx" if args.verbose_skips else "-rfE",
     ]
-    if args.json:
-        argv.append(f"--tactix-report={args.json}")
     if args.device:
         argv.append(f"--tactix-device={args.device}")
     if args.all_tactics:
         argv.append("--tactix-all-tactics")
-    return int(pytest.main(argv + extra))
+    to_stdout = json_to_stdout(args)
+    with tempfile.TemporaryDirectory(prefix="tactix-conformance-") as scratch:
+        report = str(Path(scratch) / "report.json") if to_stdout else args.json
+        if report is not None:
+            argv.append(f"--tactix-report={report}")
+        # with the report on stdout, pytest's own output must not be mixed into it
+        output: contextlib.AbstractContextManager[Any] = (
+            contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext()
+        )
+        with output:
+            code = int(pytest.main(argv + extra))
+        if to_stdout and Path(report).exists():
+            sys.stdout.write(Path(report).read_text())
+    return code
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
     """Pre-compile what a backend's default tactics need, with one progress line per item."""
-    import time
-
-    backend = get_registry().get(args.backend)
+    backend = _backend("backend", args.backend)
     if args.arch is not None and not args.arch.startswith("sm_"):
         raise tactix.InvalidArgumentError("--arch", "a target like 'sm_90'", repr(args.arch))
     start = time.perf_counter()
@@ -182,10 +217,16 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         print(f"  [{done}/{total}] {label}", file=sys.stderr, flush=True)
 
     compiled = backend._call("tactix_warmup", arch=args.arch, progress=progress)
+    seconds = time.perf_counter() - start
+    if args.json is not None:
+        write_json(args.json, {"backend": backend.name, "arch": args.arch, "compiled": compiled,
+                               "seconds": round(seconds, 3)})  # fmt: skip
+        if json_to_stdout(args):
+            return 0
     if compiled is None:
         print(f"{backend.name}: nothing to compile ahead of time")
         return 0
-    print(f"{backend.name}: {compiled} compiled now, in {time.perf_counter() - start:.1f} s")
+    print(f"{backend.name}: {compiled} compiled now, in {seconds:.1f} s")
     return 0
 
 
@@ -194,8 +235,7 @@ def cmd_support_matrix(args: argparse.Namespace) -> int:
 
     text = render(load_reports(args.reports))
     if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
+        Path(args.output).write_text(text)
     else:
         print(text, end="")
     return 0
@@ -203,95 +243,137 @@ def cmd_support_matrix(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from tactix.autotune.policy import MeasurementPolicy
-    from tactix.bench import markdown, run_bench, write_outputs
+    from tactix.bench import markdown, run_bench, select_cases, write_outputs
 
-    device = (
-        torch.device(args.device)
-        if args.device
-        else (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-    )
+    device = named_device("--device", args.device)
     suite = args.suite or ("gpu" if device.type == "cuda" else "cpu")
+    cases = [c.strip() for c in args.cases.split(",")] if args.cases else None
+    select_cases(suite, cases, "--cases")  # an unknown id is refused before anything is measured
+    backends = [_backend("--backends", n.strip()).name for n in args.backends.split(",")] if args.backends else None
     policy = MeasurementPolicy(warmup=args.warmup, repeat=args.repeat, execution=args.execution)
     report = run_bench(
         suite,
         device,
-        cases=args.cases.split(",") if args.cases else None,
-        backends=args.backends.split(",") if args.backends else None,
+        cases=cases,
+        backends=backends,
         tune=not args.no_tune,
         deterministic=args.deterministic,
         policy=policy,
         progress=lambda text: print(f"  {text}", file=sys.stderr, flush=True),
     )
-    write_outputs(report, args.json, args.markdown, args.png)
-    print(markdown(report), end="")
+    if args.json is not None:
+        write_json(args.json, report, indent=1)
+    write_outputs(report, None, args.markdown, args.png)
+    if not json_to_stdout(args):
+        print(markdown(report), end="")
     wrong = [r for r in report["rows"] if r["status"] == "wrong"]
     return 1 if wrong else 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line like every other tactix error (the usage is in --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"tactix: error: {message} (see '{self.prog} --help')\n")
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum} (got {text!r})")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tactix", description=__doc__)
+    from tactix.bench import SUITES
+    from tactix.bench import suite as bench_suite
+
+    parser = _Parser(prog="tactix", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"tactix {tactix.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    device_help = "'cpu' or 'cuda[:N]' (default: cuda if a GPU is visible, else cpu)"
 
     p = sub.add_parser("backends", help="list installed backends and their status")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_json_option(p, "the backends")
     p.set_defaults(func=cmd_backends)
 
     p = sub.add_parser("doctor", help="describe this machine (torch, CUDA, cuDNN, GPUs) and every backend")
-    p.add_argument("--json", action="store_true")
+    add_json_option(p, "the description")
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("demo", help="run a Llama-like serving step through 'auto', checked against float64")
-    p.add_argument("--device", help="'cpu' or 'cuda[:N]' (default: cuda if available)")
-    p.add_argument("--decode-steps", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--device", help=device_help)
+    p.add_argument("--decode-steps", type=_at_least(0), default=3, metavar="N",
+                   help="decode steps after the prefill, each adding one token per request (default: 3)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, activations and cache (default: 0)")
+    add_json_option(p, "the rows")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser(
         "conformance",
         help="run the conformance kit against a backend (extra arguments go to pytest)",
         description="Run the conformance kit (tactix.testing.suite) against a backend; "
-        "arguments after the known options are passed to pytest (e.g. -k decode, -x).",
+        "arguments after the known options are passed to pytest (e.g. -k decode, -x). "
+        "Exits 0 when every case that ran passed, 1 when one failed, 5 when no case ran "
+        "(e.g. a backend that cannot run on this machine: the reasons are printed on one line).",
     )
     p.add_argument("backend", help="backend name, or 'all' for every active backend")
-    p.add_argument("--json", metavar="PATH", help="write the JSON report (input of 'tactix support-matrix')")
-    p.add_argument("--device", help="device for the cases (default: cuda if available, else cpu)")
+    add_json_option(p, "the report (the input of 'tactix support-matrix')")
+    p.add_argument("--device", help=device_help)
     p.add_argument("--all-tactics", action="store_true", help="check every tactic, not a sample of three")
     p.add_argument("--verbose-skips", action="store_true", help="list every skipped case with its reason")
     p.set_defaults(func=cmd_conformance, passthrough=True)
 
+    ids = "; ".join(f"{name} suite: {', '.join(c.id for c in bench_suite(name))}" for name in SUITES)
     p = sub.add_parser("bench", help="time the benchmark suite for every backend and tuned 'auto'")
-    p.add_argument("--suite", choices=["gpu", "cpu"], help="default: gpu on a GPU, cpu otherwise")
-    p.add_argument("--device")
-    p.add_argument("--cases", help="comma-separated case ids (default: all of the suite)")
-    p.add_argument("--backends", help="comma-separated backends (default: every active one)")
+    p.add_argument("--suite", choices=SUITES, help="default: gpu on a GPU, cpu otherwise")
+    p.add_argument("--device", help=device_help)
+    p.add_argument("--cases", metavar="IDS", help=f"comma-separated case ids (default: all of the suite); {ids}")
+    p.add_argument("--backends", metavar="NAMES", help="comma-separated backends (default: every active one)")
     p.add_argument("--no-tune", action="store_true", help="leave out the tuned 'auto' rows")
     p.add_argument(
         "--deterministic",
         action="store_true",
         help="plan attention with deterministic=True (default: the fastest tactics, deterministic or not)",
     )
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeat", type=int, default=20)
-    p.add_argument("--execution", choices=["cuda_graph", "eager"], default="cuda_graph")
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--markdown", metavar="PATH")
+    p.add_argument("--warmup", type=_at_least(0), default=3, metavar="N", help="untimed calls first (default: 3)")
+    p.add_argument("--repeat", type=_at_least(1), default=20, metavar="N",
+                   help="timed calls; the median is reported (default: 20)")  # fmt: skip
+    p.add_argument("--execution", choices=["cuda_graph", "eager"], default="cuda_graph",
+                   help="cuda_graph: replay a captured graph where the plan allows (kernel time); "
+                   "eager: plain calls (host cost included) (default: cuda_graph)")  # fmt: skip
+    add_json_option(p, "the report")
+    p.add_argument("--markdown", metavar="PATH", help="write the table as Markdown to PATH")
     p.add_argument("--png", metavar="PATH", help="bar chart of ratios to the best (needs matplotlib)")
     p.set_defaults(func=cmd_bench)
 
-    add_cache_parser(sub)
+    add_cache_parser(cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub))  # it makes _Parser ones
 
     p = sub.add_parser("warmup", help="compile a backend's kernels ahead of time (its default tactics)")
     p.add_argument("backend", help="backend name, e.g. cuda_native")
     p.add_argument("--arch", help="target architecture such as sm_90 (default: the current GPU's)")
+    add_json_option(p, "what was compiled")
     p.set_defaults(func=cmd_warmup)
 
     p = sub.add_parser("support-matrix", help="render conformance reports as docs/support-matrix.md")
     p.add_argument("reports", nargs="+", help="JSON reports written by 'tactix conformance --json'")
-    p.add_argument("-o", "--output", help="write here instead of standard output")
+    p.add_argument("-o", "--output", metavar="PATH", help="write here instead of standard output")
     p.set_defaults(func=cmd_support_matrix)
     return parser
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: Python flushes it once more at exit, which would fail again."""
+    with contextlib.suppress(OSError, ValueError):  # a stdout without a descriptor (a test's capture) has none
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -299,10 +381,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and not getattr(args, "passthrough", False):
         build_parser().parse_args(argv)  # reports the unknown arguments and exits 2
     try:
+        for dest, option in _OUTPUT_OPTIONS.items():
+            check_output_path(option, getattr(args, dest, None))  # before a long run, not after it
         code: int = args.func(args, extra) if getattr(args, "passthrough", False) else args.func(args)
+        sys.stdout.flush()  # a reader that has gone (`| head -1`) shows up here, not at interpreter exit
     except tactix.TactixError as exc:
         print(f"tactix: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader has what it wanted: nothing to report
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        print("tactix: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except OSError as exc:  # the machine refused (disk full, permissions): its words, on one line
+        print(f"tactix: error: {exc}", file=sys.stderr)
+        return 1
     return code
 
 

@@ -17,11 +17,13 @@ import stat
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
 import tactix
 from tactix.autotune.store import StoreEntry, StoreWarning, TacticStore, default_root
+from tactix.cli._output import add_json_option, json_to_stdout, write_json
 from tactix.errors import StoreError
 from tactix.problems import problem_from_key
 
@@ -44,6 +46,7 @@ def add_cache_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     actions = p.add_subparsers(dest="action", required=True)
     q = actions.add_parser("ls", parents=[late], help="environments and their entry counts")
     q.add_argument("--entries", action="store_true", help="list every entry too (defective files marked BAD)")
+    add_json_option(q, "the environments (and with --entries, their entries)")
     q = actions.add_parser("show", parents=[late], help="print the entries whose key hash starts with KEY")
     q.add_argument("key")
     q = actions.add_parser("verify", parents=[late], help="check every entry file; exit 1 if any is bad")
@@ -86,7 +89,25 @@ def cmd_cache(args: argparse.Namespace) -> int:
         return action(args, root, stores)
 
 
+def _ls_json(s: TacticStore, entries: bool) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "env_hash": s.env_hash,
+        "path": str(s.path),
+        "entry_count": len(s),
+        "env": s.env if s.manifest_defect is None else None,
+        "manifest_defect": s.manifest_defect,
+    }
+    if entries:
+        row["entries"] = [json.loads(e.to_json()) for e in sorted(s.entries(), key=lambda e: (e.op, e.key_hash))]
+        row["bad"] = [{"file": p.name, "why": why} for p, why in s.verify() if p.name != "manifest.json"]
+    return row
+
+
 def _ls(args: argparse.Namespace, root: Path, stores: list[TacticStore]) -> int:
+    if args.json is not None:
+        write_json(args.json, [_ls_json(s, args.entries) for s in stores])
+    if json_to_stdout(args):
+        return 1 if any(s.manifest_defect is not None for s in stores) else 0
     if not stores:
         print(f"no tactic store under {root}")
     defective = 0

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from tactix.arguments import flag
 from tactix.attention import PagedDecode, PagedPrefill
 from tactix.errors import InvalidArgumentError, TactixError
 from tactix.problems import KVLayout
@@ -89,9 +90,13 @@ class _Wrapper:
         out: torch.Tensor | None,
         lse: torch.Tensor | None,
         return_lse: bool,
+        enable_pdl: bool | None,
         window_left: int | None,
         sinks: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        flag(return_lse, "return_lse")
+        if enable_pdl is not None:
+            flag(enable_pdl, "enable_pdl")  # a launch hint each tactix backend decides for itself
         if args:
             raise InvalidArgumentError(
                 "*args", "empty (pass k_scale/v_scale by keyword)", f"{len(args)} extra arguments"
@@ -166,6 +171,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         _unsupported("packed_custom_mask", packed_custom_mask)
         _unsupported("pos_encoding_mode", pos_encoding_mode, "NONE")
         _unsupported("use_fp16_qk_reduction", use_fp16_qk_reduction, False)
+        flag(non_blocking, "non_blocking")  # a copy hint: tactix plans make their own metadata copies
         for name, value in unsupported.items():
             _unsupported(name, value)
         self._plan(
@@ -204,7 +210,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         window_left: int | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return self._run(q, paged_kv_cache, args, q_scale, k_scale, v_scale, out, lse, return_lse, window_left, sinks)
+        return self._run(q, paged_kv_cache, args, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
+                         window_left, sinks)  # fmt: skip
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
@@ -225,6 +232,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         jit_args: list[Any] | None = None,
     ) -> None:
         _unsupported("jit_args", jit_args)
+        flag(use_tensor_cores, "use_tensor_cores")  # each tactix backend picks its own kernels
         super().__init__(_workspace_device(float_workspace_buffer), kv_layout, use_cuda_graph, backend)
 
     def plan(
@@ -249,6 +257,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         **unsupported: Any,
     ) -> None:
         _unsupported("pos_encoding_mode", pos_encoding_mode, "NONE")
+        flag(non_blocking, "non_blocking")  # a copy hint: tactix plans make their own metadata copies
         for name, value in unsupported.items():
             if name in ("fixed_split_size", "disable_split_kv"):
                 continue  # scheduling hints; each tactix backend schedules for itself
@@ -287,4 +296,5 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         q_len_per_req: int | None = 1,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         _unsupported("q_len_per_req", q_len_per_req, 1)
-        return self._run(q, paged_kv_cache, args, q_scale, k_scale, v_scale, out, lse, return_lse, window_left, sinks)
+        return self._run(q, paged_kv_cache, args, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
+                         window_left, sinks)  # fmt: skip

@@ -10,6 +10,11 @@ lengths, the edges of a page (1, page size - 1, page size, page size + 1, 2 page
 Every case builds its inputs from its own seed: the cache holds the batch's pages in shuffled
 order among unused pages, and every slot outside the batch (unused pages, the tail of each
 request's last page) holds values far larger than real ones, so reading one changes the result.
+The ``stale-nan`` and ``stale-inf`` cases hold NaN or infinities there instead, as a real cache
+may (an earlier request's overflow, an uninitialised allocation): a backend must keep such slots
+out of the output, or declare the cases as known failures and say what callers must guarantee.
+GEMM's ``stale-nan`` cases place each operand inside a larger buffer that is NaN before and after
+it, so a kernel that reads past an operand's end shows.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ _STANDARD_HEAD_DIMS = (64, 128, 256)
 _STANDARD_PAGE_SIZES = (1, 16, 64)
 OUTSIDE = 1000.0
 """Magnitude written to every cache slot that belongs to no request of the batch."""
+Stale = Literal["large", "nan", "inf"]
+"""What the cache slots no request owns hold: ``OUTSIDE``-sized values, NaN, or infinities."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class AttentionCase:
     q_lens: tuple[int, ...] = (1, 1, 1, 1)
     cache_form: Literal["tuple", "tensor"] = "tuple"
     q_form: Literal["contiguous", "strided"] = "contiguous"  # strided: q is a view of a fused QKV output
+    stale: Stale = "large"
     seed: int = 0
 
     @property
@@ -97,6 +105,8 @@ class AttentionCase:
             parts.append("qview")
         if self.batch != "ragged":
             parts.append(self.batch)
+        if self.stale != "large":
+            parts.append(f"stale-{self.stale}")
         return f"{self.op}[{'-'.join(parts)}]"
 
     def features(self) -> list[str]:
@@ -123,6 +133,8 @@ class AttentionCase:
             tags.append("5-D cache tensor")
         if self.q_form == "strided":
             tags.append("strided q (QKV view)")
+        if self.stale != "large":
+            tags.append(f"{'NaN' if self.stale == 'nan' else 'Inf'} in slots no request owns")
         return tags
 
     def plan_kwargs(self) -> dict[str, Any]:
@@ -168,13 +180,20 @@ class AttentionInputs:
         meta = (self.kv_indptr, self.kv_indices, self.kv_last_page_len)
         return ((self.qo_indptr, *meta)) if op == "prefill" else meta
 
+    def empty_plan_args(self, op: str) -> tuple[torch.Tensor, ...]:
+        """`plan_args` of an empty batch: the same requests and pages with no query row
+        (prefill), or no request at all (decode, whose every request has one row)."""
+        if op == "prefill":
+            return (torch.zeros_like(self.qo_indptr), self.kv_indptr, self.kv_indices, self.kv_last_page_len)
+        return (self.kv_indptr[:1], self.kv_indices[:0], self.kv_last_page_len[:0])
+
     def refill(self, case: AttentionCase, generator: torch.Generator) -> None:
         """New random q and cache contents (same metadata), poisoned outputs again."""
         dtype_q, dtype_kv = to_torch_dtype(case.q_dtype), to_torch_dtype(case.kv_dtype)
         self.q.copy_(_randn(self.q.shape, generator).to(self.q.device, dtype_q))
         for cache in (self.k_cache, self.v_cache):
             fresh = _randn(cache.shape, generator)
-            fresh = _poison_outside(fresh, self.outside, case.kv_layout)
+            fresh = _poison_outside(fresh, self.outside, case.kv_layout, case.stale)
             cache.copy_(fresh.to(cache.device, dtype_kv))
         self.poison()
 
@@ -188,9 +207,12 @@ def _randn(shape: Iterable[int], generator: torch.Generator) -> torch.Tensor:
     return torch.randn(tuple(shape), generator=generator)
 
 
-def _poison_outside(cache: torch.Tensor, outside: torch.Tensor, layout: str) -> torch.Tensor:
+def _poison_outside(cache: torch.Tensor, outside: torch.Tensor, layout: str, stale: Stale) -> torch.Tensor:
     mask = outside[:, :, None, None] if layout == "NHD" else outside[:, None, :, None]
-    signs = torch.where(cache >= 0, OUTSIDE, -OUTSIDE)
+    if stale == "nan":
+        return torch.where(mask, float("nan"), cache)
+    magnitude = math.inf if stale == "inf" else OUTSIDE
+    signs = torch.where(cache >= 0, magnitude, -magnitude)
     return torch.where(mask, signs, cache)
 
 
@@ -220,8 +242,8 @@ def build_attention_inputs(case: AttentionCase, device: torch.device) -> Attenti
     shape_v = (*shape_k[:-1], case.head_dim_vo)
     dtype_q, dtype_kv, dtype_out = (to_torch_dtype(case.q_dtype), to_torch_dtype(case.kv_dtype),
                                     to_torch_dtype(case.out_dtype))  # fmt: skip
-    k = _poison_outside(_randn(shape_k, gen), outside, case.kv_layout).to(device, dtype_kv)
-    v = _poison_outside(_randn(shape_v, gen), outside, case.kv_layout).to(device, dtype_kv)
+    k = _poison_outside(_randn(shape_k, gen), outside, case.kv_layout, case.stale).to(device, dtype_kv)
+    v = _poison_outside(_randn(shape_v, gen), outside, case.kv_layout, case.stale).to(device, dtype_kv)
     if case.cache_form == "tensor":
         cache: Any = torch.stack([k, v], dim=1)
         k, v = cache[:, 0], cache[:, 1]
@@ -343,6 +365,17 @@ def attention_cases(op: Literal["prefill", "decode"], caps: AttentionCapabilitie
     add(logits_soft_cap=30.0)
     add(return_lse=True)
     add(return_lse=True, logits_soft_cap=30.0, kv_layout=other_layout)
+    # NaN and infinities in the slots no request owns: page tails (the base batch's last pages
+    # are partial) and pages no request references
+    edge_kv, edge_q = _batches(op, base.page_size)["edge"]
+    for stale in ("nan", "inf"):
+        add(stale=stale)
+        add(stale=stale, batch="edge", kv_lens=edge_kv, q_lens=edge_q)
+        add(stale=stale, return_lse=True, kv_layout=other_layout)
+        if op == "prefill":  # long non-causal requests with partial last pages of 32 slots
+            add(stale=stale, causal=False, batch="2x3000", kv_lens=(3000, 3000), q_lens=(3000, 3000), page_size=32,
+                num_qo_heads=4, num_kv_heads=1)  # fmt: skip
+            add(stale=stale, batch="chunked", kv_lens=(1061, 530, 48), q_lens=(37, 530, 17))
     seen: set[str] = set()
     unique = []
     for index, case in enumerate(cases):
@@ -368,6 +401,7 @@ class GemmCase:
     a_k_major: bool = True
     b_k_major: bool = True
     bias: bool = False
+    stale: bool = False  # operands inside larger buffers that hold NaN before and after them
     label: str = ""
     seed: int = 0
 
@@ -384,6 +418,8 @@ class GemmCase:
             parts.append(f"batch{self.batch}")
         if self.bias:
             parts.append("bias")
+        if self.stale:
+            parts.append("stale-nan")
         return f"gemm[{'-'.join(parts)}]"
 
     def features(self) -> list[str]:
@@ -399,6 +435,8 @@ class GemmCase:
             tags.append("bias")
         if self.fp8:
             tags.append("fp8 per-tensor scales")
+        if self.stale:
+            tags.append("NaN around the operands")
         return tags
 
 
@@ -424,13 +462,18 @@ def _operand(
     device: torch.device,
     gen: torch.Generator,
     scale: float,
+    stale: bool = False,
 ) -> torch.Tensor:
-    """A logical ``[*lead, rows, cols]`` operand stored dense along cols (or along rows)."""
-    if contiguous_in_cols:
-        data = _randn((*lead, rows, cols), gen) * scale
-        return data.to(device).to(dtype)
-    data = _randn((*lead, cols, rows), gen) * scale
-    return data.to(device).to(dtype).transpose(-1, -2)
+    """A logical ``[*lead, rows, cols]`` operand stored dense along cols (or along rows); with
+    ``stale``, in the middle of a buffer whose other elements are NaN."""
+    shape = (*lead, rows, cols) if contiguous_in_cols else (*lead, cols, rows)
+    data = (_randn(shape, gen) * scale).to(device).to(dtype)
+    if stale:
+        pad = 256  # elements: keeps the operand's start 16-byte aligned for every dtype
+        buffer = torch.full((pad + data.numel() + pad,), float("nan"), device=device).to(dtype)
+        buffer[pad : pad + data.numel()].copy_(data.reshape(-1))
+        data = buffer[pad : pad + data.numel()].view(shape)
+    return data if contiguous_in_cols else data.transpose(-1, -2)
 
 
 def build_gemm_inputs(case: GemmCase, device: torch.device) -> GemmInputs:
@@ -438,9 +481,10 @@ def build_gemm_inputs(case: GemmCase, device: torch.device) -> GemmInputs:
     lead = () if case.batch is None else (case.batch,)
     a_dtype, b_dtype, out_dtype = (to_torch_dtype(case.a_dtype), to_torch_dtype(case.b_dtype),
                                    to_torch_dtype(case.out_dtype))  # fmt: skip
-    a = _operand(case.m, case.k, lead, case.a_k_major, a_dtype, device, gen, 1.0)
+    a = _operand(case.m, case.k, lead, case.a_k_major, a_dtype, device, gen, 1.0, case.stale)
     # b is [k, n]: k-major means dense along k, i.e. along rows of the logical [k, n]
-    b = _operand(case.k, case.n, lead, not case.b_k_major, b_dtype, device, gen, 1.0 / math.sqrt(case.k))
+    b = _operand(case.k, case.n, lead, not case.b_k_major, b_dtype, device, gen, 1.0 / math.sqrt(case.k),
+                 case.stale)  # fmt: skip
     bias = _randn((case.n,), gen).to(device, out_dtype) if case.bias else None
     scale_a = torch.tensor(0.75, device=device) if case.fp8 else None
     scale_b = torch.tensor(1.5, device=device) if case.fp8 else None
@@ -470,6 +514,12 @@ def gemm_cases(caps: GemmCapabilities) -> list[GemmCase]:
         else:
             cases.append(replace(base, m=1, bias=True))
             cases.append(replace(base, b_k_major=False))
+        if combo.a == combo.b == combo.out == "bfloat16" or combo.a.startswith("float8"):
+            # NaN right before and after each operand: tiles that overhang an odd shape or an
+            # operand's end must not read it
+            cases.append(replace(base, m=5, n=33, k=17, label="odd", stale=True))
+            cases.append(replace(base, m=127, stale=True))
+            cases.append(replace(base, a_k_major=False, b_k_major=False, m=1, stale=True))
     seen: set[str] = set()
     unique = []
     for index, case in enumerate(cases):

@@ -11,14 +11,35 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from tactix.errors import InvalidArgumentError
+
 __all__ = ["load_reports", "render"]
 
 OUTCOMES = ("passed", "skipped", "xfailed", "failed")
 REGENERATE = "tactix support-matrix benchmarks/results/conformance-*.json -o docs/support-matrix.md"
 
 
-def load_reports(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
-    return [json.loads(Path(p).read_text()) for p in sorted(str(p) for p in paths)]
+_REPORT_KEYS = frozenset({"kit", "device", "torch", "python", "backends", "results"})
+
+
+def load_reports(paths: Iterable[str | Path], argument: str = "reports") -> list[dict[str, Any]]:
+    """The conformance reports at ``paths``, sorted by path; a file that cannot be read or is not
+    such a report is an `InvalidArgumentError` naming ``argument`` and the file."""
+    reports = []
+    for path in sorted(str(p) for p in paths):
+        try:
+            report = json.loads(Path(path).read_text())
+        except OSError as exc:
+            why = exc.strerror or type(exc).__name__
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both are
+            why = f"not JSON ({exc})"
+        else:
+            if isinstance(report, dict) and report.keys() >= _REPORT_KEYS:
+                reports.append(report)
+                continue
+            why = f"JSON without the keys {', '.join(sorted(_REPORT_KEYS))}"
+        raise InvalidArgumentError(argument, "reports written by 'tactix conformance --json'", f"{path!r}: {why}")
+    return reports
 
 
 def _cell(counts: Counter[str], outcome: str) -> str:

@@ -5,7 +5,9 @@ Without ``--tactix-backend`` it only adds its options: no test of any other suit
 parametrised with cases generated from the backend's capabilities, a header names the backend,
 its version, distribution and capabilities, cases the backend lists as known failures run as
 strict xfails, and ``--tactix-report=PATH`` writes a JSON report (the input of
-``tactix support-matrix``).
+``tactix support-matrix``). An unknown backend or a device this machine lacks is one usage error
+up front; a run in which no case ran (every one skipped: typically a backend that cannot run on
+this machine) exits with pytest's "no tests ran" status, 5, and says why on one line.
 
     pytest --pyargs tactix.testing.suite --tactix-backend=mybackend [--tactix-report=report.json]
     tactix conformance mybackend --json report.json          # the same, as a command
@@ -16,6 +18,9 @@ from __future__ import annotations
 import json
 import platform
 import re
+import sys
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +29,14 @@ import torch
 
 import tactix
 from tactix.capabilities import GemmDTypes
+from tactix.devices import named_device
+from tactix.errors import BackendNotFoundError, InvalidArgumentError, TactixError
 from tactix.registry import Backend, get_registry
 from tactix.testing.cases import AttentionCase, GemmCase, attention_cases, gemm_cases
 
 _RESULTS = pytest.StashKey[dict[str, dict[str, Any]]]()
 _BACKENDS = pytest.StashKey[list[Backend]]()
+_DEVICE = pytest.StashKey[torch.device]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -54,22 +62,34 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--tactix-report", default=None, metavar="PATH", help="write the kit's JSON report here")
 
 
+def backends_to_test(name: str, argument: str) -> list[Backend]:
+    """The backends ``name`` selects: ``all`` active ones, or the one so named. The error for an
+    unknown name lists the valid choices and names ``argument`` (the option the user typed)."""
+    registry = get_registry()
+    if name == "all":
+        return registry.active()
+    try:
+        return [registry.get(name)]
+    except BackendNotFoundError as exc:
+        choices = ", ".join(repr(v) for v in ["all", *exc.valid])
+        raise InvalidArgumentError(argument, f"one of {choices}", repr(name)) from None
+
+
 def selected_backends(config: pytest.Config) -> list[Backend]:
     cached = config.stash.get(_BACKENDS, None)
     if cached is not None:
         return cached
     name = config.getoption("--tactix-backend")
-    registry = get_registry()
-    backends = [] if name is None else registry.active() if name == "all" else [registry.get(name)]
+    backends = [] if name is None else backends_to_test(name, "--tactix-backend")
     config.stash[_BACKENDS] = backends
     return backends
 
 
 def kit_device(config: pytest.Config) -> torch.device:
-    name = config.getoption("--tactix-device")
-    if name:
-        return torch.device(name)
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = config.stash.get(_DEVICE, None)
+    if device is None:
+        device = config.stash[_DEVICE] = named_device("--tactix-device", config.getoption("--tactix-device"))
+    return device
 
 
 def _caps_summary(backend: Backend) -> list[str]:
@@ -184,6 +204,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_RESULTS] = {}
+    if config.getoption("--tactix-backend") is None:
+        return
+    try:  # once, before collection: not the same error again from every case
+        selected_backends(config)
+        kit_device(config)
+    except TactixError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outermost: sees the report after xfail handling
@@ -229,12 +256,40 @@ def _first_line(report: pytest.TestReport) -> str:
     return text.strip().splitlines()[-1][:500] if text.strip() else ""
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outermost: its line comes after pytest's summary
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Iterator[None]:
+    yield
     config = session.config
-    path = config.getoption("--tactix-report")
-    if path is None or config.getoption("--tactix-backend") is None:
+    if config.getoption("--tactix-backend") is None:
         return
     results = list(config.stash[_RESULTS].values())
+    path = config.getoption("--tactix-report")
+    if path is not None:
+        _write_report(config, results, path)
+    if session.exitstatus == pytest.ExitCode.OK and all(r["outcome"] == "skipped" for r in results):
+        session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
+        sys.stderr.write(f"tactix: error: {_why_nothing_ran(config, results)}\n")
+
+
+def _why_nothing_ran(config: pytest.Config, results: list[dict[str, Any]]) -> str:
+    """One line: the backends' environment reasons (as ``tactix backends`` words them), else the
+    commonest skip reason."""
+    device = kit_device(config)
+    cannot = [f"{b.name}: {'; '.join(b.environment())}" for b in selected_backends(config) if b.environment()]
+    if cannot:
+        return f"no conformance case ran on {device}: " + " | ".join(cannot)
+    reasons = Counter(r["detail"] for r in results)
+    if not reasons:
+        names = ", ".join(b.name for b in selected_backends(config)) or "no backend"
+        return f"no conformance case ran on {device}: none was generated for {names} (it declares no op the kit tests)"
+    reason, count = reasons.most_common(1)[0]
+    return (
+        f"no conformance case ran on {device}: all {len(results)} were skipped, {count} because {reason!r} "
+        "(pytest -rs, or tactix conformance --verbose-skips, lists every reason)"
+    )
+
+
+def _write_report(config: pytest.Config, results: list[dict[str, Any]], path: str) -> None:
     backends = selected_backends(config)
     device = kit_device(config)
     report = {

@@ -7,7 +7,8 @@ oracle. A case the backend does not claim (its capabilities or its ``check`` ref
 skipped with that reason; a claimed case must pass: run on the claimed path (a fallback warning
 fails it), write every output element (outputs are poisoned with NaN first), stay within the
 tolerance, give bit-identical output when repeated, stay right with new data under the same
-plan, and on a GPU make no host sync in ``run()`` and replay inside a CUDA graph.
+plan, refuse bad input (out-of-range pages, mistyped tensors, an empty batch) with a
+`TactixError`, and on a GPU make no host sync in ``run()`` and replay inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -248,6 +249,25 @@ def test_attention_rejects_bad_input(backend: Backend | None, graph_case: Attent
     wrong = inputs.q.to(torch.float32 if inputs.q.dtype != torch.float32 else torch.float16)
     with pytest.raises(TactixError, match="'q'"):
         wrapper.run(wrong, inputs.cache, out=inputs.out, lse=inputs.lse)
+
+
+def test_attention_refuses_an_empty_batch(
+    backend: Backend | None, graph_case: AttentionCase, device: torch.device
+) -> None:
+    """A batch with no query rows is refused at plan, naming the argument, and the wrapper still
+    serves the next batch (an engine must skip the call, not get a crash or garbage)."""
+    backend = _require(backend)
+    case = graph_case
+    inputs = build_attention_inputs(case, device)
+    problem, batch = _problem(case, inputs, device)
+    _skip_unless_claimed(backend, problem, batch)
+    wrapper = _wrapper(case, backend, device)
+    argument = "qo_indptr" if case.op == "prefill" else "paged_kv_indptr"
+    with pytest.raises(InvalidArgumentError, match=f"'{argument}'"), claimed_path():
+        wrapper.plan(*inputs.empty_plan_args(case.op), **case.plan_kwargs())
+    _plan(wrapper, case, inputs)
+    _run(wrapper, case, inputs)
+    _check_attention(case, inputs, f"{case.id} planned after an empty batch was refused")
 
 
 def test_attention_cuda_graph(backend: Backend | None, graph_case: AttentionCase, device: torch.device) -> None:

@@ -17,6 +17,9 @@ __version__ = "0.1.0"
 
 _FLOATS = frozenset({"float16", "bfloat16", "float32"})
 
+LOOP = tactix.Tactic(backend=NAME, kernel="loop")
+"""The one kernel. Plans report it as their tactic, so it must be accepted when asked for too."""
+
 
 @tactix.hookimpl
 def tactix_backends() -> list[tactix.BackendSpec]:
@@ -50,8 +53,8 @@ def tactix_check(backend: str, problem: tactix.Problem, tactic: tactix.Tactic) -
     reasons = []
     if isinstance(problem, tactix.DecodeProblem) and problem.kv_dtype != problem.q_dtype:
         reasons.append("kv dtype must equal q dtype")
-    if not tactic.is_default:
-        reasons.append(f"only the default tactic exists (got {tactic})")
+    if not tactic.is_default and tactic != LOOP:
+        reasons.append(f"the only kernel is {LOOP} (got {tactic})")
     return reasons
 
 
@@ -62,7 +65,7 @@ class NaiveDecodePlan:
 
     def __init__(self, problem: tactix.DecodeProblem, batch: tactix.PagedBatch, device: torch.device) -> None:
         self.problem = problem
-        self.tactic = tactix.Tactic(backend=NAME, kernel="loop")
+        self.tactic = LOOP
         indptr = batch.kv_indptr.tolist()
         indices = batch.kv_indices.to(device=device, dtype=torch.long)  # a copy once per plan
         self.requests = [(indices[indptr[r] : indptr[r + 1]], int(batch.kv_lens[r])) for r in range(batch.batch_size)]

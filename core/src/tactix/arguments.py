@@ -1,0 +1,23 @@
+"""Checks of the plain (non-tensor) arguments of the public API, shared by every wrapper, so
+one kind of argument is refused by one rule with one message."""
+
+from __future__ import annotations
+
+from tactix.errors import InvalidArgumentError
+
+__all__ = ["flag", "positive_int"]
+
+
+def flag(value: object, argument: str) -> bool:
+    """``value`` if it is a bool. Anything else (``1``, ``"yes"``, a tensor) is refused rather
+    than read by its truth value: ``causal="no"`` would otherwise mean causal."""
+    if not isinstance(value, bool):  # bool cannot be subclassed: exactly True or False
+        raise InvalidArgumentError(argument, "a bool", repr(value))
+    return value
+
+
+def positive_int(value: object, argument: str) -> int:
+    """``value`` if it is an int >= 1 (a bool is not: ``True`` would mean 1)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(argument, "a positive int", repr(value))
+    return value
