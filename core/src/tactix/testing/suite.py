@@ -130,17 +130,24 @@ def _reference(case: AttentionCase, inputs: AttentionInputs) -> tuple[torch.Tens
     )  # fmt: skip
 
 
+def _nan_cause(case: AttentionCase) -> str:
+    if case.stale == "large":
+        return "were never written"
+    value = "NaN" if case.stale == "nan" else "Inf"
+    return f"are NaN: never written, or the {value} in cache slots no request owns reached the output"
+
+
 def _check_attention(case: AttentionCase, inputs: AttentionInputs, what: str) -> None:
     ref, ref_lse = _reference(case, inputs)
     unwritten = int(torch.isnan(inputs.out).sum())
-    assert unwritten == 0, f"{what}: {unwritten} of {inputs.out.numel()} output elements were never written"
+    assert unwritten == 0, f"{what}: {unwritten} of {inputs.out.numel()} output elements {_nan_cause(case)}"
     err = relative_error(inputs.out, ref)
     tol = tolerance_for(case.out_dtype, case.q_dtype, case.kv_dtype)
     assert err <= tol, f"{what}: relative error {err:.3e} above {tol:.0e} ({case.q_dtype} in, {case.out_dtype} out)"
     if case.return_lse:
         assert inputs.lse is not None
         unwritten = int(torch.isnan(inputs.lse).sum())
-        assert unwritten == 0, f"{what}: {unwritten} of {inputs.lse.numel()} LSE elements were never written"
+        assert unwritten == 0, f"{what}: {unwritten} of {inputs.lse.numel()} LSE elements {_nan_cause(case)}"
         lse_err = lse_error(inputs.lse, ref_lse)
         lse_tol = LSE_TOLERANCE[case.q_dtype]
         assert lse_err <= lse_tol, f"{what}: LSE error {lse_err:.3e} above {lse_tol:.0e} (natural log expected)"
@@ -322,7 +329,8 @@ def _plan_gemm(case: GemmCase, backend: Backend, device: torch.device, tactic: T
 def _check_gemm(case: GemmCase, inputs: GemmInputs, what: str) -> None:
     ref = gemm_reference(inputs.a, inputs.b, bias=inputs.bias, scale_a=inputs.scale_a, scale_b=inputs.scale_b)
     unwritten = int(torch.isnan(inputs.out).sum())
-    assert unwritten == 0, f"{what}: {unwritten} of {inputs.out.numel()} output elements were never written"
+    cause = "are NaN: never written, or the NaN around an operand was read" if case.stale else "were never written"
+    assert unwritten == 0, f"{what}: {unwritten} of {inputs.out.numel()} output elements {cause}"
     err = relative_error(inputs.out, ref)
     tol = tolerance_for(case.out_dtype, case.a_dtype, case.b_dtype)
     assert err <= tol, f"{what}: relative error {err:.3e} above {tol:.0e} ({case.a_dtype} in, {case.out_dtype} out)"

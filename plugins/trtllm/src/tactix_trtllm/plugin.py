@@ -658,3 +658,19 @@ def tactix_references(backend: str, op: str, inputs: dict[str, Any]) -> list[tac
     from tactix_trtllm import direct
 
     return direct.attention_references(op, inputs)
+
+
+# FMHAv2 loads whole pages and masks scores past a request's length, so a NaN or an infinity in
+# such a slot still reaches the output through P @ V (0 x NaN is NaN): measured on an H200
+# (flashinfer-python 0.7.2.post1), every prefill case with NaN or Inf in a page tail. XQA decode keeps them out.
+STALE_SLOTS: Final = (
+    "reads whole pages: a NaN or Inf in a cache slot past a request's length reaches the output (0 x NaN in "
+    "P @ V); the caller must keep slots no request owns finite (e.g. allocate the cache with torch.zeros)"
+)
+
+
+@tactix.hookimpl
+def tactix_known_failures(backend: str) -> dict[str, str] | None:
+    if backend != NAME:
+        return None
+    return {"prefill[*-stale-nan]": STALE_SLOTS, "prefill[*-stale-inf]": STALE_SLOTS}
