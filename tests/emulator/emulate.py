@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import os
 import shutil
 import subprocess
 import tempfile
@@ -45,7 +46,7 @@ def _library(source: str, defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
     out = Path(tempfile.gettempdir()) / "tactix-emulator" / f"{Path(source).stem}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{id(out)}.tmp")
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")  # pytest-xdist workers may build the same library at once
         cmd = ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-include", str(HERE / "tx_emulate.h"),
                "-I", str(kernels), *(f"-D{k}={v}" for k, v in defines), str(HERE / source), "-o", str(tmp)]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True)

@@ -313,14 +313,20 @@ def test_emulated_prefill_edge_batches() -> None:
     prefill_case(Q, KV, five_d=True, q_view=True, layout="HND", page=1, seed=6)
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_emulated_prefill_every_enumerated_tactic(d: int) -> None:
-    problem_heads = (8, 2)
-    for params in geometry.prefill_candidates(d, H200, gqa=problem_heads[0] // problem_heads[1]):
-        tactic = params.to_tactic().params
-        for features in ({"causal": True}, {"causal": False, "window": 50}):
-            prefill_case([1, 70, 3, 129], [1, 130, 40, 129], d=d, hq=problem_heads[0], hkv=problem_heads[1],
-                         tactic=tactic, seed=d, **features)  # type: ignore[arg-type]  # fmt: skip
+PREFILL_HEADS = (8, 2)
+PREFILL_TACTICS = [
+    pytest.param(d, params.to_tactic().params, id=f"d{d}-{params.to_tactic()}")
+    for d in (64, 128, 256)
+    for params in geometry.prefill_candidates(d, H200, gqa=PREFILL_HEADS[0] // PREFILL_HEADS[1])
+]
+
+
+@pytest.mark.exhaustive(sample=6)
+@pytest.mark.parametrize(("d", "tactic"), PREFILL_TACTICS)
+def test_emulated_prefill_every_enumerated_tactic(d: int, tactic: dict[str, Any]) -> None:
+    for features in ({"causal": True}, {"causal": False, "window": 50}):
+        prefill_case([1, 70, 3, 129], [1, 130, 40, 129], d=d, hq=PREFILL_HEADS[0], hkv=PREFILL_HEADS[1],
+                     tactic=tactic, seed=d, **features)  # type: ignore[arg-type]  # fmt: skip
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["late-copies", "eager-copies"])
@@ -702,9 +708,15 @@ def test_emulated_wgmma_gemm_clusters_give_the_same_bits_under_every_schedule() 
             assert torch.equal(out, first), f"{schedule}: not bitwise the same"
 
 
-def test_emulated_wgmma_gemm_every_enumerated_tactic() -> None:
+GEMM_WGMMA_TACTICS = [p for p in plugin.gemm_tactic_params(40, H200) if isinstance(p, geometry.GemmWgmmaParams)]
+
+
+def test_the_hopper_gemm_enumerates_a_real_choice_of_tactics() -> None:
+    assert len(GEMM_WGMMA_TACTICS) >= 10
+
+
+@pytest.mark.exhaustive(sample=3)
+@pytest.mark.parametrize("p", GEMM_WGMMA_TACTICS, ids=lambda p: str(p.to_tactic()))
+def test_emulated_wgmma_gemm_every_enumerated_tactic(p: geometry.GemmWgmmaParams) -> None:
     """Every Hopper GEMM tactic the backend enumerates, on one skinny shape with a bias."""
-    tactics = [p for p in plugin.gemm_tactic_params(40, H200) if isinstance(p, geometry.GemmWgmmaParams)]
-    assert len(tactics) >= 10
-    for p in tactics:
-        _gemm_run(40, 256, 1024, (p.bw, p.bk, p.stages, p.splits, p.tma), bias=True, seed=p.bw + p.stages + p.splits)
+    _gemm_run(40, 256, 1024, (p.bw, p.bk, p.stages, p.splits, p.tma), bias=True, seed=p.bw + p.stages + p.splits)
