@@ -22,7 +22,7 @@ import torch
 import tactix
 from tactix.autotune.environment import environment
 from tactix.autotune.store import CandidateResult, StoreEntry, TacticStore
-from tactix.problems import GemmProblem
+from tactix.ops import GemmProblem
 from tactix.tactics import Tactic
 
 

@@ -53,7 +53,7 @@ KILLED = textwrap.dedent(
     from tactix.autotune.environment import environment
     from tactix.autotune.policy import MeasurementPolicy
     from tactix.autotune.store import CandidateResult, StoreEntry, TacticStore
-    from tactix.problems import GemmProblem
+    from tactix import GemmProblem
     from tactix.tactics import Tactic
     store = TacticStore(sys.argv[1], environment(MeasurementPolicy())).attach()
     tactic = Tactic(backend="torch", kernel="matmul")

@@ -19,7 +19,7 @@ import tactix
 from tactix.autotune import store as store_module
 from tactix.autotune.environment import environment
 from tactix.autotune.store import CandidateResult, StoreEntry, StoreWarning, TacticStore
-from tactix.problems import GemmProblem
+from tactix.ops import GemmProblem
 from tactix.tactics import Tactic
 
 ENV = environment(tactix.MeasurementPolicy())
@@ -181,7 +181,7 @@ KILLED = textwrap.dedent(
     from tactix.autotune.environment import environment
     from tactix.autotune.policy import MeasurementPolicy
     from tactix.autotune.store import CandidateResult, StoreEntry, TacticStore
-    from tactix.problems import GemmProblem
+    from tactix import GemmProblem
     from tactix.tactics import Tactic
     store = TacticStore(sys.argv[1], environment(MeasurementPolicy())).attach()
     tactic = Tactic(backend="torch", kernel="matmul")

@@ -27,7 +27,7 @@ import tactix
 from tactix.autotune.environment import environment
 from tactix.autotune.store import MAX_ENTRY_BYTES, CandidateResult, StoreEntry, StoreWarning, TacticStore
 from tactix.cli import main
-from tactix.problems import GemmProblem
+from tactix.ops import GemmProblem
 from tactix.tactics import Tactic
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,8 +12,8 @@ import torch
 import tactix
 from tactix.autotune import autotune
 from tactix.autotune.store import StoreEntry, TacticStore, write_atomically
-from tactix.capabilities import AttentionCapabilities, BackendSpec
-from tactix.problems import DecodeProblem, Problem
+from tactix.capabilities import BackendSpec
+from tactix.ops import AttentionCapabilities, DecodeProblem, Problem
 from tactix.registry import Backend, BackendRecord
 from tactix.selection import set_tactic_source
 

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 import tactix
-from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, make_problem, problem_from_key
+from tactix.ops import DecodeProblem, GemmProblem, PrefillProblem
+from tactix.problems import make_problem, problem_from_key
 from tactix.tactics import SCHEMA_VERSION, Tactic, parse_tactic
 
 PREFILL: dict[str, Any] = dict(
@@ -200,7 +201,7 @@ def test_bucket_is_the_next_power_of_two(n: int) -> None:
 def test_every_static_field_reaches_the_key(cls: type, base: dict[str, Any]) -> None:
     problem = cls(**base)
     for name in base:
-        if name in cls._dynamic:
+        if name in cls.dynamic:
             continue
         changed = dict(base, **{name: OTHER[name]})
         if name == "scale_mode":  # scales come with fp8 operands
@@ -212,7 +213,7 @@ def test_every_static_field_reaches_the_key(cls: type, base: dict[str, Any]) -> 
 @pytest.mark.parametrize(("cls", "base"), [(PrefillProblem, PREFILL), (GemmProblem, GEMM)])
 def test_dynamic_sizes_share_a_key_within_their_bucket_only(cls: type, base: dict[str, Any]) -> None:
     problem = cls(**base)
-    for name in cls._dynamic:
+    for name in cls.dynamic:
         value = base[name]
         same = dict(base, **{name: value // 2 + 1}) if value > 2 else None
         if same is not None and tactix.bucket_size(same[name]) == tactix.bucket_size(value):

@@ -25,7 +25,8 @@ from typing import Any, Literal
 import torch
 
 from tactix import PagedBatch
-from tactix.problems import DecodeProblem, PrefillProblem, bucket_size
+from tactix.ops import DecodeProblem, PrefillProblem
+from tactix.problems import bucket_size
 
 HERE = Path(__file__).resolve().parent
 

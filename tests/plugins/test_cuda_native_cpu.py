@@ -26,7 +26,7 @@ from tactix_cuda_native import geometry, plugin, runtime
 from tactix_cuda_native.geometry import H200, DecodeParams, DeviceInfo, GemmParams
 
 import tactix
-from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem
+from tactix.ops import DecodeProblem, GemmProblem, PrefillProblem
 from tactix.registry import get_registry
 
 if runtime.cuda_core_status()[0] is None:

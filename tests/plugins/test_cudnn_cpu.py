@@ -17,7 +17,7 @@ from tactix_cudnn.graphs import GraphKey, excluded_plans, exclusion
 from tactix_cudnn.library import FEATURES, feature_reasons
 
 import tactix
-from tactix.problems import DecodeProblem, PrefillProblem
+from tactix.ops import DecodeProblem, PrefillProblem
 from tactix.staging import gather_table, write_table
 
 BASE = dict(
@@ -189,14 +189,14 @@ def test_decode_metadata_gives_every_request_one_query_row() -> None:
             assert offsets[2] == -1 and len(flat) == 64
 
 
-def gemm(**changes: object) -> tactix.problems.GemmProblem:
+def gemm(**changes: object) -> tactix.GemmProblem:
     fields: dict[str, object] = dict(device_type="cuda", m=64, n=256, k=128, a_dtype="bfloat16", b_dtype="bfloat16",
                                      out_dtype="bfloat16")  # fmt: skip
     fields.update(changes)
-    return tactix.problems.GemmProblem(**fields)  # type: ignore[arg-type]
+    return tactix.GemmProblem(**fields)  # type: ignore[arg-type]
 
 
-def gemm_key_of(problem: tactix.problems.GemmProblem, tactic: tactix.Tactic | None = None) -> object:
+def gemm_key_of(problem: tactix.GemmProblem, tactic: tactix.Tactic | None = None) -> object:
     return plugin._gemm_key(problem, *plugin._gemm_strides(problem), tactic or tactix.Tactic.default("cudnn"))
 
 

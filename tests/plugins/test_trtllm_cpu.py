@@ -20,7 +20,7 @@ from tactix_trtllm import library, metadata, plugin
 from tactix_trtllm.metadata import Geometry, PoolMapping
 
 import tactix
-from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem
+from tactix.ops import DecodeProblem, GemmProblem, PrefillProblem
 
 PAGE = 16
 # kv lengths 1, page - 1, page, page + 1 and several pages; q lengths within them

@@ -10,7 +10,7 @@ from tactix.attention import PagedDecode, PagedPrefill
 from tactix.autotune.policy import MeasurementPolicy
 from tactix.autotune.stats import reset_stats, stats
 from tactix.batch import PagedBatch
-from tactix.capabilities import AttentionCapabilities, BackendSpec, GemmCapabilities, GemmDTypes
+from tactix.capabilities import BackendSpec
 from tactix.errors import (
     BackendError,
     BackendNotFoundError,
@@ -27,8 +27,19 @@ from tactix.errors import (
     UnsupportedProblemError,
 )
 from tactix.gemm import Gemm, gemm
-from tactix.hookspecs import AttentionPlan, GemmPlan, PlanOptions, hookimpl
-from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem, bucket_size
+from tactix.hookspecs import PlanOptions, hookimpl
+from tactix.ops import (
+    AttentionCapabilities,
+    AttentionPlan,
+    DecodeProblem,
+    GemmCapabilities,
+    GemmDTypes,
+    GemmPlan,
+    GemmProblem,
+    PrefillProblem,
+    Problem,
+)
+from tactix.problems import bucket_size
 from tactix.registry import get_registry
 from tactix.tactics import SCHEMA_VERSION, Tactic
 

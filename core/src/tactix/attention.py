@@ -41,7 +41,8 @@ from tactix.devices import resolve_device
 from tactix.dtypes import parse_dtype, to_torch_dtype
 from tactix.errors import InvalidArgumentError, TactixError
 from tactix.hookspecs import PlanOptions
-from tactix.problems import DecodeProblem, KVLayout, PrefillProblem, make_problem
+from tactix.ops import DecodeProblem, PrefillProblem
+from tactix.problems import KVLayout, make_problem
 from tactix.registry import get_registry
 from tactix.selection import Planned, Selection, replan_selection, select_and_plan
 from tactix.tactics import Tactic, parse_tactic

@@ -1,45 +1,42 @@
 """What a backend declares it can do: a `BackendSpec` with one capabilities model per op.
 
-Capabilities are the static part of a backend's support; ``reasons(problem)`` turns them into
-the reasons a problem falls outside them, so every backend's ``check`` starts from the same
-wording. The conformance kit generates its cases from these models and the support matrix is
-generated from them; ``auto`` selection skips backends whose capabilities exclude a problem.
+Each op defines its capabilities model (`tactix.ops`: ``AttentionCapabilities`` for prefill
+and decode, ``GemmCapabilities``) on `CapabilitiesBase`; ``reasons(problem)`` turns a
+declaration into the reasons a problem falls outside it, so every backend's ``check`` starts
+from the same wording. The conformance kit generates its cases from these models and the
+support matrix is generated from them; ``auto`` selection skips backends whose capabilities
+exclude a problem.
+
+A `BackendSpec` takes each op's capabilities as a keyword named after the op
+(``BackendSpec(name=..., version=..., decode=AttentionCapabilities(...))``); the names are the
+op registry's (`tactix.ops.OPS`), so a new op needs no change here.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tactix.dtypes import DTypeName
-from tactix.problems import (
-    DecodeProblem,
-    GemmProblem,
-    KVLayout,
-    Op,
-    PrefillProblem,
-    Problem,
-)
+if TYPE_CHECKING:
+    from tactix.ops import Capabilities, Problem
+    from tactix.problems import ProblemBase
 
-__all__ = [
-    "AttentionCapabilities",
-    "BackendSpec",
-    "Capabilities",
-    "CudaGraphSupport",
-    "GemmCapabilities",
-    "GemmDTypes",
-]
+__all__ = ["BackendSpec", "CapabilitiesBase", "CudaGraphSupport", "format_set"]
 
 CudaGraphSupport = Literal["none", "fixed_buffers"]
 """``fixed_buffers``: ``run()`` captures in a CUDA graph when planned with ``use_cuda_graph=True``."""
 
 
-def _fmt(values: frozenset[object] | set[object]) -> str:
+def format_set(values: Iterable[object]) -> str:
+    """``{a, b, c}``, sorted, for reasons and headers."""
     return "{" + ", ".join(str(v) for v in sorted(values, key=str)) + "}"
 
 
-class _CapabilitiesBase(BaseModel):
+class CapabilitiesBase(BaseModel):
+    """What every op's capabilities declare: devices, compute capabilities, CUDA-graph support."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     devices: frozenset[str] = Field(description="torch device types the backend runs on")
@@ -48,128 +45,37 @@ class _CapabilitiesBase(BaseModel):
     )
     cuda_graph: CudaGraphSupport = "none"
 
-    def _device_reasons(self, problem: Problem) -> list[str]:
-        if problem.device_type not in self.devices:
-            return [f"device '{problem.device_type}' not in {_fmt(set(self.devices))}"]
+    def device_reasons(self, problem: ProblemBase) -> list[str]:
+        device = getattr(problem, "device_type", None)
+        if device not in self.devices:
+            return [f"device '{device}' not in {format_set(self.devices)}"]
         return []
 
-
-class AttentionCapabilities(_CapabilitiesBase):
-    """Declared support of a paged prefill or decode implementation."""
-
-    q_dtypes: frozenset[DTypeName]
-    kv_dtypes: frozenset[DTypeName]
-    out_dtypes: frozenset[DTypeName]
-    head_dims: frozenset[int] | None = Field(description="supported head dims; None: any")
-    different_vo_head_dim: bool = Field(default=False, description="head_dim_vo may differ from head_dim_qk")
-    page_sizes: frozenset[int] | None = Field(description="supported page sizes; None: any")
-    kv_layouts: frozenset[KVLayout]
-    max_gqa_ratio: int | None = Field(default=None, description="None: any ratio")
-    causal: bool = True
-    non_causal: bool = True
-    chunked: bool = Field(default=True, description="prefill with kv longer than q (bottom-right causal alignment)")
-    sliding_window: bool = False
-    logits_soft_cap: bool = False
-    lse: bool = False
-
-    def reasons(self, problem: PrefillProblem | DecodeProblem) -> list[str]:
+    def reasons(self, problem: ProblemBase) -> list[str]:
         """Why ``problem`` falls outside these capabilities (empty list: it does not)."""
-        out = self._device_reasons(problem)
-        if problem.q_dtype not in self.q_dtypes:
-            out.append(f"q dtype {problem.q_dtype} not in {_fmt(set(self.q_dtypes))}")
-        if problem.kv_dtype not in self.kv_dtypes:
-            out.append(f"kv dtype {problem.kv_dtype} not in {_fmt(set(self.kv_dtypes))}")
-        if problem.out_dtype not in self.out_dtypes:
-            out.append(f"out dtype {problem.out_dtype} not in {_fmt(set(self.out_dtypes))}")
-        if self.head_dims is not None:
-            for name in ("head_dim_qk", "head_dim_vo"):
-                value = getattr(problem, name)
-                if value not in self.head_dims:
-                    out.append(f"{name} {value} not in {_fmt(set(self.head_dims))}")
-        if not self.different_vo_head_dim and problem.head_dim_qk != problem.head_dim_vo:
-            out.append("head_dim_vo must equal head_dim_qk")
-        if self.page_sizes is not None and problem.page_size not in self.page_sizes:
-            out.append(f"page size {problem.page_size} not in {_fmt(set(self.page_sizes))}")
-        if problem.kv_layout not in self.kv_layouts:
-            out.append(f"kv layout {problem.kv_layout} not in {_fmt(set(self.kv_layouts))}")
-        if self.max_gqa_ratio is not None and problem.gqa_ratio > self.max_gqa_ratio:
-            out.append(f"GQA ratio {problem.gqa_ratio} above {self.max_gqa_ratio}")
-        if isinstance(problem, PrefillProblem):
-            if problem.causal and not self.causal:
-                out.append("causal masking not supported")
-            if not problem.causal and not self.non_causal:
-                out.append("non-causal prefill not supported")
-        if problem.window_left >= 0 and not self.sliding_window:
-            out.append("sliding window (window_left >= 0) not supported")
-        if problem.logits_soft_cap > 0 and not self.logits_soft_cap:
-            out.append("logits soft-cap not supported")
-        if problem.return_lse and not self.lse:
-            out.append("LSE output not supported")
-        return out
-
-
-class GemmDTypes(BaseModel):
-    """One supported combination of operand, output and scaling types."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    a: DTypeName
-    b: DTypeName
-    out: DTypeName
-    scale_mode: Literal["none", "per_tensor"] = "none"
-
-    def __str__(self) -> str:
-        scaled = "" if self.scale_mode == "none" else f" ({self.scale_mode} scales)"
-        return f"{self.a}x{self.b}->{self.out}{scaled}"
-
-
-class GemmCapabilities(_CapabilitiesBase):
-    """Declared support of a GEMM implementation."""
-
-    dtypes: frozenset[GemmDTypes]
-    a_m_major: bool = Field(default=True, description="accepts an m-major (transposed) a")
-    b_n_major: bool = Field(default=True, description="accepts an n-major b")
-    bias: bool = True
-    batched: bool = True
-    max_m: int | None = Field(default=None, description="largest m served; None: any")
-
-    def reasons(self, problem: GemmProblem) -> list[str]:
-        out = self._device_reasons(problem)
-        combo = GemmDTypes(a=problem.a_dtype, b=problem.b_dtype, out=problem.out_dtype, scale_mode=problem.scale_mode)
-        if combo not in self.dtypes:
-            out.append(f"dtype combination {combo} not among {_fmt(set(self.dtypes))}")
-        if not problem.a_k_major and not self.a_m_major:
-            out.append("a must be k-major (row-major [m, k])")
-        if not problem.b_k_major and not self.b_n_major:
-            out.append("b must be k-major (a transposed [n, k] weight)")
-        if problem.bias_dtype is not None and not self.bias:
-            out.append("bias not supported")
-        if problem.batched and not self.batched:
-            out.append("batched GEMM not supported")
-        if self.max_m is not None and problem.m > self.max_m:
-            out.append(f"m {problem.m} above {self.max_m}")
-        return out
-
-
-Capabilities = AttentionCapabilities | GemmCapabilities
+        return self.device_reasons(problem)
 
 
 class BackendSpec(BaseModel):
-    """What a plugin registers for one backend through ``tactix_backends``."""
+    """What a plugin registers for one backend through ``tactix_backends``.
+
+    Each op the backend implements is a keyword argument named after the op whose value is that
+    op's capabilities model; ``spec.capabilities(op)`` (or ``spec.<op>``) reads it back.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
     version: str
     description: str = ""
-    prefill: AttentionCapabilities | None = None
-    decode: AttentionCapabilities | None = None
-    gemm: GemmCapabilities | None = None
+    implements: dict[str, CapabilitiesBase] = Field(
+        default_factory=dict, description="op name -> that op's capabilities (given as keywords named after ops)"
+    )
     preference: int = Field(
         default=0,
         description="order among backends for untuned 'auto' selection: higher is tried first",
     )
-    op_preference: dict[Op, int] = Field(
+    op_preference: dict[str, int] = Field(
         default_factory=dict,
         description="per-op overrides of `preference` (a backend may be the best default for one op only)",
     )
@@ -180,25 +86,73 @@ class BackendSpec(BaseModel):
         "(label -> why); check() refuses them, and the support matrix lists them as declared, not tested",
     )
 
-    def preference_for(self, op: Op | None) -> int:
+    if TYPE_CHECKING:  # op keywords come from the registry, so the signature cannot list them
+
+        def __init__(self, **data: Any) -> None: ...
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ops_by_keyword(cls, data: Any) -> Any:
+        """Move the op-named keywords into ``implements``, each validated as its op's model."""
+        if not isinstance(data, dict):
+            return data
+        from tactix.ops import OPS
+
+        data = dict(data)
+        implements = dict(data.get("implements") or {})
+        for op in OPS:
+            if op in data:
+                implements[op] = data.pop(op)
+        for op, caps in list(implements.items()):
+            if op not in OPS:
+                raise ValueError(f"'{op}' is not an op (ops: {', '.join(OPS)})")
+            if caps is None:
+                del implements[op]
+            else:
+                implements[op] = OPS[op].capabilities.model_validate(caps)
+        for op in data.get("op_preference") or {}:
+            if op not in OPS:
+                raise ValueError(f"op_preference names '{op}', which is not an op (ops: {', '.join(OPS)})")
+        data["implements"] = implements
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        # spec.prefill, spec.gemm, ...: an op's capabilities, None if not implemented
+        from tactix.ops import OPS
+
+        if name in OPS:
+            return self.implements.get(name)
+        return super().__getattr__(name)  # type: ignore[misc]
+
+    def preference_for(self, op: str | None) -> int:
         """The untuned 'auto' order of this backend for ``op`` (None: its general preference)."""
         return self.preference if op is None else self.op_preference.get(op, self.preference)
 
     @property
-    def ops(self) -> list[Op]:
-        return [op for op in ("prefill", "decode", "gemm") if getattr(self, op) is not None]
+    def ops(self) -> list[str]:
+        """The ops this backend implements, in the registry's order."""
+        from tactix.ops import OPS
 
-    def capabilities(self, op: Op) -> Capabilities | None:
-        caps: Capabilities | None = getattr(self, op)
-        return caps
+        return [op for op in OPS if op in self.implements]
+
+    def capabilities(self, op: str) -> Capabilities | None:
+        found = self.implements.get(op)
+        return found  # type: ignore[return-value]  # validated as the op's own model
 
     def reasons(self, problem: Problem) -> list[str]:
         """Static reasons from the declared capabilities (a backend's ``check`` adds its own)."""
-        caps = self.capabilities(problem.op)
+        caps = self.implements.get(problem.op)
         if caps is None:
             return [f"backend '{self.name}' does not implement {problem.op}"]
-        if isinstance(caps, GemmCapabilities):
-            assert isinstance(problem, GemmProblem)
-            return caps.reasons(problem)
-        assert isinstance(problem, (PrefillProblem, DecodeProblem))
-        return caps.reasons(problem)
+        reasons: list[str] = caps.reasons(problem)
+        return reasons
+
+
+def __getattr__(name: str) -> Any:
+    # the op-specific names that lived here before each op got its module (tactix.ops): old
+    # imports keep working; new code imports them from tactix or tactix.ops
+    from tactix import ops
+
+    if name in ("AttentionCapabilities", "GemmCapabilities", "GemmDTypes", "Capabilities"):
+        return getattr(ops, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,7 +12,7 @@ import torch
 
 from tactix.errors import InvalidArgumentError
 
-__all__ = ["DTypeName", "dtype_name", "element_size", "parse_dtype", "to_torch_dtype"]
+__all__ = ["SHORT_NAMES", "DTypeName", "dtype_name", "element_size", "parse_dtype", "to_torch_dtype"]
 
 DTypeName = Literal["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"]
 
@@ -37,6 +37,14 @@ _ALIASES: Final[dict[str, str]] = {
 }
 _BY_DTYPE: Final[dict[torch.dtype, str]] = {v: k for k, v in _BY_NAME.items()}
 assert set(_BY_NAME) == set(get_args(DTypeName))
+SHORT_NAMES: Final[dict[str, str]] = {
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float32": "f32",
+    "float8_e4m3fn": "e4m3",
+    "float8_e5m2": "e5m2",
+}
+"""The short name of each dtype in problem labels and conformance case ids (``bf16``)."""
 
 
 def dtype_name(dtype: torch.dtype) -> DTypeName:

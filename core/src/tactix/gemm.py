@@ -27,7 +27,8 @@ from tactix.devices import resolve_device
 from tactix.dtypes import parse_dtype, to_torch_dtype
 from tactix.errors import InvalidArgumentError, TactixError
 from tactix.hookspecs import PlanOptions
-from tactix.problems import GemmProblem, make_problem
+from tactix.ops import GemmProblem
+from tactix.problems import make_problem
 from tactix.registry import get_registry
 from tactix.selection import Planned, Selection, select_and_plan
 from tactix.tactics import Tactic, parse_tactic

@@ -1,10 +1,13 @@
-"""The plugin contract: pluggy hook specifications (``tactix_`` prefix) and the plan protocols.
+"""The plugin contract: the pluggy hook specifications (``tactix_`` prefix) every op shares.
 
 A backend plugin is a module or object, named by an entry point in the ``tactix.backends``
-group, that implements some of these hooks with ``@tactix.hookimpl``. Every hook except
-``tactix_backends`` receives the backend name first; a plugin returns ``None`` for a name that
-is not its own. Specs only ever grow by adding arguments, and an implementation may accept
-fewer arguments than its spec, so plugins written against an older spec keep working.
+group, that implements some of these hooks with ``@tactix.hookimpl``, and the plan hook of
+each op it serves (each op's module in `tactix.ops` holds that hookspec and the op's plan
+protocol: ``tactix_plan_prefill``, ``tactix_plan_decode``, ``tactix_plan_gemm``). A backend's
+hooks are only ever called for that backend (the registry resolves them per plugin), so an
+implementation need not compare the ``backend`` argument with its own name. Specs only ever grow
+by adding arguments, and an implementation may accept fewer arguments than its spec (``backend``
+included), so plugins written against an older spec keep working.
 
 Plan hooks return plan objects whose ``run`` is the per-layer call. ``run`` is never reached
 through a hook: the unified API calls the plan directly, after allocating any missing output,
@@ -14,24 +17,18 @@ so ``run`` must not allocate, sync with the host, or call back into tactix.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, TypedDict, runtime_checkable
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import pluggy
 import torch
 
-from tactix.batch import PagedBatch
-from tactix.capabilities import BackendSpec
-from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem
-from tactix.tactics import Tactic
+if TYPE_CHECKING:
+    from tactix.batch import PagedBatch
+    from tactix.capabilities import BackendSpec
+    from tactix.ops import Problem
+    from tactix.tactics import Tactic
 
-__all__ = [
-    "AttentionPlan",
-    "GemmPlan",
-    "PlanOptions",
-    "ReferenceCall",
-    "hookimpl",
-    "hookspec",
-]
+__all__ = ["PlanOptions", "ReferenceCall", "hookimpl", "hookspec"]
 
 PROJECT = "tactix"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -46,60 +43,6 @@ class PlanOptions(TypedDict):
     """Keep every buffer ``run`` reads at a fixed address so that ``run`` replays in a CUDA graph."""
     previous: object | None
     """The plan this one replaces on the same wrapper (its buffers may be reused), or None."""
-
-
-@runtime_checkable
-class AttentionPlan(Protocol):
-    """A planned prefill or decode batch.
-
-    ``run(q, k_cache, v_cache, out, lse)`` writes ``out`` (and ``lse`` when it is not None) for
-    every query row of the batch. ``q`` is ``[num_qo_tokens, num_qo_heads, head_dim_qk]``
-    (decode: one row per request); the caches are ``[num_pages, page_size, num_kv_heads, d]``
-    (NHD) or ``[num_pages, num_kv_heads, page_size, d]`` (HND), possibly strided views of one
-    5-D tensor; ``out`` is ``[rows, num_qo_heads, head_dim_vo]``; ``lse`` is ``[rows,
-    num_qo_heads]`` float32 natural-log log-sum-exp of the scaled (and soft-capped) logits.
-
-    Optional fast re-plan: a plan may also define ``replan(problem, batch, options)``, returning
-    the plan of a new batch or None. The core calls it instead of the selection, the check and
-    the plan hook when a wrapper re-plans with the same static arguments (``problem`` differs
-    only in its sizes) and this plan's tactic is still the one the selection would try first
-    (see `tactix.selection.replan_selection`). The plan must then vouch for everything its
-    ``tactix_check`` would say for the new sizes and return None for any batch it cannot serve
-    the same way (the full path then plans it); an exception other than `InvalidArgumentError`
-    also sends the batch down the full path.
-    """
-
-    tactic: Tactic
-    """The concrete tactic this plan runs (never the ``default`` placeholder)."""
-    built: bool
-    """Whether making this plan built something expensive (a graph, a JIT compile)."""
-
-    def run(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-    ) -> None: ...
-
-
-@runtime_checkable
-class GemmPlan(Protocol):
-    """A planned GEMM: ``run`` writes ``out = scale_a * scale_b * (a @ b) + bias``."""
-
-    tactic: Tactic
-    built: bool
-
-    def run(
-        self,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        out: torch.Tensor,
-        bias: torch.Tensor | None,
-        scale_a: torch.Tensor | None,
-        scale_b: torch.Tensor | None,
-    ) -> None: ...
 
 
 @hookspec
@@ -141,38 +84,6 @@ def tactix_check(  # type: ignore[empty-body]
     """
 
 
-@hookspec(firstresult=True)
-def tactix_plan_prefill(  # type: ignore[empty-body]
-    backend: str,
-    problem: PrefillProblem,
-    batch: PagedBatch,
-    tactic: Tactic,
-    options: PlanOptions,
-) -> AttentionPlan | None:
-    """Plan a prefill batch. May allocate, build graphs or compile; ``run`` may not."""
-
-
-@hookspec(firstresult=True)
-def tactix_plan_decode(  # type: ignore[empty-body]
-    backend: str,
-    problem: DecodeProblem,
-    batch: PagedBatch,
-    tactic: Tactic,
-    options: PlanOptions,
-) -> AttentionPlan | None:
-    """Plan a decode batch (one query row per request)."""
-
-
-@hookspec(firstresult=True)
-def tactix_plan_gemm(  # type: ignore[empty-body]
-    backend: str,
-    problem: GemmProblem,
-    tactic: Tactic,
-    options: PlanOptions,
-) -> GemmPlan | None:
-    """Plan a GEMM."""
-
-
 ReferenceCall = tuple[str, Callable[[], object]]
 """A label (say, the cuDNN plan it runs) and a call that writes ``inputs["out"]``."""
 
@@ -206,3 +117,13 @@ def tactix_warmup(  # type: ignore[empty-body]
     total, label)`` is called after each item. Returns how many items were compiled now (items
     found in a cache do not count). Optional: a backend with nothing to compile omits it.
     """
+
+
+def __getattr__(name: str) -> Any:
+    # the op-specific names that lived here before each op got its module (tactix.ops): old
+    # imports keep working; new code imports them from tactix or tactix.ops
+    from tactix import ops
+
+    if name in ("AttentionPlan", "GemmPlan"):
+        return getattr(ops, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,21 +1,18 @@
-"""Problem descriptors: everything about a call that changes which kernel is valid or fastest.
+"""Problem descriptors: what every op's problem shares (keys, buckets, hashes), and building one.
 
-A problem is a frozen pydantic model. It holds the *real* sizes of the batch it was made from
-(so a backend's ``check`` can look at them), and :meth:`bucketed` turns it into the key under
-which tuned tactics are stored.
+A problem is a frozen pydantic model of everything about a call that changes which kernel is
+valid or fastest. Each op defines its own (`tactix.ops`: ``PrefillProblem``, ``DecodeProblem``,
+``GemmProblem``) on `ProblemBase`. A problem holds the *real* sizes of the batch it was made
+from (so a backend's ``check`` can look at them), and :meth:`ProblemBase.bucketed` turns it
+into the key under which tuned tactics are stored.
 
 Bucketing
 ---------
-Sizes that change from batch to batch are rounded **up to the next power of two** for the key:
-
-* prefill: ``batch_size``, ``num_qo_tokens``, ``max_qo_len``, ``max_kv_len``
-* decode:  ``batch_size``, ``max_kv_len``
-* GEMM:    ``m``
-
-Everything else (heads, head dims, page size, layout, dtypes, masks, scale, soft-cap, LSE, GEMM
-``n``/``k``/batch/operand layouts/scales/bias, device type) is part of the key exactly. A tactic
-stored for a bucket is always re-checked against the real problem at plan time, so a tactic
-that is valid for some sizes of a bucket but not others is never used where it is invalid.
+The sizes an op lists as dynamic (``ProblemBase.dynamic``: batch size, token counts, kv
+length, GEMM ``m``) are rounded **up to the next power of two** for the key; everything else is
+part of the key exactly. A tactic stored for a bucket is always re-checked against the real
+problem at plan time, so a tactic that is valid for some sizes of a bucket but not others is
+never used where it is invalid.
 """
 
 from __future__ import annotations
@@ -24,34 +21,18 @@ import hashlib
 import json
 import operator
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from tactix.dtypes import DTypeName
 from tactix.errors import InvalidArgumentError
 
-__all__ = [
-    "DecodeProblem",
-    "GemmProblem",
-    "KVLayout",
-    "Op",
-    "PrefillProblem",
-    "Problem",
-    "bucket_size",
-    "make_problem",
-]
+if TYPE_CHECKING:
+    from tactix.ops import Problem
 
-Op = Literal["prefill", "decode", "gemm"]
+__all__ = ["KVLayout", "ProblemBase", "bucket_size", "key_hash", "make_problem", "problem_from_key"]
+
 KVLayout = Literal["NHD", "HND"]
-
-_SHORT_DTYPE = {
-    "float16": "f16",
-    "bfloat16": "bf16",
-    "float32": "f32",
-    "float8_e4m3fn": "e4m3",
-    "float8_e5m2": "e5m2",
-}
 
 
 def bucket_size(n: int) -> int:
@@ -59,6 +40,13 @@ def bucket_size(n: int) -> int:
     if n <= 1:
         return max(n, 0)
     return 1 << (n - 1).bit_length()
+
+
+def key_hash(key: dict[str, Any]) -> str:
+    """The stable hash of a problem key (:meth:`ProblemBase.key`): the same in every process and
+    Python version. The store names entry files by it and checks them against it."""
+    text = json.dumps(key, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def _values(names: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
@@ -71,11 +59,13 @@ def _values(names: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
     return operator.itemgetter(*names)  # type: ignore[return-value]
 
 
-class _ProblemBase(BaseModel):
+class ProblemBase(BaseModel):
+    """The base of every op's problem: ``op`` names it, ``dynamic`` lists its bucketed sizes."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    op: ClassVar[Op]
-    _dynamic: ClassVar[tuple[str, ...]] = ()
+    op: ClassVar[str]
+    dynamic: ClassVar[tuple[str, ...]] = ()
     _static_values: ClassVar[staticmethod[[dict[str, Any]], tuple[Any, ...]]]
     _dynamic_values: ClassVar[staticmethod[[dict[str, Any]], tuple[Any, ...]]]
 
@@ -83,12 +73,12 @@ class _ProblemBase(BaseModel):
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
         # staticmethod: a lambda stored on the class would otherwise bind as a method
-        cls._static_values = staticmethod(_values([n for n in cls.model_fields if n not in cls._dynamic]))
-        cls._dynamic_values = staticmethod(_values(list(cls._dynamic)))
+        cls._static_values = staticmethod(_values([n for n in cls.model_fields if n not in cls.dynamic]))
+        cls._dynamic_values = staticmethod(_values(list(cls.dynamic)))
 
     def bucketed(self) -> Self:
         """This problem with its dynamic sizes rounded up to their bucket: the store key."""
-        changes = {name: bucket_size(getattr(self, name)) for name in self._dynamic}
+        changes = {name: bucket_size(getattr(self, name)) for name in self.dynamic}
         return self.model_copy(update=changes)
 
     def static_key(self) -> tuple[Any, ...]:
@@ -110,173 +100,15 @@ class _ProblemBase(BaseModel):
         return json.dumps(self.key(), sort_keys=True, separators=(",", ":"))
 
     def key_hash(self) -> str:
-        """A stable hash of :meth:`key_json`; the same in every process and Python version."""
-        return hashlib.sha256(self.key_json().encode()).hexdigest()[:32]
+        """A stable hash of :meth:`key`; the same in every process and Python version."""
+        return key_hash(self.key())
 
 
-class _AttentionProblem(_ProblemBase):
-    device_type: str = Field(description="torch device type of the tensors: 'cpu', 'cuda', ...")
-    num_qo_heads: int = Field(ge=1)
-    num_kv_heads: int = Field(ge=1)
-    head_dim_qk: int = Field(ge=1)
-    head_dim_vo: int = Field(ge=1)
-    page_size: int = Field(ge=1)
-    kv_layout: KVLayout
-    q_dtype: DTypeName
-    kv_dtype: DTypeName
-    out_dtype: DTypeName
-    sm_scale: float = Field(gt=0)
-    window_left: int = Field(ge=-1, description="-1: no sliding window")
-    logits_soft_cap: float = Field(ge=0, description="0: no soft-cap")
-    return_lse: bool
-    deterministic: bool = Field(
-        default=True,
-        description="bitwise identical output for identical inputs (False admits faster tactics that "
-        "reduce in a run-dependent order)",
-    )
-    batch_size: int = Field(ge=1)
-    max_kv_len: int = Field(ge=1)
+def make_problem(op: str, **fields: Any) -> Problem:
+    """Build ``op``'s problem, turning pydantic's validation error into an `InvalidArgumentError`."""
+    from tactix.ops import definition
 
-    @model_validator(mode="after")
-    def _heads_divide(self) -> Self:
-        if self.num_qo_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_qo_heads ({self.num_qo_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
-        return self
-
-    @property
-    def gqa_ratio(self) -> int:
-        return self.num_qo_heads // self.num_kv_heads
-
-    def _label(self) -> str:
-        dims = (
-            f"d{self.head_dim_qk}"
-            if self.head_dim_qk == self.head_dim_vo
-            else f"d{self.head_dim_qk}x{self.head_dim_vo}"
-        )
-        dtype = _SHORT_DTYPE[self.q_dtype]
-        if self.kv_dtype != self.q_dtype:
-            dtype += f"/{_SHORT_DTYPE[self.kv_dtype]}"
-        parts = [
-            dtype,
-            f"h{self.num_qo_heads}/{self.num_kv_heads}",
-            dims,
-            f"p{self.page_size}",
-            self.kv_layout,
-        ]
-        if isinstance(self, (PrefillProblem, DecodeProblem)) and self.causal:
-            parts.append("causal")
-        if self.window_left >= 0:
-            parts.append(f"win{self.window_left}")
-        if self.logits_soft_cap > 0:
-            parts.append(f"cap{self.logits_soft_cap:g}")
-        if self.return_lse:
-            parts.append("lse")
-        if not self.deterministic:
-            parts.append("nondet")
-        if self.device_type != "cuda":
-            parts.append(self.device_type)
-        return "-".join(parts)
-
-
-class PrefillProblem(_AttentionProblem):
-    """Ragged queries over a paged KV cache (prefill, append, chunked prefill)."""
-
-    op: ClassVar[Op] = "prefill"
-    _dynamic: ClassVar[tuple[str, ...]] = (
-        "batch_size",
-        "num_qo_tokens",
-        "max_qo_len",
-        "max_kv_len",
-    )
-
-    causal: bool
-    num_qo_tokens: int = Field(ge=0)
-    max_qo_len: int = Field(ge=0)
-
-    def __str__(self) -> str:
-        return f"prefill[{self._label()}]"
-
-
-class DecodeProblem(_AttentionProblem):
-    """One query token per request over a paged KV cache."""
-
-    op: ClassVar[Op] = "decode"
-    _dynamic: ClassVar[tuple[str, ...]] = ("batch_size", "max_kv_len")
-
-    @property
-    def causal(self) -> bool:
-        """Never: a decode row attends every key of its request (`PrefillProblem.causal`'s twin,
-        so code over both reads it directly; not a field, so keys are unchanged)."""
-        return False
-
-    @property
-    def max_qo_len(self) -> int:
-        """One query row per request (`PrefillProblem.max_qo_len`'s twin; not a field)."""
-        return 1
-
-    def __str__(self) -> str:
-        return f"decode[{self._label()}]"
-
-
-class GemmProblem(_ProblemBase):
-    """``out[b, m, n] = scale_a * scale_b * (a[b, m, k] @ b[b, k, n]) + bias[n]``.
-
-    ``a_k_major``: ``a`` is contiguous along k (row-major ``[m, k]``).
-    ``b_k_major``: ``b`` is contiguous along k (the ``[n, k]`` weight layout of ``nn.Linear``,
-    passed as its transpose).
-    """
-
-    op: ClassVar[Op] = "gemm"
-    _dynamic: ClassVar[tuple[str, ...]] = ("m",)
-
-    device_type: str
-    m: int = Field(ge=1)
-    n: int = Field(ge=1)
-    k: int = Field(ge=1)
-    batch: int = Field(ge=1, default=1)
-    batched: bool = False
-    a_dtype: DTypeName
-    b_dtype: DTypeName
-    out_dtype: DTypeName
-    a_k_major: bool = True
-    b_k_major: bool = True
-    scale_mode: Literal["none", "per_tensor"] = "none"
-    bias_dtype: DTypeName | None = None
-
-    def __str__(self) -> str:
-        dtype = _SHORT_DTYPE[self.a_dtype]
-        if self.b_dtype != self.a_dtype:
-            dtype += f"x{_SHORT_DTYPE[self.b_dtype]}"
-        parts = [
-            f"{dtype}->{_SHORT_DTYPE[self.out_dtype]}",
-            f"m{self.m}n{self.n}k{self.k}",
-            ("A-k" if self.a_k_major else "A-m") + ("B-k" if self.b_k_major else "B-n"),
-        ]
-        if self.batched:
-            parts.append(f"batch{self.batch}")
-        if self.scale_mode != "none":
-            parts.append(self.scale_mode)
-        if self.bias_dtype is not None:
-            parts.append("bias")
-        if self.device_type != "cuda":
-            parts.append(self.device_type)
-        return f"gemm[{'-'.join(parts)}]"
-
-
-Problem = PrefillProblem | DecodeProblem | GemmProblem
-
-_CLASSES: dict[str, type[_ProblemBase]] = {
-    "prefill": PrefillProblem,
-    "decode": DecodeProblem,
-    "gemm": GemmProblem,
-}
-
-
-def make_problem(op: Op, **fields: Any) -> Problem:
-    """Build a problem, turning pydantic's validation error into an `InvalidArgumentError`."""
-    cls = _CLASSES[op]
+    cls = definition(op).problem
     try:
         return cls(**fields)  # type: ignore[return-value]
     except ValidationError as exc:
@@ -289,15 +121,27 @@ def make_problem(op: Op, **fields: Any) -> Problem:
 
 
 def problem_from_key(key: Any) -> Problem:
-    """Rebuild a problem from :meth:`key` output (used when reading stored entries).
+    """Rebuild a problem from :meth:`ProblemBase.key` output (used when reading stored entries).
 
     A key is file content, not a caller's argument: a defect raises `ValueError` (pydantic's
     `ValidationError` for a bad field), never an error that blames an argument.
     """
+    from tactix.ops import OPS
+
     if not isinstance(key, dict):
         raise ValueError(f"a key must be a JSON object (got {type(key).__name__})")
     fields = dict(key)
     op = fields.pop("op", None)
-    if not isinstance(op, str) or op not in _CLASSES:
-        raise ValueError(f"a key's 'op' must be one of {sorted(_CLASSES)} (got {op!r:.40})")
-    return _CLASSES[op].model_validate(fields)  # type: ignore[return-value]
+    if not isinstance(op, str) or op not in OPS:
+        raise ValueError(f"a key's 'op' must be one of {sorted(OPS)} (got {op!r:.40})")
+    return OPS[op].problem.model_validate(fields)  # type: ignore[return-value]
+
+
+def __getattr__(name: str) -> Any:
+    # the op-specific names that lived here before each op got its module (tactix.ops): old
+    # imports keep working; new code imports them from tactix or tactix.ops
+    from tactix import ops
+
+    if name in ("PrefillProblem", "DecodeProblem", "GemmProblem", "Problem", "Op"):
+        return getattr(ops, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,7 +28,7 @@ from tactix.errors import (
     DuplicateBackendError,
     PluginError,
 )
-from tactix.problems import Op, Problem
+from tactix.ops import OPS, Problem
 from tactix.tactics import Tactic
 
 __all__ = [
@@ -94,10 +94,9 @@ class _Hook:
         return self.function(*[args[i] for i in order])
 
 
-_PLAN_HOOKS: Final = {op: f"tactix_plan_{op}" for op in ("prefill", "decode", "gemm")}
 _CHECK_ARGS: Final = ("backend", "problem", "tactic", "batch")
 _PLAN_ARGS: Final = ("backend", "problem", "batch", "tactic", "options")
-_GEMM_PLAN_ARGS: Final = ("backend", "problem", "tactic", "options")
+"""What the core hands every plan hook; an op's hookspec takes the ones it needs (GEMM: no batch)."""
 
 
 @dataclass
@@ -164,7 +163,7 @@ class Backend:
     def static_reasons(self, problem: Problem) -> Sequence[str]:
         """Why this backend cannot serve ``problem`` whatever the tactic and the batch: the
         environment and the declared capabilities. Remembered per static problem (attention)."""
-        if problem.op == "gemm":  # GEMM capabilities read m (max_m)
+        if OPS[problem.op].sized_capabilities:  # e.g. GEMM's max_m: not a static answer
             return self.environment() + self.spec.reasons(problem)
         key = problem.static_key()
         found = self._static_reasons.get(key)
@@ -200,16 +199,11 @@ class Backend:
 
     def plan(self, problem: Problem, tactic: Tactic, options: hookspecs.PlanOptions, batch: Any = None) -> Any:
         """Call this backend's plan hook for ``problem.op``. Exceptions propagate."""
-        op = problem.op
-        hook = self._hooks.get(_PLAN_HOOKS[op])
-        plan = None
-        if hook is not None:
-            if op == "gemm":
-                plan = hook.call(_GEMM_PLAN_ARGS, self.spec.name, problem, tactic, options)
-            else:
-                plan = hook.call(_PLAN_ARGS, self.spec.name, problem, batch, tactic, options)
+        name = OPS[problem.op].plan_hook
+        hook = self._hooks.get(name)
+        plan = None if hook is None else hook.call(_PLAN_ARGS, self.spec.name, problem, batch, tactic, options)
         if plan is None:
-            raise PluginError(f"backend '{self.name}' returned no plan from {_PLAN_HOOKS[op]} for {problem}")
+            raise PluginError(f"backend '{self.name}' returned no plan from {name} for {problem}")
         return plan
 
 
@@ -220,7 +214,7 @@ class Registry:
         self._records = list(records)
         self._backends = dict(backends)
         self._by_preference = sorted(self._backends.values(), key=lambda b: (-b.spec.preference, b.name))
-        self._by_op: dict[Op, list[Backend]] = {}  # active(op), sorted once (specs are frozen)
+        self._by_op: dict[str, list[Backend]] = {}  # active(op), sorted once (specs are frozen)
 
     @classmethod
     def discover(
@@ -239,6 +233,8 @@ class Registry:
 
         manager = pluggy.PluginManager(hookspecs.PROJECT)
         manager.add_hookspecs(hookspecs)
+        for op in OPS.values():
+            manager.add_hookspecs(op.hookspecs)
         records: list[BackendRecord] = []
         backends: dict[str, Backend] = {}
         for name, group in sorted(by_name.items()):
@@ -269,7 +265,7 @@ class Registry:
     def records(self) -> list[BackendRecord]:
         return list(self._records)
 
-    def active(self, op: Op | None = None) -> list[Backend]:
+    def active(self, op: str | None = None) -> list[Backend]:
         """Active backends, most preferred first (for ``op``, when given: see ``op_preference``)."""
         if op is None:
             return list(self._by_preference)

@@ -33,7 +33,8 @@ from tactix.errors import (
     UnsupportedProblemError,
 )
 from tactix.hookspecs import PlanOptions
-from tactix.problems import Problem, bucket_size
+from tactix.ops import Problem
+from tactix.problems import bucket_size
 from tactix.registry import Backend, Registry, get_registry
 from tactix.tactics import Tactic
 

@@ -31,7 +31,7 @@ from tactix.autotune.store import StoreEntry, TacticStore, default_root
 from tactix.autotune.tuner import tune
 from tactix.batch import PagedBatch
 from tactix.errors import DistributedError, InvalidArgumentError, UnsupportedProblemError
-from tactix.problems import Problem
+from tactix.ops import Problem
 from tactix.registry import Registry, get_registry
 from tactix.tactics import Tactic
 

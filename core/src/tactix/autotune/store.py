@@ -39,7 +39,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tactix.autotune.environment import environment_hash
 from tactix.autotune.stats import stored_tactics_changed
 from tactix.errors import StoreError, TactixWarning
-from tactix.problems import Op, Problem, problem_from_key
+from tactix.ops import OPS as _REGISTRY
+from tactix.ops import Op, Problem
+from tactix.problems import problem_from_key
 from tactix.tactics import SCHEMA_VERSION, Tactic
 
 __all__ = ["CandidateResult", "StoreEntry", "StoreWarning", "TacticStore", "default_root"]
@@ -48,7 +50,7 @@ log = logging.getLogger("tactix.store")
 
 MAX_ENTRY_BYTES: Final = 1 << 20
 MAX_REASON_CHARS: Final = 2000  # a failure reason beyond this is a traceback nobody reads in a store
-OPS: Final = ("prefill", "decode", "gemm")
+OPS: Final = tuple(_REGISTRY)  # one entries/<op> folder per op of the registry
 
 
 class StoreWarning(TactixWarning):

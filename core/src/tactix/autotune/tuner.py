@@ -28,7 +28,7 @@ from tactix.batch import PagedBatch
 from tactix.dtypes import to_torch_dtype
 from tactix.errors import FallbackWarning, UnsupportedProblemError
 from tactix.hookspecs import PlanOptions
-from tactix.problems import GemmProblem, Problem
+from tactix.ops import GemmProblem, Problem
 from tactix.registry import Backend, Registry
 from tactix.tactics import Tactic
 from tactix.testing.oracle import relative_error, tolerance_for

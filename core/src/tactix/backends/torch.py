@@ -28,11 +28,20 @@ import torch.nn.functional as F
 
 import tactix
 from tactix.batch import PagedBatch
-from tactix.capabilities import AttentionCapabilities, BackendSpec, GemmCapabilities, GemmDTypes
+from tactix.capabilities import BackendSpec
 from tactix.dtypes import to_torch_dtype
 from tactix.errors import UnsupportedProblemError
 from tactix.hookspecs import PlanOptions, hookimpl
-from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem, bucket_size
+from tactix.ops import (
+    AttentionCapabilities,
+    DecodeProblem,
+    GemmCapabilities,
+    GemmDTypes,
+    GemmProblem,
+    PrefillProblem,
+    Problem,
+)
+from tactix.problems import bucket_size
 from tactix.tactics import Tactic
 
 NAME: Final = "torch"

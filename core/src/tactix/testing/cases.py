@@ -22,12 +22,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
-from tactix.capabilities import AttentionCapabilities, GemmCapabilities, GemmDTypes
-from tactix.dtypes import to_torch_dtype
+from tactix.dtypes import SHORT_NAMES, to_torch_dtype
+from tactix.ops import AttentionCapabilities, GemmCapabilities, GemmDTypes
 
 __all__ = [
     "AttentionCase",
@@ -38,7 +38,6 @@ __all__ = [
     "gemm_cases",
 ]
 
-_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 _STANDARD_DTYPES = ("bfloat16", "float16", "float32")
 _STANDARD_HEAD_DIMS = (64, 128, 256)
 _STANDARD_PAGE_SIZES = (1, 16, 64)
@@ -80,11 +79,11 @@ class AttentionCase:
 
     @property
     def id(self) -> str:
-        dtype = _SHORT[self.q_dtype]
+        dtype = SHORT_NAMES[self.q_dtype]
         if self.kv_dtype != self.q_dtype:
-            dtype += f"/{_SHORT[self.kv_dtype]}"
+            dtype += f"/{SHORT_NAMES[self.kv_dtype]}"
         if self.out_dtype != self.q_dtype:
-            dtype += f"->{_SHORT[self.out_dtype]}"
+            dtype += f"->{SHORT_NAMES[self.out_dtype]}"
         dims = (
             f"d{self.head_dim_qk}"
             if self.head_dim_qk == self.head_dim_vo
@@ -112,7 +111,8 @@ class AttentionCase:
     def features(self) -> list[str]:
         """Tags for the support matrix: each names one thing this case exercises."""
         tags = [
-            f"dtype {_SHORT[self.q_dtype]}" + (f"/{_SHORT[self.kv_dtype]}" if self.kv_dtype != self.q_dtype else ""),
+            f"dtype {SHORT_NAMES[self.q_dtype]}"
+            + (f"/{SHORT_NAMES[self.kv_dtype]}" if self.kv_dtype != self.q_dtype else ""),
             f"head dim {self.head_dim_qk}" + (f"x{self.head_dim_vo}" if self.head_dim_vo != self.head_dim_qk else ""),
             f"page size {self.page_size}",
             f"layout {self.kv_layout}",
@@ -405,14 +405,16 @@ class GemmCase:
     label: str = ""
     seed: int = 0
 
+    op: ClassVar[str] = "gemm"
+
     @property
     def fp8(self) -> bool:
         return self.a_dtype.startswith("float8")
 
     @property
     def id(self) -> str:
-        dtype = _SHORT[self.a_dtype] + ("" if self.b_dtype == self.a_dtype else f"x{_SHORT[self.b_dtype]}")
-        parts = [f"{dtype}->{_SHORT[self.out_dtype]}", f"m{self.m}n{self.n}k{self.k}",
+        dtype = SHORT_NAMES[self.a_dtype] + ("" if self.b_dtype == self.a_dtype else f"x{SHORT_NAMES[self.b_dtype]}")
+        parts = [f"{dtype}->{SHORT_NAMES[self.out_dtype]}", f"m{self.m}n{self.n}k{self.k}",
                  ("A-k" if self.a_k_major else "A-m") + ("B-k" if self.b_k_major else "B-n")]  # fmt: skip
         if self.batch is not None:
             parts.append(f"batch{self.batch}")
@@ -423,7 +425,7 @@ class GemmCase:
         return f"gemm[{'-'.join(parts)}]"
 
     def features(self) -> list[str]:
-        tags = [f"dtype {_SHORT[self.a_dtype]}->{_SHORT[self.out_dtype]}"]
+        tags = [f"dtype {SHORT_NAMES[self.a_dtype]}->{SHORT_NAMES[self.out_dtype]}"]
         tags.append("A " + ("k-major" if self.a_k_major else "m-major"))
         tags.append("B " + ("k-major" if self.b_k_major else "n-major"))
         tags.append("m = 1" if self.m == 1 else ("m <= 64" if self.m <= 64 else "m > 64"))

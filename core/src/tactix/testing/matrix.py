@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tactix.errors import InvalidArgumentError
+from tactix.ops import OPS
 
 __all__ = ["load_reports", "render"]
 
@@ -79,7 +80,7 @@ def render(reports: list[dict[str, Any]]) -> str:
             by_op: dict[str, list[dict[str, Any]]] = defaultdict(list)
             for r in results:
                 by_op[r["op"]].append(r)
-            for op in ("prefill", "decode", "gemm"):
+            for op in OPS:
                 counts = Counter(r["outcome"] for r in by_op.get(op, []))
                 if not by_op.get(op):
                     lines.append(f"| {name} | {backend['version']} | {device} | {op} | not implemented | | | |")

@@ -28,9 +28,9 @@ import pytest
 import torch
 
 import tactix
-from tactix.capabilities import GemmDTypes
 from tactix.devices import named_device
 from tactix.errors import BackendNotFoundError, InvalidArgumentError, TactixError
+from tactix.ops import AttentionCapabilities, GemmCapabilities, GemmDTypes
 from tactix.registry import Backend, get_registry
 from tactix.testing.cases import AttentionCase, GemmCase, attention_cases, gemm_cases
 
@@ -167,12 +167,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     params = []
     for backend in backends:
         if "gemm_case" in names:
-            if backend.spec.gemm is not None:
-                params += [_param(backend, c, many) for c in gemm_cases(backend.spec.gemm)]
+            for caps in backend.spec.implements.values():
+                if isinstance(caps, GemmCapabilities):
+                    params += [_param(backend, c, many) for c in gemm_cases(caps)]
             continue
-        for op in ("prefill", "decode"):
-            caps = backend.spec.capabilities(op)  # type: ignore[arg-type]
-            if caps is None:
+        for op, caps in backend.spec.implements.items():
+            if not isinstance(caps, AttentionCapabilities):
                 continue
             cases = attention_cases(op, caps)  # type: ignore[arg-type]
             if "tactic_case" in names:
@@ -230,7 +230,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         "backend": backend.name,
         "test": item.originalname if isinstance(item, pytest.Function) else item.name,
         "case": case.id,
-        "op": "gemm" if isinstance(case, GemmCase) else case.op,
+        "op": case.op,
         "features": case.features(),
         "outcome": "passed",
         "detail": "",

@@ -27,7 +27,7 @@ from tactix.attention import PagedDecode, PagedPrefill, attention_problem
 from tactix.batch import PagedBatch
 from tactix.errors import FallbackWarning, InvalidArgumentError, TactixError
 from tactix.gemm import Gemm, gemm_problem
-from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem
+from tactix.ops import DecodeProblem, GemmProblem, PrefillProblem
 from tactix.registry import Backend
 from tactix.tactics import Tactic
 from tactix.testing.cases import (

@@ -42,9 +42,19 @@ from typing import Any, Final
 import torch
 
 import tactix
-from tactix import InvalidArgumentError, PagedBatch, PlanOptions, Tactic, UnsupportedProblemError
+from tactix import (
+    DecodeProblem,
+    GemmProblem,
+    InvalidArgumentError,
+    PagedBatch,
+    PlanOptions,
+    PrefillProblem,
+    Problem,
+    Tactic,
+    UnsupportedProblemError,
+)
 from tactix.cudart import raw_stream
-from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem, bucket_size
+from tactix.problems import bucket_size
 from tactix.staging import Piece, Sections, Staging, sections
 from tactix_cuda_native import __version__
 from tactix_cuda_native.geometry import (

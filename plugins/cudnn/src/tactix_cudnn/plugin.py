@@ -18,9 +18,19 @@ from typing import Any, Final
 import torch
 
 import tactix
-from tactix import PagedBatch, PlanOptions, Tactic, UnsupportedProblemError, cudart
+from tactix import (
+    DecodeProblem,
+    GemmProblem,
+    PagedBatch,
+    PlanOptions,
+    PrefillProblem,
+    Problem,
+    Tactic,
+    UnsupportedProblemError,
+    cudart,
+)
 from tactix.devices import cuda_available
-from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem, bucket_size
+from tactix.problems import bucket_size
 from tactix.staging import Staging, gather_table, write_int32, write_table
 from tactix_cudnn import __version__
 from tactix_cudnn.graphs import (

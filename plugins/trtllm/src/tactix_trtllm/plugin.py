@@ -37,9 +37,18 @@ from typing import Any, Final
 import torch
 
 import tactix
-from tactix import InvalidArgumentError, PagedBatch, PlanOptions, Tactic, UnsupportedProblemError
+from tactix import (
+    DecodeProblem,
+    GemmProblem,
+    InvalidArgumentError,
+    PagedBatch,
+    PlanOptions,
+    PrefillProblem,
+    Problem,
+    Tactic,
+    UnsupportedProblemError,
+)
 from tactix.devices import cuda_available
-from tactix.problems import DecodeProblem, GemmProblem, PrefillProblem, Problem
 from tactix_trtllm import __version__
 from tactix_trtllm.library import ARCHES, FmhaKey, ModuleKey, XqaKey, compile_ahead, load, status, target
 from tactix_trtllm.metadata import (

@@ -1,0 +1,178 @@
+"""What the two paged-attention ops (prefill and decode) share: the problem fields, the
+capabilities a backend declares for them, and the plan protocol their ``run`` follows."""
+
+from __future__ import annotations
+
+from typing import Protocol, Self, runtime_checkable
+
+import torch
+from pydantic import Field, model_validator
+
+from tactix.capabilities import CapabilitiesBase, format_set
+from tactix.dtypes import SHORT_NAMES, DTypeName
+from tactix.problems import KVLayout, ProblemBase
+from tactix.tactics import Tactic
+
+__all__ = ["AttentionCapabilities", "AttentionPlan", "AttentionProblem"]
+
+
+class AttentionProblem(ProblemBase):
+    """The fields of a paged-attention problem (`PrefillProblem` and `DecodeProblem` add theirs)."""
+
+    device_type: str = Field(description="torch device type of the tensors: 'cpu', 'cuda', ...")
+    num_qo_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim_qk: int = Field(ge=1)
+    head_dim_vo: int = Field(ge=1)
+    page_size: int = Field(ge=1)
+    kv_layout: KVLayout
+    q_dtype: DTypeName
+    kv_dtype: DTypeName
+    out_dtype: DTypeName
+    sm_scale: float = Field(gt=0)
+    window_left: int = Field(ge=-1, description="-1: no sliding window")
+    logits_soft_cap: float = Field(ge=0, description="0: no soft-cap")
+    return_lse: bool
+    deterministic: bool = Field(
+        default=True,
+        description="bitwise identical output for identical inputs (False admits faster tactics that "
+        "reduce in a run-dependent order)",
+    )
+    batch_size: int = Field(ge=1)
+    max_kv_len: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> Self:
+        if self.num_qo_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_qo_heads ({self.num_qo_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        return self
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+    def masking_reasons(self, caps: AttentionCapabilities) -> list[str]:
+        """Why ``caps`` cannot mask this problem as it asks (prefill: causal or not)."""
+        del caps
+        return []
+
+    def _label(self) -> str:
+        dims = (
+            f"d{self.head_dim_qk}"
+            if self.head_dim_qk == self.head_dim_vo
+            else f"d{self.head_dim_qk}x{self.head_dim_vo}"
+        )
+        dtype = SHORT_NAMES[self.q_dtype]
+        if self.kv_dtype != self.q_dtype:
+            dtype += f"/{SHORT_NAMES[self.kv_dtype]}"
+        parts = [
+            dtype,
+            f"h{self.num_qo_heads}/{self.num_kv_heads}",
+            dims,
+            f"p{self.page_size}",
+            self.kv_layout,
+        ]
+        if getattr(self, "causal", False):
+            parts.append("causal")
+        if self.window_left >= 0:
+            parts.append(f"win{self.window_left}")
+        if self.logits_soft_cap > 0:
+            parts.append(f"cap{self.logits_soft_cap:g}")
+        if self.return_lse:
+            parts.append("lse")
+        if not self.deterministic:
+            parts.append("nondet")
+        if self.device_type != "cuda":
+            parts.append(self.device_type)
+        return "-".join(parts)
+
+    def __str__(self) -> str:
+        return f"{self.op}[{self._label()}]"
+
+
+class AttentionCapabilities(CapabilitiesBase):
+    """Declared support of a paged prefill or decode implementation."""
+
+    q_dtypes: frozenset[DTypeName]
+    kv_dtypes: frozenset[DTypeName]
+    out_dtypes: frozenset[DTypeName]
+    head_dims: frozenset[int] | None = Field(description="supported head dims; None: any")
+    different_vo_head_dim: bool = Field(default=False, description="head_dim_vo may differ from head_dim_qk")
+    page_sizes: frozenset[int] | None = Field(description="supported page sizes; None: any")
+    kv_layouts: frozenset[KVLayout]
+    max_gqa_ratio: int | None = Field(default=None, description="None: any ratio")
+    causal: bool = True
+    non_causal: bool = True
+    chunked: bool = Field(default=True, description="prefill with kv longer than q (bottom-right causal alignment)")
+    sliding_window: bool = False
+    logits_soft_cap: bool = False
+    lse: bool = False
+
+    def reasons(self, problem: AttentionProblem) -> list[str]:  # type: ignore[override]
+        """Why ``problem`` falls outside these capabilities (empty list: it does not)."""
+        out = self.device_reasons(problem)
+        if problem.q_dtype not in self.q_dtypes:
+            out.append(f"q dtype {problem.q_dtype} not in {format_set(self.q_dtypes)}")
+        if problem.kv_dtype not in self.kv_dtypes:
+            out.append(f"kv dtype {problem.kv_dtype} not in {format_set(self.kv_dtypes)}")
+        if problem.out_dtype not in self.out_dtypes:
+            out.append(f"out dtype {problem.out_dtype} not in {format_set(self.out_dtypes)}")
+        if self.head_dims is not None:
+            for name in ("head_dim_qk", "head_dim_vo"):
+                value = getattr(problem, name)
+                if value not in self.head_dims:
+                    out.append(f"{name} {value} not in {format_set(self.head_dims)}")
+        if not self.different_vo_head_dim and problem.head_dim_qk != problem.head_dim_vo:
+            out.append("head_dim_vo must equal head_dim_qk")
+        if self.page_sizes is not None and problem.page_size not in self.page_sizes:
+            out.append(f"page size {problem.page_size} not in {format_set(self.page_sizes)}")
+        if problem.kv_layout not in self.kv_layouts:
+            out.append(f"kv layout {problem.kv_layout} not in {format_set(self.kv_layouts)}")
+        if self.max_gqa_ratio is not None and problem.gqa_ratio > self.max_gqa_ratio:
+            out.append(f"GQA ratio {problem.gqa_ratio} above {self.max_gqa_ratio}")
+        out += problem.masking_reasons(self)
+        if problem.window_left >= 0 and not self.sliding_window:
+            out.append("sliding window (window_left >= 0) not supported")
+        if problem.logits_soft_cap > 0 and not self.logits_soft_cap:
+            out.append("logits soft-cap not supported")
+        if problem.return_lse and not self.lse:
+            out.append("LSE output not supported")
+        return out
+
+
+@runtime_checkable
+class AttentionPlan(Protocol):
+    """A planned prefill or decode batch.
+
+    ``run(q, k_cache, v_cache, out, lse)`` writes ``out`` (and ``lse`` when it is not None) for
+    every query row of the batch. ``q`` is ``[num_qo_tokens, num_qo_heads, head_dim_qk]``
+    (decode: one row per request); the caches are ``[num_pages, page_size, num_kv_heads, d]``
+    (NHD) or ``[num_pages, num_kv_heads, page_size, d]`` (HND), possibly strided views of one
+    5-D tensor; ``out`` is ``[rows, num_qo_heads, head_dim_vo]``; ``lse`` is ``[rows,
+    num_qo_heads]`` float32 natural-log log-sum-exp of the scaled (and soft-capped) logits.
+
+    Optional fast re-plan: a plan may also define ``replan(problem, batch, options)``, returning
+    the plan of a new batch or None. The core calls it instead of the selection, the check and
+    the plan hook when a wrapper re-plans with the same static arguments (``problem`` differs
+    only in its sizes) and this plan's tactic is still the one the selection would try first
+    (see `tactix.selection.replan_selection`). The plan must then vouch for everything its
+    ``tactix_check`` would say for the new sizes and return None for any batch it cannot serve
+    the same way (the full path then plans it); an exception other than `InvalidArgumentError`
+    also sends the batch down the full path.
+    """
+
+    tactic: Tactic
+    """The concrete tactic this plan runs (never the ``default`` placeholder)."""
+    built: bool
+    """Whether making this plan built something expensive (a graph, a JIT compile)."""
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+    ) -> None: ...

@@ -1,0 +1,59 @@
+"""The prefill op: ragged queries over a paged KV cache (prefill, append, chunked prefill).
+
+Its problem model, its plan hookspec and its registry entry; the capabilities and the plan
+protocol are those of every paged-attention op (`tactix.ops.attention`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import ClassVar
+
+from pydantic import Field
+
+from tactix.batch import PagedBatch
+from tactix.hookspecs import PlanOptions, hookspec
+from tactix.ops.attention import AttentionCapabilities, AttentionPlan, AttentionProblem
+from tactix.ops.definition import OpDefinition
+from tactix.tactics import Tactic
+
+__all__ = ["DEFINITION", "PrefillProblem", "tactix_plan_prefill"]
+
+
+class PrefillProblem(AttentionProblem):
+    """Ragged queries over a paged KV cache (prefill, append, chunked prefill)."""
+
+    op: ClassVar[str] = "prefill"
+    dynamic: ClassVar[tuple[str, ...]] = ("batch_size", "num_qo_tokens", "max_qo_len", "max_kv_len")
+
+    causal: bool
+    num_qo_tokens: int = Field(ge=0)
+    max_qo_len: int = Field(ge=0)
+
+    def masking_reasons(self, caps: AttentionCapabilities) -> list[str]:
+        if self.causal and not caps.causal:
+            return ["causal masking not supported"]
+        if not self.causal and not caps.non_causal:
+            return ["non-causal prefill not supported"]
+        return []
+
+
+@hookspec(firstresult=True)
+def tactix_plan_prefill(  # type: ignore[empty-body]
+    backend: str,
+    problem: PrefillProblem,
+    batch: PagedBatch,
+    tactic: Tactic,
+    options: PlanOptions,
+) -> AttentionPlan | None:
+    """Plan a prefill batch. May allocate, build graphs or compile; ``run`` may not."""
+
+
+DEFINITION = OpDefinition(
+    name="prefill",
+    problem=PrefillProblem,
+    capabilities=AttentionCapabilities,
+    hookspecs=sys.modules[__name__],
+    plan_hook="tactix_plan_prefill",
+    summary="paged-KV attention of ragged query rows (prefill, append, chunked prefill)",
+)
