@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -41,6 +40,7 @@ from tactix.autotune.stats import stored_tactics_changed
 from tactix.errors import StoreError, TactixWarning
 from tactix.ops import OPS as _REGISTRY
 from tactix.ops import Op, Problem
+from tactix.problems import key_hash as problem_key_hash
 from tactix.problems import problem_from_key
 from tactix.tactics import SCHEMA_VERSION, Tactic
 
@@ -223,12 +223,12 @@ def parse_entry(raw: bytes) -> tuple[StoreEntry, Problem]:
         raise _Defect(_diagnose(raw, exc)) from None
     try:
         problem = problem_from_key(entry.key)
-        canonical = json.dumps(entry.key, sort_keys=True, separators=(",", ":"))
+        hashed = problem_key_hash(entry.key)
     except ValidationError as exc:
         raise _Defect(f"malformed key ({_first_error(exc)})") from None
     except (ValueError, TypeError, RecursionError) as exc:  # e.g. an integer too long to print
         raise _Defect(f"malformed key ({exc})") from None
-    if entry.op != problem.op or hashlib.sha256(canonical.encode()).hexdigest()[:32] != entry.key_hash:
+    if entry.op != problem.op or hashed != entry.key_hash:
         raise _Defect("its key does not match its name (a stale or hand-edited entry)")
     return entry, problem
 
