@@ -41,6 +41,7 @@ from plan_time import batch
 
 import tactix
 from tactix.autotune import StoreEntry, autotune
+from tactix.backends import torch as torch_backend
 from tactix.registry import get_registry
 from tactix.tactics import Tactic
 
@@ -82,46 +83,50 @@ class _FastStubPlan(_StubPlan):
 _EXPLICIT = Tactic(backend="torch", kernel="explicit")
 
 
-def _stub_hook(backend: str, problem: object, batch: object, tactic: Tactic, options: object) -> _StubPlan | None:
-    return _StubPlan(_EXPLICIT) if backend == "torch" else None
+def _stub_hook(problem: object, batch: object, tactic: Tactic, options: object) -> _StubPlan | None:
+    return _StubPlan(_EXPLICIT)
 
 
-def _fast_stub_hook(backend: str, problem: object, batch: object, tactic: Tactic, options: object) -> _StubPlan | None:
-    return _FastStubPlan(_EXPLICIT) if backend == "torch" else None
+def _fast_stub_hook(problem: object, batch: object, tactic: Tactic, options: object) -> _StubPlan | None:
+    return _FastStubPlan(_EXPLICIT)
 
 
 _STUB = [_stub_hook]  # --replan: _fast_stub_hook
 
 
 class _HookTimer:
-    """Times the torch backend's plan hooks per call (stubbed unless ``real``)."""
+    """Times the torch backend's plan hooks per call (stubbed unless ``real``): a plugin
+    registered first on the torch backend's plugin manager (pluggy's ``tryfirst``) answers its
+    plan hooks with the timed real hook or the stub. What pluggy's dispatch costs is the core's."""
 
     def __init__(self, real: bool) -> None:
         self.spent = 0.0
         self.real = real
-        self._hooks = get_registry().get("torch")._hooks
-        self._saved: dict[str, Any] = {}
+        self._manager = get_registry().get("torch").manager
+        timer = self
+
+        def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def call(self: object, problem: Any, batch: Any, tactic: Any, options: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return (fn if timer.real else _STUB[0])(problem, batch, tactic, options)
+                finally:
+                    timer.spent += time.perf_counter() - t0
+
+            return tactix.hookimpl(tryfirst=True)(call)
+
+        class Timing:
+            tactix_plan_decode = timed(torch_backend.tactix_plan_decode)
+            tactix_plan_prefill = timed(torch_backend.tactix_plan_prefill)
+
+        self._plugin = Timing()
 
     def __enter__(self) -> _HookTimer:
-        for name in ("tactix_plan_decode", "tactix_plan_prefill"):
-            hook = self._hooks[name]
-            self._saved[name] = original = hook.function
-            hook.function = self._timed(original if self.real else _STUB[0])
+        self._manager.register(self._plugin)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name, original in self._saved.items():
-            self._hooks[name].function = original
-
-    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args)
-            finally:
-                self.spent += time.perf_counter() - t0
-
-        return timed
+        self._manager.unregister(self._plugin)
 
 
 Case = tuple[tactix.PagedDecode | tactix.PagedPrefill, tuple[Callable[[], None], ...]]

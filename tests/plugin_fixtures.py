@@ -74,7 +74,7 @@ def tactix_backends():
     return [tactix.BackendSpec(name="misspelt", version="1.0")]
 
 @tactix.hookimpl
-def tactix_plan_prefil(backend, problem, batch, tactic, options):
+def tactix_plan_prefil(problem, batch, tactic, options):
     return None
 """
 
@@ -101,26 +101,20 @@ def tactix_backends():
     return [tactix.BackendSpec(name=NAME, version="9.9", decode=spec.decode, preference={preference})]
 
 @tactix.hookimpl
-def tactix_tactics(backend, problem):
-    if backend != NAME:
-        return None
+def tactix_tactics(problem):
     return [tactix.Tactic(backend=NAME, kernel="special")]
 
 @tactix.hookimpl
-def tactix_check(backend, problem, tactic):
-    if backend != NAME:
-        return None
+def tactix_check(problem, tactic):
     if tactic.kernel == "special" and CHECK_REASON is not None:
         return [CHECK_REASON]
     return []
 
 @tactix.hookimpl
-def tactix_plan_decode(backend, problem, batch, tactic, options):
-    if backend != NAME:
-        return None
+def tactix_plan_decode(problem, batch, tactic, options):
     if PLAN_RAISES is not None:
         raise RuntimeError(PLAN_RAISES)
-    inner = _torch.tactix_plan_decode("torch", problem, batch, tactix.Tactic.default("torch"), options)
+    inner = _torch.tactix_plan_decode(problem, batch, tactix.Tactic.default("torch"), options)
     inner.tactic = tactic if not tactic.is_default else tactix.Tactic(backend=NAME, kernel="plain")
     return inner
 """
@@ -143,8 +137,8 @@ KNOWN = {known_failures!r}
 
 
 @tactix.hookimpl
-def tactix_known_failures(backend):
-    return KNOWN if backend == NAME else None
+def tactix_known_failures():
+    return KNOWN
 
 
 @tactix.hookimpl
@@ -180,19 +174,19 @@ def _plan(problem, batch, options):
         batch = tactix.PagedBatch.build(qo_indptr=None, kv_indptr=i32(indptr), kv_indices=i32(indices),
                                         kv_last_page_len=i32(last), page_size=batch.page_size,
                                         device=options["device"], causal=False)
-    plan = _torch._plan_attention("torch", problem, batch, tactix.Tactic.default("torch"), options)
+    plan = _torch._plan_attention(problem, batch, tactix.Tactic.default("torch"), options)
     plan.tactic = tactix.Tactic(backend=NAME, kernel="wrong")
     return plan
 
 
 @tactix.hookimpl
-def tactix_plan_decode(backend, problem, batch, tactic, options):
-    return _plan(problem, batch, options) if backend == NAME else None
+def tactix_plan_decode(problem, batch, tactic, options):
+    return _plan(problem, batch, options)
 
 
 @tactix.hookimpl
-def tactix_plan_prefill(backend, problem, batch, tactic, options):
-    return _plan(problem, batch, options) if backend == NAME else None
+def tactix_plan_prefill(problem, batch, tactic, options):
+    return _plan(problem, batch, options)
 """
 
 
@@ -216,9 +210,7 @@ def tactix_backends():
 
 
 @tactix.hookimpl
-def tactix_tactics(backend, problem):
-    if backend != NAME:
-        return None
+def tactix_tactics(problem):
     return [tactix.Tactic(backend=NAME, kernel=k) for k in ("boom", "liar", "wrong", "good")]
 
 
@@ -238,16 +230,14 @@ class _Boom(_Zeros):
 
 
 @tactix.hookimpl
-def tactix_plan_decode(backend, problem, batch, tactic, options):
-    if backend != NAME:
-        return None
+def tactix_plan_decode(problem, batch, tactic, options):
     if tactic.kernel == "default" and DEFAULT_FAILS:
         raise RuntimeError("default kernel unavailable on this GPU")
     if tactic.kernel == "boom":
         return _Boom(tactic)
     if tactic.kernel == "wrong":
         return _Zeros(tactic)
-    plan = _torch.tactix_plan_decode("torch", problem, batch, tactix.Tactic.default("torch"), options)
+    plan = _torch.tactix_plan_decode(problem, batch, tactix.Tactic.default("torch"), options)
     if tactic.kernel == "liar":
         plan.tactic = tactix.Tactic(backend=NAME, kernel="good")  # says it runs something else
     else:
@@ -275,17 +265,15 @@ def tactix_backends():
 
 
 @tactix.hookimpl
-def tactix_plan_decode(backend, problem, batch, tactic, options):
-    if backend != NAME:
-        return None
-    plan = _torch.tactix_plan_decode("torch", problem, batch, tactix.Tactic.default("torch"), options)
+def tactix_plan_decode(problem, batch, tactic, options):
+    plan = _torch.tactix_plan_decode(problem, batch, tactix.Tactic.default("torch"), options)
     plan.tactic = tactix.Tactic(backend=NAME, kernel="plain")
     return plan
 
 
 @tactix.hookimpl
-def tactix_references(backend, op, inputs):
-    if backend != NAME or op != "decode":
+def tactix_references(op, inputs):
+    if op != "decode":
         return None
     qo = __import__("torch").arange(inputs["q"].shape[0] + 1, dtype=__import__("torch").int32)
 

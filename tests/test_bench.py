@@ -85,7 +85,7 @@ def tactix_backends():
     return [tactix.BackendSpec(name="refusing", version="1.0", decode=_torch.tactix_backends()[0].decode)]
 
 @tactix.hookimpl
-def tactix_check(backend, problem, tactic, batch):
+def tactix_check(problem, tactic, batch):
     return [REASON]
 """
 

@@ -14,7 +14,7 @@ from tactix.autotune import autotune
 from tactix.autotune.store import StoreEntry, TacticStore, write_atomically
 from tactix.capabilities import BackendSpec
 from tactix.ops import AttentionCapabilities, DecodeProblem, Problem
-from tactix.registry import Backend, BackendRecord
+from tactix.registry import Backend, BackendRecord, plugin_manager
 from tactix.selection import set_tactic_source
 
 
@@ -151,7 +151,9 @@ def test_capability_reasons_are_remembered_per_static_problem_only() -> None:
                                  kv_dtypes=frozenset({"float32"}), out_dtypes=frozenset({"float32"}), head_dims=None,
                                  page_sizes=None, kv_layouts=frozenset({"NHD"}))  # fmt: skip
     spec = BackendSpec(name="picky", version="1", decode=caps)
-    backend = Backend(record=BackendRecord("picky", None, None, "x:y", "active", spec=spec), spec=spec, _hooks={})
+    backend = Backend(
+        record=BackendRecord("picky", None, None, "x:y", "active", spec=spec), spec=spec, manager=plugin_manager()
+    )
     tactic = tactix.Tactic.default("picky")
     problem = DecodeProblem(device_type="cpu", num_qo_heads=8, num_kv_heads=2, head_dim_qk=64, head_dim_vo=64,
                             page_size=16, kv_layout="NHD", q_dtype="float32", kv_dtype="float32",

@@ -167,7 +167,7 @@ def test_importing_tactix_and_discovering_plugins_does_not_initialise_cuda() -> 
 
 def test_op_preference_orders_untuned_auto_per_op() -> None:
     from tactix.backends import torch as torch_backend
-    from tactix.registry import Backend, BackendRecord, Registry
+    from tactix.registry import Backend, BackendRecord, Registry, plugin_manager
 
     base = torch_backend.tactix_backends()[0]
     specs = {
@@ -175,7 +175,9 @@ def test_op_preference_orders_untuned_auto_per_op() -> None:
         "decoder": base.model_copy(update={"name": "decoder", "preference": 5, "op_preference": {"decode": 20}}),
     }
     backends = {
-        name: Backend(record=BackendRecord(name, None, None, "x:y", "active", spec=spec), spec=spec, _hooks={})
+        name: Backend(
+            record=BackendRecord(name, None, None, "x:y", "active", spec=spec), spec=spec, manager=plugin_manager()
+        )
         for name, spec in specs.items()
     }
     registry = Registry(list(b.record for b in backends.values()), backends)
@@ -183,3 +185,69 @@ def test_op_preference_orders_untuned_auto_per_op() -> None:
     assert [b.name for b in registry.active("gemm")] == ["general", "decoder"]
     assert [b.name for b in registry.active("decode")] == ["decoder", "general"]
     assert specs["decoder"].preference_for("prefill") == 5 and specs["decoder"].preference_for("decode") == 20
+
+
+OLD_STYLE = """
+import tactix
+from tactix.backends import torch as _torch
+
+NAME = "oldstyle"
+
+@tactix.hookimpl
+def tactix_backends():
+    return [tactix.BackendSpec(name=NAME, version="0.1", decode=_torch.tactix_backends()[0].decode, preference=99)]
+
+@tactix.hookimpl
+def tactix_check(backend, problem, tactic, batch):
+    if backend != NAME:  # what every hook had to say before hooks were called per backend
+        return None
+    return []
+
+@tactix.hookimpl
+def tactix_plan_decode(backend, problem, batch, tactic, options):
+    if backend != NAME:
+        return None
+    plan = _torch.tactix_plan_decode(problem, batch, tactix.Tactic.default("torch"), options)
+    plan.tactic = tactix.Tactic(backend=NAME, kernel="plain")
+    return plan
+"""
+
+
+def test_a_plugin_written_against_the_backend_argument_contract_still_serves(tmp_path: Path) -> None:
+    """Hooks that take ``backend`` first and compare it with their name keep working: pluggy
+    passes each implementation the arguments it declares, and only this plugin is asked."""
+    write_distribution(tmp_path, "tactix-oldstyle", "0.1", {"oldstyle": "tx_oldstyle"}, {"tx_oldstyle": OLD_STYLE})
+    with plugins_on_path(tmp_path):
+        assert _decode_runs_on("oldstyle") == "oldstyle"
+        assert _decode_runs_on() == "oldstyle"  # preference 99: auto's first choice
+
+
+def test_each_backend_is_answered_by_its_own_plugin_only(tmp_path: Path) -> None:
+    """Two plugins that implement the same hooks without looking at the backend name: each
+    backend's plan comes from its own plugin (one pluggy manager per backend)."""
+    for name in ("alpha", "beta"):
+        write_distribution(tmp_path, f"tactix-{name}", "1.0", {name: f"tx_{name}"},
+                           {f"tx_{name}": delegating_plugin(name, preference=0)})  # fmt: skip
+    with plugins_on_path(tmp_path):
+        assert _decode_runs_on("alpha") == "alpha" and _decode_runs_on("beta") == "beta"
+        for name in ("alpha", "beta"):
+            problem = tactix.DecodeProblem(
+                device_type="cpu",
+                num_qo_heads=4,
+                num_kv_heads=2,
+                head_dim_qk=16,
+                head_dim_vo=16,
+                page_size=4,
+                kv_layout="NHD",
+                q_dtype="float32",
+                kv_dtype="float32",
+                out_dtype="float32",
+                sm_scale=0.25,
+                window_left=-1,
+                logits_soft_cap=0.0,
+                return_lse=False,
+                batch_size=1,
+                max_kv_len=3,
+            )
+            [tactic] = [t for t in get_registry().get(name).tactics(problem) if not t.is_default]
+            assert tactic.backend == name

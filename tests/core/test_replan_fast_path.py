@@ -14,6 +14,7 @@ import torch
 import tactix
 from tactix.autotune import autotune
 from tactix.autotune.store import StoreEntry
+from tactix.backends import torch as torch_backend
 from tactix.registry import get_registry
 from tactix.selection import set_tactic_source
 from tactix.testing import attention_reference
@@ -45,7 +46,7 @@ class Replannable:
             return None
         if isinstance(what, BaseException):
             raise what
-        inner = self.behaviour[self.hook]("torch", problem, batch, self.inner.tactic, unwrapped(options))
+        inner = self.behaviour[self.hook](problem, batch, self.inner.tactic, unwrapped(options))
         if self.behaviour.get("in_place"):  # as the cudnn plugin's: the plan becomes the new batch's
             self.inner = inner
             return self
@@ -60,29 +61,40 @@ def unwrapped(options: Any) -> Any:
 
 @pytest.fixture
 def replannable() -> Iterator[tuple[list[str], dict[str, Any]]]:
-    """The torch backend's decode and prefill plans, made replannable; (log, behaviour)."""
+    """The torch backend's decode and prefill plans, made replannable; (log, behaviour).
+
+    A plugin registered first on the torch backend's own plugin manager answers its plan hooks
+    (pluggy's ``tryfirst``; the plan hooks are ``firstresult``) by wrapping the real plans."""
     set_tactic_source(None)
-    hooks = get_registry().get("torch")._hooks
+    manager = get_registry().get("torch").manager
     log: list[str] = []
-    behaviour: dict[str, Any] = {}
-    originals = {}
-    for name in ("tactix_plan_decode", "tactix_plan_prefill"):
-        originals[name] = behaviour[name] = original = hooks[name].function
+    behaviour: dict[str, Any] = {
+        "tactix_plan_decode": torch_backend.tactix_plan_decode,
+        "tactix_plan_prefill": torch_backend.tactix_plan_prefill,
+    }
 
-        def planned(backend: str, problem: Any, batch: Any, tactic: Any, options: Any, name: str = name,
-                    original: Any = original) -> Any:  # fmt: skip
-            made = original(backend, problem, batch, tactic, unwrapped(options))
-            if made is None:
-                return None
-            log.append("hook")
-            return Replannable(made, log, behaviour, name)
+    def planned(name: str, problem: Any, batch: Any, tactic: Any, options: Any) -> Any:
+        made = behaviour[name](problem, batch, tactic, unwrapped(options))
+        if made is None:
+            return None
+        log.append("hook")
+        return Replannable(made, log, behaviour, name)
 
-        hooks[name].function = planned
+    class Wrapping:
+        @tactix.hookimpl(tryfirst=True)
+        def tactix_plan_decode(self, problem: Any, batch: Any, tactic: Any, options: Any) -> Any:
+            return planned("tactix_plan_decode", problem, batch, tactic, options)
+
+        @tactix.hookimpl(tryfirst=True)
+        def tactix_plan_prefill(self, problem: Any, batch: Any, tactic: Any, options: Any) -> Any:
+            return planned("tactix_plan_prefill", problem, batch, tactic, options)
+
+    wrapping = Wrapping()
+    manager.register(wrapping)
     try:
         yield log, behaviour
     finally:
-        for name, original in originals.items():
-            hooks[name].function = original
+        manager.unregister(wrapping)
         set_tactic_source(None)
 
 

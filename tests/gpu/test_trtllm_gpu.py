@@ -180,7 +180,7 @@ def test_decode_sliding_window(window: int) -> None:
 def test_every_xqa_tactic_is_correct_and_deterministic() -> None:
     for lens in (RAGGED, [8192], [300] * 256):  # mixed, one long request (splits), a full GPU (no split)
         case = Case(lens, seed=len(lens))
-        tactics = plugin.tactix_tactics("trtllm", _problem(case))
+        tactics = plugin.tactix_tactics(_problem(case))
         assert len(tactics) == 6
         for tactic in [tactix.Tactic.default("trtllm"), *tactics]:
             w = case.wrapper()
@@ -341,12 +341,12 @@ def test_run_makes_no_host_sync(op: str) -> None:
 def test_warmup_compiles_with_progress_and_then_finds_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(plugin.WARMUP_ENV, "ops=decode;dtypes=bfloat16;group_sizes=2")
     seen: list[tuple[int, int, str]] = []
-    plugin.tactix_warmup("trtllm", None, lambda *a: seen.append(a))
+    plugin.tactix_warmup(None, lambda *a: seen.append(a))
     assert (
         len(seen) == 1 and seen[0][:2] == (1, 1) and "XQA decode (bfloat16, page 16, head dim 128, GQA 2)" in seen[0][2]
     )
     again: list[tuple[int, int, str]] = []
-    assert plugin.tactix_warmup("trtllm", None, lambda *a: again.append(a)) == 0
+    assert plugin.tactix_warmup(None, lambda *a: again.append(a)) == 0
     assert again[0][2].endswith("found in the cache")
     case = Case(RAGGED, hq=16, hkv=8, seed=37)  # GQA 2: the module just compiled, already loaded
     w = case.wrapper()

@@ -361,7 +361,7 @@ def test_warmup_command_compiles_with_progress(tmp_path: Path, monkeypatch: pyte
 def test_tactics_are_enumerated_valid_and_round_trip() -> None:
     backend = get_registry().get("cuda_native")
     for problem in (decode(), decode(head_dim_qk=256, head_dim_vo=256), decode(head_dim_qk=64, head_dim_vo=64)):
-        tactics = plugin.tactix_tactics("cuda_native", problem)
+        tactics = plugin.tactix_tactics(problem)
         assert tactics, problem
         assert all(t.backend == "cuda_native" and t.kernel == "decode" for t in tactics)
         assert all(plugin._reasons(problem, t, H200) == [] for t in tactics)
@@ -373,10 +373,10 @@ def test_tactics_are_enumerated_valid_and_round_trip() -> None:
             assert DecodeParams.from_tactic(t).to_tactic() == t
     assert backend.tactics(decode())[0] == tactix.Tactic.default("cuda_native")
     # bulk-copy tactics on Hopper for HND caches whose pages they divide, never otherwise
-    bulk = {t.params["bulk"] for t in plugin.tactix_tactics("cuda_native", decode()) if "bulk" in t.params}
+    bulk = {t.params["bulk"] for t in plugin.tactix_tactics(decode()) if "bulk" in t.params}
     assert bulk == {8, 16}
     for other in (decode(kv_layout="NHD"), decode(page_size=4)):
-        assert not [t for t in plugin.tactix_tactics("cuda_native", other) if "bulk" in t.params]
+        assert not [t for t in plugin.tactix_tactics(other) if "bulk" in t.params]
     a100 = DeviceInfo(sms=108, smem_per_block=232448, smem_per_sm=233472, arch="sm_80")
     assert not [p for p in geometry.decode_candidates(128, a100) if p.bulk]
     for m in (1, 16, 64):
@@ -391,7 +391,7 @@ def test_tactics_are_enumerated_valid_and_round_trip() -> None:
         assert {t.params.get("l2", 1) for t in sync} == {1, 2}
         # Hopper: the wgmma kernel's candidates first (its default leading), then each mma.sync
         # shape with its split count chosen per shape; few enough for the tuner's 64-tactic budget
-        tactics = plugin.tactix_tactics("cuda_native", gemm(m=m))
+        tactics = plugin.tactix_tactics(gemm(m=m))
         assert len(set(tactics)) == len(tactics) <= tactix.MeasurementPolicy().max_candidates
         assert all(plugin._reasons(gemm(m=m), t, H200) == [] for t in tactics)
         kinds = [t.kernel for t in tactics]
@@ -404,7 +404,6 @@ def test_tactics_are_enumerated_valid_and_round_trip() -> None:
     shape = GemmParams(bn=64, bk=64, wn=2, wk=2, stages=4)
     variants = [plugin.gemm_variant("bfloat16", 16, dataclasses.replace(shape, l2=l2), "sm_90") for l2 in (0, 1, 2)]
     assert variants[0] == variants[1] != variants[2]
-    assert plugin.tactix_tactics("torch", decode()) is None
 
 
 def test_bad_tactic_params_give_reasons() -> None:
@@ -1009,7 +1008,7 @@ def test_prefill_tactics_are_enumerated_valid_and_round_trip() -> None:
     for d in geometry.HEAD_DIMS:
         for hq, hkv in ((32, 8), (8, 8), (32, 4)):
             problem = prefill(head_dim_qk=d, head_dim_vo=d, num_qo_heads=hq, num_kv_heads=hkv)
-            tactics = plugin.tactix_tactics("cuda_native", problem)
+            tactics = plugin.tactix_tactics(problem)
             assert tactics and all(t.backend == "cuda_native" and t.kernel == "prefill" for t in tactics)
             assert len(set(tactics)) == len(tactics)
             assert all(plugin._reasons(problem, t, H200) == [] for t in tactics), problem

@@ -270,9 +270,8 @@ def test_gemm_is_not_implemented_and_says_why() -> None:
     assert spec.gemm is None and spec.preference == 0
     gemm = GemmProblem(device_type="cuda", m=64, n=256, k=128, a_dtype="bfloat16", b_dtype="bfloat16",
                        out_dtype="bfloat16")  # fmt: skip
-    reasons = plugin.tactix_check("trtllm", gemm, tactix.Tactic.default("trtllm"), None)
+    reasons = plugin.tactix_check(gemm, tactix.Tactic.default("trtllm"), None)
     assert reasons and "fp8_blockscale_gemm_sm90" in reasons[0] and "SM100" in reasons[0]
-    assert plugin.tactix_check("cudnn", gemm, tactix.Tactic.default("cudnn"), None) is None
 
 
 # -- tactics ---------------------------------------------------------------------------------------
@@ -300,7 +299,7 @@ def test_tactics_round_trip_and_are_validated() -> None:
     assert "unknown kernel" in plugin.params_reasons(tactix.Tactic(backend="trtllm", kernel="gen"), "decode")[0]
     with pytest.raises(tactix.TacticError, match="bare plan indices"):
         tactix.tactics.parse_tactic(2)
-    assert plugin.tactix_tactics("trtllm", decode()) == []  # nothing to enumerate where it cannot run
+    assert plugin.tactix_tactics(decode()) == []  # nothing to enumerate where it cannot run
 
 
 # -- warm-up, compiles, import -------------------------------------------------------------------
@@ -370,11 +369,10 @@ def test_load_logs_a_compile_and_loads_once(caplog: pytest.LogCaptureFixture) ->
 
 def test_warmup_without_flashinfer_or_with_a_bad_arch_raises() -> None:
     with pytest.raises(tactix.InvalidArgumentError, match="--arch"):
-        plugin.tactix_warmup("trtllm", "sm_80", None)
+        plugin.tactix_warmup("sm_80", None)
     if not library.status().usable:
         with pytest.raises(tactix.BackendUnavailableError, match="flashinfer"):
-            plugin.tactix_warmup("trtllm", "sm_90", None)
-    assert plugin.tactix_warmup("cudnn", None, None) is None
+            plugin.tactix_warmup("sm_90", None)
 
 
 def _run(code: str, env_path: Path | None = None) -> subprocess.CompletedProcess[str]:

@@ -37,6 +37,7 @@ __all__ = [
     "BackendRecord",
     "Registry",
     "get_registry",
+    "plugin_manager",
     "set_registry",
 ]
 
@@ -71,45 +72,28 @@ class BackendRecord:
         }
 
 
-@dataclass
-class _Hook:
-    function: Callable[..., Any]
-    argnames: tuple[str, ...]
-    # per argument order a caller passes: the positions this implementation takes (None: all)
-    _orders: dict[tuple[str, ...], tuple[int, ...] | None] = field(default_factory=dict, repr=False)
-
-    def __call__(self, **kwargs: Any) -> Any:
-        return self.function(*[kwargs[a] for a in self.argnames])
-
-    def call(self, names: tuple[str, ...], *args: Any) -> Any:
-        """Call with ``args`` named by ``names`` (the spec's arguments, in any fixed order) and
-        no keyword dicts: the plan path calls hooks on every plan."""
-        try:
-            order = self._orders[names]
-        except KeyError:
-            order = None if self.argnames == names else tuple(names.index(a) for a in self.argnames)
-            self._orders[names] = order
-        if order is None:
-            return self.function(*args)
-        return self.function(*[args[i] for i in order])
-
-
-_CHECK_ARGS: Final = ("backend", "problem", "tactic", "batch")
-_PLAN_ARGS: Final = ("backend", "problem", "batch", "tactic", "options")
-"""What the core hands every plan hook; an op's hookspec takes the ones it needs (GEMM: no batch)."""
+def plugin_manager() -> pluggy.PluginManager:
+    """A plugin manager that knows every hookspec: the shared ones and each op's plan hook."""
+    manager = pluggy.PluginManager(hookspecs.PROJECT)
+    manager.add_hookspecs(hookspecs)
+    for op in OPS.values():
+        manager.add_hookspecs(op.hookspecs)
+    return manager
 
 
 @dataclass
 class Backend:
-    """An active backend: its spec and direct handles to its plugin's hook implementations.
+    """An active backend: its spec and the pluggy manager holding its plugin alone.
 
-    Calls go to this plugin's implementations only (resolved once at discovery), so another
-    plugin can never answer for this backend, and no hook loop runs at plan time.
+    Every hook is called through pluggy on that manager, so only this plugin's implementations
+    answer for this backend (no implementation compares the ``backend`` argument with its name)
+    and pluggy passes each implementation the arguments it declares. Hooks are called at plan
+    time only; ``run`` is the plan's own method.
     """
 
     record: BackendRecord
     spec: BackendSpec
-    _hooks: dict[str, _Hook] = field(repr=False)
+    manager: pluggy.PluginManager = field(repr=False)
     _environment: list[str] | None = field(default=None, repr=False)
     # reasons from the environment and the declared capabilities, by problem.static_key(): both
     # are fixed for a backend, and attention capabilities read no dynamic size
@@ -120,10 +104,16 @@ class Backend:
         return self.spec.name
 
     def _call(self, hook: str, **kwargs: Any) -> Any:
-        impl = self._hooks.get(hook)
-        if impl is None:
-            return None
-        return impl(backend=self.name, **kwargs)
+        """This plugin's answer to ``hook`` (a firstresult hook: None when it implements none)."""
+        return getattr(self.manager.hook, hook)(backend=self.name, **kwargs)
+
+    def implements(self, hook: str) -> bool:
+        return bool(getattr(self.manager.hook, hook).get_hookimpls())
+
+    def warmup(self, arch: str | None, progress: Callable[[int, int, str], None] | None) -> int | None:
+        """Compile ahead of time what the default tactics need (``tactix_warmup``); None: nothing to."""
+        compiled: int | None = self._call("tactix_warmup", arch=arch, progress=progress)
+        return compiled
 
     def environment(self) -> list[str]:
         """Reasons this backend cannot run on this machine (cached; empty list: it can)."""
@@ -184,11 +174,8 @@ class Backend:
         static = self.static_reasons(problem)
         if static:
             return list(static)
-        hook = self._hooks.get("tactix_check")
-        if hook is None:
-            return []
         try:
-            extra = hook.call(_CHECK_ARGS, name, problem, tactic, batch)
+            extra = self.manager.hook.tactix_check(backend=name, problem=problem, tactic=tactic, batch=batch)
         except Exception as exc:
             return [f"tactix_check raised {type(exc).__name__}: {exc}"]
         return list(extra or [])
@@ -200,8 +187,10 @@ class Backend:
     def plan(self, problem: Problem, tactic: Tactic, options: hookspecs.PlanOptions, batch: Any = None) -> Any:
         """Call this backend's plan hook for ``problem.op``. Exceptions propagate."""
         name = OPS[problem.op].plan_hook
-        hook = self._hooks.get(name)
-        plan = None if hook is None else hook.call(_PLAN_ARGS, self.spec.name, problem, batch, tactic, options)
+        kwargs: dict[str, Any] = {"backend": self.spec.name, "problem": problem, "tactic": tactic, "options": options}
+        if "batch" in OPS[problem.op].plan_arguments:
+            kwargs["batch"] = batch
+        plan = getattr(self.manager.hook, name)(**kwargs)
         if plan is None:
             raise PluginError(f"backend '{self.name}' returned no plan from {name} for {problem}")
         return plan
@@ -231,10 +220,6 @@ class Registry:
         for ep in eps:
             by_name.setdefault(ep.name, []).append(ep)
 
-        manager = pluggy.PluginManager(hookspecs.PROJECT)
-        manager.add_hookspecs(hookspecs)
-        for op in OPS.values():
-            manager.add_hookspecs(op.hookspecs)
         records: list[BackendRecord] = []
         backends: dict[str, Backend] = {}
         for name, group in sorted(by_name.items()):
@@ -253,7 +238,7 @@ class Registry:
             if name in deny:
                 records.append(_record(ep, "disabled", "listed in TACTIX_DISABLE_BACKENDS"))
                 continue
-            record, backend = _load(ep, manager)
+            record, backend = _load(ep)
             records.append(record)
             if backend is not None:
                 backends[name] = backend
@@ -313,7 +298,7 @@ def _record(
     )
 
 
-def _load(ep: metadata.EntryPoint, manager: pluggy.PluginManager) -> tuple[BackendRecord, Backend | None]:
+def _load(ep: metadata.EntryPoint) -> tuple[BackendRecord, Backend | None]:
     def failed(what: str, exc: BaseException) -> tuple[BackendRecord, None]:
         log.warning("tactix backend '%s' (%s) %s: %s", ep.name, ep.value, what, exc)
         log.debug("%s", "".join(traceback.format_exception(exc)))
@@ -323,42 +308,27 @@ def _load(ep: metadata.EntryPoint, manager: pluggy.PluginManager) -> tuple[Backe
         plugin = ep.load()
     except Exception as exc:
         return failed("failed to import", exc)
+    manager = plugin_manager()
     try:
         manager.register(plugin, name=f"{ep.name}@{ep.value}")
-    except Exception as exc:
-        return failed("failed to register its hooks", exc)
-    try:
         manager.check_pending()  # a misspelt tactix_* hook would otherwise be ignored silently
     except Exception as exc:
-        manager.unregister(plugin)
         return failed("failed to register its hooks", exc)
-
-    hooks: dict[str, _Hook] = {}
-    for hook_name in dir(manager.hook):
-        if not hook_name.startswith("tactix_"):
-            continue
-        caller = getattr(manager.hook, hook_name)
-        for impl in caller.get_hookimpls():
-            if impl.plugin is plugin:
-                hooks[hook_name] = _Hook(impl.function, tuple(impl.argnames))
-    manager.unregister(plugin)
-
-    register = hooks.pop("tactix_backends", None)
-    if register is None:
+    if not manager.hook.tactix_backends.get_hookimpls():
         return failed("is not a tactix plugin", PluginError("it implements no tactix_backends hook"))
     try:
-        specs = register()
+        specs = [s for found in manager.hook.tactix_backends() for s in (found or [])]
     except Exception as exc:
         return failed("failed in tactix_backends", exc)
-    mine = [s for s in (specs or []) if isinstance(s, BackendSpec) and s.name == ep.name]
+    mine = [s for s in specs if isinstance(s, BackendSpec) and s.name == ep.name]
     if len(mine) != 1:
-        names = [getattr(s, "name", type(s).__name__) for s in (specs or [])]
+        names = [getattr(s, "name", type(s).__name__) for s in specs]
         return failed(
             "registered no matching backend",
             PluginError(f"entry point '{ep.name}' must register one BackendSpec named '{ep.name}' (got {names})"),
         )
     record = _record(ep, "active", None, mine[0])
-    return record, Backend(record=record, spec=mine[0], _hooks=hooks)
+    return record, Backend(record=record, spec=mine[0], manager=manager)
 
 
 _lock = threading.Lock()

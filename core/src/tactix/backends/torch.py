@@ -101,14 +101,12 @@ def tactix_backends() -> list[BackendSpec]:
 
 
 @hookimpl
-def tactix_environment(backend: str) -> list[str] | None:
-    return [] if backend == NAME else None
+def tactix_environment() -> list[str] | None:
+    return []
 
 
 @hookimpl
-def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
-    if backend != NAME:
-        return None
+def tactix_tactics(problem: Problem) -> list[Tactic] | None:
     if isinstance(problem, GemmProblem):
         kernels = ["matmul"] if problem.scale_mode == "none" else ["scaled_mm", "dequant"]
         candidates = [Tactic(backend=NAME, kernel=k) for k in kernels]
@@ -120,9 +118,7 @@ def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
 
 
 @hookimpl
-def tactix_check(backend: str, problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> list[str] | None:
-    if backend != NAME:
-        return None
+def tactix_check(problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> list[str] | None:
     return _reasons(problem, tactic, batch)
 
 
@@ -458,14 +454,11 @@ class _AttentionPlan:
 
 
 def _plan_attention(
-    backend: str,
     problem: PrefillProblem | DecodeProblem,
     batch: PagedBatch,
     tactic: Tactic,
     options: PlanOptions,
 ) -> _AttentionPlan | None:
-    if backend != NAME:
-        return None
     concrete = _concrete(problem, tactic, batch)
     reasons = _attention_reasons(problem, concrete, batch)
     if reasons:
@@ -475,16 +468,16 @@ def _plan_attention(
 
 @hookimpl
 def tactix_plan_prefill(
-    backend: str, problem: PrefillProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions
+    problem: PrefillProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions
 ) -> _AttentionPlan | None:
-    return _plan_attention(backend, problem, batch, tactic, options)
+    return _plan_attention(problem, batch, tactic, options)
 
 
 @hookimpl
 def tactix_plan_decode(
-    backend: str, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions
+    problem: DecodeProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions
 ) -> _AttentionPlan | None:
-    return _plan_attention(backend, problem, batch, tactic, options)
+    return _plan_attention(problem, batch, tactic, options)
 
 
 # --------------------------------------------------------------------------------------------
@@ -562,9 +555,7 @@ class _GemmPlan:
 
 
 @hookimpl
-def tactix_plan_gemm(backend: str, problem: GemmProblem, tactic: Tactic, options: PlanOptions) -> _GemmPlan | None:
-    if backend != NAME:
-        return None
+def tactix_plan_gemm(problem: GemmProblem, tactic: Tactic, options: PlanOptions) -> _GemmPlan | None:
     concrete = _concrete(problem, tactic, None)
     reasons = _gemm_reasons(problem, concrete)
     if reasons:

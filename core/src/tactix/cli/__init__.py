@@ -216,7 +216,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     def progress(done: int, total: int, label: str) -> None:
         print(f"  [{done}/{total}] {label}", file=sys.stderr, flush=True)
 
-    compiled = backend._call("tactix_warmup", arch=args.arch, progress=progress)
+    compiled = backend.warmup(args.arch, progress)
     seconds = time.perf_counter() - start
     if args.json is not None:
         write_json(args.json, {"backend": backend.name, "arch": args.arch, "compiled": compiled,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -35,6 +37,11 @@ class OpDefinition:
     cannot be remembered per static problem."""
     summary: str = ""
     """One line for listings (``tactix backends``, the support matrix)."""
+
+    @functools.cached_property
+    def plan_arguments(self) -> frozenset[str]:
+        """The arguments of the plan hookspec (``batch`` among them for the attention ops)."""
+        return frozenset(inspect.signature(getattr(self.hookspecs, self.plan_hook)).parameters)
 
     def __post_init__(self) -> None:
         if self.problem.op != self.name:

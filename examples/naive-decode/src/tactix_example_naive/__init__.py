@@ -46,10 +46,8 @@ def tactix_backends() -> list[tactix.BackendSpec]:
 
 
 @tactix.hookimpl
-def tactix_check(backend: str, problem: tactix.Problem, tactic: tactix.Tactic) -> list[str] | None:
+def tactix_check(problem: tactix.Problem, tactic: tactix.Tactic) -> list[str] | None:
     # Capabilities are checked before this hook; only what they cannot express goes here.
-    if backend != NAME:
-        return None
     reasons = []
     if isinstance(problem, tactix.DecodeProblem) and problem.kv_dtype != problem.q_dtype:
         reasons.append("kv dtype must equal q dtype")
@@ -93,12 +91,9 @@ class NaiveDecodePlan:
 
 @tactix.hookimpl
 def tactix_plan_decode(
-    backend: str,
     problem: tactix.DecodeProblem,
     batch: tactix.PagedBatch,
     tactic: tactix.Tactic,
     options: tactix.PlanOptions,
 ) -> NaiveDecodePlan | None:
-    if backend != NAME:
-        return None
     return NaiveDecodePlan(problem, batch, options["device"])

@@ -193,9 +193,7 @@ def tactix_backends() -> list[tactix.BackendSpec]:
 
 
 @tactix.hookimpl
-def tactix_environment(backend: str) -> list[str] | None:
-    if backend != NAME:
-        return None
+def tactix_environment() -> list[str] | None:
     reasons = []
     _, why = cuda_core_status()
     if why is not None:
@@ -332,16 +330,12 @@ def _reasons(problem: Problem, tactic: Tactic, info: DeviceInfo) -> list[str]:
 
 
 @tactix.hookimpl
-def tactix_check(backend: str, problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> list[str] | None:
-    if backend != NAME:
-        return None
+def tactix_check(problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> list[str] | None:
     return _reasons(problem, tactic, _info_for(None))
 
 
 @tactix.hookimpl
-def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
-    if backend != NAME:
-        return None
+def tactix_tactics(problem: Problem) -> list[Tactic] | None:
     info = _info_for(None)
     if isinstance(problem, PrefillProblem):
         return [p.to_tactic() for p in prefill_candidates(problem.head_dim_qk, info, problem.gqa_ratio)]
@@ -502,9 +496,7 @@ def candidate_variants(info: DeviceInfo) -> list[Variant]:
 
 
 @tactix.hookimpl
-def tactix_warmup(backend: str, arch: str | None, progress: Callable[[int, int, str], None] | None) -> int | None:
-    if backend != NAME:
-        return None
+def tactix_warmup(arch: str | None, progress: Callable[[int, int, str], None] | None) -> int | None:
     if arch is None:
         info = _info_for(None)
     else:
@@ -847,10 +839,8 @@ def _plan_decode(problem: DecodeProblem, batch: PagedBatch, tactic: Tactic, opti
 
 
 @tactix.hookimpl
-def tactix_plan_decode(backend: str, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic,
+def tactix_plan_decode(problem: DecodeProblem, batch: PagedBatch, tactic: Tactic,
                        options: PlanOptions) -> CudaNativeDecodePlan | None:  # fmt: skip
-    if backend != NAME:
-        return None
     plan: CudaNativeDecodePlan = _plan_decode(problem, batch, tactic, options)
     return plan
 
@@ -995,10 +985,8 @@ class CudaNativePrefillPlan(_StagedPlan):
 
 
 @tactix.hookimpl
-def tactix_plan_prefill(backend: str, problem: PrefillProblem, batch: PagedBatch, tactic: Tactic,
+def tactix_plan_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Tactic,
                         options: PlanOptions) -> CudaNativePrefillPlan | None:  # fmt: skip
-    if backend != NAME:
-        return None
     reasons = _prefill_reasons(problem, tactic, device_info(_device_index(options["device"])))
     if reasons:
         raise UnsupportedProblemError(NAME, problem, reasons)
@@ -1101,10 +1089,8 @@ class CudaNativeGemmPlan:
 
 
 @tactix.hookimpl
-def tactix_plan_gemm(backend: str, problem: GemmProblem, tactic: Tactic,
+def tactix_plan_gemm(problem: GemmProblem, tactic: Tactic,
                      options: PlanOptions) -> CudaNativeGemmPlan | None:  # fmt: skip
-    if backend != NAME:
-        return None
     reasons = _gemm_reasons(problem, tactic, device_info(_device_index(options["device"])))
     if reasons:
         raise UnsupportedProblemError(NAME, problem, reasons)

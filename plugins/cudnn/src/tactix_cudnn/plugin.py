@@ -130,9 +130,7 @@ def _capability() -> tuple[int, int]:
 
 
 @tactix.hookimpl
-def tactix_environment(backend: str) -> list[str] | None:
-    if backend != NAME:
-        return None
+def tactix_environment() -> list[str] | None:
     reasons = []
     if not torch.cuda.is_available():
         reasons.append("no CUDA GPU is visible")
@@ -213,9 +211,7 @@ def _attention_reasons_now(problem: PrefillProblem | DecodeProblem) -> list[str]
 
 
 @tactix.hookimpl
-def tactix_check(backend: str, problem: Problem, tactic: Tactic) -> list[str] | None:
-    if backend != NAME:
-        return None
+def tactix_check(problem: Problem, tactic: Tactic) -> list[str] | None:
     if isinstance(problem, GemmProblem):
         return _params_reasons(tactic, "matmul") + _gemm_reasons(problem)
     reasons = _params_reasons(tactic) + _attention_reasons(problem)
@@ -359,16 +355,14 @@ def _make_key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: i
 
 
 @tactix.hookimpl
-def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
-    if backend != NAME:
-        return None
+def tactix_tactics(problem: Problem) -> list[Tactic] | None:
     if isinstance(problem, GemmProblem):
-        if tactix_environment(NAME) or _gemm_reasons(problem):
+        if tactix_environment() or _gemm_reasons(problem):
             return []
         a_strides, b_strides = _gemm_strides(problem)
         gemm_key = _gemm_key(problem, a_strides, b_strides, Tactic.default(NAME))
         return _tactics("matmul", gemm_key)
-    if tactix_environment(NAME) or _attention_reasons(problem):
+    if tactix_environment() or _attention_reasons(problem):
         return []
     max_q = problem.max_qo_len
     key = _key(problem, problem.batch_size, max_q, problem.max_kv_len,
@@ -671,10 +665,8 @@ class CudnnAttentionPlan:
         graph.graph.execute(pack, self._workspace, handle=self.handle)
 
 
-def _plan(backend: str, problem: PrefillProblem | DecodeProblem, batch: PagedBatch, tactic: Tactic,
+def _plan(problem: PrefillProblem | DecodeProblem, batch: PagedBatch, tactic: Tactic,
           options: PlanOptions) -> CudnnAttentionPlan | None:  # fmt: skip
-    if backend != NAME:
-        return None
     reasons = _params_reasons(tactic) + _attention_reasons(problem)
     if reasons:
         raise UnsupportedProblemError(NAME, problem, reasons)
@@ -682,15 +674,15 @@ def _plan(backend: str, problem: PrefillProblem | DecodeProblem, batch: PagedBat
 
 
 @tactix.hookimpl
-def tactix_plan_prefill(backend: str, problem: PrefillProblem, batch: PagedBatch, tactic: Tactic,
+def tactix_plan_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Tactic,
                         options: PlanOptions) -> CudnnAttentionPlan | None:  # fmt: skip
-    return _plan(backend, problem, batch, tactic, options)
+    return _plan(problem, batch, tactic, options)
 
 
 @tactix.hookimpl
-def tactix_plan_decode(backend: str, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic,
+def tactix_plan_decode(problem: DecodeProblem, batch: PagedBatch, tactic: Tactic,
                        options: PlanOptions) -> CudnnAttentionPlan | None:  # fmt: skip
-    return _plan(backend, problem, batch, tactic, options)
+    return _plan(problem, batch, tactic, options)
 
 
 # -- GEMM ---------------------------------------------------------------------------------------
@@ -782,9 +774,7 @@ class CudnnGemmPlan:
 
 
 @tactix.hookimpl
-def tactix_plan_gemm(backend: str, problem: GemmProblem, tactic: Tactic, options: PlanOptions) -> CudnnGemmPlan | None:
-    if backend != NAME:
-        return None
+def tactix_plan_gemm(problem: GemmProblem, tactic: Tactic, options: PlanOptions) -> CudnnGemmPlan | None:
     reasons = _params_reasons(tactic, "matmul") + _gemm_reasons(problem)
     if reasons:
         raise UnsupportedProblemError(NAME, problem, reasons)
@@ -792,9 +782,9 @@ def tactix_plan_gemm(backend: str, problem: GemmProblem, tactic: Tactic, options
 
 
 @tactix.hookimpl
-def tactix_references(backend: str, op: str, inputs: dict[str, Any]) -> list[tactix.hookspecs.ReferenceCall] | None:
+def tactix_references(op: str, inputs: dict[str, Any]) -> list[tactix.hookspecs.ReferenceCall] | None:
     """cuDNN called by hand (`tactix_cudnn.direct`), one variant per plan, for ``tactix bench``."""
-    if backend != NAME or tactix_environment(NAME):
+    if tactix_environment():
         return None
     from tactix_cudnn import direct
 
@@ -813,7 +803,5 @@ STALE_SLOTS: Final = (
 
 
 @tactix.hookimpl
-def tactix_known_failures(backend: str) -> dict[str, str] | None:
-    if backend != NAME:
-        return None
+def tactix_known_failures() -> dict[str, str] | None:
     return {"prefill[*-stale-nan]": STALE_SLOTS, "prefill[*-stale-inf]": STALE_SLOTS}

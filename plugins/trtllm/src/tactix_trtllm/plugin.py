@@ -142,9 +142,7 @@ def tactix_backends() -> list[tactix.BackendSpec]:
 
 
 @tactix.hookimpl
-def tactix_environment(backend: str) -> list[str] | None:
-    if backend != NAME:
-        return None
+def tactix_environment() -> list[str] | None:
     reasons = []
     if not cuda_available():
         reasons.append("no CUDA GPU is visible")
@@ -270,19 +268,15 @@ def attention_reasons(
 
 
 @tactix.hookimpl
-def tactix_check(backend: str, problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> list[str] | None:
-    if backend != NAME:
-        return None
+def tactix_check(problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> list[str] | None:
     if isinstance(problem, GemmProblem):
         return [GEMM_UNSUPPORTED]
     return params_reasons(tactic, problem.op) + attention_reasons(problem, _capability(), batch)
 
 
 @tactix.hookimpl
-def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:
-    if backend != NAME:
-        return None
-    if isinstance(problem, GemmProblem) or tactix_environment(NAME) or attention_reasons(problem, _capability()):
+def tactix_tactics(problem: Problem) -> list[Tactic] | None:
+    if isinstance(problem, GemmProblem) or tactix_environment() or attention_reasons(problem, _capability()):
         return []
     if isinstance(problem, DecodeProblem):
         return [xqa_tactic(m, pdl) for m in MULTI_BLOCK for pdl in (True, False)]
@@ -566,19 +560,15 @@ def _refuse(problem: PrefillProblem | DecodeProblem, tactic: Tactic, batch: Page
 
 
 @tactix.hookimpl
-def tactix_plan_decode(backend: str, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic,
+def tactix_plan_decode(problem: DecodeProblem, batch: PagedBatch, tactic: Tactic,
                        options: PlanOptions) -> XqaDecodePlan | None:  # fmt: skip
-    if backend != NAME:
-        return None
     _refuse(problem, tactic, batch)
     return XqaDecodePlan(problem, batch, tactic, options)
 
 
 @tactix.hookimpl
-def tactix_plan_prefill(backend: str, problem: PrefillProblem, batch: PagedBatch, tactic: Tactic,
+def tactix_plan_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Tactic,
                         options: PlanOptions) -> FmhaPrefillPlan | None:  # fmt: skip
-    if backend != NAME:
-        return None
     _refuse(problem, tactic, batch)
     return FmhaPrefillPlan(problem, batch, tactic, options)
 
@@ -638,9 +628,7 @@ def warmup_keys(text: str | None = None) -> list[ModuleKey]:
 
 
 @tactix.hookimpl
-def tactix_warmup(backend: str, arch: str | None, progress: Callable[[int, int, str], None] | None) -> int | None:
-    if backend != NAME:
-        return None
+def tactix_warmup(arch: str | None, progress: Callable[[int, int, str], None] | None) -> int | None:
     if arch is not None and arch not in ARCHES:
         raise InvalidArgumentError("--arch", f"one of {sorted(ARCHES)} (the targets this backend serves)", arch)
     if arch is None and not cuda_available() and "FLASHINFER_CUDA_ARCH_LIST" not in os.environ:
@@ -660,9 +648,9 @@ def tactix_warmup(backend: str, arch: str | None, progress: Callable[[int, int, 
 
 
 @tactix.hookimpl
-def tactix_references(backend: str, op: str, inputs: dict[str, Any]) -> list[tactix.hookspecs.ReferenceCall] | None:
+def tactix_references(op: str, inputs: dict[str, Any]) -> list[tactix.hookspecs.ReferenceCall] | None:
     """flashinfer's public TensorRT-LLM entry points called by hand, for ``tactix bench``."""
-    if backend != NAME or op == "gemm" or tactix_environment(NAME):
+    if op == "gemm" or tactix_environment():
         return None
     from tactix_trtllm import direct
 
@@ -679,7 +667,5 @@ STALE_SLOTS: Final = (
 
 
 @tactix.hookimpl
-def tactix_known_failures(backend: str) -> dict[str, str] | None:
-    if backend != NAME:
-        return None
+def tactix_known_failures() -> dict[str, str] | None:
     return {"prefill[*-stale-nan]": STALE_SLOTS, "prefill[*-stale-inf]": STALE_SLOTS}
