@@ -53,9 +53,7 @@ from tactix import (
     Tactic,
     UnsupportedProblemError,
 )
-from tactix.cudart import raw_stream
-from tactix.problems import bucket_size
-from tactix.staging import Piece, Sections, Staging, sections
+from tactix.plugin import Piece, Sections, Staging, bucket_size, raw_stream, sections
 from tactix_cuda_native import __version__
 from tactix_cuda_native.geometry import (
     DECODE_ITEM_INTS,
@@ -687,7 +685,7 @@ class CudaNativeDecodePlan(_StagedPlan):
     """A planned decode batch: work list, metadata and workspace on the device; ``run`` launches.
 
     The int32 metadata (`decode_sections`) travels in one transfer from a pinned buffer of the
-    wrapper's `tactix.staging.Staging` into one of its two device slots (`_StagedPlan._send`).
+    wrapper's `tactix.plugin.Staging` into one of its two device slots (`_StagedPlan._send`).
     """
 
     _part_o: torch.Tensor  # workspace: partial outputs of split requests
@@ -889,7 +887,7 @@ class CudaNativePrefillPlan(_StagedPlan):
     Work items are (request, first query token) pairs of ``q_tile // pack`` tokens each, ordered
     by `geometry.prefill_work` (requests by work, longest items first); each becomes one CTA per group of
     ``pack`` query heads. The int32 metadata (`prefill_sections`) travels in one transfer from a
-    pinned buffer of the wrapper's `tactix.staging.Staging` into one of its two device slots
+    pinned buffer of the wrapper's `tactix.plugin.Staging` into one of its two device slots
     (`_StagedPlan._send`). In CUDA-graph mode every buffer has the capacity of the plan's buckets (batch size,
     query tokens, kv length: the next power of two), the grid is that capacity and a re-plan
     rewrites the buffers in place (slot 0).

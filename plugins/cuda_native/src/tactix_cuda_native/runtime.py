@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from tactix import TactixError
-from tactix.autotune.store import default_root, write_atomically
+from tactix.plugin import cache_root, write_atomically
 
 __all__ = [
     "CACHE_FORMAT",
@@ -191,7 +191,7 @@ def sources() -> list[str]:
 
 def cache_dir(root: Path | None = None) -> Path:
     """Where cubins are kept: ``<tactix cache root>/cuda_native/v<FORMAT>``."""
-    return (default_root() if root is None else Path(root)) / "cuda_native" / f"v{CACHE_FORMAT}"
+    return (cache_root() if root is None else Path(root)) / "cuda_native" / f"v{CACHE_FORMAT}"
 
 
 def _cache_path(variant: Variant, root: Path | None) -> Path:

@@ -27,11 +27,17 @@ from tactix import (
     Problem,
     Tactic,
     UnsupportedProblemError,
-    cudart,
 )
-from tactix.devices import cuda_available
-from tactix.problems import bucket_size
-from tactix.staging import Staging, gather_table, write_int32, write_table
+from tactix.plugin import (
+    ReferenceCall,
+    Staging,
+    bucket_size,
+    cuda_available,
+    gather_table,
+    raw_stream,
+    write_int32,
+    write_table,
+)
 from tactix_cudnn import __version__
 from tactix_cudnn.graphs import (
     UID_A,
@@ -271,7 +277,7 @@ def handle_for(device: torch.device) -> Any:
 
 def _bind_stream(handle: Any, device: torch.device) -> None:
     """Point the handle at torch's current stream (a set_stream call only when it changed)."""
-    stream = cudart.raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+    stream = raw_stream(device.index if device.index is not None else torch.cuda.current_device())
     if _bound_stream.get(id(handle)) != stream:
         frontend().set_stream(handle, stream)
         _bound_stream[id(handle)] = stream
@@ -782,7 +788,7 @@ def tactix_plan_gemm(problem: GemmProblem, tactic: Tactic, options: PlanOptions)
 
 
 @tactix.hookimpl
-def tactix_references(op: str, inputs: dict[str, Any]) -> list[tactix.hookspecs.ReferenceCall] | None:
+def tactix_references(op: str, inputs: dict[str, Any]) -> list[ReferenceCall] | None:
     """cuDNN called by hand (`tactix_cudnn.direct`), one variant per plan, for ``tactix bench``."""
     if tactix_environment():
         return None

@@ -48,7 +48,7 @@ from tactix import (
     Tactic,
     UnsupportedProblemError,
 )
-from tactix.devices import cuda_available
+from tactix.plugin import ReferenceCall, cuda_available
 from tactix_trtllm import __version__
 from tactix_trtllm.library import ARCHES, FmhaKey, ModuleKey, XqaKey, compile_ahead, load, status, target
 from tactix_trtllm.metadata import (
@@ -648,7 +648,7 @@ def tactix_warmup(arch: str | None, progress: Callable[[int, int, str], None] | 
 
 
 @tactix.hookimpl
-def tactix_references(op: str, inputs: dict[str, Any]) -> list[tactix.hookspecs.ReferenceCall] | None:
+def tactix_references(op: str, inputs: dict[str, Any]) -> list[ReferenceCall] | None:
     """flashinfer's public TensorRT-LLM entry points called by hand, for ``tactix bench``."""
     if op == "gemm" or tactix_environment():
         return None
