@@ -178,3 +178,24 @@ def test_an_unhashable_static_argument_is_named_not_a_type_error() -> None:
         wrapper.plan(i32(0, 2, 3), i32(0, 1, 2), i32(5, 16), [8], 2, 64, 16)  # type: ignore[arg-type]
     with pytest.raises(tactix.InvalidArgumentError, match="q_data_type"):
         plan(wrapper, q_data_type=["bf16"])
+
+
+def test_declared_compute_capabilities_are_enforced_by_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend declaring compute capabilities is refused, by core and with the reason, on a GPU
+    outside them (the capability query is the one thing stood in for: this machine has no GPU)."""
+    from tactix import capabilities
+
+    caps = AttentionCapabilities(devices=frozenset({"cuda"}), compute_capabilities=frozenset({"9.0"}),
+                                 q_dtypes=frozenset({"bfloat16"}), kv_dtypes=frozenset({"bfloat16"}),
+                                 out_dtypes=frozenset({"bfloat16"}), head_dims=None, page_sizes=None,
+                                 kv_layouts=frozenset({"HND"}))  # fmt: skip
+    problem = DecodeProblem(device_type="cuda", num_qo_heads=8, num_kv_heads=2, head_dim_qk=64, head_dim_vo=64,
+                            page_size=16, kv_layout="HND", q_dtype="bfloat16", kv_dtype="bfloat16",
+                            out_dtype="bfloat16", sm_scale=0.125, window_left=-1, logits_soft_cap=0.0,
+                            return_lse=False, batch_size=2, max_kv_len=21)  # fmt: skip
+    monkeypatch.setattr(capabilities, "compute_capability", lambda: (8, 0))
+    assert caps.reasons(problem) == ["compute capability 8.0 not in {9.0}"]
+    monkeypatch.setattr(capabilities, "compute_capability", lambda: (9, 0))
+    assert caps.reasons(problem) == []
+    monkeypatch.setattr(capabilities, "compute_capability", lambda: None)  # no GPU: the environment says so
+    assert caps.reasons(problem) == []

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tactix.devices import compute_capability
+
 if TYPE_CHECKING:
     from tactix.ops import Capabilities, Problem
     from tactix.problems import ProblemBase
@@ -46,9 +48,17 @@ class CapabilitiesBase(BaseModel):
     cuda_graph: CudaGraphSupport = "none"
 
     def device_reasons(self, problem: ProblemBase) -> list[str]:
+        """The device type, and on a GPU the current device's compute capability, against the
+        declaration (the one place compute capabilities are enforced)."""
         device = getattr(problem, "device_type", None)
         if device not in self.devices:
             return [f"device '{device}' not in {format_set(self.devices)}"]
+        if device == "cuda" and self.compute_capabilities is not None:
+            capability = compute_capability()
+            if capability is not None and "{}.{}".format(*capability) not in self.compute_capabilities:
+                return [
+                    f"compute capability {'{}.{}'.format(*capability)} not in {format_set(self.compute_capabilities)}"
+                ]
         return []
 
     def reasons(self, problem: ProblemBase) -> list[str]:

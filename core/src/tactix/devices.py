@@ -7,7 +7,7 @@ import torch
 from tactix import cudart
 from tactix.errors import InvalidArgumentError
 
-__all__ = ["cuda_available", "named_device", "resolve_device"]
+__all__ = ["compute_capability", "cuda_available", "named_device", "resolve_device"]
 
 _cuda_seen = False
 
@@ -19,6 +19,23 @@ def cuda_available() -> bool:
     if not _cuda_seen:
         _cuda_seen = torch.cuda.is_available()
     return _cuda_seen
+
+
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
+def compute_capability(index: int | None = None) -> tuple[int, int] | None:
+    """The compute capability of GPU ``index`` (default: the current one) as ``(major, minor)``,
+    asked once per device; None where no GPU is visible. Call it at plan time, not at import:
+    it initialises CUDA."""
+    if not cuda_available():
+        return None
+    if index is None:
+        index = torch.cuda.current_device()
+    found = _capabilities.get(index)
+    if found is None:
+        found = _capabilities[index] = torch.cuda.get_device_capability(index)
+    return found
 
 
 _cuda_devices: dict[int, torch.device] = {}

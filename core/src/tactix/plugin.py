@@ -6,7 +6,9 @@ change between releases. What is here:
 
 * ``hookimpl``, ``PlanOptions``, ``ReferenceCall`` and the op registry (``OPS``), to implement hooks;
 * `bucket_size`, to bucket sizes the way the store does;
-* device helpers: `cuda_available` (never initialises CUDA), `resolve_device`, `raw_stream`
+* device helpers: `cuda_available` (never initialises CUDA), `compute_capability` (cached per
+  GPU; core already refuses what a declaration's ``compute_capabilities`` excludes),
+  `resolve_device`, `raw_stream`
   (the ``cudaStream_t`` of torch's current stream on a device);
 * metadata staging for fast plans (`Staging`, `Piece`, `Sections`, `sections`,
   `write_int32`, `write_table`, `gather_table`): pinned host buffers and device slots that
@@ -20,7 +22,7 @@ from __future__ import annotations
 from tactix.autotune.store import default_root as cache_root
 from tactix.autotune.store import write_atomically
 from tactix.cudart import raw_stream
-from tactix.devices import cuda_available, resolve_device
+from tactix.devices import compute_capability, cuda_available, resolve_device
 from tactix.hookspecs import PlanOptions, ReferenceCall, hookimpl
 from tactix.ops import OPS, OpDefinition
 from tactix.problems import bucket_size
@@ -36,6 +38,7 @@ __all__ = [
     "Staging",
     "bucket_size",
     "cache_root",
+    "compute_capability",
     "cuda_available",
     "gather_table",
     "hookimpl",

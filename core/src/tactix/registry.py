@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import pluggy
+import torch
 
 from tactix import hookspecs
 from tactix.capabilities import BackendSpec
+from tactix.devices import cuda_available
 from tactix.errors import (
     BackendNotFoundError,
     BackendUnavailableError,
@@ -156,6 +158,8 @@ class Backend:
         if OPS[problem.op].sized_capabilities:  # e.g. GEMM's max_m: not a static answer
             return self.environment() + self.spec.reasons(problem)
         key = problem.static_key()
+        if problem.device_type == "cuda" and cuda_available():  # compute capabilities differ by GPU
+            key = (*key, torch.cuda.current_device())
         found = self._static_reasons.get(key)
         if found is None:
             if len(self._static_reasons) >= 1024:

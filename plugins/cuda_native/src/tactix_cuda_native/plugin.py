@@ -53,7 +53,7 @@ from tactix import (
     Tactic,
     UnsupportedProblemError,
 )
-from tactix.plugin import Piece, Sections, Staging, bucket_size, raw_stream, sections
+from tactix.plugin import Piece, Sections, Staging, bucket_size, compute_capability, raw_stream, sections
 from tactix_cuda_native import __version__
 from tactix_cuda_native.geometry import (
     DECODE_ITEM_INTS,
@@ -198,8 +198,8 @@ def tactix_environment() -> list[str] | None:
         reasons.append(why)
     if not torch.cuda.is_available():
         reasons.append("no CUDA GPU is visible")
-    elif torch.cuda.get_device_capability() < (8, 0):
-        major, minor = torch.cuda.get_device_capability()
+    elif (compute_capability() or (99, 0)) < (8, 0):
+        major, minor = compute_capability() or (99, 0)
         reasons.append(f"the kernels need compute capability 8.0 or newer (this GPU is {major}.{minor})")
     return reasons
 

@@ -32,6 +32,7 @@ from tactix.plugin import (
     ReferenceCall,
     Staging,
     bucket_size,
+    compute_capability,
     cuda_available,
     gather_table,
     raw_stream,
@@ -120,19 +121,10 @@ def tactix_backends() -> list[tactix.BackendSpec]:
     ]
 
 
-_capabilities: dict[int, tuple[int, int]] = {}
-
-
 def _capability() -> tuple[int, int]:
-    """The current GPU's compute capability, asked once per device ((99, 0) without a GPU: no
-    capability reason then; the environment already says there is no GPU)."""
-    if not cuda_available():
-        return (99, 0)
-    index = torch.cuda.current_device()
-    found = _capabilities.get(index)
-    if found is None:
-        found = _capabilities[index] = torch.cuda.get_device_capability(index)
-    return found
+    """The current GPU's compute capability ((99, 0) without a GPU: no capability reason then;
+    the environment already says there is no GPU)."""
+    return compute_capability() or (99, 0)
 
 
 @tactix.hookimpl

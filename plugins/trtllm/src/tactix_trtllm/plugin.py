@@ -48,7 +48,7 @@ from tactix import (
     Tactic,
     UnsupportedProblemError,
 )
-from tactix.plugin import ReferenceCall, cuda_available
+from tactix.plugin import ReferenceCall, compute_capability, cuda_available
 from tactix_trtllm import __version__
 from tactix_trtllm.library import ARCHES, FmhaKey, ModuleKey, XqaKey, compile_ahead, load, status, target
 from tactix_trtllm.metadata import (
@@ -152,19 +152,10 @@ def tactix_environment() -> list[str] | None:
     return reasons
 
 
-_capabilities: dict[int, tuple[int, int]] = {}
-
-
 def _capability() -> tuple[int, int] | None:
-    """The current GPU's compute capability, asked once per device (None without a GPU: the
-    environment already says why nothing runs)."""
-    if not cuda_available():
-        return None
-    index = torch.cuda.current_device()
-    found = _capabilities.get(index)
-    if found is None:
-        found = _capabilities[index] = torch.cuda.get_device_capability(index)
-    return found
+    """The current GPU's compute capability (None without a GPU: the environment already says
+    why nothing runs)."""
+    return compute_capability()
 
 
 def capability_reasons(capability: tuple[int, int] | None) -> list[str]:
