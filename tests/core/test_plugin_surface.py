@@ -68,4 +68,16 @@ def test_the_checker_sees_private_imports(tmp_path: Path) -> None:
 
 def test_the_surface_lists_what_it_exports() -> None:
     assert all(hasattr(tactix.plugin, name) for name in tactix.plugin.__all__)
-    assert sorted(tactix.plugin.__all__) == tactix.plugin.__all__
+    assert len(set(tactix.plugin.__all__)) == len(tactix.plugin.__all__)
+
+
+def test_the_stale_slot_declaration_names_exactly_the_kits_stale_slot_cases() -> None:
+    from tactix.registry import get_registry
+    from tactix.testing.cases import attention_cases
+    from tactix.testing.plugin import id_pattern
+
+    declared = tactix.plugin.stale_slot_failures("prefill")
+    for op in ("prefill", "decode"):
+        for case in attention_cases(op, get_registry().get("torch").spec.capabilities(op)):  # type: ignore[arg-type]
+            matched = any(id_pattern(glob).fullmatch(case.id) for glob in declared)
+            assert matched == (op == "prefill" and case.stale != "large"), case.id

@@ -13,11 +13,14 @@ change between releases. What is here:
 * metadata staging for fast plans (`Staging`, `Piece`, `Sections`, `sections`,
   `write_int32`, `write_table`, `gather_table`): pinned host buffers and device slots that
   a plan refills every step without allocating (see docs/plugin-authoring.md);
+* `stale_slot_failures`: the known-failure declaration of the kit's stale-slot cases;
 * files: `write_atomically` (readers see the old file or the new one, never a part) and
   `cache_root` (where tactix keeps its caches; a plugin's compile cache belongs below it).
 """
 
 from __future__ import annotations
+
+from typing import Final
 
 from tactix.autotune.store import default_root as cache_root
 from tactix.autotune.store import write_atomically
@@ -30,6 +33,7 @@ from tactix.staging import Piece, Sections, Staging, gather_table, sections, wri
 
 __all__ = [
     "OPS",
+    "STALE_SLOTS",
     "OpDefinition",
     "Piece",
     "PlanOptions",
@@ -45,7 +49,21 @@ __all__ = [
     "raw_stream",
     "resolve_device",
     "sections",
+    "stale_slot_failures",
     "write_atomically",
     "write_int32",
     "write_table",
 ]
+
+STALE_SLOTS: Final = (
+    "reads whole pages: a NaN or Inf in a cache slot past a request's length reaches the output (0 x NaN in "
+    "P @ V); the caller must keep slots no request owns finite (e.g. allocate the cache with torch.zeros)"
+)
+"""The reason a backend gives for failing the kit's stale-slot cases (see `stale_slot_failures`)."""
+
+
+def stale_slot_failures(*ops: str, reason: str = STALE_SLOTS) -> dict[str, str]:
+    """Known failures (``tactix_known_failures``) for the conformance kit's cases with NaN and Inf
+    in the cache slots no request owns (``<op>[*-stale-nan]``, ``<op>[*-stale-inf]``), for a
+    backend whose kernels let such values into the output of ``ops``."""
+    return {f"{op}[*-stale-{value}]": reason for op in ops for value in ("nan", "inf")}

@@ -36,6 +36,7 @@ from tactix.plugin import (
     cuda_available,
     gather_table,
     raw_stream,
+    stale_slot_failures,
     write_int32,
     write_table,
 )
@@ -794,12 +795,8 @@ def tactix_references(op: str, inputs: dict[str, Any]) -> list[ReferenceCall] | 
 # cuDNN's paged SDPA loads whole pages and masks scores past a request's length, so a NaN or an infinity in
 # such a slot still reaches the output through P @ V (0 x NaN is NaN): measured on an H200
 # (cuDNN 9.19), every prefill case with NaN or Inf in a page tail. Decode and GEMM keep them out.
-STALE_SLOTS: Final = (
-    "reads whole pages: a NaN or Inf in a cache slot past a request's length reaches the output (0 x NaN in "
-    "P @ V); the caller must keep slots no request owns finite (e.g. allocate the cache with torch.zeros)"
-)
 
 
 @tactix.hookimpl
 def tactix_known_failures() -> dict[str, str] | None:
-    return {"prefill[*-stale-nan]": STALE_SLOTS, "prefill[*-stale-inf]": STALE_SLOTS}
+    return stale_slot_failures("prefill")

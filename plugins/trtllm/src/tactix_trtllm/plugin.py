@@ -48,7 +48,7 @@ from tactix import (
     Tactic,
     UnsupportedProblemError,
 )
-from tactix.plugin import ReferenceCall, compute_capability, cuda_available
+from tactix.plugin import ReferenceCall, compute_capability, cuda_available, stale_slot_failures
 from tactix_trtllm import __version__
 from tactix_trtllm.library import ARCHES, FmhaKey, ModuleKey, XqaKey, compile_ahead, load, status, target
 from tactix_trtllm.metadata import (
@@ -651,12 +651,8 @@ def tactix_references(op: str, inputs: dict[str, Any]) -> list[ReferenceCall] | 
 # FMHAv2 loads whole pages and masks scores past a request's length, so a NaN or an infinity in
 # such a slot still reaches the output through P @ V (0 x NaN is NaN): measured on an H200
 # (flashinfer-python 0.7.2.post1), every prefill case with NaN or Inf in a page tail. XQA decode keeps them out.
-STALE_SLOTS: Final = (
-    "reads whole pages: a NaN or Inf in a cache slot past a request's length reaches the output (0 x NaN in "
-    "P @ V); the caller must keep slots no request owns finite (e.g. allocate the cache with torch.zeros)"
-)
 
 
 @tactix.hookimpl
 def tactix_known_failures() -> dict[str, str] | None:
-    return {"prefill[*-stale-nan]": STALE_SLOTS, "prefill[*-stale-inf]": STALE_SLOTS}
+    return stale_slot_failures("prefill")
