@@ -41,8 +41,9 @@ from tactix.devices import resolve_device
 from tactix.dtypes import parse_dtype, to_torch_dtype
 from tactix.errors import InvalidArgumentError, TactixError
 from tactix.hookspecs import PlanOptions
+from tactix.layouts import KVLayout, page_shape
 from tactix.ops import DecodeProblem, PrefillProblem
-from tactix.problems import KVLayout, make_problem
+from tactix.problems import make_problem
 from tactix.registry import get_registry
 from tactix.selection import Planned, Selection, replan_selection, select_and_plan
 from tactix.tactics import Tactic, parse_tactic
@@ -227,13 +228,9 @@ class _Static:
         self.kv_dtype = to_torch_dtype(problem.kv_dtype)
         self.out_dtype = to_torch_dtype(problem.out_dtype)
         self.return_lse = problem.return_lse
-        heads, page = problem.num_kv_heads, problem.page_size
-        if problem.kv_layout == "NHD":
-            self.k_tail = torch.Size((page, heads, problem.head_dim_qk))
-            self.v_tail = torch.Size((page, heads, problem.head_dim_vo))
-        else:
-            self.k_tail = torch.Size((heads, page, problem.head_dim_qk))
-            self.v_tail = torch.Size((heads, page, problem.head_dim_vo))
+        layout, heads, page = problem.kv_layout, problem.num_kv_heads, problem.page_size
+        self.k_tail = torch.Size(page_shape(layout, page, heads, problem.head_dim_qk))
+        self.v_tail = torch.Size(page_shape(layout, page, heads, problem.head_dim_vo))
         self.shapes: dict[int, tuple[torch.Size, torch.Size, torch.Size]] = {}
 
     def shapes_for(self, rows: int) -> tuple[torch.Size, torch.Size, torch.Size]:
@@ -505,9 +502,7 @@ class _PagedAttention(Planned):
         return k, v
 
     def _layout_names(self) -> tuple[str, str, str]:
-        if self.kv_layout == "NHD":
-            return ("page_size", "num_kv_heads", "head_dim")
-        return ("num_kv_heads", "page_size", "head_dim")
+        return page_shape(self.kv_layout, "page_size", "num_kv_heads", "head_dim")  # type: ignore[arg-type, return-value]
 
     def _reject(self, name: str, t: object, shape: torch.Size, dtype: torch.dtype, contiguous: bool = False) -> None:
         expected = f"a contiguous {dtype} tensor" if contiguous else f"a {dtype} tensor"

@@ -6,6 +6,8 @@ change between releases. What is here:
 
 * ``hookimpl``, ``PlanOptions``, ``ReferenceCall`` and the op registry (``OPS``), to implement hooks;
 * `bucket_size`, to bucket sizes the way the store does;
+* cache layouts: `cache_axes` (a cache's sizes or strides by axis, whatever its layout),
+  `page_shape`, `dense_strides`, `CacheAxes`, `KVLayout`;
 * device helpers: `cuda_available` (never initialises CUDA), `compute_capability` (cached per
   GPU; core already refuses what a declaration's ``compute_capabilities`` excludes),
   `resolve_device`, `raw_stream`
@@ -27,6 +29,7 @@ from tactix.autotune.store import write_atomically
 from tactix.cudart import raw_stream
 from tactix.devices import compute_capability, cuda_available, resolve_device
 from tactix.hookspecs import PlanOptions, ReferenceCall, hookimpl
+from tactix.layouts import CacheAxes, KVLayout, cache_axes, dense_strides, page_shape
 from tactix.ops import OPS, OpDefinition
 from tactix.problems import bucket_size
 from tactix.staging import Piece, Sections, Staging, gather_table, sections, write_int32, write_table
@@ -34,6 +37,8 @@ from tactix.staging import Piece, Sections, Staging, gather_table, sections, wri
 __all__ = [
     "OPS",
     "STALE_SLOTS",
+    "CacheAxes",
+    "KVLayout",
     "OpDefinition",
     "Piece",
     "PlanOptions",
@@ -41,11 +46,14 @@ __all__ = [
     "Sections",
     "Staging",
     "bucket_size",
+    "cache_axes",
     "cache_root",
     "compute_capability",
     "cuda_available",
+    "dense_strides",
     "gather_table",
     "hookimpl",
+    "page_shape",
     "raw_stream",
     "resolve_device",
     "sections",

@@ -21,19 +21,17 @@ import hashlib
 import json
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tactix.errors import InvalidArgumentError
+from tactix.layouts import KVLayout
 
 if TYPE_CHECKING:
     from tactix.ops import Problem
 
 __all__ = ["KVLayout", "ProblemBase", "bucket_size", "key_hash", "make_problem", "problem_from_key"]
-
-KVLayout = Literal["NHD", "HND"]
-
 
 def bucket_size(n: int) -> int:
     """The bucket a dynamic size falls in: the next power of two (0 stays 0)."""

@@ -28,6 +28,7 @@ from tactix.batch import PagedBatch
 from tactix.dtypes import to_torch_dtype
 from tactix.errors import FallbackWarning, UnsupportedProblemError
 from tactix.hookspecs import PlanOptions
+from tactix.layouts import page_shape
 from tactix.ops import GemmProblem, Problem
 from tactix.registry import Backend, Registry
 from tactix.tactics import Tactic
@@ -63,8 +64,8 @@ def _attention_inputs(problem: Any, batch: PagedBatch, device: torch.device, gen
     )
     n = max(int(pages.numel()), 1)
     hkv, s = problem.num_kv_heads, problem.page_size
-    k_shape = (n, s, hkv, problem.head_dim_qk) if problem.kv_layout == "NHD" else (n, hkv, s, problem.head_dim_qk)
-    v_shape = (*k_shape[:-1], problem.head_dim_vo)
+    k_shape = (n, *page_shape(problem.kv_layout, s, hkv, problem.head_dim_qk))
+    v_shape = (n, *page_shape(problem.kv_layout, s, hkv, problem.head_dim_vo))
     kv_dtype = to_torch_dtype(problem.kv_dtype)
     rows = batch.num_qo_tokens
     q = _random((rows, problem.num_qo_heads, problem.head_dim_qk), to_torch_dtype(problem.q_dtype), device, gen)

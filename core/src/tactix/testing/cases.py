@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from tactix.dtypes import SHORT_NAMES, to_torch_dtype
+from tactix.layouts import page_shape
 from tactix.ops import AttentionCapabilities, GemmCapabilities, GemmDTypes
 
 __all__ = [
@@ -208,7 +209,7 @@ def _randn(shape: Iterable[int], generator: torch.Generator) -> torch.Tensor:
 
 
 def _poison_outside(cache: torch.Tensor, outside: torch.Tensor, layout: str, stale: Stale) -> torch.Tensor:
-    mask = outside[:, :, None, None] if layout == "NHD" else outside[:, None, :, None]
+    mask = outside.view(outside.shape[0], *page_shape(layout, outside.shape[1], 1, 1))
     if stale == "nan":
         return torch.where(mask, float("nan"), cache)
     magnitude = math.inf if stale == "inf" else OUTSIDE
@@ -238,8 +239,8 @@ def build_attention_inputs(case: AttentionCase, device: torch.device) -> Attenti
         qo.append(qo[-1] + n)
 
     hkv = case.num_kv_heads
-    shape_k = (total, page, hkv, case.head_dim_qk) if case.kv_layout == "NHD" else (total, hkv, page, case.head_dim_qk)
-    shape_v = (*shape_k[:-1], case.head_dim_vo)
+    shape_k = (total, *page_shape(case.kv_layout, page, hkv, case.head_dim_qk))
+    shape_v = (total, *page_shape(case.kv_layout, page, hkv, case.head_dim_vo))
     dtype_q, dtype_kv, dtype_out = (to_torch_dtype(case.q_dtype), to_torch_dtype(case.kv_dtype),
                                     to_torch_dtype(case.out_dtype))  # fmt: skip
     k = _poison_outside(_randn(shape_k, gen), outside, case.kv_layout, case.stale).to(device, dtype_kv)

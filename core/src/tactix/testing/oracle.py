@@ -13,6 +13,8 @@ from typing import Final
 
 import torch
 
+from tactix.layouts import cache_axes
+
 __all__ = [
     "LSE_TOLERANCE",
     "TOLERANCE",
@@ -111,9 +113,9 @@ def attention_reference(
     kv = [int(x) for x in kv_indptr.tolist()]
     indices = [int(x) for x in kv_indices.tolist()]
     last = [int(x) for x in kv_last_page_len.tolist()]
-    page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
+    sizes = cache_axes(k_cache.shape, kv_layout)
+    page_size, kv_heads = sizes.token, sizes.head
     rows, qo_heads, _ = q.shape
-    kv_heads = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
     group = qo_heads // kv_heads
     dim_vo = v_cache.shape[-1]
     out = torch.zeros(rows, qo_heads, dim_vo, dtype=torch.float64, device=q.device)

@@ -53,7 +53,7 @@ from tactix import (
     Tactic,
     UnsupportedProblemError,
 )
-from tactix.plugin import Piece, Sections, Staging, bucket_size, compute_capability, raw_stream, sections
+from tactix.plugin import Piece, Sections, Staging, bucket_size, cache_axes, compute_capability, raw_stream, sections
 from tactix_cuda_native import __version__
 from tactix_cuda_native.geometry import (
     DECODE_ITEM_INTS,
@@ -851,8 +851,8 @@ def _cache_strides(layout: str, k: torch.Tensor, v: torch.Tensor) -> tuple[int, 
     strides: list[int] = []
     for name, t in (("k", k), ("v", v)):
         s = t.stride()
-        page, tok, head = (s[0], s[1], s[2]) if layout == "NHD" else (s[0], s[2], s[1])
-        if s[3] != 1 or page % 8 or tok % 8 or head % 8:
+        page, tok, head, dim = cache_axes(s, layout)
+        if dim != 1 or page % 8 or tok % 8 or head % 8:
             raise InvalidArgumentError(
                 f"paged_kv_cache ({name})",
                 "dense along head_dim with page, token and head strides that are multiples of 8 elements",

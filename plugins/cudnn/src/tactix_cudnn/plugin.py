@@ -29,11 +29,14 @@ from tactix import (
     UnsupportedProblemError,
 )
 from tactix.plugin import (
+    CacheAxes,
     ReferenceCall,
     Staging,
     bucket_size,
+    cache_axes,
     compute_capability,
     cuda_available,
+    dense_strides,
     gather_table,
     raw_stream,
     stale_slot_failures,
@@ -276,22 +279,18 @@ def _bind_stream(handle: Any, device: torch.device) -> None:
         _bound_stream[id(handle)] = stream
 
 
+def _container(axes: CacheAxes) -> tuple[int, int, int, int]:
+    """Strides in the order of the graph's logical [pages, heads, page, dim] container."""
+    return (axes.page, axes.head, axes.token, axes.dim)
+
+
 def _container_strides(t_stride: tuple[int, ...], layout: str) -> tuple[int, int, int, int]:
     """Strides of the logical [pages, heads, page, dim] container of a cache tensor."""
-    if layout == "NHD":  # [pages, page, heads, dim]
-        return (t_stride[0], t_stride[2], t_stride[1], t_stride[3])
-    return (t_stride[0], t_stride[1], t_stride[2], t_stride[3])
+    return _container(cache_axes(t_stride, layout))
 
 
 def _contiguous_strides(problem: PrefillProblem | DecodeProblem, dim: int) -> tuple[int, int, int, int]:
-    return _layout_strides(problem.kv_layout, problem.num_kv_heads, problem.page_size, dim)
-
-
-@functools.lru_cache(maxsize=256)
-def _layout_strides(layout: str, heads: int, page: int, dim: int) -> tuple[int, int, int, int]:
-    shape = (1, page, heads, dim) if layout == "NHD" else (1, heads, page, dim)
-    strides = torch.empty(shape, device="meta").stride()
-    return _container_strides(tuple(strides), layout)
+    return _container(dense_strides(problem.kv_layout, problem.page_size, problem.num_kv_heads, dim))
 
 
 Strides = tuple[int, int, int, int]

@@ -24,6 +24,7 @@ from typing import Final, Literal
 import torch
 
 from tactix import PagedBatch, bucket_size
+from tactix.plugin import cache_axes, dense_strides
 
 __all__ = [
     "ALIGN",
@@ -206,13 +207,6 @@ def host_metadata(batch: PagedBatch, g: Geometry, *, with_table: bool) -> array.
 Layout = Literal["NHD", "HND"]
 
 
-def _page_strides(stride: tuple[int, ...], layout: str) -> tuple[int, int, int, int]:
-    """(page, token, head, dim) strides of a 4-D cache tensor in either layout."""
-    if layout == "NHD":  # [pages, page_size, heads, dim]
-        return stride[0], stride[1], stride[2], stride[3]
-    return stride[0], stride[2], stride[1], stride[3]  # HND: [pages, heads, page_size, dim]
-
-
 def xqa_cache_reasons(k_stride: tuple[int, ...], v_stride: tuple[int, ...], layout: str, head_dim: int) -> list[str]:
     """Why XQA cannot read this (k, v) pair in place (empty: it can).
 
@@ -220,7 +214,7 @@ def xqa_cache_reasons(k_stride: tuple[int, ...], v_stride: tuple[int, ...], layo
     whole heads (``head_dim`` elements), with each head dense.
     """
     out = []
-    k, v = _page_strides(k_stride, layout), _page_strides(v_stride, layout)
+    k, v = cache_axes(k_stride, layout), cache_axes(v_stride, layout)
     if k != v:
         out.append(f"k and v must have the same strides (XQA reads V with K's strides; got {k_stride} and "
                    f"{v_stride})")  # fmt: skip
@@ -261,18 +255,17 @@ def pool_mapping(
     element_size: int,
 ) -> PoolMapping:
     """The zero-copy mapping of a (k, v) pair of 4-D caches of ``shape``, or why there is none."""
-    pages = shape[0]
-    heads, page_size = (shape[2], shape[1]) if layout == "NHD" else (shape[1], shape[2])
-    dim = shape[3]
+    sizes = cache_axes(shape, layout)
+    pages, page_size, heads, dim = sizes
     block = page_size * heads * dim
     block_bytes = block * element_size
-    dense = (dim, heads * dim) if layout == "NHD" else (dim, page_size * dim)  # (stride[2], stride[1])
+    dense = dense_strides(layout, page_size, heads, dim)
 
     def gather(why: str) -> PoolMapping:
         return PoolMapping("gather", why=why)
 
     for name, s in (("k", k_stride), ("v", v_stride)):
-        if s[3] != 1 or (s[2], s[1]) != dense:
+        if cache_axes(s, layout)[1:] != dense[1:]:
             return gather(f"{name}'s pages are not dense (strides {s})")
         if pages > 1 and (s[0] <= 0 or s[0] % block):
             return gather(f"{name}'s page stride {s[0]} is not a whole number of pages ({block} elements)")
