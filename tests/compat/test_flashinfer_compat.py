@@ -91,11 +91,26 @@ def test_features_tactix_lacks_raise_naming_the_argument(
                      q_data_type=torch.float32, **plan_kwargs)  # type: ignore[arg-type]  # fmt: skip
 
 
-def test_run_time_scales_and_multi_token_decode_are_refused(batch: dict[str, torch.Tensor]) -> None:
+def test_run_time_scales_follow_flashinfer_semantics(batch: dict[str, torch.Tensor]) -> None:
+    # FlashInfer: logits (q . k) * k_scale * sm_scale, output from v * v_scale
     wrapper = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND")
     wrapper.plan(batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8, q_data_type=torch.float32)
+    q = batch["q"][:3]
+    out = wrapper.run(q, (batch["k"], batch["v"]), k_scale=0.5, v_scale=2.0)
+    ref, _ = attention_reference(
+        q, batch["k"], batch["v"], i32(0, 1, 2, 3), batch["kv_indptr"], batch["kv_indices"], batch["last"],
+        kv_layout="HND", causal=False, sm_scale=1 / math.sqrt(32), k_scale=0.5, v_scale=2.0,
+    )  # fmt: skip
+    assert isinstance(out, torch.Tensor) and relative_error(out, ref) < 1e-5
+    plain = wrapper.run(q, (batch["k"], batch["v"]))
+    assert isinstance(plain, torch.Tensor) and relative_error(plain, ref) > 1e-2  # the scales did something
     with pytest.raises(tactix.InvalidArgumentError, match="k_scale"):
-        wrapper.run(batch["q"][:3], (batch["k"], batch["v"]), k_scale=0.5)
+        wrapper.run(q, (batch["k"], batch["v"]), k_scale=-1.0)
+
+
+def test_multi_token_decode_is_refused(batch: dict[str, torch.Tensor]) -> None:
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND")
+    wrapper.plan(batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8, q_data_type=torch.float32)
     with pytest.raises(tactix.InvalidArgumentError, match="q_len_per_req"):
         wrapper.run(batch["q"][:3], (batch["k"], batch["v"]), q_len_per_req=2)
 

@@ -185,8 +185,10 @@ def test_a_replan_with_the_same_arguments_gives_the_problem_a_fresh_validation_g
     keys and prints like) the one `attention_problem` builds from scratch for that batch."""
     from tactix.attention import attention_problem
 
-    memo: dict[tuple[object, ...], object] = {}
     for op in ("decode", "prefill"):
+        wrapper = (
+            tactix.PagedDecode("NHD", device="cpu") if op == "decode" else tactix.PagedPrefill("NHD", device="cpu")
+        )
         for lens in ([5, 40, 17], [300], [1, 2, 3, 4, 5, 6, 7, 8, 9]):
             pages = [-(-n // 16) for n in lens]
             indptr = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32)
@@ -199,14 +201,19 @@ def test_a_replan_with_the_same_arguments_gives_the_problem_a_fresh_validation_g
                       causal=op == "prefill", sm_scale=None, window_left=-1, logits_soft_cap=None,
                       q_data_type=torch.float32, kv_data_type=None, o_data_type=None, return_lse=False)  # fmt: skip
             fresh, _ = attention_problem(op, **kw)  # type: ignore[arg-type]
-            remembered, batch = attention_problem(op, **kw, memo=memo)  # type: ignore[arg-type]
+            meta = (kw["paged_kv_indptr"], kw["paged_kv_indices"], kw["paged_kv_last_page_len"])
+            if op == "prefill":
+                wrapper.plan(kw["qo_indptr"], *meta, 8, 2, 64, 16, causal=True, q_data_type=torch.float32)
+            else:
+                wrapper.plan(*meta, 8, 2, 64, 16, q_data_type=torch.float32)
+            remembered, batch = wrapper.problem, wrapper._batch
             assert remembered == fresh and hash(remembered) == hash(fresh)
             assert remembered.key_json() == fresh.key_json() and str(remembered) == str(fresh)
             assert remembered.batch_size == len(lens) and remembered.max_kv_len == max(lens)
-            assert type(remembered) is type(fresh) and batch.batch_size == len(lens)
+            assert type(remembered) is type(fresh) and batch is not None and batch.batch_size == len(lens)
             if op == "decode":  # read like a prefill problem's, but not fields: keys are unchanged
                 assert remembered.causal is False and remembered.max_qo_len == 1
                 assert "causal" not in remembered.key() and "max_qo_len" not in remembered.key()
     # an argument of another type is validated again, not served from the memo
     with pytest.raises(tactix.InvalidArgumentError, match="num_qo_heads"):
-        attention_problem("decode", **{**kw, "qo_indptr": None, "num_qo_heads": 8.0}, memo=memo)  # type: ignore[arg-type]
+        wrapper.plan(kw["qo_indptr"], *meta, 8.0, 2, 64, 16, causal=True, q_data_type=torch.float32)  # type: ignore[arg-type]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import operator
 import weakref
-from typing import Any, ClassVar, Final, Literal
+from typing import Any, ClassVar, Final
 
 import torch
 
@@ -42,7 +42,7 @@ from tactix.dtypes import parse_dtype, to_torch_dtype
 from tactix.errors import InvalidArgumentError, TactixError
 from tactix.hookspecs import PlanOptions
 from tactix.layouts import KVLayout, page_shape
-from tactix.ops import DecodeProblem, PrefillProblem
+from tactix.ops import DecodeProblem, PrefillProblem, definition
 from tactix.problems import make_problem
 from tactix.registry import get_registry
 from tactix.selection import Planned, Selection, replan_selection, select_and_plan
@@ -74,7 +74,7 @@ def _with_sizes(template: PrefillProblem | DecodeProblem, sizes: dict[str, Any])
 
 def _sized(template: PrefillProblem | DecodeProblem, batch: PagedBatch) -> Any:
     """The problem of ``batch``: ``template`` (validated, same static arguments) with its sizes."""
-    if template.op == "decode":
+    if not template.ragged_queries:
         return _with_sizes(template, {"batch_size": batch.batch_size, "max_kv_len": batch.max_kv_len})
     return _with_sizes(template, {"batch_size": batch.batch_size, "max_kv_len": batch.max_kv_len,
                                   "num_qo_tokens": batch.num_qo_tokens, "max_qo_len": batch.max_qo_len})  # fmt: skip
@@ -113,7 +113,7 @@ def _static_key(device_type: str, kv_layout: str, arguments: tuple[Any, ...]) ->
 
 
 def attention_problem(
-    op: Literal["prefill", "decode"],
+    op: str,
     *,
     device: torch.device,
     kv_layout: KVLayout,
@@ -135,28 +135,13 @@ def attention_problem(
     o_data_type: torch.dtype | str | None,
     return_lse: bool,
     deterministic: bool = True,
-    memo: dict[tuple[Any, ...], PrefillProblem | DecodeProblem] | None = None,
 ) -> tuple[PrefillProblem | DecodeProblem, PagedBatch]:
     """Validate plan arguments and batch metadata; the problem and batch that ``plan()`` hands a backend.
 
-    ``qo_indptr=None`` means decode. Used by the wrappers, and by the conformance kit to ask a
-    backend's ``check`` about a case before planning it.
-
-    ``memo`` (a wrapper's own dict) keeps the validated problem of each set of static arguments:
-    a re-plan with the same arguments validates only the batch and copies the problem with the
-    batch's sizes (a serving engine re-plans every step with the same heads, dims and dtypes).
+    ``qo_indptr=None`` means decode. Used by the wrappers (which keep the problem of each set of
+    static arguments, so a re-plan validates only its batch), and by the conformance kit to ask
+    a backend's ``check`` about a case before planning it.
     """
-    arguments = (op, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, sm_scale, window_left,
-                 logits_soft_cap, q_data_type, kv_data_type, o_data_type, return_lse, deterministic)  # fmt: skip
-    static = _static_key(device.type, kv_layout, arguments)
-    try:
-        template = memo.get(static) if memo is not None else None
-    except TypeError:  # an unhashable argument: validated (and refused) below
-        template, memo = None, None
-    if template is not None:
-        batch = _build_batch(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                             template.page_size, device, causal)  # fmt: skip
-        return _sized(template, batch), batch
     if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= MAX_PAGE_SIZE:
         raise InvalidArgumentError(
             "page_size",
@@ -205,14 +190,10 @@ def attention_problem(
         "batch_size": batch.batch_size,
         "max_kv_len": batch.max_kv_len,
     }
-    if op == "prefill":
+    if definition(op).problem.ragged_queries:  # type: ignore[attr-defined]
         fields.update(causal=causal, num_qo_tokens=batch.num_qo_tokens, max_qo_len=batch.max_qo_len)
     problem = make_problem(op, **fields)
     assert isinstance(problem, (PrefillProblem, DecodeProblem))
-    if memo is not None:
-        if len(memo) >= 16:
-            memo.clear()
-        memo[static] = problem
     return problem, batch
 
 
@@ -246,6 +227,55 @@ class _Static:
         return found
 
 
+class _LastStatic:
+    """The static arguments of a wrapper's last plan, as given (a re-plan passing the very same
+    objects skips even the memo key), with their key and state."""
+
+    __slots__ = ("arguments", "device", "key", "state")
+
+    def __init__(self, device: torch.device, arguments: tuple[Any, ...], key: tuple[Any, ...], state: _Static) -> None:
+        self.device = device
+        self.arguments = arguments
+        self.key = key
+        self.state = state
+
+
+def _run_extras(backend: Any, op: str) -> frozenset[str]:
+    caps = backend.spec.implements.get(op)
+    return caps.run_extras if caps is not None else frozenset()
+
+
+class _Bound:
+    """What ``run()`` checks a call against and what it calls: bound by ``plan()`` to one plan
+    object and one batch shape (a fast re-plan that keeps both keeps it too)."""
+
+    __slots__ = ("device", "extras", "extras_by", "k_tail", "kv_dtype", "lse_shape", "out_dtype", "out_shape",
+                 "plan", "q_dtype", "q_shape", "return_lse", "rows", "run", "state", "v_tail")  # fmt: skip
+
+    def __init__(self, selection: Selection, state: _Static, device: torch.device, rows: int) -> None:
+        plan = selection.plan
+        self.plan = plan
+        self.run = plan.run
+        self.state = state
+        self.device = device
+        self.rows = rows
+        self.q_shape, self.out_shape, self.lse_shape = state.shapes_for(rows)
+        self.q_dtype = state.q_dtype
+        self.kv_dtype = state.kv_dtype
+        self.out_dtype = state.out_dtype
+        self.k_tail = state.k_tail
+        self.v_tail = state.v_tail
+        self.return_lse = state.return_lse
+        caps = selection.backend.spec.implements.get(state.problem.op)
+        self.extras: frozenset[str] = caps.run_extras if caps is not None else frozenset()
+        """The run extras the plan's backend takes."""
+        self.extras_by = selection.backend.name
+
+    def same(self, plan: Any, state: _Static, device: torch.device, rows: int) -> bool:
+        """Whether this binding is the one of ``plan`` for this state, device and row count."""
+        return plan is self.plan and state is self.state and device is self.device and rows == self.rows
+
+
 class _PagedAttention(Planned):
     _op: ClassVar[str]
     _rows_name: ClassVar[str]
@@ -270,14 +300,13 @@ class _PagedAttention(Planned):
         self._use_cuda_graph = flag(use_cuda_graph, "use_cuda_graph")
         self._selection: Selection | None = None
         self._batch: PagedBatch | None = None
-        self._fast: tuple[Any, ...] | None = None  # what run() compares against, bound at plan
+        self._bound: _Bound | None = None  # what run() compares against and calls, bound at plan
         # caches run() has validated for the current plan, by id(k): (weakref k, weakref v)
         self._accepted: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
         self._splits: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, torch.Tensor]] = {}
         self._statics: dict[tuple[Any, ...], _Static] = {}  # by the static plan arguments (see _plan)
         self._replan_key: tuple[Any, ...] | None = None  # the last plan's static key and backend argument
-        self._run_state: tuple[Any, ...] | None = None  # (plan, static state, device, rows) run() is set up for
-        self._last_static: tuple[Any, ...] | None = None  # (device, arguments, key, state) of the last plan
+        self._last_static: _LastStatic | None = None  # the static arguments of the last plan
 
     # -- plan -----------------------------------------------------------------------------
 
@@ -303,17 +332,19 @@ class _PagedAttention(Planned):
         chosen_tactic = None if tactic is None else parse_tactic(tactic)
         # a re-plan with the static arguments of an earlier plan validates only the batch
         last = self._last_static
-        if last is not None and last[0] is device and all(map(operator.is_, arguments, last[1])):
-            key, state = last[2], last[3]  # the very same argument objects as the last plan's
+        key: tuple[Any, ...] | None
+        state: _Static | None
+        if last is not None and last.device is device and all(map(operator.is_, arguments, last.arguments)):
+            key, state = last.key, last.state  # the very same argument objects as the last plan's
         else:
             key = _static_key(device.type, self.kv_layout, arguments)
             try:
-                state = self._statics.get(key)  # type: ignore[arg-type]
+                state = self._statics.get(key)
             except TypeError:  # an unhashable argument: attention_problem names it
                 state, key = None, None
         if state is not None:
             batch = _build_batch(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                                 state.problem.page_size, device, arguments[6])  # fmt: skip
+                                 state.problem.page_size, device, state.problem.causal)  # fmt: skip
             problem = _sized(state.problem, batch)
         else:
             problem, batch = attention_problem(
@@ -331,7 +362,7 @@ class _PagedAttention(Planned):
                 if len(self._statics) >= 16:
                     self._statics.clear()
                 self._statics[key] = state
-        self._last_static = (device, arguments, key, state) if key is not None else None
+        self._last_static = _LastStatic(device, arguments, key, state) if key is not None else None
         previous = self._selection
         options: PlanOptions = {"device": device, "use_cuda_graph": self._use_cuda_graph,
                                  "previous": None if previous is None else previous.plan}  # fmt: skip
@@ -354,27 +385,10 @@ class _PagedAttention(Planned):
         self._selection = selection
         self._batch = batch
         self._accepted.clear()  # page bounds are per batch: caches are checked again
-        run_state = (selection.plan, state, device, batch.num_qo_tokens)
-        if self._run_state is not None and all(map(operator.is_, run_state, self._run_state)):
+        bound = self._bound
+        if bound is not None and bound.same(selection.plan, state, device, batch.num_qo_tokens):
             return  # a fast re-plan that kept its plan object: what run() checks is unchanged
-        self._run_state = run_state
-        self._device_now = device
-        self._q_shape, self._out_shape, self._lse_shape = shapes = state.shapes_for(batch.num_qo_tokens)
-        self._q_dtype = state.q_dtype
-        self._kv_dtype = state.kv_dtype
-        self._out_dtype = state.out_dtype
-        self._k_tail = state.k_tail
-        self._v_tail = state.v_tail
-        self._return_lse = state.return_lse
-        self._fast = (
-            selection.plan.run,
-            shapes[0],
-            state.q_dtype,
-            device,
-            shapes[1],
-            state.out_dtype,
-            state.return_lse,
-        )
+        self._bound = _Bound(selection, state, device, batch.num_qo_tokens)
 
     # -- run ------------------------------------------------------------------------------
 
@@ -386,22 +400,30 @@ class _PagedAttention(Planned):
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
         return_lse: bool | None = None,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention for the planned batch. Returns ``out``, or ``(out, lse)`` with the LSE.
 
         Every tensor must be on the plan's device (``q``, the cache, ``out``, ``lse``);
         ``return_lse`` is None (as planned) or a bool.
+
+        ``k_scale`` and ``v_scale`` dequantize the cache: logits are ``(q . k) * k_scale *
+        sm_scale`` and the output attends ``v * v_scale``. Each is None (1.0), a finite float
+        > 0, or a float32 tensor of one element on the plan's device (read by the kernel, so a
+        captured graph replays with the value it holds then). A backend takes them only if it
+        declares them (``run_extras``); a scale other than 1.0 for one that does not is refused.
         """
-        fast = self._fast
-        if fast is None:
+        b = self._bound
+        if b is None:
             raise TactixError(f"{type(self).__name__}: call plan() before run()")
-        run, q_shape, q_dtype, device, out_shape, out_dtype, planned_lse = fast
+        device = b.device
         # Plain attribute comparisons only (about 1 us in all); whatever fails them goes to a
         # slow path that raises an error saying what was expected. Devices are compared whole:
         # get_device() is -1 for the CPU and for meta tensors alike, which would pass a meta q.
         try:
-            if q.shape != q_shape or q.dtype != q_dtype or q.device != device:
-                self._reject("q", q, q_shape, q_dtype)
+            if q.shape != b.q_shape or q.dtype != b.q_dtype or q.device != device:
+                self._reject("q", q, b.q_shape, b.q_dtype)
             if type(paged_kv_cache) is tuple:
                 k, v = paged_kv_cache
             else:
@@ -414,60 +436,99 @@ class _PagedAttention(Planned):
             if seen is None or seen[0]() is not k or seen[1]() is not v:
                 self._accept_cache(k, v)
             if out is None:
-                out = torch.empty(out_shape, dtype=out_dtype, device=self._device_now)
-            elif out.shape != out_shape or out.dtype != out_dtype or out.device != device or not out.is_contiguous():
-                self._reject("out", out, out_shape, out_dtype, contiguous=True)
+                out = torch.empty(b.out_shape, dtype=b.out_dtype, device=device)
+            elif (out.shape != b.out_shape or out.dtype != b.out_dtype or out.device != device
+                  or not out.is_contiguous()):  # fmt: skip
+                self._reject("out", out, b.out_shape, b.out_dtype, contiguous=True)
         except TactixError:
             raise
         except (AttributeError, TypeError, ValueError):
             self._diagnose(q, paged_kv_cache, out)
             raise
-        if return_lse is not None or planned_lse or lse is not None:  # (return_lse checked there)
-            return self._run_with_lse(run, q, k, v, out, lse, return_lse)
-        run(q, k, v, out, None)
+        if k_scale is not None or v_scale is not None:
+            return self._run_with_extras(b, q, k, v, out, lse, return_lse, {"k_scale": k_scale, "v_scale": v_scale})
+        if return_lse is not None or b.return_lse or lse is not None:  # (return_lse checked there)
+            return self._run_with_lse(b, q, k, v, out, lse, return_lse, {})
+        b.run(q, k, v, out, None)
         return out
 
-    def _run_with_lse(
+    def _run_with_extras(
         self,
-        run: Any,
+        b: _Bound,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor | None,
         return_lse: bool | None,
+        given: dict[str, Any],
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Validate the run extras given (not None), drop the neutral ones, refuse those the
+        plan's backend does not take, and run with the rest by keyword."""
+        extras: dict[str, Any] = {}
+        known = definition(self._op).extras
+        for name, value in given.items():
+            if value is None:
+                continue
+            extra = known[name]
+            value = extra.validate(value, name, b.device)
+            if extra.neutral(value):
+                continue
+            if name not in b.extras:
+                takes = [x.name for x in get_registry().active(self._op) if name in _run_extras(x, self._op)]
+                raise InvalidArgumentError(
+                    name,
+                    f"None or 1.0: backend '{b.extras_by}' does not take {name} ({extra.summary}); backends that "
+                    f"do: {', '.join(takes) or 'none installed'} (plan with backend=... to use one)",
+                    value if not isinstance(value, torch.Tensor) else "a tensor",
+                )
+            extras[name] = value
+        return self._run_with_lse(b, q, k, v, out, lse, return_lse, extras)
+
+    def _run_with_lse(
+        self,
+        b: _Bound,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        return_lse: bool | None,
+        extras: dict[str, Any],
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if return_lse is not None:
             flag(return_lse, "return_lse")
-        want = (self._return_lse if return_lse is None else return_lse) or lse is not None
-        if want and not self._return_lse:
+        want = (b.return_lse if return_lse is None else return_lse) or lse is not None
+        if want and not b.return_lse:
             raise InvalidArgumentError(
                 "return_lse", "False as planned (pass return_lse=True to plan() for the LSE)", True
             )
-        if not want and not self._return_lse:
-            run(q, k, v, out, None)
+        if not want and not b.return_lse:
+            b.run(q, k, v, out, None, **extras)
             return out
         if lse is None:
-            lse = torch.empty(self._lse_shape, dtype=torch.float32, device=self._device_now)
+            lse = torch.empty(b.lse_shape, dtype=torch.float32, device=b.device)
         elif (
             not isinstance(lse, torch.Tensor)
-            or lse.shape != self._lse_shape
+            or lse.shape != b.lse_shape
             or lse.dtype != torch.float32
-            or lse.device != self._device_now
+            or lse.device != b.device
             or not lse.is_contiguous()
         ):
-            self._reject("lse", lse, self._lse_shape, torch.float32, contiguous=True)
-        run(q, k, v, out, lse)
+            self._reject("lse", lse, b.lse_shape, torch.float32, contiguous=True)
+        b.run(q, k, v, out, lse, **extras)
         return (out, lse) if want else out
 
     def _diagnose(self, q: object, cache: object, out: object) -> None:
         """Name the argument that is not a tensor (or a well-formed cache); called on a type error."""
+        b = self._bound
+        assert b is not None
         if not isinstance(q, torch.Tensor):
-            self._reject("q", q, self._q_shape, self._q_dtype)
+            self._reject("q", q, b.q_shape, b.q_dtype)
         k, v = self._split(cache)
         self._accept_cache(k, v)
         if out is not None and not isinstance(out, torch.Tensor):
-            self._reject("out", out, self._out_shape, self._out_dtype, contiguous=True)
+            self._reject("out", out, b.out_shape, b.out_dtype, contiguous=True)
 
     def _split(self, cache: object) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(cache, (tuple, list)):
@@ -501,12 +562,15 @@ class _PagedAttention(Planned):
         splits[key] = (weakref.ref(cache, forget), k, v)
         return k, v
 
+    def _bound_device(self) -> torch.device | None:
+        return None if self._bound is None else self._bound.device
+
     def _layout_names(self) -> tuple[str, str, str]:
         return page_shape(self.kv_layout, "page_size", "num_kv_heads", "head_dim")  # type: ignore[arg-type, return-value]
 
     def _reject(self, name: str, t: object, shape: torch.Size, dtype: torch.dtype, contiguous: bool = False) -> None:
         expected = f"a contiguous {dtype} tensor" if contiguous else f"a {dtype} tensor"
-        expected += f" of shape {tuple(shape)} on {self._device_now}"
+        expected += f" of shape {tuple(shape)} on {self._bound_device()}"
         if not isinstance(t, torch.Tensor):
             raise InvalidArgumentError(name, expected, type(t).__name__)
         got = f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
@@ -519,7 +583,9 @@ class _PagedAttention(Planned):
             raise InvalidArgumentError(f"paged_kv_cache ({name})", "a torch.Tensor", type(t).__name__)
         names = self._layout_names()
         layout = ", ".join(f"{n}={s}" for n, s in zip(names, tail, strict=True))
-        expected = f"a {self._kv_dtype} tensor [num_pages, {layout}] ({self.kv_layout}) on {self._device_now}"
+        b = self._bound
+        assert b is not None
+        expected = f"a {b.kv_dtype} tensor [num_pages, {layout}] ({self.kv_layout}) on {b.device}"
         got = f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
         page_axis = 1 if self.kv_layout == "NHD" else 2
         if t.dim() == 4 and t.shape[page_axis] != tail[page_axis - 1]:
@@ -543,13 +609,15 @@ class _PagedAttention(Planned):
 
     def _accept_cache(self, k: object, v: object) -> None:
         """Validate a (k, v) pair run() has not seen under this plan, then remember it."""
-        for name, t, tail in (("k", k, self._k_tail), ("v", v, self._v_tail)):
+        b = self._bound
+        assert b is not None
+        for name, t, tail in (("k", k, b.k_tail), ("v", v, b.v_tail)):
             if (
                 not isinstance(t, torch.Tensor)
                 or t.dim() != 4
                 or t.shape[1:] != tail
-                or t.dtype != self._kv_dtype
-                or t.device != self._device_now
+                or t.dtype != b.kv_dtype
+                or t.device != b.device
             ):
                 self._reject_cache(name, t, tail)
         assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)

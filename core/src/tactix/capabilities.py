@@ -46,6 +46,11 @@ class CapabilitiesBase(BaseModel):
         default=None, description="CUDA compute capabilities as 'major.minor'; None: any"
     )
     cuda_graph: CudaGraphSupport = "none"
+    run_extras: frozenset[str] = Field(
+        default=frozenset(),
+        description="the op's run extras (`OpDefinition.run_extras`: k_scale, ...) this implementation's "
+        "plans take as keyword arguments of run(); the wrapper refuses the others",
+    )
 
     def device_reasons(self, problem: ProblemBase) -> list[str]:
         """The device type, and on a GPU the current device's compute capability, against the
@@ -118,8 +123,14 @@ class BackendSpec(BaseModel):
                 raise ValueError(f"'{op}' is not an op (ops: {', '.join(OPS)})")
             if caps is None:
                 del implements[op]
-            else:
-                implements[op] = OPS[op].capabilities.model_validate(caps)
+                continue
+            caps = implements[op] = OPS[op].capabilities.model_validate(caps)
+            unknown = sorted(set(caps.run_extras) - set(OPS[op].extras))
+            if unknown:
+                known = ", ".join(OPS[op].extras) or "none"
+                raise ValueError(
+                    f"{op}: run_extras names {', '.join(unknown)}, not a run extra of {op} (its extras: {known})"
+                )
         for op in data.get("op_preference") or {}:
             if op not in OPS:
                 raise ValueError(f"op_preference names '{op}', which is not an op (ops: {', '.join(OPS)})")

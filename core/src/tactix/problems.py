@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KVLayout", "ProblemBase", "bucket_size", "key_hash", "make_problem", "problem_from_key"]
 
+
 def bucket_size(n: int) -> int:
     """The bucket a dynamic size falls in: the next power of two (0 stays 0)."""
     if n <= 1:
@@ -73,6 +74,11 @@ class ProblemBase(BaseModel):
         # staticmethod: a lambda stored on the class would otherwise bind as a method
         cls._static_values = staticmethod(_values([n for n in cls.model_fields if n not in cls.dynamic]))
         cls._dynamic_values = staticmethod(_values(list(cls.dynamic)))
+
+    def precision_dtypes(self) -> tuple[str, ...]:
+        """The dtypes that bound how exactly a result can match a float64 reference (the
+        autotuner's agreement check and the kit's tolerances read them)."""
+        raise NotImplementedError(f"{type(self).__name__} must say which dtypes bound its precision")
 
     def bucketed(self) -> Self:
         """This problem with its dynamic sizes rounded up to their bucket: the store key."""

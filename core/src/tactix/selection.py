@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from tactix.autotune.stats import bump, stored_epoch, stored_tactics_changed
 from tactix.batch import PagedBatch
@@ -47,11 +47,46 @@ _source: TacticSource | None = None
 _warned: set[tuple[str, str, str]] = set()
 _warned_lock = threading.Lock()
 
-Candidate = tuple[Backend, Tactic, str]
 
-_remembered: dict[tuple[Any, ...], tuple[int, Registry, tuple[Candidate, ...], str | None]] = {}
-"""The candidates of each (backend, problem bucket): `stored_epoch()`, registry, candidates, and the
-store counter their lookup bumped (bumped again when they are used, so counts stay per plan)."""
+class Candidate(NamedTuple):
+    """One (backend, tactic) the selection tries, and where the tactic came from."""
+
+    backend: Backend
+    tactic: Tactic
+    source: str
+    """'store' or 'default'."""
+
+
+class _Remembered:
+    """The candidates of one (backend argument, problem bucket), valid while the stored tactics
+    (`stored_epoch`) and the registry are the ones they were found under."""
+
+    __slots__ = ("candidates", "counter", "epoch", "registry")
+
+    def __init__(self, epoch: int, registry: Registry, candidates: tuple[Candidate, ...], counter: str | None) -> None:
+        self.epoch = epoch
+        self.registry = registry
+        self.candidates = candidates
+        self.counter = counter
+        """The store counter their lookup bumped (bumped again per use, so counts stay per plan)."""
+
+    def current(self) -> bool:
+        return self.epoch == stored_epoch() and self.registry is get_registry()
+
+
+class _ReplanNote:
+    """What `replan_selection` checked for a selection: the remembered candidates and the
+    buckets of the problem it checked them for (the same again: nothing to check)."""
+
+    __slots__ = ("buckets", "remembered")
+
+    def __init__(self, remembered: _Remembered, buckets: tuple[int, ...]) -> None:
+        self.remembered = remembered
+        self.buckets = buckets
+
+
+_remembered: dict[tuple[Any, ...], _Remembered] = {}
+"""The candidates of each (backend argument, problem bucket); cleared when it reaches 1024 entries."""
 
 
 def set_tactic_source(source: TacticSource | None) -> TacticSource | None:
@@ -79,8 +114,8 @@ class Selection:
         self.source = source
         self.requested = requested
         """The candidate tactic that was planned (``plan.tactic`` may name a concrete one)."""
-        self.replan_token: tuple[Any, ...] | None = None
-        """`replan_selection`'s note: the remembered candidates it checked, and their bucket."""
+        self.replan_token: _ReplanNote | None = None
+        """`replan_selection`'s note: the remembered candidates it checked, and their buckets."""
 
 
 class Planned:
@@ -222,22 +257,21 @@ def replan_selection(previous: Selection, problem: Problem, batch: PagedBatch, b
     if replan is None or previous.requested is None:
         return None
     buckets = tuple(map(bucket_size, problem._dynamic_values(problem.__dict__)))
-    token = previous.replan_token
-    if token is not None and token[1] == buckets:
-        found = token[0]  # the entry checked last time (the same static problem: see the caller)
+    note = previous.replan_token
+    checked = note.remembered if note is not None else None
+    if note is not None and note.buckets == buckets:
+        found = checked  # the entry checked last time (the same static problem: see the caller)
     else:
         found = _remembered.get((backend, problem.bucket_key()))
-        if found is None:
-            return None
-    if found[0] != stored_epoch() or found[1] is not get_registry():
+    if found is None or not found.current():
         return None
-    if found is not (token[0] if token is not None else None):
-        first = next((c for c in found[2] if not c[0].static_reasons(problem)), None)
+    if found is not checked:
+        first = next((c for c in found.candidates if not c.backend.static_reasons(problem)), None)
         if first is None:
             return None
-        b, tactic, source = first
         # the candidate itself (not an equal tactic: comparing tactics serialises them)
-        if b is not previous.backend or source != previous.source or tactic is not previous.requested:
+        if (first.backend is not previous.backend or first.source != previous.source
+                or first.tactic is not previous.requested):  # fmt: skip
             return None
     b, source, tactic = previous.backend, previous.source, previous.requested
     try:
@@ -248,13 +282,13 @@ def replan_selection(previous: Selection, problem: Problem, batch: PagedBatch, b
         return None  # the full path plans (and reports a failure) as if there were no fast one
     if made is None:
         return None
-    if found[3] is not None:
-        bump(found[3])
+    if found.counter is not None:
+        bump(found.counter)
     bump("plans")
     if getattr(made, "built", False):
         bump("builds")
     selection = Selection(b, made, source, problem, tactic)
-    selection.replan_token = (found, buckets)
+    selection.replan_token = _ReplanNote(found, buckets)
     return selection
 
 
@@ -271,30 +305,30 @@ def _candidates(registry: Registry, problem: Problem, batch: PagedBatch | None, 
     key = (backend, problem.bucket_key())
     epoch = stored_epoch()
     found = _remembered.get(key)
-    if found is not None and found[0] == epoch and found[1] is registry:
-        if found[3] is not None:
-            bump(found[3])
-        return found[2]
+    if found is not None and found.epoch == epoch and found.registry is registry:
+        if found.counter is not None:
+            bump(found.counter)
+        return found.candidates
     stored, counter, stable = _stored(problem, batch, backend)
     candidates: list[Candidate] = []
     if named is not None:
         b = named
         if stored is not None and stored.backend == b.name:
-            candidates.append((b, stored, "store"))
-        candidates.append((b, Tactic.default(b.name), "default"))
+            candidates.append(Candidate(b, stored, "store"))
+        candidates.append(Candidate(b, Tactic.default(b.name), "default"))
     else:
         if stored is not None:
             try:
-                candidates.append((registry.get(stored.backend), stored, "store"))
+                candidates.append(Candidate(registry.get(stored.backend), stored, "store"))
             except TactixError as exc:
                 warn_fallback(problem, stored, str(exc), "the untuned choice")
                 stable = False  # the warning (and its count) is the caller's on every plan
-        candidates += [(b, Tactic.default(b.name), "default") for b in registry.active(problem.op)]
+        candidates += [Candidate(b, Tactic.default(b.name), "default") for b in registry.active(problem.op)]
     chosen = tuple(candidates)
     if stable:
         if len(_remembered) >= 1024:
             _remembered.clear()
-        _remembered[key] = (epoch, registry, chosen, counter)
+        _remembered[key] = _Remembered(epoch, registry, chosen, counter)
     return chosen
 
 

@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 import torch
 
@@ -25,11 +25,10 @@ from tactix.autotune.stats import bump
 from tactix.autotune.store import CandidateResult, StoreEntry
 from tactix.autotune.timing import measure_with_policy
 from tactix.batch import PagedBatch
-from tactix.dtypes import to_torch_dtype
 from tactix.errors import FallbackWarning, UnsupportedProblemError
 from tactix.hookspecs import PlanOptions
-from tactix.layouts import page_shape
-from tactix.ops import GemmProblem, Problem
+from tactix.ops import Problem, definition
+from tactix.ops.definition import TunerInputs
 from tactix.registry import Backend, Registry
 from tactix.tactics import Tactic
 from tactix.testing.oracle import relative_error, tolerance_for
@@ -37,70 +36,8 @@ from tactix.testing.oracle import relative_error, tolerance_for
 __all__ = ["tune"]
 
 
-@dataclass
-class _Inputs:
-    batch: PagedBatch | None
-    args: tuple[Any, ...]  # what plan.run takes, outputs included
-    out: torch.Tensor
-
-
-def _random(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, gen: torch.Generator,
-            scale: float = 1.0) -> torch.Tensor:  # fmt: skip
-    data = torch.randn(shape, generator=gen, device="cpu") * scale
-    return data.to(device).to(dtype)
-
-
-def _attention_inputs(problem: Any, batch: PagedBatch, device: torch.device, gen: torch.Generator) -> _Inputs:
-    indices = batch.kv_indices.cpu().long()
-    pages, compact = torch.unique(indices, return_inverse=True)
-    small = PagedBatch.build(
-        qo_indptr=None if problem.op == "decode" else batch.qo_indptr,
-        kv_indptr=batch.kv_indptr,
-        kv_indices=compact.to(torch.int32),
-        kv_last_page_len=batch.kv_last_page_len,
-        page_size=problem.page_size,
-        device=device,
-        causal=getattr(problem, "causal", False),
-    )
-    n = max(int(pages.numel()), 1)
-    hkv, s = problem.num_kv_heads, problem.page_size
-    k_shape = (n, *page_shape(problem.kv_layout, s, hkv, problem.head_dim_qk))
-    v_shape = (n, *page_shape(problem.kv_layout, s, hkv, problem.head_dim_vo))
-    kv_dtype = to_torch_dtype(problem.kv_dtype)
-    rows = batch.num_qo_tokens
-    q = _random((rows, problem.num_qo_heads, problem.head_dim_qk), to_torch_dtype(problem.q_dtype), device, gen)
-    k, v = _random(k_shape, kv_dtype, device, gen), _random(v_shape, kv_dtype, device, gen)
-    out = torch.empty(rows, problem.num_qo_heads, problem.head_dim_vo, dtype=to_torch_dtype(problem.out_dtype),
-                      device=device)  # fmt: skip
-    lse = torch.empty(rows, problem.num_qo_heads, dtype=torch.float32, device=device) if problem.return_lse else None
-    return _Inputs(small, (q, k, v, out, lse), out)
-
-
-def _gemm_inputs(problem: GemmProblem, device: torch.device, gen: torch.Generator) -> _Inputs:
-    lead = (problem.batch,) if problem.batched else ()
-    a_dtype, b_dtype = to_torch_dtype(problem.a_dtype), to_torch_dtype(problem.b_dtype)
-    if problem.a_k_major:
-        a = _random((*lead, problem.m, problem.k), a_dtype, device, gen)
-    else:
-        a = _random((*lead, problem.k, problem.m), a_dtype, device, gen).transpose(-1, -2)
-    scale = problem.k**-0.5
-    if problem.b_k_major:
-        b = _random((*lead, problem.n, problem.k), b_dtype, device, gen, scale).transpose(-1, -2)
-    else:
-        b = _random((*lead, problem.k, problem.n), b_dtype, device, gen, scale)
-    out_dtype = to_torch_dtype(problem.out_dtype)
-    bias = _random((problem.n,), out_dtype, device, gen) if problem.bias_dtype is not None else None
-    fp8 = problem.scale_mode == "per_tensor"
-    scale_a = torch.tensor(1.0, device=device) if fp8 else None
-    scale_b = torch.tensor(1.0, device=device) if fp8 else None
-    out = torch.empty(*lead, problem.m, problem.n, dtype=out_dtype, device=device)
-    return _Inputs(None, (a, b, out, bias, scale_a, scale_b), out)
-
-
 def _tolerance(problem: Problem) -> float:
-    if isinstance(problem, GemmProblem):
-        return tolerance_for(problem.out_dtype, problem.a_dtype, problem.b_dtype)
-    return tolerance_for(problem.out_dtype, problem.q_dtype, problem.kv_dtype)
+    return tolerance_for(*problem.precision_dtypes())
 
 
 class _Progress:
@@ -156,11 +93,10 @@ def tune(
     Raises `UnsupportedProblemError` when no candidate can serve the problem at all.
     """
     gen = torch.Generator().manual_seed(seed)
-    inputs = (
-        _gemm_inputs(problem, device, gen)
-        if isinstance(problem, GemmProblem)
-        else _attention_inputs(problem, batch, device, gen)  # type: ignore[arg-type]
-    )
+    make_inputs = definition(problem.op).tuner_inputs
+    if make_inputs is None:
+        raise UnsupportedProblemError(backend, problem, [f"the {problem.op} op does not define tuner inputs"])
+    inputs = make_inputs(problem, batch, device, gen)
     competitors = registry.active(problem.op) if backend == "auto" else [registry.get(backend)]
     candidates: list[tuple[Backend, Tactic]] = []
     refused: list[str] = []
@@ -235,7 +171,7 @@ def _measure_one(
     b: Backend,
     tactic: Tactic,
     problem: Problem,
-    inputs: _Inputs,
+    inputs: TunerInputs,
     device: torch.device,
     policy: MeasurementPolicy,
     reference: torch.Tensor | None,

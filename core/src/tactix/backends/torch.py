@@ -66,6 +66,7 @@ _ATTENTION = AttentionCapabilities(
     logits_soft_cap=True,
     lse=True,
     cuda_graph="fixed_buffers",
+    run_extras=frozenset({"k_scale", "v_scale"}),
 )
 
 _GEMM = GemmCapabilities(
@@ -394,6 +395,8 @@ class _AttentionPlan:
         v_cache: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor | None,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
     ) -> None:
         g = self.geometry
         p = self.problem
@@ -402,8 +405,13 @@ class _AttentionPlan:
         kp = self._gather(k_cache)
         vp = self._gather(v_cache)
         if self._sdpa is None:
-            o, row_lse = self._explicit(qp, kp, vp, lse is not None)
+            o, row_lse = self._explicit(qp, kp, vp, lse is not None, k_scale, v_scale)
         else:
+            # dequantized in the cache dtype: sdpa's own scale is a Python float, a device scale is not
+            if k_scale is not None:
+                kp = kp * k_scale
+            if v_scale is not None:
+                vp = vp * v_scale
             o, row_lse = self._run_sdpa(qp, kp, vp), None
         rows = o.transpose(1, 2).reshape(g.batch_size * g.q_len, hq, p.head_dim_vo)
         torch.index_select(rows.to(out.dtype), 0, self.out_index, out=out)
@@ -413,20 +421,31 @@ class _AttentionPlan:
             torch.index_select(flat, 0, self.out_index, out=lse)
 
     def _explicit(
-        self, qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, want_lse: bool
+        self,
+        qp: torch.Tensor,
+        kp: torch.Tensor,
+        vp: torch.Tensor,
+        want_lse: bool,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         g = self.geometry
         p = self.problem
         hkv, group = p.num_kv_heads, p.gqa_ratio
         q32 = qp.float().reshape(g.batch_size, hkv, group * g.q_len, p.head_dim_qk)
-        scores = torch.matmul(q32, kp.float().transpose(-1, -2)) * p.sm_scale
+        k32, v32 = kp.float(), vp.float()
+        if k_scale is not None:
+            k32 = k32 * k_scale
+        if v_scale is not None:
+            v32 = v32 * v_scale
+        scores = torch.matmul(q32, k32.transpose(-1, -2)) * p.sm_scale
         if p.logits_soft_cap > 0:
             scores = torch.tanh(scores / p.logits_soft_cap) * p.logits_soft_cap
         scores = scores.view(g.batch_size, hkv, group, g.q_len, -1)
         scores = scores.masked_fill(~self.mask[:, :, None], float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1) if want_lse else None
         probs = torch.softmax(scores, dim=-1).view(g.batch_size, hkv, group * g.q_len, -1)
-        o = torch.matmul(probs, vp.float()).view(g.batch_size, p.num_qo_heads, g.q_len, p.head_dim_vo)
+        o = torch.matmul(probs, v32).view(g.batch_size, p.num_qo_heads, g.q_len, p.head_dim_vo)
         if row_lse is not None:
             row_lse = row_lse.reshape(g.batch_size, p.num_qo_heads, g.q_len)
         return o, row_lse

@@ -102,15 +102,14 @@ class _Wrapper:
                 "*args", "empty (pass k_scale/v_scale by keyword)", f"{len(args)} extra arguments"
             )
         _unsupported("q_scale", q_scale)
-        _unsupported("k_scale", k_scale)
-        _unsupported("v_scale", v_scale)
         _unsupported("sinks", sinks)
         planned_window = self._args.get("window_left", -1)
         if window_left is not None and window_left != planned_window:
             raise InvalidArgumentError("window_left", f"None or the planned {planned_window}", window_left)
         if not (return_lse or lse is not None):
-            return self._plain.run(q, paged_kv_cache, out=out)
-        result = self._lse_wrapper().run(q, paged_kv_cache, out=out, lse=lse, return_lse=True)
+            return self._plain.run(q, paged_kv_cache, out=out, k_scale=k_scale, v_scale=v_scale)
+        result = self._lse_wrapper().run(q, paged_kv_cache, out=out, lse=lse, return_lse=True, k_scale=k_scale,
+                                         v_scale=v_scale)  # fmt: skip
         assert isinstance(result, tuple)
         o, natural = result
         natural.mul_(_LOG2E)  # FlashInfer's LSE is base 2

@@ -3,17 +3,29 @@ capabilities a backend declares for them, and the plan protocol their ``run`` fo
 
 from __future__ import annotations
 
-from typing import Protocol, Self, runtime_checkable
+import math
+from typing import Any, ClassVar, Final, Protocol, Self, runtime_checkable
 
 import torch
 from pydantic import Field, model_validator
 
+from tactix.batch import PagedBatch
 from tactix.capabilities import CapabilitiesBase, format_set
-from tactix.dtypes import SHORT_NAMES, DTypeName
+from tactix.dtypes import SHORT_NAMES, DTypeName, to_torch_dtype
+from tactix.errors import InvalidArgumentError
+from tactix.layouts import page_shape
+from tactix.ops.definition import RunExtra, TunerInputs, random_tensor
 from tactix.problems import KVLayout, ProblemBase
 from tactix.tactics import Tactic
 
-__all__ = ["AttentionCapabilities", "AttentionPlan", "AttentionProblem"]
+__all__ = [
+    "ATTENTION_EXTRAS",
+    "AttentionCapabilities",
+    "AttentionPlan",
+    "AttentionProblem",
+    "attention_tuner_inputs",
+    "scale_value",
+]
 
 
 class AttentionProblem(ProblemBase):
@@ -52,6 +64,14 @@ class AttentionProblem(ProblemBase):
     @property
     def gqa_ratio(self) -> int:
         return self.num_qo_heads // self.num_kv_heads
+
+    def precision_dtypes(self) -> tuple[str, ...]:
+        """The dtypes that bound how exactly a result can match a float64 reference."""
+        return (self.out_dtype, self.q_dtype, self.kv_dtype)
+
+    ragged_queries: ClassVar[bool]
+    """Whether requests have any number of query rows (prefill: ``qo_indptr``) or exactly one
+    (decode)."""
 
     def masking_reasons(self, caps: AttentionCapabilities) -> list[str]:
         """Why ``caps`` cannot mask this problem as it asks (prefill: causal or not)."""
@@ -142,6 +162,67 @@ class AttentionCapabilities(CapabilitiesBase):
         return out
 
 
+def attention_tuner_inputs(
+    problem: AttentionProblem, batch: PagedBatch, device: torch.device, gen: torch.Generator
+) -> TunerInputs:
+    """Random q and a cache holding only the batch's pages (renumbered densely), for timing."""
+    indices = batch.kv_indices.cpu().long()
+    pages, compact = torch.unique(indices, return_inverse=True)
+    small = PagedBatch.build(
+        qo_indptr=batch.qo_indptr if problem.ragged_queries else None,
+        kv_indptr=batch.kv_indptr,
+        kv_indices=compact.to(torch.int32),
+        kv_last_page_len=batch.kv_last_page_len,
+        page_size=problem.page_size,
+        device=device,
+        causal=getattr(problem, "causal", False),
+    )
+    n = max(int(pages.numel()), 1)
+    hkv, s = problem.num_kv_heads, problem.page_size
+    k_shape = (n, *page_shape(problem.kv_layout, s, hkv, problem.head_dim_qk))
+    v_shape = (n, *page_shape(problem.kv_layout, s, hkv, problem.head_dim_vo))
+    kv_dtype = to_torch_dtype(problem.kv_dtype)
+    rows = batch.num_qo_tokens
+    q = random_tensor((rows, problem.num_qo_heads, problem.head_dim_qk), to_torch_dtype(problem.q_dtype), device, gen)
+    k, v = random_tensor(k_shape, kv_dtype, device, gen), random_tensor(v_shape, kv_dtype, device, gen)
+    out = torch.empty(rows, problem.num_qo_heads, problem.head_dim_vo, dtype=to_torch_dtype(problem.out_dtype),
+                      device=device)  # fmt: skip
+    lse = torch.empty(rows, problem.num_qo_heads, dtype=torch.float32, device=device) if problem.return_lse else None
+    return TunerInputs(small, (q, k, v, out, lse), out)
+
+
+def scale_value(value: Any, argument: str, device: torch.device) -> float | torch.Tensor:
+    """A dequantization scale as a plan receives it: a finite float > 0, or a float32 tensor of one
+    element on the plan's device (its value is read by the kernel, so a CUDA graph replays with
+    whatever it holds; it is not checked, which would wait for the device)."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype != torch.float32 or value.numel() != 1 or value.dim() > 1 or value.device != device:
+            raise InvalidArgumentError(
+                argument,
+                f"a float > 0 or a float32 tensor of one element (0-d or [1]) on {device}",
+                f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}",
+            )
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentError(argument, "a float > 0 or a one-element float32 tensor", type(value).__name__)
+    scale = float(value)
+    if not (scale > 0 and math.isfinite(scale)):
+        raise InvalidArgumentError(argument, "a finite float > 0", value)
+    return scale
+
+
+def _unit(value: Any) -> bool:
+    return not isinstance(value, torch.Tensor) and value == 1.0
+
+
+ATTENTION_EXTRAS: Final = (
+    RunExtra("k_scale", "dequantization scale of the K cache: logits are (q . k) * k_scale * sm_scale",
+             scale_value, _unit),
+    RunExtra("v_scale", "dequantization scale of the V cache: the output attends v * v_scale", scale_value, _unit),
+)  # fmt: skip
+"""The run extras of the paged-attention ops."""
+
+
 @runtime_checkable
 class AttentionPlan(Protocol):
     """A planned prefill or decode batch.
@@ -161,6 +242,11 @@ class AttentionPlan(Protocol):
     ``tactix_check`` would say for the new sizes and return None for any batch it cannot serve
     the same way (the full path then plans it); an exception other than `InvalidArgumentError`
     also sends the batch down the full path.
+
+    Run extras (`ATTENTION_EXTRAS`: ``k_scale``, ``v_scale``) arrive as keyword arguments of
+    ``run``, each only if the backend's capabilities list it in ``run_extras`` and the caller
+    gave a value that changes the result (a scale of 1.0 is dropped): ``run(q, k_cache, v_cache,
+    out, lse, k_scale=...)``. A plan whose backend lists none keeps the five-argument ``run``.
     """
 
     tactic: Tactic

@@ -11,7 +11,13 @@ from typing import ClassVar
 
 from tactix.batch import PagedBatch
 from tactix.hookspecs import PlanOptions, hookspec
-from tactix.ops.attention import AttentionCapabilities, AttentionPlan, AttentionProblem
+from tactix.ops.attention import (
+    ATTENTION_EXTRAS,
+    AttentionCapabilities,
+    AttentionPlan,
+    AttentionProblem,
+    attention_tuner_inputs,
+)
 from tactix.ops.definition import OpDefinition
 from tactix.tactics import Tactic
 
@@ -22,6 +28,7 @@ class DecodeProblem(AttentionProblem):
     """One query token per request over a paged KV cache."""
 
     op: ClassVar[str] = "decode"
+    ragged_queries: ClassVar[bool] = False
     dynamic: ClassVar[tuple[str, ...]] = ("batch_size", "max_kv_len")
 
     @property
@@ -53,5 +60,8 @@ DEFINITION = OpDefinition(
     capabilities=AttentionCapabilities,
     hookspecs=sys.modules[__name__],
     plan_hook="tactix_plan_decode",
+    wrapper_path="tactix.attention:PagedDecode",
+    run_extras=ATTENTION_EXTRAS,
+    tuner_inputs=attention_tuner_inputs,
     summary="paged-KV attention of one query row per request",
 )

@@ -4,13 +4,63 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from tactix.capabilities import CapabilitiesBase
 from tactix.problems import ProblemBase
 
-__all__ = ["OpDefinition"]
+if TYPE_CHECKING:
+    import torch
+
+    from tactix.batch import PagedBatch
+
+__all__ = ["OpDefinition", "RunExtra", "TunerInputs", "random_tensor"]
+
+
+@dataclass
+class TunerInputs:
+    """What the autotuner times a candidate plan on: random data of the problem's shapes."""
+
+    batch: PagedBatch | None
+    """The batch the plan is made for (None: an op without batch metadata, like GEMM)."""
+    args: tuple[Any, ...]
+    """What the plan's ``run`` takes, outputs included."""
+    out: torch.Tensor
+    """The output ``run`` writes (compared across candidates)."""
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, gen: torch.Generator,
+                  scale: float = 1.0) -> torch.Tensor:  # fmt: skip
+    """Normal random values (drawn on the CPU from ``gen``, so the same on every device)."""
+    import torch
+
+    data = torch.randn(shape, generator=gen, device="cpu") * scale
+    return data.to(device).to(dtype)
+
+
+@dataclass(frozen=True)
+class RunExtra:
+    """A per-call argument of an op's ``run()`` besides its tensors (a scale, a mask, sinks).
+
+    The op declares it (`OpDefinition.run_extras`); a backend's plans receive it only when that
+    backend's capabilities list it in ``run_extras``, by keyword, and only when the caller gave a
+    value that changes the result. A backend that does not list it never sees it: the wrapper
+    refuses the call, naming the extra and the backends that take it.
+    """
+
+    name: str
+    """The keyword of the wrapper's ``run()`` and of a plan's ``run``."""
+    summary: str
+    """What it means, for listings and errors."""
+    validate: Callable[[Any, str, Any], Any]
+    """``validate(value, argument, device)``: the value a plan receives, or an
+    `InvalidArgumentError` naming ``argument``."""
+    neutral: Callable[[Any], bool] = lambda value: False
+    """Whether a validated value changes nothing (``k_scale=1.0``): dropped, so a backend that
+    does not take the extra serves the call anyway."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +87,27 @@ class OpDefinition:
     cannot be remembered per static problem."""
     summary: str = ""
     """One line for listings (``tactix backends``, the support matrix)."""
+    run_extras: tuple[RunExtra, ...] = ()
+    """The per-call extras the op's ``run()`` takes (a backend opts in to each by name)."""
+    wrapper_path: str = ""
+    """``"module:Class"`` of the op's user-facing wrapper (`wrapper`), imported when first asked
+    for (the wrappers import the registry, which imports the ops)."""
+    tuner_inputs: Callable[[Any, Any, Any, Any], TunerInputs] | None = None
+    """``tuner_inputs(problem, batch, device, generator)``: the inputs the autotuner times and
+    compares candidate plans on (None: the op cannot be tuned)."""
+
+    def wrapper(self) -> type:
+        """The op's user-facing wrapper class (`tactix.PagedPrefill`, ...)."""
+        import importlib
+
+        module, _, name = self.wrapper_path.partition(":")
+        found: type = getattr(importlib.import_module(module), name)
+        return found
+
+    @functools.cached_property
+    def extras(self) -> dict[str, RunExtra]:
+        """`run_extras` by name."""
+        return {extra.name: extra for extra in self.run_extras}
 
     @functools.cached_property
     def plan_arguments(self) -> frozenset[str]:

@@ -13,9 +13,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from tactix.capabilities import CapabilitiesBase, format_set
-from tactix.dtypes import SHORT_NAMES, DTypeName
+from tactix.dtypes import SHORT_NAMES, DTypeName, to_torch_dtype
 from tactix.hookspecs import PlanOptions, hookspec
-from tactix.ops.definition import OpDefinition
+from tactix.ops.definition import OpDefinition, TunerInputs, random_tensor
 from tactix.problems import ProblemBase
 from tactix.tactics import Tactic
 
@@ -46,6 +46,11 @@ class GemmProblem(ProblemBase):
     b_k_major: bool = True
     scale_mode: Literal["none", "per_tensor"] = "none"
     bias_dtype: DTypeName | None = None
+
+    def precision_dtypes(self) -> tuple[str, ...]:
+        """The dtypes that bound how exactly a result can match a float64 reference."""
+        dtypes: tuple[str, ...] = (self.out_dtype, self.a_dtype, self.b_dtype)
+        return dtypes
 
     def __str__(self) -> str:
         dtype = SHORT_NAMES[self.a_dtype]
@@ -110,6 +115,29 @@ class GemmCapabilities(CapabilitiesBase):
         return out
 
 
+def gemm_tuner_inputs(problem: GemmProblem, batch: None, device: torch.device, gen: torch.Generator) -> TunerInputs:
+    """Random operands in the problem's layouts (``b`` scaled by ``k ** -0.5``), for timing."""
+    del batch
+    lead = (problem.batch,) if problem.batched else ()
+    a_dtype, b_dtype = to_torch_dtype(problem.a_dtype), to_torch_dtype(problem.b_dtype)
+    if problem.a_k_major:
+        a = random_tensor((*lead, problem.m, problem.k), a_dtype, device, gen)
+    else:
+        a = random_tensor((*lead, problem.k, problem.m), a_dtype, device, gen).transpose(-1, -2)
+    scale = problem.k**-0.5
+    if problem.b_k_major:
+        b = random_tensor((*lead, problem.n, problem.k), b_dtype, device, gen, scale).transpose(-1, -2)
+    else:
+        b = random_tensor((*lead, problem.k, problem.n), b_dtype, device, gen, scale)
+    out_dtype = to_torch_dtype(problem.out_dtype)
+    bias = random_tensor((problem.n,), out_dtype, device, gen) if problem.bias_dtype is not None else None
+    fp8 = problem.scale_mode == "per_tensor"
+    scale_a = torch.tensor(1.0, device=device) if fp8 else None
+    scale_b = torch.tensor(1.0, device=device) if fp8 else None
+    out = torch.empty(*lead, problem.m, problem.n, dtype=out_dtype, device=device)
+    return TunerInputs(None, (a, b, out, bias, scale_a, scale_b), out)
+
+
 @runtime_checkable
 class GemmPlan(Protocol):
     """A planned GEMM: ``run`` writes ``out = scale_a * scale_b * (a @ b) + bias``."""
@@ -144,6 +172,8 @@ DEFINITION = OpDefinition(
     capabilities=GemmCapabilities,
     hookspecs=sys.modules[__name__],
     plan_hook="tactix_plan_gemm",
+    wrapper_path="tactix.gemm:Gemm",
     sized_capabilities=True,
+    tuner_inputs=gemm_tuner_inputs,
     summary="dense matrix products (bf16/fp16/fp32, fp8 with per-tensor scales)",
 )

@@ -13,7 +13,13 @@ from pydantic import Field
 
 from tactix.batch import PagedBatch
 from tactix.hookspecs import PlanOptions, hookspec
-from tactix.ops.attention import AttentionCapabilities, AttentionPlan, AttentionProblem
+from tactix.ops.attention import (
+    ATTENTION_EXTRAS,
+    AttentionCapabilities,
+    AttentionPlan,
+    AttentionProblem,
+    attention_tuner_inputs,
+)
 from tactix.ops.definition import OpDefinition
 from tactix.tactics import Tactic
 
@@ -24,6 +30,7 @@ class PrefillProblem(AttentionProblem):
     """Ragged queries over a paged KV cache (prefill, append, chunked prefill)."""
 
     op: ClassVar[str] = "prefill"
+    ragged_queries: ClassVar[bool] = True
     dynamic: ClassVar[tuple[str, ...]] = ("batch_size", "num_qo_tokens", "max_qo_len", "max_kv_len")
 
     causal: bool
@@ -55,5 +62,8 @@ DEFINITION = OpDefinition(
     capabilities=AttentionCapabilities,
     hookspecs=sys.modules[__name__],
     plan_hook="tactix_plan_prefill",
+    wrapper_path="tactix.attention:PagedPrefill",
+    run_extras=ATTENTION_EXTRAS,
+    tuner_inputs=attention_tuner_inputs,
     summary="paged-KV attention of ragged query rows (prefill, append, chunked prefill)",
 )

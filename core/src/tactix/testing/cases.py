@@ -28,7 +28,7 @@ import torch
 
 from tactix.dtypes import SHORT_NAMES, to_torch_dtype
 from tactix.layouts import page_shape
-from tactix.ops import AttentionCapabilities, GemmCapabilities, GemmDTypes
+from tactix.ops import OPS, AttentionCapabilities, AttentionProblem, GemmCapabilities, GemmDTypes, GemmProblem
 
 __all__ = [
     "AttentionCase",
@@ -52,7 +52,7 @@ Stale = Literal["large", "nan", "inf"]
 class AttentionCase:
     """One prefill or decode conformance case."""
 
-    op: Literal["prefill", "decode"]
+    op: str  # a paged-attention op of the registry (tactix.ops.OPS)
     q_dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
     out_dtype: str = "bfloat16"
@@ -72,11 +72,24 @@ class AttentionCase:
     cache_form: Literal["tuple", "tensor"] = "tuple"
     q_form: Literal["contiguous", "strided"] = "contiguous"  # strided: q is a view of a fused QKV output
     stale: Stale = "large"
+    k_scale: float = 1.0  # run extras: dequantization scales (1.0: not passed)
+    v_scale: float = 1.0
+    scale_form: Literal["float", "tensor"] = "float"  # tensor: one-element float32 tensors on the device
     seed: int = 0
 
     @property
+    def run_extras(self) -> frozenset[str]:
+        """The run extras this case passes (a backend that does not take them skips it)."""
+        return frozenset(name for name in ("k_scale", "v_scale") if getattr(self, name) != 1.0)
+
+    @property
+    def ragged(self) -> bool:
+        """Whether the op takes any number of query rows per request (prefill) or one (decode)."""
+        return _ragged(self.op)
+
+    @property
     def chunked(self) -> bool:
-        return self.op == "prefill" and any(k > q for k, q in zip(self.kv_lens, self.q_lens, strict=True))
+        return self.ragged and any(k > q for k, q in zip(self.kv_lens, self.q_lens, strict=True))
 
     @property
     def id(self) -> str:
@@ -107,6 +120,10 @@ class AttentionCase:
             parts.append(self.batch)
         if self.stale != "large":
             parts.append(f"stale-{self.stale}")
+        if self.run_extras:
+            parts.append(f"kscale{self.k_scale:g}-vscale{self.v_scale:g}")
+            if self.scale_form == "tensor":
+                parts.append("devscale")
         return f"{self.op}[{'-'.join(parts)}]"
 
     def features(self) -> list[str]:
@@ -120,7 +137,7 @@ class AttentionCase:
             f"GQA {self.num_qo_heads // self.num_kv_heads}",
             f"batch {self.batch}",
         ]
-        if self.op == "prefill":
+        if self.ragged:
             tags.append("causal" if self.causal else "non-causal")
             if self.chunked:
                 tags.append("chunked prefill")
@@ -136,6 +153,8 @@ class AttentionCase:
             tags.append("strided q (QKV view)")
         if self.stale != "large":
             tags.append(f"{'NaN' if self.stale == 'nan' else 'Inf'} in slots no request owns")
+        if self.run_extras:
+            tags.append("k/v scales" + (" (device tensors)" if self.scale_form == "tensor" else ""))
         return tags
 
     def plan_kwargs(self) -> dict[str, Any]:
@@ -152,7 +171,7 @@ class AttentionCase:
             o_data_type=to_torch_dtype(self.out_dtype),
             return_lse=self.return_lse,
         )
-        if self.op == "prefill":
+        if self.ragged:
             kw["causal"] = self.causal
         return kw
 
@@ -176,15 +195,16 @@ class AttentionInputs:
     out: torch.Tensor
     lse: torch.Tensor | None
     outside: torch.Tensor = field(repr=False)  # bool [pages, page_size]: slots that belong to no request
+    extras: dict[str, Any] = field(default_factory=dict)  # the run extras run() receives (k_scale, ...)
 
     def plan_args(self, op: str) -> tuple[torch.Tensor, ...]:
         meta = (self.kv_indptr, self.kv_indices, self.kv_last_page_len)
-        return ((self.qo_indptr, *meta)) if op == "prefill" else meta
+        return ((self.qo_indptr, *meta)) if _ragged(op) else meta
 
     def empty_plan_args(self, op: str) -> tuple[torch.Tensor, ...]:
         """`plan_args` of an empty batch: the same requests and pages with no query row
         (prefill), or no request at all (decode, whose every request has one row)."""
-        if op == "prefill":
+        if _ragged(op):
             return (torch.zeros_like(self.qo_indptr), self.kv_indptr, self.kv_indices, self.kv_last_page_len)
         return (self.kv_indptr[:1], self.kv_indices[:0], self.kv_last_page_len[:0])
 
@@ -263,7 +283,12 @@ def build_attention_inputs(case: AttentionCase, device: torch.device) -> Attenti
         if case.return_lse
         else None
     )
-    return AttentionInputs(_i32(qo), _i32(indptr), _i32(indices), _i32(last), q, k, v, cache, out, lse, outside)
+    extras: dict[str, Any] = {}
+    for name in sorted(case.run_extras):
+        value = getattr(case, name)
+        extras[name] = torch.tensor(value, dtype=torch.float32, device=device) if case.scale_form == "tensor" else value
+    return AttentionInputs(_i32(qo), _i32(indptr), _i32(indices), _i32(last), q, k, v, cache, out, lse, outside,
+                           extras)  # fmt: skip
 
 
 def _i32(values: list[int]) -> torch.Tensor:
@@ -275,14 +300,20 @@ def _values(declared: Iterable[Any] | None, standard: Iterable[Any]) -> list[Any
     return sorted(merged, key=lambda x: (str(type(x)), x))
 
 
-def _base(op: Literal["prefill", "decode"], caps: AttentionCapabilities) -> AttentionCase:
+def _ragged(op: str) -> bool:
+    problem = OPS[op].problem
+    assert issubclass(problem, AttentionProblem), f"{op} is not a paged-attention op"
+    return problem.ragged_queries
+
+
+def _base(op: str, caps: AttentionCapabilities) -> AttentionCase:
     dtype = "bfloat16" if "bfloat16" in caps.q_dtypes else sorted(caps.q_dtypes)[0]
     kv = dtype if dtype in caps.kv_dtypes else sorted(caps.kv_dtypes)[0]
     out = dtype if dtype in caps.out_dtypes else sorted(caps.out_dtypes)[0]
     head = 128 if caps.head_dims is None or 128 in caps.head_dims else sorted(caps.head_dims)[0]
     page = 16 if caps.page_sizes is None or 16 in caps.page_sizes else sorted(caps.page_sizes)[0]
     layout: Literal["NHD", "HND"] = "HND" if "HND" in caps.kv_layouts else "NHD"
-    if op == "prefill":
+    if _ragged(op):
         return AttentionCase(
             op,
             dtype,
@@ -302,7 +333,7 @@ def _base(op: Literal["prefill", "decode"], caps: AttentionCapabilities) -> Atte
 def _batches(op: str, page: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     """Named batch shapes: name -> (kv lengths, q lengths)."""
     edge_kv = tuple(sorted({1, max(page - 1, 1), page, page + 1, 2 * page, 3 * page + 1}))
-    if op == "decode":
+    if not _ragged(op):
         return {
             "edge": (edge_kv, (1,) * len(edge_kv)),
             "long": ((32768, 5), (1, 1)),
@@ -320,7 +351,7 @@ def _batches(op: str, page: int) -> dict[str, tuple[tuple[int, ...], tuple[int, 
     }
 
 
-def attention_cases(op: Literal["prefill", "decode"], caps: AttentionCapabilities) -> list[AttentionCase]:
+def attention_cases(op: str, caps: AttentionCapabilities) -> list[AttentionCase]:
     """The cases for ``op`` (one factor at a time from the base case, plus combinations that matter)."""
     base = _base(op, caps)
     cases: list[AttentionCase] = [base]
@@ -353,7 +384,7 @@ def attention_cases(op: Literal["prefill", "decode"], caps: AttentionCapabilitie
         add(num_qo_heads=qo_heads, num_kv_heads=kv_heads)
     for name, (kv_lens, q_lens) in _batches(op, base.page_size).items():
         add(batch=name, kv_lens=kv_lens, q_lens=q_lens)
-    if op == "prefill":
+    if _ragged(op):
         add(causal=False)
         add(causal=False, batch="q-longer", kv_lens=(40, 8), q_lens=(64, 16))
         chunked_kv, chunked_q = (1061, 530, 48), (37, 530, 17)
@@ -373,16 +404,20 @@ def attention_cases(op: Literal["prefill", "decode"], caps: AttentionCapabilitie
         add(stale=stale)
         add(stale=stale, batch="edge", kv_lens=edge_kv, q_lens=edge_q)
         add(stale=stale, return_lse=True, kv_layout=other_layout)
-        if op == "prefill":  # long non-causal requests with partial last pages of 32 slots
+        if _ragged(op):  # long non-causal requests with partial last pages of 32 slots
             add(stale=stale, causal=False, batch="2x3000", kv_lens=(3000, 3000), q_lens=(3000, 3000), page_size=32,
                 num_qo_heads=4, num_kv_heads=1)  # fmt: skip
             add(stale=stale, batch="chunked", kv_lens=(1061, 530, 48), q_lens=(37, 530, 17))
+    # dequantization scales (run extras), as floats and as device tensors, with the LSE (which
+    # k_scale changes and v_scale does not)
+    add(k_scale=0.5, v_scale=2.0)
+    add(k_scale=0.25, v_scale=0.5, scale_form="tensor", return_lse=True)
     seen: set[str] = set()
     unique = []
     for index, case in enumerate(cases):
         if case.id not in seen:
             seen.add(case.id)
-            unique.append(replace(case, seed=1000 * (op == "prefill") + index))
+            unique.append(replace(case, seed=1000 * _ragged(op) + index))
     return unique
 
 
@@ -406,7 +441,7 @@ class GemmCase:
     label: str = ""
     seed: int = 0
 
-    op: ClassVar[str] = "gemm"
+    op: ClassVar[str] = GemmProblem.op
 
     @property
     def fp8(self) -> bool:

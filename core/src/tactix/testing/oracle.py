@@ -103,11 +103,14 @@ def attention_reference(
     sm_scale: float,
     window_left: int = -1,
     logits_soft_cap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged attention in float64: returns ``out [rows, qo_heads, dim_vo]`` and ``lse [rows, qo_heads]``.
 
     Decode is the case ``qo_indptr = [0, 1, ..., batch]`` with ``causal=False``. The LSE is the
-    natural-log log-sum-exp of the scaled, soft-capped logits over the attended keys.
+    natural-log log-sum-exp of the scaled, soft-capped logits over the attended keys. ``k_scale``
+    and ``v_scale`` dequantize the cache: logits are ``(q . k) * k_scale * sm_scale``, values ``v * v_scale``.
     """
     qo = [int(x) for x in qo_indptr.tolist()]
     kv = [int(x) for x in kv_indptr.tolist()]
@@ -133,7 +136,7 @@ def attention_reference(
         q_len = q_rows.shape[0]
         if q_len == 0:
             continue
-        logits = torch.einsum("qhd,khd->hqk", q_rows, k) * sm_scale
+        logits = torch.einsum("qhd,khd->hqk", q_rows, k) * (k_scale * sm_scale)
         if logits_soft_cap > 0:
             logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
         position = torch.arange(q_len, device=q.device) + (kv_len - q_len)  # bottom-right
@@ -146,7 +149,7 @@ def attention_reference(
         logits = logits.masked_fill(~allowed, -math.inf)
         row_lse = torch.logsumexp(logits, dim=-1)  # [heads, q_len]
         probs = torch.exp(logits - row_lse[..., None])
-        out[qo[r] : qo[r + 1]] = torch.einsum("hqk,khd->qhd", probs, v.to(torch.float64))
+        out[qo[r] : qo[r + 1]] = torch.einsum("hqk,khd->qhd", probs, v.to(torch.float64)) * v_scale
         lse[qo[r] : qo[r + 1]] = row_lse.transpose(0, 1)
     return out, lse
 

@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 import torch
 
-from tactix.attention import PagedDecode, PagedPrefill, attention_problem
+from tactix.attention import attention_problem
 from tactix.batch import PagedBatch
 from tactix.errors import FallbackWarning, InvalidArgumentError, TactixError
 from tactix.gemm import Gemm, gemm_problem
-from tactix.ops import DecodeProblem, GemmProblem, PrefillProblem
+from tactix.ops import OPS, DecodeProblem, GemmProblem, PrefillProblem
 from tactix.registry import Backend
 from tactix.tactics import Tactic
 from tactix.testing.cases import (
@@ -86,7 +86,7 @@ def _problem(
         case.op,
         device=device,
         kv_layout=case.kv_layout,
-        qo_indptr=inputs.qo_indptr if case.op == "prefill" else None,
+        qo_indptr=inputs.qo_indptr if case.ragged else None,
         paged_kv_indptr=inputs.kv_indptr,
         paged_kv_indices=inputs.kv_indices,
         paged_kv_last_page_len=inputs.kv_last_page_len,
@@ -97,15 +97,22 @@ def _problem(
 
 
 def _skip_unless_claimed(
-    backend: Backend, problem: Any, batch: PagedBatch | None, tactic: Tactic | None = None
+    backend: Backend,
+    problem: Any,
+    batch: PagedBatch | None,
+    tactic: Tactic | None = None,
+    extras: frozenset[str] = frozenset(),
 ) -> None:
     reasons = backend.check(problem, tactic or Tactic.default(backend.name), batch)
+    caps = backend.spec.implements.get(problem.op)
+    taken = caps.run_extras if caps is not None else frozenset()
+    reasons += [f"run extra {name} not declared (run_extras)" for name in sorted(extras - taken)]
     if reasons:
         pytest.skip("not claimed: " + "; ".join(reasons))
 
 
 def _wrapper(case: AttentionCase, backend: Backend, device: torch.device, graph: bool = False) -> Any:
-    cls = PagedPrefill if case.op == "prefill" else PagedDecode
+    cls = OPS[case.op].wrapper()
     return cls(case.kv_layout, backend=backend.name, device=device, use_cuda_graph=graph)
 
 
@@ -115,18 +122,18 @@ def _plan(wrapper: Any, case: AttentionCase, inputs: AttentionInputs, tactic: Ta
 
 
 def _run(wrapper: Any, case: AttentionCase, inputs: AttentionInputs) -> None:
-    result = wrapper.run(inputs.q, inputs.cache, out=inputs.out, lse=inputs.lse)
+    result = wrapper.run(inputs.q, inputs.cache, out=inputs.out, lse=inputs.lse, **inputs.extras)
     out = result[0] if case.return_lse else result
     assert out is inputs.out, "run(out=...) must return the given out tensor"
 
 
 def _reference(case: AttentionCase, inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
     rows = inputs.q.shape[0]
-    qo = inputs.qo_indptr if case.op == "prefill" else torch.arange(rows + 1, dtype=torch.int32)
+    qo = inputs.qo_indptr if case.ragged else torch.arange(rows + 1, dtype=torch.int32)
     return attention_reference(
         inputs.q, inputs.k_cache, inputs.v_cache, qo, inputs.kv_indptr, inputs.kv_indices, inputs.kv_last_page_len,
         kv_layout=case.kv_layout, causal=case.causal, sm_scale=case.sm_scale, window_left=case.window_left,
-        logits_soft_cap=case.logits_soft_cap,
+        logits_soft_cap=case.logits_soft_cap, k_scale=case.k_scale, v_scale=case.v_scale,
     )  # fmt: skip
 
 
@@ -163,7 +170,7 @@ def test_attention(backend: Backend | None, attention_case: AttentionCase, devic
     case = attention_case
     inputs = build_attention_inputs(case, device)
     problem, batch = _problem(case, inputs, device)
-    _skip_unless_claimed(backend, problem, batch)
+    _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
 
     wrapper = _wrapper(case, backend, device)
     _plan(wrapper, case, inputs)
@@ -200,7 +207,7 @@ def test_attention_tactics(
     case = tactic_case
     inputs = build_attention_inputs(case, device)
     problem, batch = _problem(case, inputs, device)
-    _skip_unless_claimed(backend, problem, batch)
+    _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
     tactics = [t for t in backend.tactics(problem) if not t.is_default and not backend.check(problem, t, batch)]
     if not tactics:
         pytest.skip(f"{backend.name} enumerates no tactic besides its default for {case.id}")
@@ -224,7 +231,7 @@ def test_attention_replan(backend: Backend | None, graph_case: AttentionCase, de
     """One wrapper re-planned for a different batch, then for the first batch again."""
     backend = _require(backend)
     first = graph_case
-    q_lens = (5, 1, 3, 64, 1, 17) if first.op == "prefill" else (1,) * 6
+    q_lens = (5, 1, 3, 64, 1, 17) if first.ragged else (1,) * 6
     second = replace(first, kv_lens=(5, 1, 1030, 64, 200, 17), q_lens=q_lens, seed=first.seed + 77)
     wrapper = _wrapper(first, backend, device)
     for case in (first, second, first):
@@ -269,7 +276,7 @@ def test_attention_refuses_an_empty_batch(
     problem, batch = _problem(case, inputs, device)
     _skip_unless_claimed(backend, problem, batch)
     wrapper = _wrapper(case, backend, device)
-    argument = "qo_indptr" if case.op == "prefill" else "paged_kv_indptr"
+    argument = "qo_indptr" if case.ragged else "paged_kv_indptr"
     with pytest.raises(InvalidArgumentError, match=f"'{argument}'"), claimed_path():
         wrapper.plan(*inputs.empty_plan_args(case.op), **case.plan_kwargs())
     _plan(wrapper, case, inputs)
