@@ -37,3 +37,15 @@ def test_the_tuner_inputs_of_each_op_have_the_problems_shapes() -> None:
     gemm.plan(5, 48, 32, a_dtype=torch.bfloat16)
     a, b, out, bias, *_ = OPS["gemm"].tuner_inputs(gemm.problem, None, torch.device("cpu"), gen).args  # type: ignore[misc]
     assert a.shape == (5, 32) and b.shape == (32, 48) and out.shape == (5, 48) and bias is None
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_the_kit_finds_every_op_s_cases_through_its_definition(name: str) -> None:
+    from tactix.registry import get_registry
+    from tactix.testing.plugin import KIT_FIXTURES
+
+    op = OPS[name]
+    assert op.kit_family in {family for family, _ in KIT_FIXTURES.values()}
+    cases = op.kit_cases(get_registry().get("torch").spec.implements[name])
+    assert cases and all(case.op == name for case in cases)
+    assert len({case.id for case in cases}) == len(cases)

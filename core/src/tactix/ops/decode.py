@@ -62,6 +62,8 @@ DEFINITION = OpDefinition(
     plan_hook="tactix_plan_decode",
     wrapper_path="tactix.attention:PagedDecode",
     run_extras=ATTENTION_EXTRAS,
+    kit_family="attention",
+    kit_cases_path="tactix.testing.cases:attention_cases",
     tuner_inputs=attention_tuner_inputs,
     summary="paged-KV attention of one query row per request",
 )

@@ -92,6 +92,12 @@ class OpDefinition:
     wrapper_path: str = ""
     """``"module:Class"`` of the op's user-facing wrapper (`wrapper`), imported when first asked
     for (the wrappers import the registry, which imports the ops)."""
+    kit_family: str = ""
+    """The conformance kit's case family of the op (``"attention"``, ``"gemm"``): which suite
+    tests and fixtures its cases go to (`tactix.testing.plugin.KIT_FIXTURES`)."""
+    kit_cases_path: str = ""
+    """``"module:function"`` giving the kit's cases of the op from a backend's declaration:
+    ``cases(op, capabilities)`` (imported when the kit first asks)."""
     tuner_inputs: Callable[[Any, Any, Any, Any], TunerInputs] | None = None
     """``tuner_inputs(problem, batch, device, generator)``: the inputs the autotuner times and
     compares candidate plans on (None: the op cannot be tuned)."""
@@ -103,6 +109,16 @@ class OpDefinition:
         module, _, name = self.wrapper_path.partition(":")
         found: type = getattr(importlib.import_module(module), name)
         return found
+
+    def kit_cases(self, capabilities: CapabilitiesBase) -> list[Any]:
+        """The conformance cases of this op for ``capabilities`` (empty: the kit has none)."""
+        if not self.kit_cases_path:
+            return []
+        import importlib
+
+        module, _, name = self.kit_cases_path.partition(":")
+        cases: list[Any] = getattr(importlib.import_module(module), name)(self.name, capabilities)
+        return cases
 
     @functools.cached_property
     def extras(self) -> dict[str, RunExtra]:

@@ -174,6 +174,8 @@ DEFINITION = OpDefinition(
     plan_hook="tactix_plan_gemm",
     wrapper_path="tactix.gemm:Gemm",
     sized_capabilities=True,
+    kit_family="gemm",
+    kit_cases_path="tactix.testing.cases:gemm_cases",
     tuner_inputs=gemm_tuner_inputs,
     summary="dense matrix products (bf16/fp16/fp32, fp8 with per-tensor scales)",
 )

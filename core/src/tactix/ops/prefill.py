@@ -64,6 +64,8 @@ DEFINITION = OpDefinition(
     plan_hook="tactix_plan_prefill",
     wrapper_path="tactix.attention:PagedPrefill",
     run_extras=ATTENTION_EXTRAS,
+    kit_family="attention",
+    kit_cases_path="tactix.testing.cases:attention_cases",
     tuner_inputs=attention_tuner_inputs,
     summary="paged-KV attention of ragged query rows (prefill, append, chunked prefill)",
 )

@@ -530,7 +530,9 @@ def build_gemm_inputs(case: GemmCase, device: torch.device) -> GemmInputs:
     return GemmInputs(a, b, bias, scale_a, scale_b, out)
 
 
-def gemm_cases(caps: GemmCapabilities) -> list[GemmCase]:
+def gemm_cases(op: str, caps: GemmCapabilities) -> list[GemmCase]:
+    """The cases of a GEMM op (``op`` names it, as for `attention_cases`)."""
+    del op
     combos = set(caps.dtypes) | {GemmDTypes(a=t, b=t, out=t) for t in _STANDARD_DTYPES}
     combos.add(GemmDTypes(a="float8_e4m3fn", b="float8_e4m3fn", out="bfloat16", scale_mode="per_tensor"))
     cases: list[GemmCase] = []

@@ -20,9 +20,9 @@ import platform
 import re
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 import torch
@@ -30,9 +30,9 @@ import torch
 import tactix
 from tactix.devices import named_device
 from tactix.errors import BackendNotFoundError, InvalidArgumentError, TactixError
-from tactix.ops import AttentionCapabilities, GemmCapabilities, GemmDTypes
+from tactix.ops import OPS, GemmDTypes
 from tactix.registry import Backend, get_registry
-from tactix.testing.cases import AttentionCase, GemmCase, attention_cases, gemm_cases
+from tactix.testing.cases import AttentionCase, GemmCase
 
 _RESULTS = pytest.StashKey[dict[str, dict[str, Any]]]()
 _BACKENDS = pytest.StashKey[list[Backend]]()
@@ -157,30 +157,43 @@ TACTIC_BATCHES = ("ragged", "chunked", "edge")
 """Batches whose cases also check every (or a sample of every) enumerated tactic."""
 
 
+def _tactic_cases(cases: list[Any]) -> list[Any]:
+    return [c for c in cases if c.batch in TACTIC_BATCHES and c.head_dim_qk == c.head_dim_vo]
+
+
+def _graph_cases(cases: list[Any]) -> list[Any]:
+    return [c for c in cases if c.batch == "ragged"][:4]
+
+
+KIT_FIXTURES: Final[dict[str, tuple[str, Callable[[list[Any]], list[Any]] | None]]] = {
+    "attention_case": ("attention", None),
+    "tactic_case": ("attention", _tactic_cases),
+    "graph_case": ("attention", _graph_cases),
+    "gemm_case": ("gemm", None),
+}
+"""The suite's case fixtures: the kit family (`OpDefinition.kit_family`) whose cases each takes,
+and the subset of them (None: all)."""
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    names = set(metafunc.fixturenames)
-    wanted = names & {"attention_case", "gemm_case", "tactic_case", "graph_case"}
+    wanted = sorted(set(metafunc.fixturenames) & set(KIT_FIXTURES))
     if not wanted:
         return
+    fixture = wanted[0]
+    family, subset = KIT_FIXTURES[fixture]
     backends = selected_backends(metafunc.config)
     many = len(backends) > 1
     params = []
     for backend in backends:
-        if "gemm_case" in names:
-            for caps in backend.spec.implements.values():
-                if isinstance(caps, GemmCapabilities):
-                    params += [_param(backend, c, many) for c in gemm_cases(caps)]
-            continue
         for op, caps in backend.spec.implements.items():
-            if not isinstance(caps, AttentionCapabilities):
+            definition = OPS[op]
+            if definition.kit_family != family:
                 continue
-            cases = attention_cases(op, caps)  # type: ignore[arg-type]
-            if "tactic_case" in names:
-                cases = [c for c in cases if c.batch in TACTIC_BATCHES and c.head_dim_qk == c.head_dim_vo]
-            if "graph_case" in names:
-                cases = [c for c in cases if c.batch == "ragged"][:4]
+            cases = definition.kit_cases(caps)
+            if subset is not None:
+                cases = subset(cases)
             params += [_param(backend, c, many) for c in cases]
-    argnames = ["backend", sorted(wanted)[0]]
+    argnames = ["backend", fixture]
     if not params:
         metafunc.parametrize(
             argnames,
