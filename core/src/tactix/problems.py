@@ -75,10 +75,11 @@ class ProblemBase(BaseModel):
         cls._static_values = staticmethod(_values([n for n in cls.model_fields if n not in cls.dynamic]))
         cls._dynamic_values = staticmethod(_values(list(cls.dynamic)))
 
-    def precision_dtypes(self) -> tuple[str, ...]:
-        """The dtypes that bound how exactly a result can match a float64 reference (the
-        autotuner's agreement check and the kit's tolerances read them)."""
-        raise NotImplementedError(f"{type(self).__name__} must say which dtypes bound its precision")
+    def tolerance(self) -> float:
+        """The largest relative error against a float64 reference a correct result may have
+        (`tactix.testing.oracle`'s bounds for the problem's dtypes; the autotuner's agreement
+        check between candidates uses it)."""
+        raise NotImplementedError(f"{type(self).__name__} must say how exact its results can be")
 
     def bucketed(self) -> Self:
         """This problem with its dynamic sizes rounded up to their bucket: the store key."""

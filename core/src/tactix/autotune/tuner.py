@@ -31,13 +31,13 @@ from tactix.ops import Problem, definition
 from tactix.ops.definition import TunerInputs
 from tactix.registry import Backend, Registry
 from tactix.tactics import Tactic
-from tactix.testing.oracle import relative_error, tolerance_for
+from tactix.testing.oracle import relative_error
 
 __all__ = ["tune"]
 
 
 def _tolerance(problem: Problem) -> float:
-    return tolerance_for(*problem.precision_dtypes())
+    return problem.tolerance()
 
 
 class _Progress:

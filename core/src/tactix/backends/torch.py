@@ -47,13 +47,14 @@ from tactix.tactics import Tactic
 NAME: Final = "torch"
 
 _FLOAT_TYPES: Final = frozenset({"float16", "bfloat16", "float32"})
+_FP8_TYPES: Final = frozenset({"float8_e4m3fn", "float8_e5m2"})
 _SDPA_IMPLS: Final = ("math", "flash", "efficient", "cudnn")
 _SDPA_CPU: Final = frozenset({"math", "flash"})
 
 _ATTENTION = AttentionCapabilities(
     devices=frozenset({"cpu", "cuda"}),
     q_dtypes=_FLOAT_TYPES,
-    kv_dtypes=_FLOAT_TYPES,
+    kv_dtypes=_FLOAT_TYPES | _FP8_TYPES,
     out_dtypes=_FLOAT_TYPES,
     head_dims=None,
     different_vo_head_dim=True,
@@ -135,8 +136,8 @@ def _reasons(problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> list
 
 def _attention_reasons(problem: PrefillProblem | DecodeProblem, tactic: Tactic, batch: PagedBatch | None) -> list[str]:
     out: list[str] = []
-    if problem.kv_dtype != problem.q_dtype:
-        out.append(f"kv dtype {problem.kv_dtype} must equal q dtype {problem.q_dtype}")
+    if problem.kv_dtype != problem.q_dtype and problem.kv_dtype not in _FP8_TYPES:
+        out.append(f"kv dtype {problem.kv_dtype} must equal q dtype {problem.q_dtype} (or be fp8)")
     if tactic.kernel in ("default", "explicit"):
         if tactic.params:
             out.append(f"kernel '{tactic.kernel}' takes no params (got {tactic.params})")
@@ -273,6 +274,7 @@ class _AttentionPlan:
         self.tactic = tactic
         self.built = False
         self.device = options["device"]
+        self._compute_dtype = to_torch_dtype(problem.q_dtype)  # an fp8 cache is read in the query dtype
         causal = isinstance(problem, PrefillProblem) and problem.causal
         page = problem.page_size
         if options["use_cuda_graph"]:
@@ -370,10 +372,13 @@ class _AttentionPlan:
 
         Slots that hold no key of the request (padding pages, the tail of the last page) are
         zeroed when a mask is in use: masking gives them probability 0, but 0 times a NaN left
-        in unused cache memory would still be NaN.
+        in unused cache memory would still be NaN. An fp8 cache is converted to the query dtype
+        (exact: every fp8 value is a 16-bit one); the scales are applied by the caller.
         """
         g = self.geometry
         pages = cache.index_select(0, self.page_table.view(-1))
+        if pages.dtype != self._compute_dtype:
+            pages = pages.to(self._compute_dtype)
         if self.problem.kv_layout == "NHD":  # [B*P, S, H, D]
             s, h, d = pages.shape[1:]
             out = pages.view(g.batch_size, g.pages * s, h, d).transpose(1, 2)

@@ -65,9 +65,10 @@ class AttentionProblem(ProblemBase):
     def gqa_ratio(self) -> int:
         return self.num_qo_heads // self.num_kv_heads
 
-    def precision_dtypes(self) -> tuple[str, ...]:
-        """The dtypes that bound how exactly a result can match a float64 reference."""
-        return (self.out_dtype, self.q_dtype, self.kv_dtype)
+    def tolerance(self) -> float:
+        from tactix.testing.oracle import attention_tolerance
+
+        return attention_tolerance(self.q_dtype, self.kv_dtype, self.out_dtype)
 
     ragged_queries: ClassVar[bool]
     """Whether requests have any number of query rows (prefill: ``qo_indptr``) or exactly one

@@ -47,10 +47,10 @@ class GemmProblem(ProblemBase):
     scale_mode: Literal["none", "per_tensor"] = "none"
     bias_dtype: DTypeName | None = None
 
-    def precision_dtypes(self) -> tuple[str, ...]:
-        """The dtypes that bound how exactly a result can match a float64 reference."""
-        dtypes: tuple[str, ...] = (self.out_dtype, self.a_dtype, self.b_dtype)
-        return dtypes
+    def tolerance(self) -> float:
+        from tactix.testing.oracle import tolerance_for
+
+        return tolerance_for(self.out_dtype, self.a_dtype, self.b_dtype)
 
     def __str__(self) -> str:
         dtype = SHORT_NAMES[self.a_dtype]

@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 _STANDARD_DTYPES = ("bfloat16", "float16", "float32")
+_STANDARD_FP8_KV = ("float8_e4m3fn", "float8_e5m2")
 _STANDARD_HEAD_DIMS = (64, 128, 256)
 _STANDARD_PAGE_SIZES = (1, 16, 64)
 OUTSIDE = 1000.0
@@ -214,7 +215,7 @@ class AttentionInputs:
         self.q.copy_(_randn(self.q.shape, generator).to(self.q.device, dtype_q))
         for cache in (self.k_cache, self.v_cache):
             fresh = _randn(cache.shape, generator)
-            fresh = _poison_outside(fresh, self.outside, case.kv_layout, case.stale)
+            fresh = _poison_outside(fresh, self.outside, case.kv_layout, case.stale, dtype_kv)
             cache.copy_(fresh.to(cache.device, dtype_kv))
         self.poison()
 
@@ -228,11 +229,15 @@ def _randn(shape: Iterable[int], generator: torch.Generator) -> torch.Tensor:
     return torch.randn(tuple(shape), generator=generator)
 
 
-def _poison_outside(cache: torch.Tensor, outside: torch.Tensor, layout: str, stale: Stale) -> torch.Tensor:
+def _poison_outside(cache: torch.Tensor, outside: torch.Tensor, layout: str, stale: Stale,
+                    dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """``cache`` (float32) with the slots no request owns set as ``stale`` says, in values
+    ``dtype`` holds: ``OUTSIDE``, or the largest finite value of a narrower format (e4m3's 448:
+    a conversion that overflows may give NaN on a GPU, and large means finite)."""
     mask = outside.view(outside.shape[0], *page_shape(layout, outside.shape[1], 1, 1))
     if stale == "nan":
         return torch.where(mask, float("nan"), cache)
-    magnitude = math.inf if stale == "inf" else OUTSIDE
+    magnitude = math.inf if stale == "inf" else min(OUTSIDE, torch.finfo(dtype).max)
     signs = torch.where(cache >= 0, magnitude, -magnitude)
     return torch.where(mask, signs, cache)
 
@@ -263,8 +268,8 @@ def build_attention_inputs(case: AttentionCase, device: torch.device) -> Attenti
     shape_v = (total, *page_shape(case.kv_layout, page, hkv, case.head_dim_vo))
     dtype_q, dtype_kv, dtype_out = (to_torch_dtype(case.q_dtype), to_torch_dtype(case.kv_dtype),
                                     to_torch_dtype(case.out_dtype))  # fmt: skip
-    k = _poison_outside(_randn(shape_k, gen), outside, case.kv_layout, case.stale).to(device, dtype_kv)
-    v = _poison_outside(_randn(shape_v, gen), outside, case.kv_layout, case.stale).to(device, dtype_kv)
+    k = _poison_outside(_randn(shape_k, gen), outside, case.kv_layout, case.stale, dtype_kv).to(device, dtype_kv)
+    v = _poison_outside(_randn(shape_v, gen), outside, case.kv_layout, case.stale, dtype_kv).to(device, dtype_kv)
     if case.cache_form == "tensor":
         cache: Any = torch.stack([k, v], dim=1)
         k, v = cache[:, 0], cache[:, 1]
@@ -362,9 +367,6 @@ def attention_cases(op: str, caps: AttentionCapabilities) -> list[AttentionCase]
     for dtype in _values(caps.q_dtypes, _STANDARD_DTYPES):
         if dtype != base.q_dtype:
             add(q_dtype=dtype, kv_dtype=dtype, out_dtype="bfloat16" if dtype.startswith("float8") else dtype)
-    for kv_dtype in sorted(caps.kv_dtypes - {base.q_dtype}):
-        if kv_dtype not in _STANDARD_DTYPES:  # e.g. an fp8 cache under 16-bit queries
-            add(kv_dtype=kv_dtype)
     for out in sorted(caps.out_dtypes - {base.out_dtype}):
         add(out_dtype=out)
     for head in _values(caps.head_dims, _STANDARD_HEAD_DIMS):
@@ -412,6 +414,21 @@ def attention_cases(op: str, caps: AttentionCapabilities) -> list[AttentionCase]
     # k_scale changes and v_scale does not)
     add(k_scale=0.5, v_scale=2.0)
     add(k_scale=0.25, v_scale=0.5, scale_form="tensor", return_lse=True)
+    # quantized caches under 16-bit queries (fp8: the standard two and any other declared kv dtype),
+    # with the scales that dequantize them; the large values in unowned slots stay finite (448 is
+    # e4m3's largest)
+    other_layout_edge = _batches(op, base.page_size)["edge"]
+    for kv_dtype in sorted(set(_STANDARD_FP8_KV) | (caps.kv_dtypes - set(_STANDARD_DTYPES))):
+        add(kv_dtype=kv_dtype)
+        add(kv_dtype=kv_dtype, k_scale=0.5, v_scale=2.0, return_lse=True)
+        if kv_dtype == _STANDARD_FP8_KV[0]:
+            add(kv_dtype=kv_dtype, k_scale=0.25, v_scale=0.5, scale_form="tensor", kv_layout=other_layout,
+                cache_form="tensor")  # fmt: skip
+            add(kv_dtype=kv_dtype, q_dtype="float16", out_dtype="float16")
+            add(kv_dtype=kv_dtype, batch="edge", kv_lens=other_layout_edge[0], q_lens=other_layout_edge[1])
+            add(kv_dtype=kv_dtype, stale="nan")
+            if _ragged(op):
+                add(kv_dtype=kv_dtype, batch="chunked", kv_lens=(1061, 530, 48), q_lens=(37, 530, 17))
     seen: set[str] = set()
     unique = []
     for index, case in enumerate(cases):

@@ -162,7 +162,8 @@ def _tactic_cases(cases: list[Any]) -> list[Any]:
 
 
 def _graph_cases(cases: list[Any]) -> list[Any]:
-    return [c for c in cases if c.batch == "ragged"][:4]
+    ragged = [c for c in cases if c.batch == "ragged"]
+    return ragged[:4] + [c for c in ragged[4:] if getattr(c, "scale_form", "") == "tensor"]
 
 
 KIT_FIXTURES: Final[dict[str, tuple[str, Callable[[list[Any]], list[Any]] | None]]] = {

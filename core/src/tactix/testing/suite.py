@@ -39,8 +39,9 @@ from tactix.testing.cases import (
     build_gemm_inputs,
 )
 from tactix.testing.oracle import (
-    LSE_TOLERANCE,
+    attention_lse_tolerance,
     attention_reference,
+    attention_tolerance,
     gemm_reference,
     lse_error,
     relative_error,
@@ -149,14 +150,14 @@ def _check_attention(case: AttentionCase, inputs: AttentionInputs, what: str) ->
     unwritten = int(torch.isnan(inputs.out).sum())
     assert unwritten == 0, f"{what}: {unwritten} of {inputs.out.numel()} output elements {_nan_cause(case)}"
     err = relative_error(inputs.out, ref)
-    tol = tolerance_for(case.out_dtype, case.q_dtype, case.kv_dtype)
+    tol = attention_tolerance(case.q_dtype, case.kv_dtype, case.out_dtype)
     assert err <= tol, f"{what}: relative error {err:.3e} above {tol:.0e} ({case.q_dtype} in, {case.out_dtype} out)"
     if case.return_lse:
         assert inputs.lse is not None
         unwritten = int(torch.isnan(inputs.lse).sum())
         assert unwritten == 0, f"{what}: {unwritten} of {inputs.lse.numel()} LSE elements {_nan_cause(case)}"
         lse_err = lse_error(inputs.lse, ref_lse)
-        lse_tol = LSE_TOLERANCE[case.q_dtype]
+        lse_tol = attention_lse_tolerance(case.q_dtype, case.kv_dtype)
         assert lse_err <= lse_tol, f"{what}: LSE error {lse_err:.3e} above {lse_tol:.0e} (natural log expected)"
 
 
@@ -285,7 +286,8 @@ def test_attention_refuses_an_empty_batch(
 
 
 def test_attention_cuda_graph(backend: Backend | None, graph_case: AttentionCase, device: torch.device) -> None:
-    """run() captures in a CUDA graph and the graph replays fresh data correctly."""
+    """run() captures in a CUDA graph and the graph replays fresh data correctly (and, where the
+    scales are device tensors, the scales they hold at each replay)."""
     backend = _require(backend)
     case = graph_case
     if device.type != "cuda":
@@ -295,7 +297,7 @@ def test_attention_cuda_graph(backend: Backend | None, graph_case: AttentionCase
         pytest.skip(f"{backend.name} declares no CUDA-graph support for {case.op}")
     inputs = build_attention_inputs(case, device)
     problem, batch = _problem(case, inputs, device)
-    _skip_unless_claimed(backend, problem, batch)
+    _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
     wrapper = _wrapper(case, backend, device, graph=True)
     _plan(wrapper, case, inputs)
     side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
@@ -308,9 +310,15 @@ def test_attention_cuda_graph(backend: Backend | None, graph_case: AttentionCase
         _run(wrapper, case, inputs)
     for round_ in range(2):
         inputs.refill(case, torch.Generator().manual_seed(case.seed + 10 + round_))
+        now, what = case, "new data"
+        if case.scale_form == "tensor":  # new values in the captured scale tensors
+            now = replace(case, k_scale=case.k_scale * (round_ + 2), v_scale=case.v_scale / (round_ + 2))
+            for name in case.run_extras:
+                inputs.extras[name].fill_(getattr(now, name))
+            what = f"new data and scales k_scale={now.k_scale:g}, v_scale={now.v_scale:g}"
         graph.replay()
         torch.cuda.synchronize(device)
-        _check_attention(case, inputs, f"{case.id} replayed from a CUDA graph with new data")
+        _check_attention(now, inputs, f"{case.id} replayed from a CUDA graph with {what}")
 
 
 # -- GEMM ------------------------------------------------------------------------------------
