@@ -218,13 +218,63 @@ def test_what_xqa_refuses() -> None:
         "head dim 96: not tested with XQA": decode(head_dim_qk=96, head_dim_vo=96),
         "head_dim_vo must equal head_dim_qk": decode(head_dim_vo=64),
         "GQA ratio 16 above 8": decode(num_qo_heads=64, num_kv_heads=4),
-        "one dtype, float16 or bfloat16 (got q bfloat16, kv float8_e4m3fn": decode(kv_dtype="float8_e4m3fn"),
+        "or float8_e4m3fn (got q bfloat16, kv float8_e5m2": decode(kv_dtype="float8_e5m2"),
         "(got q float16, kv float16, out float32)": decode(q_dtype="float16", kv_dtype="float16", out_dtype="float32"),
     }
     for text, problem in cases.items():
         reasons = plugin.attention_reasons(problem, H200)
         assert any(text in r for r in reasons), (text, reasons)
     assert plugin.attention_reasons(decode(window_left=64), H200) == []  # compiled with SLIDING_WINDOW
+    assert plugin.attention_reasons(decode(kv_dtype="float8_e4m3fn"), H200) == []  # an e4m3 cache
+    assert plugin.FP8_PREFILL_UNSUPPORTED in plugin.attention_reasons(prefill(kv_dtype="float8_e4m3fn"), H200)
+
+
+def test_xqa_fp8_tactics_and_the_fp8_mma_switch() -> None:
+    fp8 = decode(kv_dtype="float8_e4m3fn")
+    tactics = plugin.tactix_tactics(fp8) if not plugin.tactix_environment() else None
+    if tactics is not None:  # (no GPU here: the environment refuses, and no tactic is listed)
+        assert {t.params.get("fp8_mma") for t in tactics} == {False, True}
+    assert plugin.params_reasons(plugin.xqa_tactic("auto", True, True), "decode") == []
+    assert (
+        "fp8_mma must be true or false"
+        in plugin.params_reasons(
+            tactix.Tactic(backend="trtllm", kernel="xqa", params={"multi_block": "auto", "pdl": True, "fp8_mma": 1}),
+            "decode",
+        )[0]
+    )
+    # a 16-bit tactic prints as before (tactics stored by earlier versions read back the same)
+    assert str(plugin.xqa_tactic("auto", True)) == "trtllm:xqa(multi_block=auto,pdl=true)"
+
+
+def _scale_plan(fp8: bool) -> Any:
+    """An XqaDecodePlan's scale state without a GPU (what _scaled reads)."""
+    p = plugin.XqaDecodePlan.__new__(plugin.XqaDecodePlan)
+    p._q_scale, p._fp8, p._q_buf, p.device = 0.7, fp8, None, torch.device("cpu")
+    p._head = (fp8, 132, 8, 0, 0.7, None)
+    p._tail = (None, None, "table", 1024, "lens", 4, 1.0, None, 1, None, None, "sem", "scratch", True)
+    return p
+
+
+@pytest.mark.parametrize("form", ["float", "tensor", "mixed"])
+@pytest.mark.parametrize("fp8", [True, False])
+def test_xqa_scale_arguments_give_the_dequantization_semantics(form: str, fp8: bool) -> None:
+    """logits (q . k) k_scale sm_scale and output from v v_scale, through XQA's q_scale and its
+    one kv_scale (which it applies to Q.K and to the output of a quantized cache only)."""
+    k, v = 0.5, 4.0
+    k_arg: Any = torch.tensor(k) if form in ("tensor", "mixed") else k
+    v_arg: Any = torch.tensor([v]) if form == "tensor" else v
+    head, tail, after = _scale_plan(fp8)._scaled(k_arg, v_arg)
+    q_scale = float(head[5]) if head[5] is not None else head[4]
+    if head[5] is not None:
+        assert head[4] == 1.0  # a device q scale replaces the host one
+    kv = float(tail[7]) if tail[7] is not None else tail[6]
+    if fp8:
+        assert q_scale * kv == pytest.approx(0.7 * k) and kv == pytest.approx(v) and after is None
+    else:
+        assert q_scale == pytest.approx(0.7 * k) and tail[6] == 1.0 and tail[7] is None
+        assert float(after) == pytest.approx(v)  # type: ignore[arg-type]
+    # the Hopper fp8 kernel reads device scales before its programmatic-dependent-launch wait
+    assert tail[13] is (not (fp8 and head[5] is not None))
 
 
 def test_what_fmha_v2_refuses() -> None:

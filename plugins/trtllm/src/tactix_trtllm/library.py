@@ -85,7 +85,7 @@ def flashinfer(submodule: str = "") -> Any:
     return importlib.import_module("flashinfer" + (f".{submodule}" if submodule else ""))
 
 
-_TORCH_DTYPES: Final = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_TORCH_DTYPES: Final = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -97,19 +97,24 @@ class XqaKey:
     head_dim: int
     group_size: int
     sliding_window: bool
+    kv_dtype: str = ""
+    """The cache's dtype when it is not ``dtype``: ``float8_e4m3fn`` (the only fp8 format
+    flashinfer 0.7.2 compiles XQA for: jit/xqa.py maps any other to a 16-bit cache)."""
 
     @property
     def label(self) -> str:
         window = ", sliding window" if self.sliding_window else ""
-        return (f"XQA decode ({self.dtype}, page {self.page_size}, head dim {self.head_dim}, "
+        cache = f", {self.kv_dtype} cache" if self.kv_dtype else ""
+        return (f"XQA decode ({self.dtype}{cache}, page {self.page_size}, head dim {self.head_dim}, "
                 f"GQA {self.group_size}{window})")  # fmt: skip
 
     def spec(self) -> Any:
         dtype = _TORCH_DTYPES[self.dtype]
+        kv = _TORCH_DTYPES[self.kv_dtype or self.dtype]
         gen = flashinfer("jit.xqa").gen_xqa_module
         # (input, kv cache, page size, head dim, group size, sliding window, output, q_seq_len 1: no
         # speculative decoding, no ragged q)
-        return gen(dtype, dtype, self.page_size, self.head_dim, self.group_size, self.sliding_window, dtype, 1, False)
+        return gen(dtype, kv, self.page_size, self.head_dim, self.group_size, self.sliding_window, dtype, 1, False)
 
 
 @dataclass(frozen=True)

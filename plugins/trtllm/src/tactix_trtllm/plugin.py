@@ -69,6 +69,13 @@ log = logging.getLogger("tactix_trtllm")
 
 NAME: Final = "trtllm"
 DTYPES: Final = frozenset({"float16", "bfloat16"})
+FP8_CACHE: Final = "float8_e4m3fn"
+"""The fp8 cache format XQA serves (flashinfer 0.7.2's jit/xqa.py compiles e4m3 only; an e5m2
+cache would be read as a 16-bit one)."""
+FP8_PREFILL_UNSUPPORTED: Final = (
+    "FMHAv2 (flashinfer 0.7.2) takes one dtype for q, k and v: its fp8 kernels need fp8 queries "
+    "(gen_fmha_v2_module(input_dtype=e4m3)) and host-float scales, so a 16-bit q over an fp8 cache is not served"
+)
 HEAD_DIMS: Final = frozenset({64, 128, 256})
 """Head dims claimed (and so tested by the conformance kit). XQA compiles any multiple of 16 up to
 512 and FMHAv2 has SM90 kernels for `FMHA_HEAD_DIMS`; the others are not tested here."""
@@ -108,7 +115,9 @@ def _attention_capabilities(prefill: bool) -> tactix.AttentionCapabilities:
         devices=frozenset({"cuda"}),
         compute_capabilities=frozenset({"9.0"}),
         q_dtypes=DTYPES,
-        kv_dtypes=DTYPES,
+        kv_dtypes=DTYPES if prefill else DTYPES | {FP8_CACHE},
+        # XQA reads the scales on the device (one for K and V: k_scale joins the q scale)
+        run_extras=frozenset() if prefill else frozenset({"k_scale", "v_scale"}),
         out_dtypes=DTYPES,
         head_dims=HEAD_DIMS,
         page_sizes=PAGE_SIZES,
@@ -176,8 +185,14 @@ def capability_reasons(capability: tuple[int, int] | None) -> list[str]:
 # -- tactics -----------------------------------------------------------------------------------
 
 
-def xqa_tactic(multi_block: str = "auto", pdl: bool = True) -> Tactic:
-    return Tactic(backend=NAME, kernel="xqa", params={"multi_block": multi_block, "pdl": pdl})
+def xqa_tactic(multi_block: str = "auto", pdl: bool = True, fp8_mma: bool | None = None) -> Tactic:
+    """An XQA tactic; ``fp8_mma`` (fp8 caches only) picks flashinfer's Hopper fp8 kernel
+    (mha_sm90.cu: q and P rounded to e4m3 for fp8 tensor cores) over the one that widens the
+    cache to 16 bits (mha.cu, the default: q and P stay 16-bit)."""
+    params: dict[str, object] = {"multi_block": multi_block, "pdl": pdl}
+    if fp8_mma is not None:
+        params["fp8_mma"] = fp8_mma
+    return Tactic(backend=NAME, kernel="xqa", params=params)
 
 
 FMHA_TACTIC: Final = Tactic(backend=NAME, kernel="fmha_v2")
@@ -194,14 +209,16 @@ def params_reasons(tactic: Tactic, op: str) -> list[str]:
         return [f"unknown kernel '{tactic.kernel}' (known: default, xqa, fmha_v2)"]
     if own == "fmha_v2":
         return [] if not tactic.params else [f"fmha_v2 takes no params (got {tactic.params})"]
-    extra = set(tactic.params) - {"multi_block", "pdl"}
+    extra = set(tactic.params) - {"multi_block", "pdl", "fp8_mma"}
     if extra:
-        return [f"unknown params {sorted(extra)} (xqa takes multi_block and pdl)"]
+        return [f"unknown params {sorted(extra)} (xqa takes multi_block, pdl and, for fp8 caches, fp8_mma)"]
     out = []
     if tactic.params.get("multi_block") not in MULTI_BLOCK:
         out.append(f"params.multi_block must be one of {list(MULTI_BLOCK)} (got {tactic.params.get('multi_block')!r})")
     if not isinstance(tactic.params.get("pdl"), bool):
         out.append(f"params.pdl must be true or false (got {tactic.params.get('pdl')!r})")
+    if "fp8_mma" in tactic.params and not isinstance(tactic.params["fp8_mma"], bool):
+        out.append(f"params.fp8_mma must be true or false (got {tactic.params['fp8_mma']!r})")
     return out
 
 
@@ -215,9 +232,14 @@ def attention_reasons(
     out = capability_reasons(capability)
     decode = isinstance(problem, DecodeProblem)
     kernel = "XQA" if decode else "FMHAv2"
-    if problem.q_dtype not in DTYPES or problem.kv_dtype != problem.q_dtype or problem.out_dtype != problem.q_dtype:
-        out.append(f"{kernel} here takes q, kv and out of one dtype, float16 or bfloat16 (got q {problem.q_dtype}, "
-                   f"kv {problem.kv_dtype}, out {problem.out_dtype})")  # fmt: skip
+    fp8 = problem.kv_dtype == FP8_CACHE
+    if not decode and fp8:
+        out.append(FP8_PREFILL_UNSUPPORTED)
+    elif (problem.q_dtype not in DTYPES or problem.out_dtype != problem.q_dtype
+          or (problem.kv_dtype != problem.q_dtype and not fp8)):  # fmt: skip
+        out.append(f"{kernel} here takes q and out of one dtype, float16 or bfloat16, and a kv cache of that "
+                   f"dtype{' or float8_e4m3fn' if decode else ''} (got q {problem.q_dtype}, kv {problem.kv_dtype}, "
+                   f"out {problem.out_dtype})")  # fmt: skip
     if problem.head_dim_vo != problem.head_dim_qk:
         out.append(f"head_dim_vo must equal head_dim_qk ({kernel} is built with one head dim)")
     d = problem.head_dim_qk
@@ -262,7 +284,10 @@ def attention_reasons(
 def tactix_check(problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> list[str] | None:
     if isinstance(problem, GemmProblem):
         return [GEMM_UNSUPPORTED]
-    return params_reasons(tactic, problem.op) + attention_reasons(problem, _capability(), batch)
+    out = params_reasons(tactic, problem.op) + attention_reasons(problem, _capability(), batch)
+    if "fp8_mma" in tactic.params and problem.kv_dtype != FP8_CACHE:
+        out.append("params.fp8_mma is for fp8 caches only")
+    return out
 
 
 @tactix.hookimpl
@@ -270,7 +295,8 @@ def tactix_tactics(problem: Problem) -> list[Tactic] | None:
     if isinstance(problem, GemmProblem) or tactix_environment() or attention_reasons(problem, _capability()):
         return []
     if isinstance(problem, DecodeProblem):
-        return [xqa_tactic(m, pdl) for m in MULTI_BLOCK for pdl in (True, False)]
+        fp8: tuple[bool | None, ...] = (False, True) if problem.kv_dtype == FP8_CACHE else (None,)
+        return [xqa_tactic(m, pdl, f) for f in fp8 for m in MULTI_BLOCK for pdl in (True, False)]
     return [FMHA_TACTIC]
 
 
@@ -391,11 +417,13 @@ class XqaDecodePlan(_Plan):
     def __init__(self, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
         device = options["device"]
         sms = _sm_count(device)
+        fp8 = problem.kv_dtype == FP8_CACHE
         if tactic.is_default:  # flashinfer's own choice: split to fill the SMs once, PDL on SM90+
-            multi_block, pdl = "auto", True
+            multi_block, pdl, fp8_mma = "auto", True, False
         else:
             multi_block, pdl = str(tactic.params["multi_block"]), bool(tactic.params["pdl"])
-        self.tactic = xqa_tactic(multi_block, pdl)
+            fp8_mma = bool(tactic.params.get("fp8_mma", False))
+        self.tactic = xqa_tactic(multi_block, pdl, fp8_mma if fp8 else None)
         # XQA splits a sequence into min(sm_count // (batch * kv_heads), ...) parts: the SM budget
         # passed as sm_count is the tactic's split knob (1: never split).
         sm_budget = {"off": 1, "auto": sms, "x2": 2 * sms}[multi_block]
@@ -409,20 +437,24 @@ class XqaDecodePlan(_Plan):
         if isinstance(previous, XqaDecodePlan):
             semaphore_bytes = previous._semaphore_bytes  # the captured split of the workspace
         self._semaphore_bytes = semaphore_bytes
-        key = XqaKey(problem.q_dtype, problem.page_size, d, problem.gqa_ratio, problem.window_left >= 0)
+        key = XqaKey(problem.q_dtype, problem.page_size, d, problem.gqa_ratio, problem.window_left >= 0,
+                     FP8_CACHE if fp8 else "")  # fmt: skip
         module, self.built = load(key)
         self._fn: Callable[..., Any] = module.xqa_wrapper
         g = self.geometry
         window = problem.window_left + 1 if problem.window_left >= 0 else 0
-        # XQA applies q_scale / sqrt(head_dim) to Q.K (csrc/xqa/mha.cu: qkScale)
+        # XQA applies q_scale / sqrt(head_dim) to Q.K (csrc/xqa/mha.cu: qkScale), and with a
+        # quantized cache its one kv_scale to Q.K and to the output (mha.cu: voScale)
         q_scale = problem.sm_scale * math.sqrt(d)
+        self._q_scale, self._fp8 = q_scale, fp8
+        self._q_buf: torch.Tensor | None = None  # the device q scale of device k/v scales (made once)
         semaphores = self._workspace[:semaphore_bytes]
         scratch = self._workspace[semaphore_bytes:]
         # xqa_wrapper(run_sm90_fp8_mha, sm_count, num_kv_heads, sliding_win_size, q_scale, q_scale_tensor,
         #             out, rcp_out_scale, q, sinks, k, v, k_sf, v_sf, page_table, max_seq_len, seq_lens,
         #             batch_size, kv_scale, kv_scale_tensor, q_seq_len, q_cu_seq_lens, mask, semaphores,
         #             scratch, enable_pdl)            (csrc/flashinfer_xqa_binding.cu)
-        self._head = (False, sm_budget, hkv, window, q_scale, None)
+        self._head = (fp8 and fp8_mma, sm_budget, hkv, window, q_scale, None)
         self._tail = (None, None, self._table, g.width * problem.page_size, self._seq_lens, rows, 1.0, None, 1,
                       None, None, semaphores, scratch, pdl)  # fmt: skip
         self._layout = problem.kv_layout
@@ -442,7 +474,8 @@ class XqaDecodePlan(_Plan):
         return view
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-            lse: torch.Tensor | None) -> None:  # fmt: skip
+            lse: torch.Tensor | None, k_scale: float | torch.Tensor | None = None,
+            v_scale: float | torch.Tensor | None = None) -> None:  # fmt: skip
         seen = self._caches.get(id(k_cache))
         if seen is not None and seen[0]() is k_cache and seen[1]() is v_cache:
             k_view = seen[2]
@@ -450,7 +483,52 @@ class XqaDecodePlan(_Plan):
             k_view = self._accept(k_cache, v_cache)
         if not q.is_contiguous():
             q = self._packed(q)
-        self._fn(*self._head, out, 1.0, q, None, k_view, v_cache, *self._tail)
+        if k_scale is None and v_scale is None:
+            self._fn(*self._head, out, 1.0, q, None, k_view, v_cache, *self._tail)
+            return
+        head, tail, after = self._scaled(k_scale, v_scale)
+        self._fn(*head, out, 1.0, q, None, k_view, v_cache, *tail)
+        if after is not None:  # a 16-bit cache: XQA applies no V scale
+            out.mul_(after)
+
+    def _scaled(self, k_scale: float | torch.Tensor | None, v_scale: float | torch.Tensor | None
+                ) -> tuple[tuple[Any, ...], tuple[Any, ...], float | torch.Tensor | None]:  # fmt: skip
+        """XQA's arguments for dequantization scales: with an fp8 cache its one kv_scale is
+        v_scale and the q scale carries k_scale / v_scale; with a 16-bit cache (no kv_scale) the
+        q scale carries k_scale and the output is multiplied by v_scale afterwards. Device scales
+        stay on the device (a q-scale buffer of the plan's, computed in the stream)."""
+        base = self._q_scale
+        head: list[Any] = list(self._head)
+        tail: list[Any] = list(self._tail)
+        k = 1.0 if k_scale is None else k_scale
+        v = 1.0 if v_scale is None else v_scale
+        after: float | torch.Tensor | None = None
+        if not self._fp8:
+            after, v = v_scale, 1.0
+        elif isinstance(v, torch.Tensor):
+            tail[6], tail[7] = 1.0, v
+        else:
+            tail[6] = v
+        if not isinstance(k, torch.Tensor) and not isinstance(v, torch.Tensor):
+            head[4] = base * k / v
+            return tuple(head), tuple(tail), after
+        buf = self._q_buf
+        if buf is None:
+            buf = self._q_buf = torch.empty(1, dtype=torch.float32, device=self.device)
+        if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+            torch.div(k.view(1), v.view(1), out=buf)
+            buf.mul_(base)
+        elif isinstance(k, torch.Tensor):
+            torch.mul(k.view(1), base / v, out=buf)  # type: ignore[operator]
+        else:
+            torch.reciprocal(v.view(1), out=buf)  # type: ignore[union-attr]
+            buf.mul_(base * k)
+        head[4], head[5] = 1.0, buf
+        if head[0]:
+            # the fp8 kernel reads the scale pointers before it waits for the previous kernel
+            # (mha_sm90.cu: griddepcontrol.wait comes later), so no programmatic dependent launch
+            tail[13] = False
+        return tuple(head), tuple(tail), after
 
 
 @dataclass
