@@ -20,7 +20,7 @@ def test_cpu_suite_reports_checked_rows_for_every_backend_and_tuned_auto(
     report = json.loads(out.read_text())
     rows = report["rows"]
     cases = {r["case"] for r in rows}
-    assert cases == {"d1", "d2", "p1", "p4", "g1", "g2"}
+    assert cases == {"d1", "d2", "p1", "p4", "d1-fp8", "g1", "g2"}
     for case in cases:
         mine = [r for r in rows if r["case"] == case]
         assert {"torch", "auto (tuned)"} <= {r["implementation"] for r in mine}
@@ -29,6 +29,10 @@ def test_cpu_suite_reports_checked_rows_for_every_backend_and_tuned_auto(
         for r in ok:
             assert r["error"] is not None and r["error"] < 1e-5  # float32 on the CPU, checked against float64
             assert r["time_us"] > 0 and r["rate"] > 0 and r["unit"] in ("TB/s", "TFLOP/s")
+    # the fp8-KV case reads one byte per cache element: its bytes (rate x time) are about a quarter
+    # of the float32 case's over the same batch
+    moved = {r["case"]: r["rate"] * r["time_us"] for r in rows if r["implementation"] == "torch"}
+    assert 0.2 < moved["d1-fp8"] / moved["d1"] < 0.3
     decode = [r for r in rows if r["case"] == "d1"]
     assert {r["implementation"] for r in decode} >= {"naive"}  # a third-party backend is benchmarked too
     text = md.read_text()
@@ -59,7 +63,8 @@ def test_unknown_case_ids_are_an_error_listing_the_valid_ones(capsys: pytest.Cap
     assert main(["bench", "--suite", "cpu", "--device", "cpu", "--cases", "d1,zz"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""  # refused before anything ran: no empty table
-    assert captured.err == "tactix: error: '--cases' must be ids of the cpu suite: d1, d2, p1, p4, g1, g2 (got 'zz')\n"
+    valid = "d1, d2, p1, p4, d1-fp8, g1, g2"
+    assert captured.err == f"tactix: error: '--cases' must be ids of the cpu suite: {valid} (got 'zz')\n"
 
 
 def test_help_lists_the_case_ids_of_both_suites(capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,9 +20,9 @@ import platform
 import tempfile
 import textwrap
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -31,10 +31,17 @@ from tactix.attention import PagedDecode, PagedPrefill
 from tactix.autotune.context import autotune
 from tactix.autotune.policy import MeasurementPolicy
 from tactix.autotune.timing import measure_with_policy
+from tactix.dtypes import to_torch_dtype
 from tactix.errors import TactixError
 from tactix.gemm import Gemm
 from tactix.registry import get_registry
-from tactix.testing.oracle import attention_reference, gemm_reference, relative_error, tolerance_for
+from tactix.testing.oracle import (
+    attention_reference,
+    attention_tolerance,
+    gemm_reference,
+    relative_error,
+    tolerance_for,
+)
 
 __all__ = ["SUITES", "BenchCase", "BenchRow", "run_bench", "select_cases", "suite"]
 
@@ -55,6 +62,17 @@ class BenchCase:
     heads: tuple[int, int] = (32, 8)
     head_dim: int = 128
     page_size: int = 16
+    kv_dtype: str = ""  # attention: the cache's dtype when not the query's (an fp8 cache, with scales)
+
+
+FP8_KV_SCALES: Final = (0.25, 0.5)
+"""``(k_scale, v_scale)`` of the fp8-KV cases: the cache holds ``k / k_scale`` (and ``v / v_scale``)
+in e4m3, and the run passes the scales as device tensors (as an engine that captures graphs does)."""
+
+
+def _fp8_kv(case: BenchCase, kv_dtype: str = "float8_e4m3fn") -> BenchCase:
+    """The fp8-KV variant of an attention case (id ``<id>-fp8``)."""
+    return replace(case, id=f"{case.id}-fp8", description=f"{case.description}, e4m3 KV", kv_dtype=kv_dtype)
 
 
 @dataclass
@@ -109,18 +127,29 @@ def suite(name: str) -> list[BenchCase]:
                 heads=(8, 2),
                 head_dim=64,
             ),
+            _fp8_kv(
+                BenchCase(
+                    "d1", "decode", "decode b8, kv 64-512", kv_lens=_randint(64, 512, 8, 0), heads=(8, 2), head_dim=64
+                )
+            ),
             BenchCase("g1", "gemm", "gemm f32 256^3", m=256, n=256, k=256),
             BenchCase("g2", "gemm", "gemm f32 m=1, n=k=1024", m=1, n=1024, k=1024),
         ]
     p3 = _randint(64, 2048, 16, 3)
+    d1 = BenchCase("D1", "decode", "decode b64, kv 1k-8k", kv_lens=_randint(1024, 8192, 64, 0))
+    d2 = BenchCase("D2", "decode", "decode b1, kv 8192", kv_lens=(8192,))
+    d3 = BenchCase("D3", "decode", "decode b256, kv 2048", kv_lens=(2048,) * 256)
+    p1 = BenchCase("P1", "prefill", "prefill 8x2048 causal", kv_lens=(2048,) * 8, q_lens=(2048,) * 8)
+    p3_case = BenchCase("P3", "prefill", "prefill ragged 16 req causal", kv_lens=p3, q_lens=p3)
     return [
-        BenchCase("D1", "decode", "decode b64, kv 1k-8k", kv_lens=_randint(1024, 8192, 64, 0)),
-        BenchCase("D2", "decode", "decode b1, kv 8192", kv_lens=(8192,)),
-        BenchCase("D3", "decode", "decode b256, kv 2048", kv_lens=(2048,) * 256),
-        BenchCase("P1", "prefill", "prefill 8x2048 causal", kv_lens=(2048,) * 8, q_lens=(2048,) * 8),
+        d1,
+        d2,
+        d3,
+        p1,
         BenchCase("P2", "prefill", "prefill 1x8192 causal", kv_lens=(8192,), q_lens=(8192,)),
-        BenchCase("P3", "prefill", "prefill ragged 16 req causal", kv_lens=p3, q_lens=p3),
+        p3_case,
         BenchCase("P4", "prefill", "chunked 512 over 4096", kv_lens=(4608,) * 8, q_lens=(512,) * 8),
+        *[_fp8_kv(c) for c in (d1, d2, d3, p1, p3_case)],
         BenchCase("G1", "gemm", "gemm bf16 8192^3", m=8192, n=8192, k=8192),
         *[BenchCase(f"G2-m{m}", "gemm", f"gemm bf16 m={m}, n=k=4096", m=m, n=4096, k=4096) for m in (1, 16, 64, 256)],
         BenchCase("G3-n14336", "gemm", "gemm bf16 4096x14336x4096", m=4096, n=14336, k=4096),
@@ -139,6 +168,13 @@ class _Attention:
     k: torch.Tensor
     v: torch.Tensor
     out: torch.Tensor
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)  # fp8 caches: k_scale, v_scale on the device
+
+    def scale_values(self) -> tuple[float, float]:
+        """``(k_scale, v_scale)`` as floats (1.0 without scales)."""
+        if not self.scales:
+            return 1.0, 1.0
+        return float(self.scales["k_scale"]), float(self.scales["v_scale"])
 
 
 def select_cases(suite_name: str, ids: list[str] | None, argument: str = "cases") -> list[BenchCase]:
@@ -177,8 +213,16 @@ def _attention_inputs(case: BenchCase, device: torch.device, dtype: torch.dtype)
         qo.append(qo[-1] + n)
     hq, hkv = case.heads
     shape = (sum(pages), hkv, page, case.head_dim)  # HND
-    k = torch.randn(shape, device=device, dtype=dtype)
-    v = torch.randn(shape, device=device, dtype=dtype)
+    scales: dict[str, torch.Tensor] = {}
+    if case.kv_dtype:
+        kv_dtype = to_torch_dtype(case.kv_dtype)
+        k_scale, v_scale = FP8_KV_SCALES
+        k = (torch.randn(shape, device=device) / k_scale).to(kv_dtype)
+        v = (torch.randn(shape, device=device) / v_scale).to(kv_dtype)
+        scales = {"k_scale": torch.tensor(k_scale, device=device), "v_scale": torch.tensor(v_scale, device=device)}
+    else:
+        k = torch.randn(shape, device=device, dtype=dtype)
+        v = torch.randn(shape, device=device, dtype=dtype)
     q = torch.randn(qo[-1], hq, case.head_dim, device=device, dtype=dtype)
     out = torch.empty_like(q)
     i32 = torch.int32
@@ -191,6 +235,7 @@ def _attention_inputs(case: BenchCase, device: torch.device, dtype: torch.dtype)
         k,
         v,
         out,
+        scales,
     )
 
 
@@ -198,8 +243,9 @@ def _attention_work(case: BenchCase, dtype: torch.dtype) -> tuple[float, str]:
     hq, hkv = case.heads
     d = case.head_dim
     size = torch.tensor([], dtype=dtype).element_size()
-    if case.op == "decode":
-        kv_bytes = 2 * sum(case.kv_lens) * hkv * d * size
+    kv_size = torch.tensor([], dtype=to_torch_dtype(case.kv_dtype)).element_size() if case.kv_dtype else size
+    if case.op == "decode":  # the bytes of K and V actually read (fp8: one per element), q and out
+        kv_bytes = 2 * sum(case.kv_lens) * hkv * d * kv_size
         return kv_bytes + 2 * len(case.kv_lens) * hq * d * size, "TB/s"
     pairs = sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in zip(case.q_lens, case.kv_lens, strict=True))
     return 4.0 * hq * d * pairs, "TFLOP/s"
@@ -226,6 +272,8 @@ def _measure_attention(
     hq, hkv = case.heads
     kw: dict[str, Any] = {"q_data_type": dtype, "deterministic": deterministic,
                           **({"causal": True} if case.op == "prefill" else {})}  # fmt: skip
+    if case.kv_dtype:
+        kw["kv_data_type"] = to_torch_dtype(case.kv_dtype)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", tactix.FallbackWarning)
@@ -234,12 +282,15 @@ def _measure_attention(
         return _unsupported(case, name, exc)
     cache = (inputs.k, inputs.v)
     inputs.out.fill_(float("nan"))
-    wrapper.run(inputs.q, cache, out=inputs.out)
+    try:
+        wrapper.run(inputs.q, cache, out=inputs.out, **inputs.scales)
+    except TactixError as exc:  # a backend that does not take the scales
+        return _unsupported(case, name, exc)
     err = relative_error(inputs.out, reference)
     tactic = str(wrapper.tactic)
-    if not err <= tolerance_for(dtype):
+    if not err <= attention_tolerance(dtype, case.kv_dtype or dtype, dtype):
         return BenchRow(case.id, case.description, name, tactic, "wrong", error=err, detail="wrong result")
-    timing = measure_with_policy(lambda: wrapper.run(inputs.q, cache, out=inputs.out), device, policy)
+    timing = measure_with_policy(lambda: wrapper.run(inputs.q, cache, out=inputs.out, **inputs.scales), device, policy)
     work, unit = _attention_work(case, dtype)
     rate = work / timing.median / 1e12
     return BenchRow(
@@ -422,6 +473,7 @@ def run_bench(
         else:
             inputs_a = _attention_inputs(case, device, dtype)
             qo = inputs_a.qo_indptr
+            k_scale, v_scale = inputs_a.scale_values()
             ref, _ = attention_reference(
                 inputs_a.q,
                 inputs_a.k,
@@ -433,6 +485,8 @@ def run_bench(
                 kv_layout="HND",
                 causal=case.op == "prefill",
                 sm_scale=1 / math.sqrt(case.head_dim),
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
 
             def measure_one(
@@ -451,8 +505,9 @@ def run_bench(
                 "causal": case.op == "prefill",
                 "sm_scale": 1 / math.sqrt(case.head_dim),
                 "out": inputs_a.out,
+                **inputs_a.scales,
             }
-            tolerance = tolerance_for(dtype)
+            tolerance = attention_tolerance(dtype, case.kv_dtype or dtype, dtype)
             work = _attention_work(case, dtype)
 
         registry = get_registry()

@@ -41,16 +41,20 @@ def attention_references(op: str, inputs: dict[str, Any]) -> list[tuple[str, Cal
     seq_lens = lens.to(device, torch.int32)
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     scale = float(inputs["sm_scale"])
+    # an fp8 cache's scales, as flashinfer takes them: bmm1 = sm_scale * k_scale, bmm2 = v_scale
+    k_scale, v_scale = (float(inputs[n]) if n in inputs else 1.0 for n in ("k_scale", "v_scale"))
     if op == "decode":
         decode = flashinfer("decode")
 
         def call_xqa() -> object:
             return decode.trtllm_batch_decode_with_kv_cache(
-                q, (k, v), workspace, table, seq_lens, int(lens.max()), bmm1_scale=scale, bmm2_scale=1.0,
-                out=out, kv_layout="HND", backend="xqa",
+                q, (k, v), workspace, table, seq_lens, int(lens.max()), bmm1_scale=scale * k_scale,
+                bmm2_scale=v_scale, out=out, kv_layout="HND", backend="xqa",
             )  # fmt: skip
 
         return [("XQA (flashinfer.decode.trtllm_batch_decode_with_kv_cache, backend='xqa')", call_xqa)]
+    if k.dtype != q.dtype:
+        return []  # FMHAv2 takes q, k and v of one dtype (see the plugin's README)
     prefill = flashinfer("prefill")
     stacked = torch.stack([k, v], dim=1)
     qo = inputs["qo_indptr"].long()
