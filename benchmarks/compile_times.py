@@ -24,10 +24,12 @@ from typing import Any
 def _cold(root: str) -> list[dict[str, Any]]:
     from pathlib import Path
 
-    from tactix_cuda_native import plugin, runtime
+    from tactix_cuda_native import runtime
+    from tactix_cuda_native.device import info_for
+    from tactix_cuda_native.variants import default_variants
 
     rows = []
-    for v in dict.fromkeys(plugin.default_variants(plugin._info_for(None))):
+    for v in dict.fromkeys(default_variants(info_for(None))):
         t0 = time.perf_counter()
         _, built = runtime.compile_variant(v, root=Path(root))
         rows.append({"variant": v.label(), "compile_s": time.perf_counter() - t0, "built": built})
@@ -36,7 +38,9 @@ def _cold(root: str) -> list[dict[str, Any]]:
 
 def _warm(root: str) -> dict[str, Any]:
     import torch
-    from tactix_cuda_native import plugin, runtime
+    from tactix_cuda_native import runtime
+    from tactix_cuda_native.device import info_for
+    from tactix_cuda_native.variants import default_variants
 
     import tactix
 
@@ -45,7 +49,7 @@ def _warm(root: str) -> dict[str, Any]:
     gpu = torch.cuda.is_available()
     if gpu:
         torch.cuda.init()
-    for v in dict.fromkeys(plugin.default_variants(plugin._info_for(None))):
+    for v in dict.fromkeys(default_variants(info_for(None))):
         t0 = time.perf_counter()
         _, built = runtime.compile_variant(v)
         t1 = time.perf_counter()

@@ -252,19 +252,21 @@ def _compile_one(variant: Any) -> str:
 
 def precompile(cases: list[BenchCase]) -> None:
     """Every variant the quick run needs, compiled into the disk cache by parallel processes."""
-    from tactix_cuda_native import geometry, plugin
+    from tactix_cuda_native import decode, gemm
+    from tactix_cuda_native.device import device_info
+    from tactix_cuda_native.variants import default_variants
 
-    info = plugin.device_info(torch.cuda.current_device())
-    variants = [v for v in plugin.default_variants(info) if ("TX_BF16", "1") in v.defines]
+    info = device_info(torch.cuda.current_device())
+    variants = [v for v in default_variants(info) if ("TX_BF16", "1") in v.defines]
     for case in cases:
         for t in QUICK.get(case.id, []):
             tactic = tactix.Tactic(**t)
             if t["kernel"] == "decode":
-                p = geometry.DecodeParams.from_tactic(tactic)
-                variants.append(plugin.decode_variant("bfloat16", case.head_dim, p, info.arch))
+                p = decode.DecodeParams.from_tactic(tactic)
+                variants.append(decode.decode_variant("bfloat16", case.head_dim, p, info.arch))
             else:
-                params = plugin.gemm_params_of(tactic)
-                variants.append(plugin.gemm_params_variant("bfloat16", case.m, params, info, case.n, case.k))
+                params = gemm.gemm_params_of(tactic)
+                variants.append(gemm.gemm_params_variant("bfloat16", case.m, params, info, case.n, case.k))
     variants = list(dict.fromkeys(variants))
     t0 = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")  # fresh processes: NVRTC only, no CUDA context

@@ -52,13 +52,14 @@ def instrument(backend: str) -> None:
     _wrap(staging.Staging, "reuse", "          Staging.reuse", classmethod_=True)
     _wrap(staging.Sections, "write", "            Sections.write")
     if backend == "cuda_native":
-        from tactix_cuda_native import plugin as native
+        from tactix_cuda_native import decode as native
+        from tactix_cuda_native.paged import StagedPlan
 
         _wrap(native.CudaNativeDecodePlan, "__init__", "      CudaNativeDecodePlan.__init__")
         for name in ("decode_work", "decode_items", "decode_chunk", "decode_is_small", "_decode_kernel",
                      "launch_config"):  # fmt: skip
             setattr(native, name, _timed_fn(getattr(native, name), f"        {name}"))
-        _wrap(native._StagedPlan, "_send", "        _StagedPlan._send")
+        _wrap(StagedPlan, "_send", "        StagedPlan._send")
     if backend == "cudnn":
         from tactix_cudnn import plugin
         from tactix_cudnn.graphs import graph_cache

@@ -1,7 +1,7 @@
 // tactix_prefill (kernels/prefill_sm90.cu, the Hopper wgmma kernel) on the CPU emulation:
 // compiled with g++ -include tx_emulate.h -I <kernels> -DTX_BF16=.. -DTX_D=.. ... (see emulate.py).
 // The same entry point as emu_prefill.cpp; `threads` includes the producer warpgroup and
-// `smem_bytes` is the plan's (geometry.prefill_smem_bytes with mma "wgmma", mbarriers included).
+// `smem_bytes` is the plan's (prefill.prefill_smem_bytes with mma "wgmma", mbarriers included).
 #include "prefill_sm90.cu"
 
 extern "C" const char* emu_prefill(unsigned grid, int threads, i64 smem_bytes, int resident, int order,

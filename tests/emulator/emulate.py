@@ -3,10 +3,10 @@
 The same ``kernels/*.cu`` text the GPU runs, compiled with ``-DTX_EMULATE`` and the same ``-D``
 parameters as a `runtime.Variant`, into a shared library per variant (cached under the
 system's temporary directory, keyed by the sources' hash). Inputs are CPU tensors; the host
-metadata comes from the plugin's own functions (`geometry.prefill_work`, `plugin.prefill_lists`,
-`plugin.prefill_scalars`; for decode `DecodePlan` repeats `plugin.CudaNativeDecodePlan` step by
-step with `geometry` and `plugin.decode_sections`), so what runs here is the plan's data as well as the
-kernel's code.
+metadata comes from the plugin's own functions (`prefill.prefill_work`, `prefill.prefill_lists`,
+`prefill.prefill_scalars`; for decode `DecodePlan` repeats `decode.CudaNativeDecodePlan` step by
+step with the functions of `tactix_cuda_native.decode`), so what runs here is the plan's data as well
+as the kernel's code.
 """
 
 from __future__ import annotations
@@ -80,29 +80,29 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
                 capacity: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
     """The prefill kernel on the emulation: (out, lse or None, the work list).
 
-    Launched as `plugin.CudaNativePrefillPlan` launches it: ``params.threads`` threads (for mma
+    Launched as `prefill.CudaNativePrefillPlan` launches it: ``params.threads`` threads (for mma
     "wgmma" the consumer warpgroups and the producer warpgroup) and ``params.smem_bytes`` of
     dynamic shared memory (the bound the emulation checks); ``schedule``: how its CTAs run (one
     at a time in grid order by default). With ``persist`` in the tactic the grid is
-    `geometry.prefill_grid` for ``persistent`` CTAs at once (the plan asks the driver; 0 here:
-    the H200's estimate, `geometry.prefill_persistent_ctas`), so pass a small count to have
+    `prefill.prefill_grid` for ``persistent`` CTAs at once (the plan asks the driver; 0 here:
+    the H200's estimate, `prefill.prefill_persistent_ctas`), so pass a small count to have
     each CTA loop over several items. ``capacity``: the item capacity of a CUDA-graph plan (the
     grid's size; the item list is padded to it with records that must never be read)."""
-    from tactix_cuda_native import geometry, plugin
+    from tactix_cuda_native import device, paged, prefill
 
     params = (
-        geometry.default_prefill_params(problem.head_dim_qk, geometry.H200)
+        prefill.default_prefill_params(problem.head_dim_qk, device.H200)
         if tactic.is_default
-        else geometry.PrefillParams.from_tactic(tactic)
+        else prefill.PrefillParams.from_tactic(tactic)
     )
-    variant = plugin.prefill_variant(problem.q_dtype, problem.head_dim_qk, params, "sm_90")
+    variant = prefill.prefill_variant(problem.q_dtype, problem.head_dim_qk, params, "sm_90")
     runner = "emu_prefill_sm90.cpp" if variant.source == "prefill_sm90.cu" else "emu_prefill.cpp"
     lib = _library(runner, variant.defines)
-    pack = geometry.prefill_pack(problem.gqa_ratio, params.q_tile, params.pack)
-    work = geometry.prefill_work(batch.qo_lens_list, batch.kv_lens_list, q_tile=params.q_tile,
-                                 kv_tile=params.kv_tile, pack=pack, causal=problem.causal,
-                                 window_left=problem.window_left, sched=params.sched)  # fmt: skip
-    items, reqs = plugin.prefill_lists(batch, work)
+    pack = prefill.prefill_pack(problem.gqa_ratio, params.q_tile, params.pack)
+    work = prefill.prefill_work(batch.qo_lens_list, batch.kv_lens_list, q_tile=params.q_tile,
+                                kv_tile=params.kv_tile, pack=pack, causal=problem.causal,
+                                window_left=problem.window_left, sched=params.sched)  # fmt: skip
+    items, reqs = prefill.prefill_lists(batch, work)
     i32 = torch.int32
     cap = max(capacity, len(work.items))
     # padding past the real items: a record read by mistake points far outside every buffer
@@ -110,18 +110,16 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
     num_items = torch.tensor([len(work.items)], dtype=i32)
     reqs_t = torch.tensor(reqs, dtype=i32)
     indices = batch.kv_indices.to(i32).contiguous()
-    strides = plugin._cache_strides(problem.kv_layout, k, v)
+    strides = paged.cache_strides(problem.kv_layout, k, v)
     rows = q.shape[0]
     out = torch.full((rows, problem.num_qo_heads, problem.head_dim_vo), float("nan"), dtype=q.dtype)
     lse = torch.full((rows, problem.num_qo_heads), float("nan"), dtype=torch.float32) if return_lse else None
     smem = params.smem_bytes(problem.head_dim_qk)
     if params.persist and not persistent:
-        persistent = geometry.prefill_persistent_ctas(
-            geometry.H200, geometry.ctas_per_sm(geometry.H200, smem, params.threads)
-        )
-    grid = geometry.prefill_grid(cap, problem.num_qo_heads, pack, persistent if params.persist else 0)[0]
+        persistent = prefill.prefill_persistent_ctas(device.H200, device.ctas_per_sm(device.H200, smem, params.threads))
+    grid = prefill.prefill_grid(cap, problem.num_qo_heads, pack, persistent if params.persist else 0)[0]
     args = _args([q, q.stride(0), q.stride(1), k, v, *strides, out, lse, items_t, num_items, reqs_t, indices,
-                  *plugin.prefill_scalars(problem, pack)])  # fmt: skip
+                  *prefill.prefill_scalars(problem, pack)])  # fmt: skip
     sched = (schedule or Schedule()).args()
     err = lib.emu_prefill(ctypes.c_uint(grid), ctypes.c_int(params.threads), ctypes.c_longlong(smem), *sched, *args)
     if err:
@@ -167,42 +165,42 @@ _LOG2E = 1.4426950408889634
 
 
 class DecodePlan:
-    """`plugin.CudaNativeDecodePlan` on the CPU, for the H200's geometry: the same steps with the
+    """`decode.CudaNativeDecodePlan` on the CPU, for the H200's geometry: the same steps with the
     same functions (parameters, chunk, work list, the packed metadata and its capacities, the
     workspace and the ticket counters, the grid), the GPU buffers being CPU tensors. What the
     GPU leaves undefined starts as NaN here (``torch.empty``: the partial outputs and LSEs).
     ``graph``: the CUDA-graph sizing (bucketed capacities, idle CTAs past the work list);
     ``previous``: a graph-mode re-plan writes into that plan's buffers, counters included."""
 
-    packed: torch.Tensor  # all int32 metadata in one buffer (plugin.decode_sections: the staging slot)
+    packed: torch.Tensor  # all int32 metadata in one buffer (decode.decode_sections: the staging slot)
     part_o: torch.Tensor  # workspace: partial outputs of split requests
     part_lse: torch.Tensor
     counters: torch.Tensor  # one per request and (KV head, q tile); zero between launches
 
     def __init__(self, problem: DecodeProblem, batch: PagedBatch, tactic: Any, *, graph: bool = False,
                  previous: DecodePlan | None = None) -> None:  # fmt: skip
-        from tactix_cuda_native import geometry, plugin
+        from tactix_cuda_native import decode, device, paged
 
-        info = geometry.H200
+        info = device.H200
         self.problem = problem
         b, hq, hkv, d = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim_qk
         gqa = problem.gqa_ratio
-        units = geometry.decode_units(hkv, gqa)
-        ranges = geometry.effective_lengths(batch.kv_lens_list, problem.window_left)
+        units = decode.decode_units(hkv, gqa)
+        ranges = decode.effective_lengths(batch.kv_lens_list, problem.window_left)
         longest_cap = bucket_size(batch.max_kv_len) if graph else batch.max_kv_len
         attended_cap = longest_cap if problem.window_left < 0 else min(longest_cap, problem.window_left + 1)
         lengths = [attended_cap] * b if graph else [e - s for s, e in ranges]
         if tactic.is_default:
-            params = geometry.default_decode_params(d, info, small=geometry.decode_is_small(lengths, units, info))
+            params = decode.default_decode_params(d, info, small=decode.decode_is_small(lengths, units, info))
         else:
-            params = geometry.DecodeParams.from_tactic(tactic)
+            params = decode.DecodeParams.from_tactic(tactic)
         self.params = params
-        self.lib = _library("emu_decode.cpp", plugin.decode_variant(problem.q_dtype, d, params, info.arch).defines)
-        self.smem = geometry.decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk, params.tma)
+        self.lib = _library("emu_decode.cpp", decode.decode_variant(problem.q_dtype, d, params, info.arch).defines)
+        self.smem = decode.decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk, params.tma)
         self.threads = 32 * params.warps
-        slots = info.sms * geometry.ctas_per_sm(info, self.smem, self.threads)  # no driver here: the estimate
-        chunk, work = geometry.decode_plan_work(ranges, lengths, units, slots, params, graph)
-        item_cap, slot_cap, page_cap = geometry.decode_buffer_sizes(
+        slots = info.sms * device.ctas_per_sm(info, self.smem, self.threads)  # no driver here: the estimate
+        chunk, work = decode.decode_plan_work(ranges, lengths, units, slots, params, graph)
+        item_cap, slot_cap, page_cap = decode.decode_buffer_sizes(
             work, batch.num_page_entries, graph=graph, batch=b, attended_cap=attended_cap, longest_cap=longest_cap,
             chunk=chunk, page_size=problem.page_size)  # fmt: skip
         self.work = work
@@ -212,8 +210,8 @@ class DecodePlan:
         # the plan's layout and writer: what its staging buffer holds before the transfer
         host_indices = batch.indices_on_host
         copied = host_indices or graph
-        layout = plugin.decode_sections(item_cap, page_cap if copied else None)
-        pieces: list[Any] = [geometry.decode_items(work, batch.kv_indptr_list), [len(work.items)]]
+        layout = decode.decode_sections(item_cap, page_cap if copied else None)
+        pieces: list[Any] = [decode.decode_items(work, batch.kv_indptr_list), [len(work.items)]]
         if copied:
             pieces.append(batch.kv_indices if host_indices else [])
         host = torch.full((layout.total,), -1, dtype=torch.int32)  # every entry must be written
@@ -232,27 +230,27 @@ class DecodePlan:
         view = {name: self.packed[o : o + n] for name, (o, n) in where.items()}
         indices = view.get("indices", batch.kv_indices)
         self._buffers = (view["items"], view["num_items"], indices, self.part_o, self.part_lse, self.counters)
-        shift = geometry.log2_exact(problem.page_size)
+        shift = paged.log2_exact(problem.page_size)
         assert shift is not None
-        self._scalars = (hq, gqa, geometry.q_tiles(gqa), shift, problem.sm_scale * _LOG2E,
+        self._scalars = (hq, gqa, decode.q_tiles(gqa), shift, problem.sm_scale * _LOG2E,
                          float(problem.logits_soft_cap))  # fmt: skip
-        self.grid = geometry.decode_grid(item_cap, hkv, gqa)
+        self.grid = decode.decode_grid(item_cap, hkv, gqa)
         # every CTA of the grid reads a whole item record, idle ones included (decode.cu)
-        assert view["items"].numel() >= geometry.DECODE_ITEM_INTS * item_cap
+        assert view["items"].numel() >= decode.DECODE_ITEM_INTS * item_cap
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
             schedule: Schedule = SCHEDULES[0]) -> None:  # fmt: skip
-        """`plugin.CudaNativeDecodePlan.run`: the same argument list, launched on the emulation.
+        """`decode.CudaNativeDecodePlan.run`: the same argument list, launched on the emulation.
 
         The workspace is NaN again before each launch (on the GPU it holds the previous launch's
         partials, here identical ones): a partial read before its CTA wrote it in this launch shows.
         """
-        from tactix_cuda_native import plugin
+        from tactix_cuda_native import paged
 
         self.part_o.fill_(float("nan"))
         self.part_lse.fill_(float("nan"))
 
-        strides = plugin._cache_strides(self.problem.kv_layout, k, v)
+        strides = paged.cache_strides(self.problem.kv_layout, k, v)
         if not (q.stride(2) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0) or q.data_ptr() % 16:
             q = q.contiguous().clone()
         assert (k.data_ptr() | v.data_ptr() | out.data_ptr()) % 16 == 0
@@ -299,27 +297,27 @@ def tensor_map(view: torch.Tensor, box: tuple[int, ...]) -> TensorMap:
 
 
 class GemmPlan:
-    """`plugin.CudaNativeGemmPlan` on the CPU for the H200's geometry, for the Hopper kernel
+    """`gemm.CudaNativeGemmPlan` on the CPU for the H200's geometry, for the Hopper kernel
     (kernels/gemm_sm90.cu, tactic kernel "gemm_wgmma"): the same variant, shared memory, split
     count (the cluster), k per split and grid, the GPU buffers being CPU tensors."""
 
     def __init__(self, problem: Any, tactic: Any) -> None:
-        from tactix_cuda_native import geometry, plugin
+        from tactix_cuda_native import device, gemm
 
-        info = geometry.H200
-        params = geometry.GemmWgmmaParams.from_tactic(tactic)
+        info = device.H200
+        params = gemm.GemmWgmmaParams.from_tactic(tactic)
         self.problem, self.params = problem, params
         m, n, k, batch = problem.m, problem.n, problem.k, problem.batch
-        self.splits = geometry.gemm_wgmma_splits(m, n, k, params, info)
-        self.kps = geometry.gemm_wgmma_k_per_split(k, params.bk, self.splits)
-        variant = plugin.gemm_wgmma_variant(problem.a_dtype, params, self.splits, info.arch)
+        self.splits = gemm.gemm_wgmma_splits(m, n, k, params, info)
+        self.kps = gemm.gemm_wgmma_k_per_split(k, params.bk, self.splits)
+        variant = gemm.gemm_wgmma_variant(problem.a_dtype, params, self.splits, info.arch)
         self.lib = _library("emu_gemm_sm90.cpp", variant.defines)
         self.smem = params.smem_bytes
-        self.grid = geometry.gemm_grid(n, params.bw, self.splits, batch)
+        self.grid = gemm.gemm_grid(n, params.bw, self.splits, batch)
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
             schedule: Schedule = SCHEDULES[0]) -> None:  # fmt: skip
-        """`plugin.CudaNativeGemmPlan.run`'s argument list on the emulation (``b`` is the [k, n]
+        """`gemm.CudaNativeGemmPlan.run`'s argument list on the emulation (``b`` is the [k, n]
         k-major view of the [n, k] weight)."""
         p = self.problem
         lda = a.stride(-2) if p.m > 1 else p.k
@@ -327,13 +325,13 @@ class GemmPlan:
         a_sb = a.stride(0) if p.batched else 0
         b_sb = b.stride(0) if p.batched else 0
         args = _args([a, lda, a_sb, b, ldb, b_sb, out, p.m * p.n, bias, None, None, p.m, p.n, p.k, self.kps])
-        if self.params.tma:  # the plan's views and boxes (plugin.CudaNativeGemmPlan._tensor_map)
-            from tactix_cuda_native import plugin
+        if self.params.tma:  # the plan's views and boxes (gemm.CudaNativeGemmPlan._tensor_map)
+            from tactix_cuda_native import gemm
 
-            wmap = tensor_map(plugin.gemm_tma_view(b, p, p.n, ldb, b_sb), (1, self.params.bw, 64))
+            wmap = tensor_map(gemm.gemm_tma_view(b, p, p.n, ldb, b_sb), (1, self.params.bw, 64))
             amap = wmap
             if self.params.tma == 2:
-                amap = tensor_map(plugin.gemm_tma_view(a, p, p.m, lda, a_sb), (1, 64, 64))
+                amap = tensor_map(gemm.gemm_tma_view(a, p, p.m, lda, a_sb), (1, 64, 64))
             args = [ctypes.byref(wmap), ctypes.byref(amap), *args]
         gx, gy, gz = self.grid
         err = self.lib.emu_gemm(ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(gz),

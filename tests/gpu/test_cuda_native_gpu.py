@@ -10,7 +10,6 @@ relative error, so a wrong fragment layout or index shows up as a pattern across
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import itertools
 import math
@@ -26,8 +25,9 @@ from tactix.testing import LSE_TOLERANCE, attention_reference, gemm_reference, l
 
 pytestmark = pytest.mark.gpu
 
-plugin = pytest.importorskip("tactix_cuda_native.plugin", reason="plugins/cuda_native is not installed")
-geometry = pytest.importorskip("tactix_cuda_native.geometry")
+decode = pytest.importorskip("tactix_cuda_native.decode", reason="plugins/cuda_native is not installed")
+device = pytest.importorskip("tactix_cuda_native.device")
+prefill = pytest.importorskip("tactix_cuda_native.prefill")
 
 CUDA = torch.device("cuda")
 OUTSIDE = 1000.0  # written to every cache slot outside the batch: reading one spoils the result
@@ -217,12 +217,12 @@ def test_decode_large_batch_and_replan_on_one_wrapper() -> None:
 
 def test_decode_cuts_a_short_last_wave_of_whole_requests() -> None:
     """200 requests of 1024 keys x 8 KV heads are 4 waves of 396 CTAs (3 an SM) and 16 more: the
-    requests of that last wave are cut into pieces (geometry.decode_balance_tail) and merged."""
+    requests of that last wave are cut into pieces (decode.decode_balance_tail) and merged."""
     case = Case([1024] * 200, seed=19)
     w = case.wrapper()
     case.plan(w, return_lse=True)
     plan = w.plan_object
-    slots = plan.ctas_per_sm * plugin.device_info(0).sms
+    slots = plan.ctas_per_sm * device.device_info(0).sms
     assert plan.chunk == 1024
     if 0 < 1600 % slots <= slots // 2:  # the H200: 1600 % 396 = 16
         assert plan.work.needs_merge and len(plan.work.items) > 200, plan.work.splits[-4:]
@@ -260,7 +260,7 @@ def test_bulk_copy_decode_pages_windows_splits_and_nan_outside(page: int, d: int
     keys before a window's first key and past a request's last one land in shared memory; NaN
     there (slots outside the batch) must not reach the output. Ragged lengths, unaligned windows,
     forced splits, GQA 1/4/20, soft-cap."""
-    if not geometry.arch_at_least(plugin.device_info(0).arch, 90):
+    if not device.arch_at_least(device.device_info(0).arch, 90):
         pytest.skip("bulk copies need sm_90")
     lens = [1, 7, 8, 9, 15, 16, 17, 100, 513, 2048 + 7]
     for i, (heads, feats, tactic) in enumerate([
@@ -539,10 +539,10 @@ def prefill_tactic(mma: str, d: int = 128) -> tactix.Tactic:
     """The default tactic of one prefill kernel on this GPU (wgmma is the default on Hopper; a
     kind with "-persist" or "-pingpong" is its shape with those flags); skips the test where the
     GPU has no wgmma."""
-    info = plugin.device_info(torch.cuda.current_device())
+    info = device.device_info(torch.cuda.current_device())
     kernel, *flags = mma.split("-")
-    params = geometry.default_prefill_params(d, info, kernel)
-    params = dataclasses.replace(params, persist=int("persist" in flags), pingpong=int("pingpong" in flags))
+    params = prefill.default_prefill_params(d, info, kernel)
+    params = params.replace(persist=int("persist" in flags), pingpong=int("pingpong" in flags))
     reasons = params.reasons(d, info)
     if reasons:
         pytest.skip(f"prefill mma {mma!r} d{d} not on this GPU: {reasons}")
@@ -630,7 +630,7 @@ def test_prefill_gqa_ratios_and_head_packing(heads: tuple[int, int], mma: str) -
         w = case.wrapper()
         tactic = base.model_copy(update={"params": {**base.params, "pack": pack}})
         case.plan(w, return_lse=True, tactic=tactic)
-        assert w.plan_object.pack == (geometry.prefill_pack(heads[0] // heads[1], 128) if pack == 0 else 1)
+        assert w.plan_object.pack == (prefill.prefill_pack(heads[0] // heads[1], 128) if pack == 0 else 1)
         case.check(w, f"GQA pack {pack}", return_lse=True)
 
 
@@ -663,15 +663,15 @@ def test_wgmma_prefill_long_keys_both_warpgroups_and_idle_ones(persist: int, pin
     a warpgroup idle, and a 5-D cache, for every wgmma tile shape enumerated (with persistent
     CTAs, ping-pong, both: every shape enumerated with those flags)."""
     prefill_tactic("wgmma" + ("-persist" if persist else "") + ("-pingpong" if pingpong else ""))
-    info = plugin.device_info(torch.cuda.current_device())
-    shapes = {(p.q_tile, p.kv_tile, p.warps, p.stages) for p in geometry.prefill_candidates(128, info, 4)
+    info = device.device_info(torch.cuda.current_device())
+    shapes = {(p.q_tile, p.kv_tile, p.warps, p.stages) for p in prefill.prefill_candidates(128, info, 4)
               if p.mma == "wgmma" and p.persist == persist and p.pingpong == pingpong}  # fmt: skip
     assert shapes
     case = PrefillCase([700, 3, 129, 1], [3000, 900, 129, 2000], hq=8, hkv=2, layout="NHD", five_d=True, seed=41)
     for q_tile, kv_tile, warps, stages in sorted(shapes):
         for pack, features in ((1, {"causal": True}), (1, {"causal": True, "window_left": 90}), (0, {"causal": False})):
-            params = geometry.PrefillParams(q_tile, kv_tile, warps, stages, pack=pack, mma="wgmma", persist=persist,
-                                            pingpong=pingpong)  # fmt: skip
+            params = prefill.PrefillParams(q_tile=q_tile, kv_tile=kv_tile, warps=warps, stages=stages, pack=pack,
+                                           mma="wgmma", persist=persist, pingpong=pingpong)  # fmt: skip
             w = case.wrapper()
             case.plan(w, return_lse=True, tactic=params.to_tactic(), **features)
             case.check(w, f"wgmma pipeline {features}", return_lse=True, **features)
@@ -701,7 +701,7 @@ def test_prefill_run_does_not_sync_and_replays_in_a_cuda_graph(mma: str) -> None
     case.plan(w, return_lse=True, tactic=tactic)
     grid = w.plan_object.grid
     if tactic.params.get("persist"):  # persistent CTAs: at most what the GPU holds at once
-        info = plugin.device_info(torch.cuda.current_device())
+        info = device.device_info(torch.cuda.current_device())
         assert grid[0] <= info.sms * 4, grid
     rows = case.q.shape[0]
     out = torch.empty(rows, case.hq, case.d, device=CUDA, dtype=case.dtype)
@@ -805,11 +805,11 @@ def test_re_plans_of_one_bucket_skip_the_check_and_the_plan_hook(op: str, monkey
     plugin's reasons), one plan counted, and each batch matches the float64 oracle. The cache
     strides are checked by the first run only: re-plans keep what it found (the caches here
     differ in size, not in strides)."""
-    name = "_decode_reasons" if op == "decode" else "_prefill_reasons"
+    module, name = (decode, "decode_reasons") if op == "decode" else (prefill, "prefill_reasons")
     asked: list[int] = []
-    real = getattr(plugin, name)
-    monkeypatch.setattr(plugin, name, lambda *a: asked.append(1) or real(*a))
-    plan_class = plugin.CudaNativeDecodePlan if op == "decode" else plugin.CudaNativePrefillPlan
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: asked.append(1) or real(*a))
+    plan_class = decode.CudaNativeDecodePlan if op == "decode" else prefill.CudaNativePrefillPlan
     accepted: list[int] = []
     real_accept = plan_class._accept
     monkeypatch.setattr(plan_class, "_accept", lambda self, *a: accepted.append(1) or real_accept(self, *a))

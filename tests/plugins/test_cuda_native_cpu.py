@@ -4,7 +4,6 @@ the backend is inactive here."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import itertools
 import os
@@ -18,12 +17,22 @@ import types
 from collections.abc import Callable
 from pathlib import Path
 
+import pydantic
 import pytest
 
 pytest.importorskip("tactix_cuda_native", reason="plugins/cuda_native is not installed (scripts/setup.sh installs it)")
 
-from tactix_cuda_native import geometry, plugin, runtime
-from tactix_cuda_native.geometry import H200, DecodeParams, DeviceInfo, GemmParams
+from tactix_cuda_native import decode as decode_op
+from tactix_cuda_native import gemm as gemm_op
+from tactix_cuda_native import plugin, runtime
+from tactix_cuda_native import prefill as prefill_op
+from tactix_cuda_native.decode import DecodeParams
+from tactix_cuda_native.device import H200, DeviceInfo, arch_at_least, ctas_per_sm, wgmma_arch
+from tactix_cuda_native.gemm import GemmParams, GemmWgmmaParams
+from tactix_cuda_native.kernel import TensorMaps
+from tactix_cuda_native.paged import HEAD_DIMS
+from tactix_cuda_native.prefill import PrefillParams
+from tactix_cuda_native.variants import candidate_variants, default_variants
 
 import tactix
 from tactix.ops import DecodeProblem, GemmProblem, PrefillProblem
@@ -62,21 +71,21 @@ def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path) -> None:
-    variants = plugin.default_variants(H200)
+    variants = default_variants(H200)
     # bf16 and fp16: prefill for each head dim, with and without persistent CTAs (the default's
     # two forms), decode for each head dim (large and small batches), and the GEMM: on the H200 the
     # wgmma kernel, whose one variant serves every m (its tile has 64 rows)
-    persistent = sum(geometry.default_prefill_params(d, H200).pingpong for d in geometry.HEAD_DIMS)
+    persistent = sum(prefill_op.default_prefill_params(d, H200).pingpong for d in HEAD_DIMS)
     assert persistent == 2  # d64 and d128
-    assert len(variants) == len(set(variants)) == 2 * (3 * len(geometry.HEAD_DIMS) + persistent + 1)
+    assert len(variants) == len(set(variants)) == 2 * (3 * len(HEAD_DIMS) + persistent + 1)
     assert sum(("TX_PERSIST", "1") in v.defines for v in variants) == 2 * persistent
     # prefill and GEMM on the H200 are the wgmma kernels, compiled for the arch-specific sm_90a
     assert {(v.source, v.arch) for v in variants} == {
         ("decode.cu", "sm_90"), ("gemm_sm90.cu", "sm_90a"), ("prefill_sm90.cu", "sm_90a")}  # fmt: skip
     # elsewhere (sm_80) the mma.sync kernels, GEMM for 1, 2 and 4 m-tiles
-    a100 = geometry.DeviceInfo(108, 166912, 167936, "sm_80")
-    assert {v.source for v in plugin.default_variants(a100)} == {"decode.cu", "gemm.cu", "prefill.cu"}
-    assert sum(v.source == "gemm.cu" for v in plugin.default_variants(a100)) == 2 * 3
+    a100 = DeviceInfo(108, 166912, 167936, "sm_80")
+    assert {v.source for v in default_variants(a100)} == {"decode.cu", "gemm.cu", "prefill.cu"}
+    assert sum(v.source == "gemm.cu" for v in default_variants(a100)) == 2 * 3
     seen = []
     compiled = runtime.compile_all(
         variants, lambda done, total, label: seen.append((done, total, label)), root=cache_root
@@ -98,9 +107,9 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
 
 def test_tuning_candidates_compile(cache_root: Path) -> None:
     """Every decode geometry the tuner may pick for d128, and the GEMM geometries for m=16 (both kernels)."""
-    variants = {plugin.decode_variant("bfloat16", 128, p, "sm_90") for p in geometry.decode_candidates(128, H200)}
-    variants |= {plugin.gemm_variant("bfloat16", 16, p, "sm_90") for p in geometry.gemm_candidates(16, H200)}
-    variants |= {plugin.gemm_params_variant("bfloat16", 16, p, H200) for p in plugin.gemm_tactic_params(16, H200)}
+    variants = {decode_op.decode_variant("bfloat16", 128, p, "sm_90") for p in decode_op.decode_candidates(128, H200)}
+    variants |= {gemm_op.gemm_variant("bfloat16", 16, p, "sm_90") for p in gemm_op.gemm_candidates(16, H200)}
+    variants |= {gemm_op.gemm_params_variant("bfloat16", 16, p, H200) for p in gemm_op.gemm_tactic_params(16, H200)}
     assert len(variants) >= 10
     runtime.compile_all(sorted(variants, key=lambda v: v.label()), root=cache_root)
 
@@ -148,12 +157,12 @@ def _ldgsts_forms(cubin: bytes) -> tuple[int, int]:
 def _enumerated_variants() -> list[runtime.Variant]:
     """Every variant a plan or the tuner can ask for on an H200: the defaults (bf16, fp16), and in
     bf16 every decode candidate for each head dim and every GEMM candidate for 1, 2 and 4 m-tiles."""
-    out = set(plugin.default_variants(H200))
-    for d in geometry.HEAD_DIMS:
-        out |= {plugin.decode_variant("bfloat16", d, p, "sm_90") for p in geometry.decode_candidates(d, H200)}
+    out = set(default_variants(H200))
+    for d in HEAD_DIMS:
+        out |= {decode_op.decode_variant("bfloat16", d, p, "sm_90") for p in decode_op.decode_candidates(d, H200)}
     for m in (1, 16, 32, 64):
-        out |= {plugin.gemm_variant("bfloat16", m, p, "sm_90") for p in geometry.gemm_candidates(m, H200)}
-        out |= {plugin.gemm_params_variant("bfloat16", m, p, H200) for p in plugin.gemm_tactic_params(m, H200)}
+        out |= {gemm_op.gemm_variant("bfloat16", m, p, "sm_90") for p in gemm_op.gemm_candidates(m, H200)}
+        out |= {gemm_op.gemm_params_variant("bfloat16", m, p, H200) for p in gemm_op.gemm_tactic_params(m, H200)}
     return sorted(out, key=lambda v: v.label())
 
 
@@ -177,7 +186,7 @@ def test_the_check_sees_the_miscompile(tmp_path: Path) -> None:
     """The GEMM variant that crashed on the H200 (m = 16; bn 64, bk 64, 2 x 2 warps, 4 stages),
     compiled with W's evict_first policy back (TX_W_POLICY = 1): the check above must flag it."""
     params = GemmParams(bn=64, bk=64, wn=2, wk=2, stages=4)
-    clean = plugin.gemm_variant("bfloat16", 16, params, "sm_90")
+    clean = gemm_op.gemm_variant("bfloat16", 16, params, "sm_90")
     hinted = runtime.Variant(clean.source, tuple(sorted((*clean.defines, ("TX_W_POLICY", "1")))), clean.arch)
     assert _ldgsts_forms(runtime.compile_variant(clean, root=tmp_path)[0])[1] == 0
     plain, uniform = _ldgsts_forms(runtime.compile_variant(hinted, root=tmp_path)[0])
@@ -224,7 +233,7 @@ def test_variants_do_not_spill(cache_root: Path, tmp_path: Path) -> None:
 
 
 def test_disk_cache_hit_then_corrupt_files_are_recompiled(tmp_path: Path) -> None:
-    variant = plugin.decode_variant("float16", 64, geometry.default_decode_params(64, H200), "sm_90")
+    variant = decode_op.decode_variant("float16", 64, decode_op.default_decode_params(64, H200), "sm_90")
     first, built = runtime.compile_variant(variant, root=tmp_path)
     assert built
     path = runtime.cache_dir(tmp_path) / "sm_90" / f"{variant.key()}.cubin"
@@ -281,10 +290,9 @@ def test_cache_key_covers_every_compile_input() -> None:
         "sm90.cuh",
     }
     # the arch is part of the key: the wgmma kernel's sm_90a cubin is not an sm_90 one
-    wgmma = geometry.default_prefill_params(128, H200)
-    assert plugin.prefill_variant("bfloat16", 128, wgmma, "sm_90").arch == "sm_90a"
-    assert plugin.prefill_variant("bfloat16", 128, wgmma, "sm_90a") == plugin.prefill_variant("bfloat16", 128, wgmma,
-                                                                                              "sm_90")  # fmt: skip
+    wgmma = prefill_op.default_prefill_params(128, H200)
+    sm90 = prefill_op.prefill_variant("bfloat16", 128, wgmma, "sm_90")
+    assert sm90.arch == "sm_90a" and prefill_op.prefill_variant("bfloat16", 128, wgmma, "sm_90a") == sm90
 
 
 def test_a_compile_error_raises_tactix_error_with_the_log(tmp_path: Path) -> None:
@@ -298,8 +306,8 @@ def test_a_compile_error_raises_tactix_error_with_the_log(tmp_path: Path) -> Non
 
 
 def test_parallel_compile_fills_the_cache_and_reports_a_workers_error(tmp_path: Path) -> None:
-    info = geometry.H200
-    good = [plugin.gemm_variant("bfloat16", m, geometry.default_sync_gemm_params(m, info), "sm_90") for m in (1, 32)]
+    info = H200
+    good = [gemm_op.gemm_variant("bfloat16", m, gemm_op.default_sync_gemm_params(m, info), "sm_90") for m in (1, 32)]
     seen: list[tuple[int, int, str]] = []
     assert runtime.compile_all(good, lambda *a: seen.append(a), root=tmp_path, jobs=2) == 2
     assert [(d, t) for d, t, _ in seen] == [(1, 2), (2, 2)]
@@ -307,7 +315,7 @@ def test_parallel_compile_fills_the_cache_and_reports_a_workers_error(tmp_path: 
         assert runtime._read_cached(runtime.cache_dir(tmp_path) / "sm_90" / f"{v.key()}.cubin") is not None
     assert runtime.compile_all(good, root=tmp_path, jobs=2) == 0  # now cached: nothing compiled
     bad = runtime.Variant.make("decode.cu", "sm_90", TX_BF16=1, TX_D=100, TX_TILE=64, TX_WARPS=4, TX_STAGES=3)
-    other = plugin.gemm_variant("float16", 1, geometry.default_sync_gemm_params(1, info), "sm_90")
+    other = gemm_op.gemm_variant("float16", 1, gemm_op.default_sync_gemm_params(1, info), "sm_90")
     with pytest.raises(runtime.KernelCompileError) as raised:
         runtime.compile_all([bad, other], root=tmp_path, jobs=2)
     assert raised.value.variant == bad
@@ -319,16 +327,16 @@ def test_module_command_compiles_every_candidate_variant_count(
 ) -> None:
     from tactix_cuda_native.__main__ import main
 
-    every = plugin.candidate_variants(geometry.H200)
-    assert set(plugin.default_variants(geometry.H200)) <= set(every)
+    every = candidate_variants(H200)
+    assert set(default_variants(H200)) <= set(every)
     for problem_m in (1, 16, 64):  # every GEMM tactic the backend enumerates has its variant in the list
-        for p in plugin.gemm_tactic_params(problem_m, geometry.H200):
-            assert plugin.gemm_params_variant("float16", problem_m, p, geometry.H200) in every
+        for p in gemm_op.gemm_tactic_params(problem_m, H200):
+            assert gemm_op.gemm_params_variant("float16", problem_m, p, H200) in every
     monkeypatch.setenv("TACTIX_CACHE_DIR", str(tmp_path))
     runtime._memory.clear()
     assert main(["--arch", "sm_90", "--jobs", "2"]) == 0
     out = capsys.readouterr().out
-    n = len(set(plugin.default_variants(geometry.H200)))
+    n = len(set(default_variants(H200)))
     assert f"{n} variants for sm_90: {n} compiled" in out
     with pytest.raises(SystemExit):
         main(["--jobs", "0"])
@@ -342,7 +350,7 @@ def test_warmup_command_compiles_with_progress(tmp_path: Path, monkeypatch: pyte
     runtime._memory.clear()
     assert main(["warmup", "cuda_native", "--arch", "sm_90"]) == 0
     captured = capsys.readouterr()
-    total = len(plugin.default_variants(H200))
+    total = len(default_variants(H200))
     assert f"cuda_native: {total} compiled now" in captured.out
     assert f"[{total}/{total}]" in captured.err and "decode.cu" in captured.err and "prefill_sm90.cu" in captured.err
     cubins = [p for arch in ("sm_90", "sm_90a") for p in (tmp_path / "cuda_native" / "v1" / arch).glob("*.cubin")]
@@ -365,7 +373,7 @@ def test_tactics_are_enumerated_valid_and_round_trip() -> None:
         assert tactics, problem
         assert all(t.backend == "cuda_native" and t.kernel == "decode" for t in tactics)
         assert all(plugin._reasons(problem, t, H200) == [] for t in tactics)
-        default = geometry.default_decode_params(problem.head_dim_qk, H200).to_tactic()
+        default = decode_op.default_decode_params(problem.head_dim_qk, H200).to_tactic()
         assert default in tactics
         assert len(set(tactics)) == len(tactics)
         for t in tactics:
@@ -378,10 +386,10 @@ def test_tactics_are_enumerated_valid_and_round_trip() -> None:
     for other in (decode(kv_layout="NHD"), decode(page_size=4)):
         assert not [t for t in plugin.tactix_tactics(other) if "bulk" in t.params]
     a100 = DeviceInfo(sms=108, smem_per_block=232448, smem_per_sm=233472, arch="sm_80")
-    assert not [p for p in geometry.decode_candidates(128, a100) if p.bulk]
+    assert not [p for p in decode_op.decode_candidates(128, a100) if p.bulk]
     for m in (1, 16, 64):
         # elsewhere: the mma.sync kernel's every split count and L2 hint
-        sync = [p.to_tactic() for p in plugin.gemm_tactic_params(m, a100)]
+        sync = [p.to_tactic() for p in gemm_op.gemm_tactic_params(m, a100)]
         assert sync and all(t.kernel == "gemm" for t in sync)
         assert all(plugin._reasons(gemm(m=m), t, a100) == [] for t in sync)
         assert {t.params["splits"] for t in sync} >= {0, 1, 2}
@@ -396,13 +404,13 @@ def test_tactics_are_enumerated_valid_and_round_trip() -> None:
         assert all(plugin._reasons(gemm(m=m), t, H200) == [] for t in tactics)
         kinds = [t.kernel for t in tactics]
         assert kinds == sorted(kinds, key=lambda k: k != "gemm_wgmma") and {"gemm", "gemm_wgmma"} <= set(kinds)
-        assert tactics[0] == geometry.default_gemm_params(m, H200).to_tactic()
+        assert tactics[0] == gemm_op.default_gemm_params(m, H200).to_tactic()
         assert {t.params["splits"] for t in tactics if t.kernel == "gemm_wgmma"} == {0, 2, 4, 8}
         assert {t.params["splits"] for t in tactics if t.kernel == "gemm"} == {0}
         for t in tactics:
-            assert plugin.gemm_params_of(t).to_tactic() == t
+            assert gemm_op.gemm_params_of(t).to_tactic() == t
     shape = GemmParams(bn=64, bk=64, wn=2, wk=2, stages=4)
-    variants = [plugin.gemm_variant("bfloat16", 16, dataclasses.replace(shape, l2=l2), "sm_90") for l2 in (0, 1, 2)]
+    variants = [gemm_op.gemm_variant("bfloat16", 16, shape.replace(l2=l2), "sm_90") for l2 in (0, 1, 2)]
     assert variants[0] == variants[1] != variants[2]
 
 
@@ -422,19 +430,19 @@ def test_bad_tactic_params_give_reasons() -> None:
     a100 = DeviceInfo(sms=108, smem_per_block=232448, smem_per_sm=233472, arch="sm_80")
     tactic = tactix.Tactic(backend="cuda_native", kernel="decode", params={**ok, "bulk": 16})
     assert "need sm_90 or later" in plugin._reasons(decode(), tactic, a100)[0]
-    assert geometry.arch_at_least("sm_90a", 90) and geometry.arch_at_least("sm_100", 90)
-    assert not geometry.arch_at_least("sm_89", 90)
+    assert arch_at_least("sm_90a", 90) and arch_at_least("sm_100", 90)
+    assert not arch_at_least("sm_89", 90)
     # each copy's segment is 16 bytes longer in shared memory (banks): 4 segments a K or V tile
-    assert geometry.decode_smem_bytes(128, 64, 4, 2, 16) == geometry.decode_smem_bytes(128, 64, 4, 2) + 2 * 2 * 4 * 16
+    assert decode_op.decode_smem_bytes(128, 64, 4, 2, 16) == decode_op.decode_smem_bytes(128, 64, 4, 2) + 2 * 2 * 4 * 16
     # the same segments through tensor maps: no padding (the swizzle), a variant of their own, bulk needed
-    assert geometry.decode_smem_bytes(128, 64, 4, 2, 16, 1) == geometry.decode_smem_bytes(128, 64, 4, 2)
+    assert decode_op.decode_smem_bytes(128, 64, 4, 2, 16, 1) == decode_op.decode_smem_bytes(128, 64, 4, 2)
     assert reasons("decode", {**ok, "bulk": 16, "tma": 1}, decode()) == []
     assert "needs bulk 8, 16 or 32" in reasons("decode", {**ok, "tma": 1}, decode())[0]
     assert "tma must be 0 or 1" in reasons("decode", {**ok, "bulk": 16, "tma": 2}, decode())[0]
     assert "needs the HND layout" in reasons("decode", {**ok, "bulk": 16, "tma": 1}, decode(kv_layout="NHD"))[0]
-    with_maps = geometry.DecodeParams(64, 4, 3, 0, 1, 16, 1)
-    assert dict(plugin.decode_variant("bfloat16", 128, with_maps, "sm_90").defines)["TX_TMA"] == "1"
-    assert geometry.DecodeParams.from_tactic(with_maps.to_tactic()) == with_maps
+    with_maps = DecodeParams(tile=64, warps=4, stages=3, kv_chunk=0, l2=1, bulk=16, tma=1)
+    assert dict(decode_op.decode_variant("bfloat16", 128, with_maps, "sm_90").defines)["TX_TMA"] == "1"
+    assert DecodeParams.from_tactic(with_maps.to_tactic()) == with_maps
     assert "l2 must be 0" in reasons("decode", {**ok, "l2": 3}, decode())[0]
     assert "tile / warps must be 16 or 32" in reasons("decode", {**ok, "tile": 48}, decode())[0]
     assert "stages must be in 2..8" in reasons("decode", {**ok, "stages": 1}, decode())[0]
@@ -468,7 +476,7 @@ def test_decode_run_checks_the_cache_strides_the_bulk_tactic_needs() -> None:
 
     def accept(bulk: int, k: torch.Tensor, v: torch.Tensor, tma: int = 0) -> types.SimpleNamespace:
         plan = types.SimpleNamespace(problem=decode(), _bulk=bulk, _tma=tma)
-        plugin.CudaNativeDecodePlan._accept(plan, torch.zeros(2, 32, 128), k, v)  # type: ignore[arg-type]
+        decode_op.CudaNativeDecodePlan._accept(plan, torch.zeros(2, 32, 128), k, v)  # type: ignore[arg-type]
         return plan
 
     hnd = torch.zeros(6, 8, 16, 128)  # [pages, heads, tokens, head_dim]
@@ -507,74 +515,129 @@ def test_unsupported_problems_have_explicit_reasons() -> None:
     assert spec.reasons(gemm(bias_dtype="bfloat16", batched=True, batch=3)) == []
 
 
+STORED_TACTICS = Path(__file__).with_name("cuda_native_tactics_v1.txt")
+PARAMS = {"decode": DecodeParams, "prefill": PrefillParams, "gemm": GemmParams, "gemm_wgmma": GemmWgmmaParams}
+
+
+def test_tactics_stored_before_the_op_modules_stay_readable() -> None:
+    """Every tactic the plugin enumerated before its parameters became pydantic models (printed
+    and as JSON, as the code of commit 7f5c496 wrote them) reads back into its kernel's parameters
+    and writes out again as the same tactic, in the same printed form and the same JSON: the same
+    names, keys (optional ones left out at their defaults) and value types."""
+    lines = [line.split("\t") for line in STORED_TACTICS.read_text().splitlines() if not line.startswith("#")]
+    kernels = {printed.split("(")[0].removeprefix("cuda_native:") for printed, _ in lines}
+    assert len(lines) == 190 and kernels == set(PARAMS)
+    for printed, stored in lines:
+        tactic = tactix.tactics.parse_tactic(printed)
+        assert tactix.tactics.parse_tactic(stored) == tactic, printed
+        params = PARAMS[tactic.kernel].from_tactic(tactic)
+        again = params.to_tactic()
+        assert again == tactic and str(again) == printed and again.to_json() == stored, printed
+        assert all(type(v) is (str if k == "mma" else int) for k, v in again.params.items()), printed
+    # the models: frozen, no unknown fields, the old defaults
+    p = DecodeParams(tile=64, warps=4, stages=2)
+    assert (p.kv_chunk, p.l2, p.bulk, p.tma) == (0, 1, 0, 0) and p.to_tactic().params == {
+        "tile": 64, "warps": 4, "stages": 2, "kv_chunk": 0}  # fmt: skip
+    with pytest.raises(pydantic.ValidationError):
+        p.tile = 32  # type: ignore[misc]
+    with pytest.raises(pydantic.ValidationError):
+        DecodeParams(tile=64, warps=4, stages=2, hint=1)  # type: ignore[call-arg]
+    assert p.replace(l2=0).to_tactic().params["l2"] == 0 and hash(p) == hash(DecodeParams(tile=64, warps=4, stages=2))
+
+
+def test_a_bad_tactic_is_a_tactic_error_naming_its_params() -> None:
+    """`from_tactic` on a tactic the check did not pass: a `tactix.TacticError` that names the
+    parameters at fault (the check gives the same sentence as its reason)."""
+
+    def tactic(kernel: str, **params: object) -> tactix.Tactic:
+        return tactix.Tactic(backend="cuda_native", kernel=kernel, params=params)  # type: ignore[arg-type]
+
+    with pytest.raises(tactix.TacticError, match=r"decode params must be integers .*; not integers: tile"):
+        DecodeParams.from_tactic(tactic("decode", tile="64", warps=4, stages=2))
+    with pytest.raises(tactix.TacticError, match=r"with kv_chunk, l2, bulk and tma optional .*; missing: warps"):
+        DecodeParams.from_tactic(tactic("decode", tile=64, stages=2))
+    with pytest.raises(tactix.TacticError, match=r"; unknown: hint"):
+        GemmParams.from_tactic(tactic("gemm", bn=32, bk=128, wn=1, wk=4, stages=4, hint=1))
+    with pytest.raises(tactix.TacticError, match=r"prefill param mma must be 'sync' or 'wgmma' \(got 1\)"):
+        PrefillParams.from_tactic(tactic("prefill", q_tile=128, kv_tile=128, warps=8, stages=2, mma=1))
+    with pytest.raises(tactix.TacticError, match=r"not integers: persist"):
+        PrefillParams.from_tactic(tactic("prefill", q_tile=128, kv_tile=128, warps=8, stages=2, persist=True))
+    with pytest.raises(tactix.TacticError, match=r"not a tactic of kernel 'gemm_wgmma'"):
+        GemmWgmmaParams.from_tactic(tactic("gemm", bn=32, bk=128, wn=1, wk=4, stages=4))
+    reasons = plugin._reasons(decode(), tactic("decode", tile=64, warps=4.0, stages=2), H200)
+    assert reasons == [
+        "decode params must be integers (got {'tile': 64, 'warps': 4.0, 'stages': 2}); not integers: warps"
+    ]
+
+
 # -- launch geometry -------------------------------------------------------------------------
 
 
 def test_decode_defaults_fit_every_head_dim_and_smaller_gpus() -> None:
     small = DeviceInfo(sms=84, smem_per_block=101376, smem_per_sm=102400, arch="sm_86")
     for info in (H200, small):
-        for d in geometry.HEAD_DIMS:
-            p = geometry.default_decode_params(d, info)
+        for d in HEAD_DIMS:
+            p = decode_op.default_decode_params(d, info)
             assert p.reasons(d, info) == [], (d, info.arch)
     # d128: 2 stages of 64 keys (3 CTAs per SM: 12 warps); a small batch takes a third stage (2 CTAs)
-    h200_128 = geometry.default_decode_params(128, H200)
+    h200_128 = decode_op.default_decode_params(128, H200)
     assert (h200_128.tile, h200_128.warps, h200_128.stages, h200_128.l2) == (64, 4, 2, 1)
-    smem = geometry.decode_smem_bytes(128, 64, 4, 2)
+    smem = decode_op.decode_smem_bytes(128, 64, 4, 2)
     assert smem == 2 * 2 * 64 * 256 + 16 * 256 + 2 * 2 * 64 * 8 + 4 * 32 * 4 + 32 * 4 + 16
-    assert geometry.ctas_per_sm(H200, smem, 128) == 3
-    small = geometry.default_decode_params(128, H200, small=True)
+    assert ctas_per_sm(H200, smem, 128) == 3
+    small = decode_op.default_decode_params(128, H200, small=True)
     assert (small.tile, small.warps, small.stages) == (64, 4, 3)
-    assert geometry.ctas_per_sm(H200, geometry.decode_smem_bytes(128, 64, 4, 3), 128) == 2
-    assert geometry.ctas_per_sm(H200, smem, 128, resident=5) == 5  # the driver's answer wins
-    assert geometry.ctas_per_sm(H200, smem, 128, resident=0) == 1
-    for d in geometry.HEAD_DIMS:
-        assert geometry.default_decode_params(d, H200, small=True).reasons(d, H200) == []
+    assert ctas_per_sm(H200, decode_op.decode_smem_bytes(128, 64, 4, 3), 128) == 2
+    assert ctas_per_sm(H200, smem, 128, resident=5) == 5  # the driver's answer wins
+    assert ctas_per_sm(H200, smem, 128, resident=0) == 1
+    for d in HEAD_DIMS:
+        assert decode_op.default_decode_params(d, H200, small=True).reasons(d, H200) == []
     # D2 (one request of 8192 keys, 8 KV heads) is small; D1 and D3 are not
-    assert geometry.decode_is_small([8192], 8, H200)
-    assert not geometry.decode_is_small([2048] * 256, 8, H200)
-    assert not geometry.decode_is_small([4096] * 64, 8, H200)
+    assert decode_op.decode_is_small([8192], 8, H200)
+    assert not decode_op.decode_is_small([2048] * 256, 8, H200)
+    assert not decode_op.decode_is_small([4096] * 64, 8, H200)
 
 
 def test_decode_chunks_fill_the_gpu_for_the_benchmark_shapes() -> None:
     slots = H200.sms * 2
     # D2: one request of 8192 keys, 8 KV heads: 512-key chunks -> 16 splits x 8 heads = 128 CTAs
     # (the fewest keys per piece: fewer partials to merge, measured faster than 256 CTAs)
-    chunk = geometry.decode_chunk([8192], 8, 64, slots)
-    assert chunk == geometry.DECODE_MIN_CHUNK == 512
-    work = geometry.decode_work([(0, 8192)], chunk)
+    chunk = decode_op.decode_chunk([8192], 8, 64, slots)
+    assert chunk == decode_op.DECODE_MIN_CHUNK == 512
+    work = decode_op.decode_work([(0, 8192)], chunk)
     assert len(work.items) == 16 and work.slots == 16 and work.splits == [(0, 16)]
-    assert geometry.decode_grid(len(work.items), 8, 4) == (16 * 8, 1, 1)
+    assert decode_op.decode_grid(len(work.items), 8, 4) == (16 * 8, 1, 1)
     assert slots >= 16 * 8
     # D3: 256 x 2048 keys: no split, 2048 CTAs, no merge
-    chunk = geometry.decode_chunk([2048] * 256, 8, 64, slots)
-    work = geometry.decode_work([(0, 2048)] * 256, chunk)
+    chunk = decode_op.decode_chunk([2048] * 256, 8, 64, slots)
+    work = decode_op.decode_work([(0, 2048)] * 256, chunk)
     assert chunk == 2048 and not work.needs_merge and len(work.items) == 256
     # ... also at 3 CTAs per SM (5 waves: a split's merge costs more than the short last wave)
-    assert geometry.decode_chunk([2048] * 256, 8, 64, H200.sms * 3) == 2048
+    assert decode_op.decode_chunk([2048] * 256, 8, 64, H200.sms * 3) == 2048
     # a batch too short of waves is split, into equal pieces: 64 x 4096 keys at 3 CTAs per SM
     # (32768 tile-units over 4 x 396 items: 21 tiles -> 4 pieces of 16 tiles, not 21 + 21 + 21 + 1)
-    assert geometry.decode_chunk([4096] * 64, 8, 64, H200.sms * 3) == 1024
+    assert decode_op.decode_chunk([4096] * 64, 8, 64, H200.sms * 3) == 1024
     # never below DECODE_MIN_CHUNK keys, never above the longest request
-    assert geometry.decode_chunk([1000], 8, 64, slots) == 512
-    assert geometry.decode_chunk([100] * 4096, 8, 64, slots) == 128
+    assert decode_op.decode_chunk([1000], 8, 64, slots) == 512
+    assert decode_op.decode_chunk([100] * 4096, 8, 64, slots) == 128
 
     # D1: 64 requests of 1k..8k keys: chunks of a few hundred to a thousand keys, many CTAs
     import torch
 
     torch.manual_seed(0)
     lens = torch.randint(1024, 8192, (64,)).tolist()
-    chunk = geometry.decode_chunk(lens, 8, 64, slots)
-    work = geometry.decode_work([(0, n) for n in lens], chunk)
+    chunk = decode_op.decode_chunk(lens, 8, 64, slots)
+    work = decode_op.decode_work([(0, n) for n in lens], chunk)
     assert 256 <= chunk <= 2048 and chunk % 64 == 0
     assert len(work.items) * 8 >= 4 * slots
     # one request of one key: one item, no split
-    assert geometry.decode_work([(0, 1)], geometry.decode_chunk([1], 8, 64, slots)).items == [(0, 0, 1, -1)]
+    assert decode_op.decode_work([(0, 1)], decode_op.decode_chunk([1], 8, 64, slots)).items == [(0, 0, 1, -1)]
 
 
 def test_decode_work_covers_each_range_exactly_once() -> None:
     ranges = [(0, 1), (0, 15), (0, 16), (0, 17), (3, 700), (0, 32768), (100, 101)]
     for chunk in (64, 256, 1000 * 64):
-        work = geometry.decode_work(ranges, chunk)
+        work = decode_op.decode_work(ranges, chunk)
         covered: dict[int, list[tuple[int, int]]] = {}
         for req, start, end, slot in work.items:
             assert start < end and end - start <= chunk
@@ -592,7 +655,7 @@ def test_decode_work_covers_each_range_exactly_once() -> None:
         assert slots == list(range(work.slots))
         lengths = [e - s for _, s, e, _ in work.items]
         assert lengths == sorted(lengths, reverse=True), "items must be longest first"
-        assert len(work.items) <= geometry.decode_capacity(len(ranges), 32768, chunk)
+        assert len(work.items) <= decode_op.decode_capacity(len(ranges), 32768, chunk)
 
 
 def test_decode_work_orders_items_as_one_stable_sort_longest_first() -> None:
@@ -615,9 +678,9 @@ def test_decode_work_orders_items_as_one_stable_sort_longest_first() -> None:
         ends = [
             rng.choice([1, 2, 63, 64, 65, 128, 256, 257, 1000, rng.randint(1, 3000)]) for _ in range(rng.randint(1, 12))
         ]
-        ranges = geometry.effective_lengths(ends, rng.choice([-1, -1, 0, 63, 300]))
+        ranges = decode_op.effective_lengths(ends, rng.choice([-1, -1, 0, 63, 300]))
         chunk = rng.choice([1, 16, 64, 128, 256, 1000])
-        assert geometry.decode_work(ranges, chunk).items == reference(ranges, chunk), (ranges, chunk)
+        assert decode_op.decode_work(ranges, chunk).items == reference(ranges, chunk), (ranges, chunk)
 
 
 def test_decode_plan_helpers_equal_their_plain_definitions() -> None:
@@ -627,12 +690,12 @@ def test_decode_plan_helpers_equal_their_plain_definitions() -> None:
 
     def chunk_reference(lengths: list[int], units: int, tile: int, slots: int, min_chunk: int) -> int:
         tiles = [max(1, -(-n // tile)) for n in lengths]
-        chunk_tiles = -(-(sum(tiles) * units) // (geometry.DECODE_ITEMS_PER_SLOT * slots))
+        chunk_tiles = -(-(sum(tiles) * units) // (decode_op.DECODE_ITEMS_PER_SLOT * slots))
         chunk_tiles = min(max(chunk_tiles, -(-min_chunk // tile), 1), max(tiles))
         pieces = -(-max(tiles) // chunk_tiles)
         return -(-max(tiles) // pieces) * tile
 
-    def items_reference(work: geometry.DecodeWork, page_base: list[int]) -> list[int]:
+    def items_reference(work: decode_op.DecodeWork, page_base: list[int]) -> list[int]:
         out = []
         for req, start, end, slot in work.items:
             first, count = work.splits[req]
@@ -644,31 +707,31 @@ def test_decode_plan_helpers_equal_their_plain_definitions() -> None:
         lens = [rng.choice([1, 2, 63, 64, 65, 511, 512, 513, 2048, rng.randint(1, 9000)])
                 for _ in range(rng.randint(1, 70))]  # fmt: skip
         window = rng.choice([-1, -1, 0, 100, 1000])
-        ranges = geometry.effective_lengths(lens, window)
+        ranges = decode_op.effective_lengths(lens, window)
         assert ranges == [((max(0, n - 1 - window) if window >= 0 else 0), n) for n in lens]
         lengths = [e - s for s, e in ranges]
         units, tile, slots = rng.choice([1, 8, 16]), rng.choice([32, 64, 128]), rng.choice([132, 264, 396])
-        min_chunk = rng.choice([64, 256, geometry.DECODE_MIN_CHUNK])
-        chunk = geometry.decode_chunk(lengths, units, tile, slots, min_chunk)
+        min_chunk = rng.choice([64, 256, decode_op.DECODE_MIN_CHUNK])
+        chunk = decode_op.decode_chunk(lengths, units, tile, slots, min_chunk)
         assert chunk == chunk_reference(lengths, units, tile, slots, min_chunk), (lengths, units, tile, slots)
         pieces = sum(max(1, -(-n // min_chunk)) for n in lengths) * units
-        assert geometry.decode_is_small(lengths, units, H200, min_chunk) == (pieces <= 2 * H200.sms)
-        work = geometry.decode_work(ranges, chunk)
+        assert decode_op.decode_is_small(lengths, units, H200, min_chunk) == (pieces <= 2 * H200.sms)
+        work = decode_op.decode_work(ranges, chunk)
         page_base = sorted(rng.sample(range(100000), len(lens)))
-        assert geometry.decode_items(work, page_base) == items_reference(work, page_base)
+        assert decode_op.decode_items(work, page_base) == items_reference(work, page_base)
 
 
 def test_window_limits_the_attended_range() -> None:
-    assert geometry.effective_lengths([1, 10, 100], -1) == [(0, 1), (0, 10), (0, 100)]
-    assert geometry.effective_lengths([1, 10, 100], 0) == [(0, 1), (9, 10), (99, 100)]
-    assert geometry.effective_lengths([1, 10, 100], 64) == [(0, 1), (0, 10), (35, 100)]
+    assert decode_op.effective_lengths([1, 10, 100], -1) == [(0, 1), (0, 10), (0, 100)]
+    assert decode_op.effective_lengths([1, 10, 100], 0) == [(0, 1), (9, 10), (99, 100)]
+    assert decode_op.effective_lengths([1, 10, 100], 64) == [(0, 1), (0, 10), (35, 100)]
 
 
 def test_grids_and_q_tiles() -> None:
-    assert [geometry.q_tiles(g) for g in (1, 4, 8, 16, 17, 32)] == [1, 1, 1, 1, 2, 2]
+    assert [decode_op.q_tiles(g) for g in (1, 4, 8, 16, 17, 32)] == [1, 1, 1, 1, 2, 2]
     # one CTA per item and (KV head, q tile), an item's CTAs adjacent
-    assert geometry.decode_units(4, 32) == 8
-    assert geometry.decode_grid(10, 4, 32) == (80, 1, 1)
+    assert decode_op.decode_units(4, 32) == 8
+    assert decode_op.decode_grid(10, 4, 32) == (80, 1, 1)
 
 
 def test_a_short_last_wave_of_whole_requests_is_cut_into_pieces() -> None:
@@ -676,8 +739,8 @@ def test_a_short_last_wave_of_whole_requests_is_cut_into_pieces() -> None:
     The 9 requests that reach into that last wave are cut into 512-key pieces that fill it; the
     work still covers every key once, split requests merge, and items stay longest first."""
     slots = H200.sms * 3
-    work = geometry.decode_work([(0, 2048)] * 256, 2048)
-    balanced = geometry.decode_balance_tail(work, 8, slots, 64)
+    work = decode_op.decode_work([(0, 2048)] * 256, 2048)
+    balanced = decode_op.decode_balance_tail(work, 8, slots, 64)
     assert len(balanced.items) == 247 + 9 * 4 and balanced.slots == 36
     assert balanced.items[:247] == work.items[:247]
     assert {r for r, *_ in balanced.items[247:]} == set(range(247, 256))
@@ -692,35 +755,39 @@ def test_a_short_last_wave_of_whole_requests_is_cut_into_pieces() -> None:
         assert [p[:2] for p in pieces] == [(0, 512), (512, 1024), (1024, 1536), (1536, 2048)]
         assert sorted(p[2] for p in pieces) == list(range(first, first + count))
     # windowed ranges of 1995 keys: 3 pieces of at least 512 keys, a multiple of the tile, the last shorter
-    cut = geometry.decode_balance_tail(geometry.decode_work([(5, 2000)] * 256, 2048), 8, slots, 64)
+    cut = decode_op.decode_balance_tail(decode_op.decode_work([(5, 2000)] * 256, 2048), 8, slots, 64)
     assert [(s, e) for r, s, e, _ in cut.items if r == 255] == [(5, 709), (709, 1413), (1413, 2000)]
     # left alone: a whole number of waves, a last wave over half full, one wave only, a tail of
     # short requests (already short: the wave is short too) or of pieces of split requests
     same = [
-        geometry.decode_work([(0, 2048)] * 297, 2048),  # 6 waves exactly
-        geometry.decode_work([(0, 2048)] * 280, 2048),  # 5 waves and 260 CTAs
-        geometry.decode_work([(0, 2048)] * 40, 2048),
-        geometry.decode_work([(0, 2048)] * 250 + [(0, 700)] * 6, 2048),
-        geometry.decode_work([(0, 2048)] * 250 + [(0, 4096)] * 3, 2048),
+        decode_op.decode_work([(0, 2048)] * 297, 2048),  # 6 waves exactly
+        decode_op.decode_work([(0, 2048)] * 280, 2048),  # 5 waves and 260 CTAs
+        decode_op.decode_work([(0, 2048)] * 40, 2048),
+        decode_op.decode_work([(0, 2048)] * 250 + [(0, 700)] * 6, 2048),
+        decode_op.decode_work([(0, 2048)] * 250 + [(0, 4096)] * 3, 2048),
     ]
     for w in same:
-        assert geometry.decode_balance_tail(w, 8, slots, 64) is w
+        assert decode_op.decode_balance_tail(w, 8, slots, 64) is w
     # the plan cuts the last wave in eager mode with the automatic chunk only
-    d3 = DecodeParams(64, 4, 2)
+    d3 = DecodeParams(tile=64, warps=4, stages=2)
     ranges = [(0, 2048)] * 256
-    for params, graph, cut in ((d3, False, True), (d3, True, False), (DecodeParams(64, 4, 2, 2048), False, False)):
-        chunk, planned = geometry.decode_plan_work(ranges, [2048] * 256, 8, slots, params, graph)
+    for params, graph, cut in (
+        (d3, False, True),
+        (d3, True, False),
+        (DecodeParams(tile=64, warps=4, stages=2, kv_chunk=2048), False, False),
+    ):
+        chunk, planned = decode_op.decode_plan_work(ranges, [2048] * 256, 8, slots, params, graph)
         assert chunk == 2048 and (len(planned.items) == 283) == cut, (params, graph)
     # pieces are never shorter than DECODE_MIN_CHUNK keys: 1000-key requests stay whole
-    short = geometry.decode_work([(0, 1000)] * 256, 1000)
-    assert geometry.decode_balance_tail(short, 8, slots, 64) is short
+    short = decode_op.decode_work([(0, 1000)] * 256, 1000)
+    assert decode_op.decode_balance_tail(short, 8, slots, 64) is short
 
 
 def test_decode_item_records() -> None:
     """8 ints per item: request, first key, end key, slot, page offset, first slot, slot count, 0."""
-    work = geometry.decode_work([(0, 300), (0, 5), (10, 700)], 256)
-    flat = geometry.decode_items(work, [0, 19, 20])
-    assert len(flat) == geometry.DECODE_ITEM_INTS * len(work.items)
+    work = decode_op.decode_work([(0, 300), (0, 5), (10, 700)], 256)
+    flat = decode_op.decode_items(work, [0, 19, 20])
+    assert len(flat) == decode_op.DECODE_ITEM_INTS * len(work.items)
     records = [tuple(flat[i : i + 8]) for i in range(0, len(flat), 8)]
     assert records[0] == (0, 0, 256, 0, 0, 0, 2, 0)
     assert (1, 0, 5, -1, 19, 0, 1, 0) in records
@@ -745,12 +812,12 @@ def test_plan_metadata_sections_hold_what_the_kernels_read() -> None:
                                     kv_last_page_len=torch.tensor([(n - 1) % page + 1 for n in kv_lens],
                                                                   dtype=torch.int32),
                                     page_size=page, device=torch.device("cpu"), causal=True)  # fmt: skip
-    work = geometry.decode_work(geometry.effective_lengths(kv_lens, -1), 256)
-    records = geometry.decode_items(work, indptr)
-    eager = plugin.decode_sections(len(work.items), None)  # device indices: read in place
+    work = decode_op.decode_work(decode_op.effective_lengths(kv_lens, -1), 256)
+    records = decode_op.decode_items(work, indptr)
+    eager = decode_op.decode_sections(len(work.items), None)  # device indices: read in place
     assert eager.names == ("items", "num_items") and eager.capacities[0] == len(records)
-    item_cap, page_cap = geometry.decode_capacity(4, 1024, 256), 4 * 1024 // page  # a CUDA-graph plan's buckets
-    graph = plugin.decode_sections(item_cap, page_cap)
+    item_cap, page_cap = decode_op.decode_capacity(4, 1024, 256), 4 * 1024 // page  # a CUDA-graph plan's buckets
+    graph = decode_op.decode_sections(item_cap, page_cap)
     host = torch.full((graph.total,), -1, dtype=torch.int32)
     graph.write(host.data_ptr(), [records, [len(work.items)], indices])
     at = {name: graph.offset(name) for name in graph.names}
@@ -759,11 +826,11 @@ def test_plan_metadata_sections_hold_what_the_kernels_read() -> None:
     assert host[at["indices"] : at["indices"] + len(indices)].tolist() == indices.tolist()
     assert not host[at["indices"] + len(indices) :].any()
     # prefill
-    params = geometry.default_prefill_params(128, H200)
-    pwork = geometry.prefill_work(q_lens, kv_lens, q_tile=params.q_tile, kv_tile=params.kv_tile, pack=4, causal=True,
-                                  window_left=-1)  # fmt: skip
-    items, reqs = plugin.prefill_lists(batch, pwork)
-    layout = plugin.prefill_sections(len(pwork.items), 3, len(indices))
+    params = prefill_op.default_prefill_params(128, H200)
+    pwork = prefill_op.prefill_work(q_lens, kv_lens, q_tile=params.q_tile, kv_tile=params.kv_tile, pack=4, causal=True,
+                                    window_left=-1)  # fmt: skip
+    items, reqs = prefill_op.prefill_lists(batch, pwork)
+    layout = prefill_op.prefill_sections(len(pwork.items), 3, len(indices))
     assert layout.names == ("items", "num_items", "reqs", "indices")
     host = torch.full((layout.total,), -1, dtype=torch.int32)
     layout.write(host.data_ptr(), [items, [len(pwork.items)], reqs, indices])
@@ -771,36 +838,36 @@ def test_plan_metadata_sections_hold_what_the_kernels_read() -> None:
     assert host[: len(items)].tolist() == items and int(host[at["num_items"]]) == len(pwork.items)
     assert host[at["reqs"] : at["reqs"] + 12].tolist() == [0, 3, 300, 0, 3, 1, 5, 19, 4, 40, 700, 20]
     assert host[at["indices"] : at["indices"] + len(indices)].tolist() == indices.tolist()
-    assert plugin.prefill_sections(5, 2, None).names == ("items", "num_items", "reqs")
+    assert prefill_op.prefill_sections(5, 2, None).names == ("items", "num_items", "reqs")
 
 
 def test_gemm_splits_and_grids() -> None:
-    p1 = geometry.default_sync_gemm_params(1, H200)
+    p1 = gemm_op.default_sync_gemm_params(1, H200)
     assert (p1.bn, p1.bk, p1.wn, p1.wk) == (32, 128, 1, 4)
-    smem = geometry.gemm_smem_bytes(1, p1.bn, p1.bk, p1.stages)
-    ctas = geometry.ctas_per_sm(H200, smem, 128)
-    splits = geometry.gemm_splits(1, 4096, 4096, p1.bn, p1.bk, H200, ctas)
-    kps, splits = geometry.gemm_k_per_split(4096, p1.bk, splits)
+    smem = gemm_op.gemm_smem_bytes(1, p1.bn, p1.bk, p1.stages)
+    ctas = ctas_per_sm(H200, smem, 128)
+    splits = gemm_op.gemm_splits(1, 4096, 4096, p1.bn, p1.bk, H200, ctas)
+    kps, splits = gemm_op.gemm_k_per_split(4096, p1.bk, splits)
     assert splits > 1 and kps % p1.bk == 0 and kps * splits >= 4096 > kps * (splits - 1)
     # one full wave: 4 splits x 128 column blocks = 512 CTAs <= 132 SMs x 4 (5 splits ran 2 waves: slower)
     assert splits == 4 and ctas == 4
-    assert H200.sms <= geometry.gemm_grid(4096, p1.bn, splits, 1)[0] * splits <= H200.sms * ctas
+    assert H200.sms <= gemm_op.gemm_grid(4096, p1.bn, splits, 1)[0] * splits <= H200.sms * ctas
     # m = 64: 64 x 64 tiles, 6 stages (2 CTAs per SM): 4 splits; partial sums under a quarter of W
-    p64 = geometry.default_sync_gemm_params(64, H200)
+    p64 = gemm_op.default_sync_gemm_params(64, H200)
     assert (p64.bn, p64.bk, p64.wn, p64.wk, p64.stages) == (64, 64, 2, 2, 6)
-    c64 = geometry.ctas_per_sm(H200, geometry.gemm_smem_bytes(4, p64.bn, p64.bk, p64.stages), 128)
-    assert c64 == 2 and geometry.gemm_splits(64, 4096, 4096, p64.bn, p64.bk, H200, c64) == 4
-    s64 = geometry.gemm_splits(64, 4096, 4096, p64.bn, p64.bk, H200, 3)
+    c64 = ctas_per_sm(H200, gemm_op.gemm_smem_bytes(4, p64.bn, p64.bk, p64.stages), 128)
+    assert c64 == 2 and gemm_op.gemm_splits(64, 4096, 4096, p64.bn, p64.bk, H200, c64) == 4
+    s64 = gemm_op.gemm_splits(64, 4096, 4096, p64.bn, p64.bk, H200, 3)
     assert s64 * 64 * 4096 * 4 <= 4096 * 4096 * 2 / 4
     # a short k never splits below four stages per split; an explicit count is honoured up to k's steps
-    assert geometry.gemm_splits(1, 4096, 256, 32, 128, H200, 3) == 1
-    assert geometry.gemm_splits(1, 4096, 4096, 32, 128, H200, 3, requested=4) == 4
-    assert geometry.gemm_splits(1, 4096, 256, 32, 128, H200, 3, requested=8) == 2
-    assert geometry.gemm_k_per_split(4096, 128, 3) == (1408, 3)
-    assert geometry.gemm_k_per_split(136, 64, 4) == (64, 3)
-    assert [geometry.m_tiles(m) for m in (1, 16, 17, 32, 33, 48, 64)] == [1, 1, 2, 2, 4, 4, 4]
+    assert gemm_op.gemm_splits(1, 4096, 256, 32, 128, H200, 3) == 1
+    assert gemm_op.gemm_splits(1, 4096, 4096, 32, 128, H200, 3, requested=4) == 4
+    assert gemm_op.gemm_splits(1, 4096, 256, 32, 128, H200, 3, requested=8) == 2
+    assert gemm_op.gemm_k_per_split(4096, 128, 3) == (1408, 3)
+    assert gemm_op.gemm_k_per_split(136, 64, 4) == (64, 3)
+    assert [gemm_op.m_tiles(m) for m in (1, 16, 17, 32, 33, 48, 64)] == [1, 1, 2, 2, 4, 4, 4]
     for m in (1, 16, 32, 64):
-        assert geometry.default_gemm_params(m, H200).reasons(m, H200) == []
+        assert gemm_op.default_gemm_params(m, H200).reasons(m, H200) == []
 
 
 def test_wgmma_gemm_geometry() -> None:
@@ -809,30 +876,33 @@ def test_wgmma_gemm_geometry() -> None:
     suite's shape, and clear reasons for what it cannot run."""
     a100 = DeviceInfo(sms=108, smem_per_block=232448, smem_per_sm=233472, arch="sm_80")
     for m in (1, 16, 33, 64):
-        params = geometry.default_gemm_params(m, H200)
-        assert isinstance(params, geometry.GemmWgmmaParams) and (params.bw, params.bk, params.stages) == (64, 64, 4)
-        assert isinstance(geometry.default_gemm_params(m, a100), GemmParams)
-        assert geometry.gemm_wgmma_candidates(m, a100) == []
-    p = geometry.GemmWgmmaParams(64, 64, 4)
-    assert p.smem_bytes == 4 * (64 + 64) * 64 * 2 and geometry.ctas_per_sm(H200, p.smem_bytes, p.THREADS) == 3
+        params = gemm_op.default_gemm_params(m, H200)
+        assert isinstance(params, GemmWgmmaParams) and (params.bw, params.bk, params.stages) == (64, 64, 4)
+        assert isinstance(gemm_op.default_gemm_params(m, a100), GemmParams)
+        assert gemm_op.gemm_wgmma_candidates(m, a100) == []
+    p = GemmWgmmaParams(bw=64, bk=64, stages=4)
+    assert p.smem_bytes == 4 * (64 + 64) * 64 * 2 and ctas_per_sm(H200, p.smem_bytes, p.THREADS) == 3
     # 64 column blocks x 4 splits = 256 CTAs: one wave at 3 per SM, as many k splits as fit
-    splits = geometry.gemm_wgmma_splits(64, 4096, 4096, p, H200)
+    splits = gemm_op.gemm_wgmma_splits(64, 4096, 4096, p, H200)
     assert splits == 4 and 64 * splits <= H200.sms * 3 < 64 * 8
     for m, n, k in ((1, 4096, 4096), (64, 14336, 4096), (16, 512, 256), (64, 40, 8), (7, 4096, 14336)):
-        s = geometry.gemm_wgmma_splits(m, n, k, p, H200)
-        assert s in geometry.GEMM_WGMMA_SPLITS, (m, n, k, s)
-    assert geometry.gemm_wgmma_splits(64, 40, 8, p, H200) == 1  # one k tile: nothing to split
+        s = gemm_op.gemm_wgmma_splits(m, n, k, p, H200)
+        assert s in gemm_op.GEMM_WGMMA_SPLITS, (m, n, k, s)
+    assert gemm_op.gemm_wgmma_splits(64, 40, 8, p, H200) == 1  # one k tile: nothing to split
     # k per CTA of a cluster: whole tiles, the cluster keeps its size (trailing CTAs may get no k)
-    assert geometry.gemm_wgmma_k_per_split(4096, 64, 4) == 1024
-    assert geometry.gemm_wgmma_k_per_split(136, 64, 8) == 64  # 3 CTAs of 8 get k, 5 add zeros
-    assert geometry.gemm_wgmma_k_per_split(136, 64, 1) == 136
-    assert geometry.gemm_wgmma_splits(64, 4096, 4096, geometry.GemmWgmmaParams(64, 64, 4, 8), H200) == 8
+    assert gemm_op.gemm_wgmma_k_per_split(4096, 64, 4) == 1024
+    assert gemm_op.gemm_wgmma_k_per_split(136, 64, 8) == 64  # 3 CTAs of 8 get k, 5 add zeros
+    assert gemm_op.gemm_wgmma_k_per_split(136, 64, 1) == 136
+    assert gemm_op.gemm_wgmma_splits(64, 4096, 4096, GemmWgmmaParams(bw=64, bk=64, stages=4, splits=8), H200) == 8
     # reasons
-    assert "needs a Hopper GPU" in geometry.GemmWgmmaParams(64, 64, 4).reasons(16, a100)[0]
-    assert "m <= 64" in geometry.GemmWgmmaParams(64, 64, 4).reasons(65, H200)[0]
-    assert "bw must be 64, 128 or 256" in geometry.GemmWgmmaParams(96, 64, 4).reasons(16, H200)[0]
-    assert "splits must be 0 (auto) or 1, 2, 4 or 8" in geometry.GemmWgmmaParams(64, 64, 4, 3).reasons(16, H200)[0]
-    assert "shared memory" in geometry.GemmWgmmaParams(256, 128, 4).reasons(16, H200)[0]
+    assert "needs a Hopper GPU" in GemmWgmmaParams(bw=64, bk=64, stages=4).reasons(16, a100)[0]
+    assert "m <= 64" in GemmWgmmaParams(bw=64, bk=64, stages=4).reasons(65, H200)[0]
+    assert "bw must be 64, 128 or 256" in GemmWgmmaParams(bw=96, bk=64, stages=4).reasons(16, H200)[0]
+    assert (
+        "splits must be 0 (auto) or 1, 2, 4 or 8"
+        in GemmWgmmaParams(bw=64, bk=64, stages=4, splits=3).reasons(16, H200)[0]
+    )
+    assert "shared memory" in GemmWgmmaParams(bw=256, bk=128, stages=4).reasons(16, H200)[0]
 
     # through the plugin's check: names, types, and a tactic round trip
     def reasons(params: dict[str, object]) -> list[str]:
@@ -847,15 +917,15 @@ def test_wgmma_gemm_geometry() -> None:
     odd = tactix.Tactic(backend="cuda_native", kernel="gemm_x", params={})
     assert "unknown gemm kernel" in plugin._reasons(gemm(m=16), odd, H200)[0]
     wgmma = tactix.Tactic(backend="cuda_native", kernel="gemm_wgmma", params=good)
-    assert plugin.gemm_params_of(wgmma) == geometry.GemmWgmmaParams(128, 64, 3, 4)
+    assert gemm_op.gemm_params_of(wgmma) == GemmWgmmaParams(bw=128, bk=64, stages=3, splits=4)
 
 
 def test_plans_keep_the_latest_tensor_maps_and_name_a_tensor_cuda_core_refuses() -> None:
-    """`plugin._TensorMaps`, what GEMM and decode plans keep their TMA descriptors in: one encode
+    """`TensorMaps`, what GEMM and decode plans keep their TMA descriptors in: one encode
     per key while it is kept, the least recently used dropped past ``kept``, and an encoding
     error (cuda.core raises ValueError for what the TMA unit cannot describe) as an
     InvalidArgumentError naming the argument."""
-    maps = plugin._TensorMaps(2)
+    maps = TensorMaps(2)
     made: list[str] = []
 
     def make(name: str) -> Callable[[], str]:
@@ -886,25 +956,27 @@ def test_wgmma_gemm_tensor_map_tactics(monkeypatch: pytest.MonkeyPatch) -> None:
     variant of its own (TX_TMA) while tma 0 keeps the variant and the stored tactic it always had,
     clear reasons for bad values and for a cuda.core that cannot encode maps, and candidates the
     tuner is offered for every m of the kernel."""
-    p = geometry.GemmWgmmaParams(64, 128, 4, 0, 2)
+    p = GemmWgmmaParams(bw=64, bk=128, stages=4, splits=0, tma=2)
     assert p.smem_bytes == 4 * (64 + 64) * 128 * 2 + 4 * 8
-    assert geometry.GemmWgmmaParams(64, 128, 4).smem_bytes == 4 * (64 + 64) * 128 * 2
-    assert geometry.GemmWgmmaParams(64, 64, 4).to_tactic().params == {"bw": 64, "bk": 64, "stages": 4, "splits": 0}
-    assert geometry.GemmWgmmaParams.from_tactic(p.to_tactic()) == p and p.to_tactic().params["tma"] == 2
-    variant = plugin.gemm_wgmma_variant("bfloat16", p, 2, "sm_90")
-    plain = plugin.gemm_wgmma_variant("bfloat16", geometry.GemmWgmmaParams(64, 128, 4), 2, "sm_90")
+    assert GemmWgmmaParams(bw=64, bk=128, stages=4).smem_bytes == 4 * (64 + 64) * 128 * 2
+    assert GemmWgmmaParams(bw=64, bk=64, stages=4).to_tactic().params == {"bw": 64, "bk": 64, "stages": 4, "splits": 0}
+    assert GemmWgmmaParams.from_tactic(p.to_tactic()) == p and p.to_tactic().params["tma"] == 2
+    variant = gemm_op.gemm_wgmma_variant("bfloat16", p, 2, "sm_90")
+    plain = gemm_op.gemm_wgmma_variant("bfloat16", GemmWgmmaParams(bw=64, bk=128, stages=4), 2, "sm_90")
     assert dict(variant.defines)["TX_TMA"] == "2" and "TX_TMA" not in dict(plain.defines)
     assert dict(variant.defines)["TX_SMEM"] == str(p.smem_bytes)
-    assert "tma must be 0 (cp.async), 1" in geometry.GemmWgmmaParams(64, 64, 4, 0, 3).reasons(16, H200)[0]
+    assert (
+        "tma must be 0 (cp.async), 1" in GemmWgmmaParams(bw=64, bk=64, stages=4, splits=0, tma=3).reasons(16, H200)[0]
+    )
     tactic = tactix.Tactic(backend="cuda_native", kernel="gemm_wgmma", params={"bw": 64, "bk": 64, "stages": 4,
                                                                                 "tma": 1})  # fmt: skip
     assert plugin._reasons(gemm(m=16), tactic, H200) == []
-    monkeypatch.setattr(plugin, "tensor_maps_status", lambda: "this cuda.core cannot encode tensor maps (x)")
+    monkeypatch.setattr(gemm_op, "tensor_maps_status", lambda: "this cuda.core cannot encode tensor maps (x)")
     assert plugin._reasons(gemm(m=16), tactic, H200) == [
         "tma 1 needs tensor maps: this cuda.core cannot encode tensor maps (x)"
     ]
     for m in (1, 16, 64):
-        tmas = {c.tma for c in geometry.gemm_wgmma_candidates(m, H200)}
+        tmas = {c.tma for c in gemm_op.gemm_wgmma_candidates(m, H200)}
         assert tmas == {0, 1, 2}, (m, tmas)
 
 
@@ -914,12 +986,14 @@ def test_wgmma_gemm_tensor_map_tactics(monkeypatch: pytest.MonkeyPatch) -> None:
 def _prefill_variants() -> list[runtime.Variant]:
     """Every default prefill variant (both dtypes; on the H200 the wgmma kernel), the mma.sync
     defaults (both dtypes) and every tuning candidate of both kernels (bf16)."""
-    variants = {v for v in plugin.default_variants(H200) if v.source.startswith("prefill")}
-    for d in geometry.HEAD_DIMS:
+    variants = {v for v in default_variants(H200) if v.source.startswith("prefill")}
+    for d in HEAD_DIMS:
         for dtype in ("bfloat16", "float16"):
-            variants.add(plugin.prefill_variant(dtype, d, geometry.default_prefill_params(d, H200, "sync"), "sm_90"))
-        for p in geometry.prefill_candidates(d, H200, gqa=4):
-            variants.add(plugin.prefill_variant("bfloat16", d, p, "sm_90"))
+            variants.add(
+                prefill_op.prefill_variant(dtype, d, prefill_op.default_prefill_params(d, H200, "sync"), "sm_90")
+            )
+        for p in prefill_op.prefill_candidates(d, H200, gqa=4):
+            variants.add(prefill_op.prefill_variant("bfloat16", d, p, "sm_90"))
     return sorted(variants, key=lambda v: v.label())
 
 
@@ -948,7 +1022,7 @@ def test_resource_usage_sees_serialized_wgmma() -> None:
     if not usage["wgmma_serialized"]:
         pytest.skip(f"NVRTC {runtime.nvrtc_version()} no longer serializes this variant: the check is unproven")
     assert usage["spill_stores"] > 0
-    params = geometry.PrefillParams(128, 128, 8, 2, mma="wgmma")
+    params = PrefillParams(q_tile=128, kv_tile=128, warps=8, stages=2, mma="wgmma")
     assert "at most 176 fit" in params.reasons(256, H200)[0]
 
 
@@ -986,13 +1060,13 @@ def test_wgmma_variants_run_on_the_tensor_cores_asynchronously(cache_root: Path)
 
 
 def test_wgmma_smem_layout_matches_the_plan(tmp_path: Path) -> None:
-    """The plan launches with `geometry.prefill_smem_bytes`; the kernel static_asserts that its own
+    """The plan launches with `prefill_op.prefill_smem_bytes`; the kernel static_asserts that its own
     layout (Q, the K/V ring, row pointers, mbarriers) has that size (TX_SMEM), so every variant
     compiled above agrees with it, and a wrong size does not compile."""
-    params = geometry.PrefillParams(128, 128, 8, 2, mma="wgmma")
+    params = PrefillParams(q_tile=128, kv_tile=128, warps=8, stages=2, mma="wgmma")
     assert params.smem_bytes(128) == 128 * 256 + 2 * 2 * 128 * 256 + 128 * 16 + 4 * 2 * 8 == 165952
-    assert params.threads == 384 and geometry.PrefillParams(64, 64, 4, 2, mma="wgmma").threads == 256
-    variant = plugin.prefill_variant("bfloat16", 128, params, "sm_90")
+    assert params.threads == 384 and PrefillParams(q_tile=64, kv_tile=64, warps=4, stages=2, mma="wgmma").threads == 256
+    variant = prefill_op.prefill_variant("bfloat16", 128, params, "sm_90")
     assert dict(variant.defines)["TX_SMEM"] == "165952"
     wrong = runtime.Variant(variant.source, tuple((k, "165936" if k == "TX_SMEM" else v) for k, v in variant.defines),
                             variant.arch)  # fmt: skip
@@ -1000,21 +1074,21 @@ def test_wgmma_smem_layout_matches_the_plan(tmp_path: Path) -> None:
         runtime.compile_variant(wrong, root=tmp_path)
     assert "prefill_smem_bytes disagrees" in info.value.log
     # every candidate fits the H200's 227 KB; the deepest d128 ring just does
-    assert max(p.smem_bytes(128) for p in geometry.prefill_candidates(128, H200)) == 231520 <= H200.smem_per_block
+    assert max(p.smem_bytes(128) for p in prefill_op.prefill_candidates(128, H200)) == 231520 <= H200.smem_per_block
 
 
 def test_prefill_tactics_are_enumerated_valid_and_round_trip() -> None:
     backend = get_registry().get("cuda_native")
-    for d in geometry.HEAD_DIMS:
+    for d in HEAD_DIMS:
         for hq, hkv in ((32, 8), (8, 8), (32, 4)):
             problem = prefill(head_dim_qk=d, head_dim_vo=d, num_qo_heads=hq, num_kv_heads=hkv)
             tactics = plugin.tactix_tactics(problem)
             assert tactics and all(t.backend == "cuda_native" and t.kernel == "prefill" for t in tactics)
             assert len(set(tactics)) == len(tactics)
             assert all(plugin._reasons(problem, t, H200) == [] for t in tactics), problem
-            default = geometry.default_prefill_params(d, H200)
+            default = prefill_op.default_prefill_params(d, H200)
             assert default.mma == "wgmma" and default.to_tactic() in tactics
-            assert geometry.default_prefill_params(d, H200, "sync").to_tactic() in tactics
+            assert prefill_op.default_prefill_params(d, H200, "sync").to_tactic() in tactics
             # both kernels, so the tuner compares them; "sync" stays implicit in the params
             assert {t.params.get("mma", "sync") for t in tactics} == {"sync", "wgmma"}
             assert all(t.params.get("mma") in (None, "wgmma") for t in tactics)
@@ -1023,52 +1097,52 @@ def test_prefill_tactics_are_enumerated_valid_and_round_trip() -> None:
             assert "persist" not in default.to_tactic().params
             persistent = [t for t in tactics if t.params.get("persist")]
             assert persistent and all(t.params["persist"] == 1 and t.params["mma"] == "wgmma" for t in persistent)
-            assert dataclasses.replace(default, persist=1).to_tactic() in tactics
+            assert default.replace(persist=1).to_tactic() in tactics
             # the warpgroups' ping-pong: the default at d128 (measured there), enumerated for every q_tile 128
             assert (default.to_tactic().params.get("pingpong") == 1) == (d in (64, 128))
             pingpong = [t for t in tactics if t.params.get("pingpong")]
             assert {(t.params["q_tile"], t.params.get("persist", 0)) for t in pingpong} == {(128, 0), (128, 1)}
-            assert dataclasses.replace(default, pingpong=1).to_tactic() in tactics
-            assert dataclasses.replace(default, pingpong=0).to_tactic() in tactics
+            assert default.replace(pingpong=1).to_tactic() in tactics
+            assert default.replace(pingpong=0).to_tactic() in tactics
             assert ({t.params["pack"] for t in tactics} == {0, 1}) == (hq > hkv)
             for t in tactics:
                 assert tactix.tactics.parse_tactic(t.to_json()) == t
-                assert geometry.PrefillParams.from_tactic(t).to_tactic() == t
+                assert PrefillParams.from_tactic(t).to_tactic() == t
     assert backend.tactics(prefill())[0] == tactix.Tactic.default("cuda_native")
     # a tactic stored before the wgmma kernel existed still means the mma.sync kernel
     old = tactix.tactics.parse_tactic('{"backend":"cuda_native","kernel":"prefill","params":{"pack":0,"q_tile":128,'
                                       '"sched":0,"stages":3,"kv_tile":32,"warps":4},"schema_version":1}')  # fmt: skip
-    assert geometry.PrefillParams.from_tactic(old) == geometry.PrefillParams(128, 32, 4, 3)
-    assert geometry.PrefillParams(128, 32, 4, 3).to_tactic() == old
-    wgp = geometry.PrefillParams(128, 128, 8, 2, mma="wgmma", persist=1).to_tactic()
-    assert wgp.params["persist"] == 1 and geometry.PrefillParams.from_tactic(wgp).persist == 1
-    both = geometry.PrefillParams(128, 128, 8, 2, mma="wgmma", persist=1, pingpong=1)
-    assert geometry.PrefillParams.from_tactic(both.to_tactic()) == both
-    assert dict(plugin.prefill_variant("bfloat16", 128, both, "sm_90").defines)["TX_PINGPONG"] == "1"
-    assert "TX_PINGPONG" not in dict(plugin.prefill_variant("bfloat16", 128, wgp_params := geometry.PrefillParams(
-        128, 128, 8, 2, mma="wgmma"), "sm_90").defines)  # fmt: skip
-    assert "TX_PERSIST" not in dict(plugin.prefill_variant("bfloat16", 128, wgp_params, "sm_90").defines)
-    wg = geometry.PrefillParams(128, 128, 8, 2, mma="wgmma").to_tactic()
+    assert PrefillParams.from_tactic(old) == PrefillParams(q_tile=128, kv_tile=32, warps=4, stages=3)
+    assert PrefillParams(q_tile=128, kv_tile=32, warps=4, stages=3).to_tactic() == old
+    wgp = PrefillParams(q_tile=128, kv_tile=128, warps=8, stages=2, mma="wgmma", persist=1).to_tactic()
+    assert wgp.params["persist"] == 1 and PrefillParams.from_tactic(wgp).persist == 1
+    both = PrefillParams(q_tile=128, kv_tile=128, warps=8, stages=2, mma="wgmma", persist=1, pingpong=1)
+    assert PrefillParams.from_tactic(both.to_tactic()) == both
+    assert dict(prefill_op.prefill_variant("bfloat16", 128, both, "sm_90").defines)["TX_PINGPONG"] == "1"
+    wgp_params = PrefillParams(q_tile=128, kv_tile=128, warps=8, stages=2, mma="wgmma")
+    assert "TX_PINGPONG" not in dict(prefill_op.prefill_variant("bfloat16", 128, wgp_params, "sm_90").defines)
+    assert "TX_PERSIST" not in dict(prefill_op.prefill_variant("bfloat16", 128, wgp_params, "sm_90").defines)
+    wg = PrefillParams(q_tile=128, kv_tile=128, warps=8, stages=2, mma="wgmma").to_tactic()
     assert wg.to_json() == ('{"backend":"cuda_native","kernel":"prefill","params":{"kv_tile":128,"mma":"wgmma",'
                             '"pack":0,"q_tile":128,"sched":0,"stages":2,"warps":8},"schema_version":1}')  # fmt: skip
     # defaults on the H200: the wgmma kernel, two consumer warpgroups; mma.sync: 32 rows per warp
     # where the accumulators fit, two CTAs per H200 SM
     for d, want in ((64, (128, 128, 8, 3, 1)), (128, (128, 128, 8, 3, 1)), (256, (128, 64, 8, 2, 0))):
-        p = geometry.default_prefill_params(d, H200)
+        p = prefill_op.default_prefill_params(d, H200)
         assert (p.q_tile, p.kv_tile, p.warps, p.stages, p.pingpong, p.mma) == (*want, "wgmma")
     for d, want in ((64, (128, 64, 4, 3)), (128, (128, 32, 4, 3)), (256, (64, 32, 4, 2))):
-        p = geometry.default_prefill_params(d, H200, "sync")
+        p = prefill_op.default_prefill_params(d, H200, "sync")
         assert (p.q_tile, p.kv_tile, p.warps, p.stages, p.mma) == (*want, "sync")
-        smem = geometry.prefill_smem_bytes(d, p.q_tile, p.kv_tile, p.stages)
-        assert geometry.ctas_per_sm(H200, smem, 32 * p.warps) >= 2
+        smem = prefill_op.prefill_smem_bytes(d, p.q_tile, p.kv_tile, p.stages)
+        assert ctas_per_sm(H200, smem, 32 * p.warps) >= 2
     # other GPUs: the mma.sync kernel only (wgmma needs sm_90)
     for info in (DeviceInfo(sms=84, smem_per_block=101376, smem_per_sm=102400, arch="sm_86"),
                  DeviceInfo(sms=108, smem_per_block=232448, smem_per_sm=233472, arch="sm_80")):  # fmt: skip
-        for d in geometry.HEAD_DIMS:
-            p = geometry.default_prefill_params(d, info)
+        for d in HEAD_DIMS:
+            p = prefill_op.default_prefill_params(d, info)
             assert p.mma == "sync" and p.reasons(d, info) == [], (d, info.arch)
-            assert all(c.mma == "sync" for c in geometry.prefill_candidates(d, info, 4))
-    assert geometry.wgmma_arch("sm_90") == geometry.wgmma_arch("sm_90a") == "sm_90a"
+            assert all(c.mma == "sync" for c in prefill_op.prefill_candidates(d, info, 4))
+    assert wgmma_arch("sm_90") == wgmma_arch("sm_90a") == "sm_90a"
 
 
 def test_bad_prefill_tactics_and_problems_give_reasons() -> None:
@@ -1153,13 +1227,13 @@ def _oracle_pairs(q_len: int, kv_len: int, causal: bool, window: int) -> set[tup
     return allowed
 
 
-def _kernel_pairs(q_lens: list[int], kv_lens: list[int], params: geometry.PrefillParams, pack: int, hq: int,
+def _kernel_pairs(q_lens: list[int], kv_lens: list[int], params: PrefillParams, pack: int, hq: int,
                   causal: bool, window: int) -> dict[tuple[int, int, int, int], int]:  # fmt: skip
     """Model of the prefill kernels' control flow (kernels/prefill.cu and prefill_sm90.cu, same
     formulas): how often each (request, token, head, key) enters a written row's softmax
     unmasked. The unit that skips tiles and masks is a warp (sync) or a warpgroup of 64 rows (wgmma)."""
-    work = geometry.prefill_work(q_lens, kv_lens, q_tile=params.q_tile, kv_tile=params.kv_tile, pack=pack,
-                                 causal=causal, window_left=window, sched=params.sched)  # fmt: skip
+    work = prefill_op.prefill_work(q_lens, kv_lens, q_tile=params.q_tile, kv_tile=params.kv_tile, pack=pack,
+                                   causal=causal, window_left=window, sched=params.sched)  # fmt: skip
     bq, bk = params.q_tile, params.kv_tile
     units = params.q_tile // 64 if params.mma == "wgmma" else params.warps
     wrows = params.q_tile // units
@@ -1177,7 +1251,7 @@ def _kernel_pairs(q_lens: list[int], kv_lens: list[int], params: geometry.Prefil
             return delta + t0 + tl if causal else kv_len - 1
 
         kv_lo, kv_hi = max(0, lo_of(0)), min(kv_len, hi_of(nt - 1) + 1)
-        assert (kv_lo, kv_hi) == geometry.prefill_range(q_len, kv_len, t0, t0 + nt, causal, window)
+        assert (kv_lo, kv_hi) == prefill_op.prefill_range(q_len, kv_len, t0, t0 + nt, causal, window)
         ntiles = -(-(kv_hi - kv_lo) // bk)
         assert ntiles == tiles
         rowb = [(lo_of(min(r // pack, nt - 1)), hi_of(min(r // pack, nt - 1))) for r in range(bq)]
@@ -1218,7 +1292,7 @@ def test_prefill_work_covers_every_allowed_pair_exactly_once(causal: bool, windo
               (128, 128, 8, "wgmma"), (128, 64, 8, "wgmma"), (64, 64, 4, "wgmma")]  # fmt: skip
     for q_tile, kv_tile, warps, mma in shapes:
         for pack in (1, 2, 4):
-            params = geometry.PrefillParams(q_tile, kv_tile, warps, 2, pack=pack, mma=mma)
+            params = PrefillParams(q_tile=q_tile, kv_tile=kv_tile, warps=warps, stages=2, pack=pack, mma=mma)
             assert params.reasons(128, H200, gqa) == []
             got = _kernel_pairs(q_lens, kv_lens, params, pack, hq, causal, window)
             want: set[tuple[int, int, int, int]] = set()
@@ -1240,8 +1314,8 @@ def test_prefill_work_order_capacity_and_grid() -> None:
     torch.manual_seed(3)
     q_lens = torch.randint(64, 2048, (16,)).tolist()  # P3's lengths
     for sched in (0, 1, 2):
-        work = geometry.prefill_work(q_lens, q_lens, q_tile=128, kv_tile=32, pack=4, causal=True, window_left=-1,
-                                     sched=sched)  # fmt: skip
+        work = prefill_op.prefill_work(q_lens, q_lens, q_tile=128, kv_tile=32, pack=4, causal=True, window_left=-1,
+                                       sched=sched)  # fmt: skip
         assert work.tokens == 32 and work.pack == 4
         assert sorted(work.items) == [(b, t0) for b, n in enumerate(q_lens) for t0 in range(0, n, 32)]
         if sched == 0:
@@ -1263,27 +1337,29 @@ def test_prefill_work_order_capacity_and_grid() -> None:
                     assert work.items[a] < work.items[b]
         else:
             assert work.items == sorted(work.items)
-        assert len(work.items) <= geometry.prefill_capacity(16, sum(q_lens), work.tokens)
+        assert len(work.items) <= prefill_op.prefill_capacity(16, sum(q_lens), work.tokens)
         b_cap, t_cap = 16, 1 << (sum(q_lens) - 1).bit_length()
-        assert len(work.items) <= geometry.prefill_capacity(b_cap, t_cap, work.tokens)
+        assert len(work.items) <= prefill_op.prefill_capacity(b_cap, t_cap, work.tokens)
     # P1: 8 x 2048 causal, 32 query heads over 8 KV heads: a whole GQA group per CTA
-    assert geometry.prefill_pack(4, 128) == 4 and geometry.prefill_pack(4, 128, 1) == 1
-    assert geometry.prefill_pack(6, 128) == 6 and geometry.prefill_pack(32, 16) == 16
-    assert geometry.prefill_pack(7, 4) == 1
-    work = geometry.prefill_work([2048] * 8, [2048] * 8, q_tile=128, kv_tile=32, pack=4, causal=True, window_left=-1)
+    assert prefill_op.prefill_pack(4, 128) == 4 and prefill_op.prefill_pack(4, 128, 1) == 1
+    assert prefill_op.prefill_pack(6, 128) == 6 and prefill_op.prefill_pack(32, 16) == 16
+    assert prefill_op.prefill_pack(7, 4) == 1
+    work = prefill_op.prefill_work([2048] * 8, [2048] * 8, q_tile=128, kv_tile=32, pack=4, causal=True, window_left=-1)
     assert len(work.items) == 8 * 64 and work.tiles[0] == 64 and work.tiles[-1] == 1
-    assert geometry.prefill_grid(len(work.items), 32, 4) == (8 * 64 * 8, 1, 1)
+    assert prefill_op.prefill_grid(len(work.items), 32, 4) == (8 * 64 * 8, 1, 1)
     # P4: 512 new tokens over a 4096-token prefix: every item walks at least the prefix
-    work = geometry.prefill_work([512] * 8, [4608] * 8, q_tile=128, kv_tile=32, pack=4, causal=True, window_left=-1)
+    work = prefill_op.prefill_work([512] * 8, [4608] * 8, q_tile=128, kv_tile=32, pack=4, causal=True, window_left=-1)
     assert min(work.tiles) == -(-(4096 + 32) // 32) and max(work.tiles) == 4608 // 32
     # a window bounds every item's range
-    work = geometry.prefill_work([8192], [8192], q_tile=128, kv_tile=64, pack=1, causal=True, window_left=255)
+    work = prefill_op.prefill_work([8192], [8192], q_tile=128, kv_tile=64, pack=1, causal=True, window_left=255)
     assert max(work.tiles) <= -(-(255 + 128) // 64) + 1
-    assert geometry.prefill_range(10, 100, 0, 5, True, -1) == (0, 95)
-    assert geometry.prefill_range(10, 100, 0, 10, False, -1) == (0, 100)
-    assert geometry.prefill_range(10, 100, 5, 10, True, 3) == (92, 100)
-    assert geometry.prefill_range(10, 5, 0, 10, False, 2) == (0, 5)
-    assert geometry.prefill_work([0, 0], [3, 4], q_tile=64, kv_tile=32, pack=1, causal=True, window_left=-1).items == []
+    assert prefill_op.prefill_range(10, 100, 0, 5, True, -1) == (0, 95)
+    assert prefill_op.prefill_range(10, 100, 0, 10, False, -1) == (0, 100)
+    assert prefill_op.prefill_range(10, 100, 5, 10, True, 3) == (92, 100)
+    assert prefill_op.prefill_range(10, 5, 0, 10, False, 2) == (0, 5)
+    assert (
+        prefill_op.prefill_work([0, 0], [3, 4], q_tile=64, kv_tile=32, pack=1, causal=True, window_left=-1).items == []
+    )
 
 
 def test_persistent_prefill_grid_and_cuda_graph_sizing() -> None:
@@ -1291,30 +1367,30 @@ def test_persistent_prefill_grid_and_cuda_graph_sizing() -> None:
     where it answers), never more than the items x head groups; in CUDA-graph mode it comes from
     the plan's item capacity, so it is the same for every batch of the buckets (the kernel ends
     each CTA's loop at the real item count), and it does not depend on the batch."""
-    d128 = geometry.PrefillParams(128, 128, 8, 2, mma="wgmma", persist=1)
+    d128 = PrefillParams(q_tile=128, kv_tile=128, warps=8, stages=2, mma="wgmma", persist=1)
     smem = d128.smem_bytes(128)
-    assert geometry.ctas_per_sm(H200, smem, d128.threads) == 1
-    slots = geometry.prefill_persistent_ctas(H200, geometry.ctas_per_sm(H200, smem, d128.threads))
+    assert ctas_per_sm(H200, smem, d128.threads) == 1
+    slots = prefill_op.prefill_persistent_ctas(H200, ctas_per_sm(H200, smem, d128.threads))
     assert slots == 132
-    assert geometry.prefill_persistent_ctas(H200, geometry.ctas_per_sm(H200, smem, d128.threads, resident=2)) == 264
-    q64 = geometry.PrefillParams(64, 64, 4, 2, mma="wgmma", persist=1)  # two CTAs per H200 SM
-    assert geometry.ctas_per_sm(H200, q64.smem_bytes(128), q64.threads) == 2
+    assert prefill_op.prefill_persistent_ctas(H200, ctas_per_sm(H200, smem, d128.threads, resident=2)) == 264
+    q64 = PrefillParams(q_tile=64, kv_tile=64, warps=4, stages=2, mma="wgmma", persist=1)  # two CTAs per H200 SM
+    assert ctas_per_sm(H200, q64.smem_bytes(128), q64.threads) == 2
     # P1: 8 x 2048 causal, 32 query heads over 8 KV heads, pack 4: 512 items x 8 head groups
-    work = geometry.prefill_work([2048] * 8, [2048] * 8, q_tile=128, kv_tile=128, pack=4, causal=True,
-                                 window_left=-1)  # fmt: skip
-    assert geometry.prefill_grid(len(work.items), 32, 4) == (4096, 1, 1)
-    assert geometry.prefill_grid(len(work.items), 32, 4, slots) == (132, 1, 1)
-    assert geometry.prefill_grid(3, 8, 4, slots) == (6, 1, 1)  # fewer virtual CTAs than slots: one each
-    assert geometry.prefill_grid(0, 8, 4, slots) == (2, 1, 1)  # an empty batch still launches (graph mode)
+    work = prefill_op.prefill_work([2048] * 8, [2048] * 8, q_tile=128, kv_tile=128, pack=4, causal=True,
+                                   window_left=-1)  # fmt: skip
+    assert prefill_op.prefill_grid(len(work.items), 32, 4) == (4096, 1, 1)
+    assert prefill_op.prefill_grid(len(work.items), 32, 4, slots) == (132, 1, 1)
+    assert prefill_op.prefill_grid(3, 8, 4, slots) == (6, 1, 1)  # fewer virtual CTAs than slots: one each
+    assert prefill_op.prefill_grid(0, 8, 4, slots) == (2, 1, 1)  # an empty batch still launches (graph mode)
     # graph mode: the capacity of the buckets fixes the grid for every batch in them
     grids = set()
     for q_lens in ([2048] * 8, [100, 2000, 7, 1500, 1, 900, 64, 1000], [1] * 5):
         b_cap = 1 << (len(q_lens) - 1).bit_length()
         t_cap = 1 << (16384 - 1).bit_length()
-        item_cap = geometry.prefill_capacity(b_cap, t_cap, 128 // 4)
-        work = geometry.prefill_work(q_lens, q_lens, q_tile=128, kv_tile=128, pack=4, causal=True, window_left=-1)
+        item_cap = prefill_op.prefill_capacity(b_cap, t_cap, 128 // 4)
+        work = prefill_op.prefill_work(q_lens, q_lens, q_tile=128, kv_tile=128, pack=4, causal=True, window_left=-1)
         assert len(work.items) <= item_cap
-        grids.add(geometry.prefill_grid(item_cap, 32, 4, slots))
+        grids.add(prefill_op.prefill_grid(item_cap, 32, 4, slots))
     assert grids == {(132, 1, 1)}
 
 
@@ -1355,17 +1431,17 @@ def test_untuned_auto_order_puts_the_skinny_gemm_behind_cublas_and_decode_first(
         assert order["prefill"].index("cudnn") < order["prefill"].index("cuda_native")
 
 
-@pytest.mark.parametrize("d", geometry.HEAD_DIMS)
+@pytest.mark.parametrize("d", HEAD_DIMS)
 def test_the_default_prefill_goes_persistent_for_batches_of_short_work_items(d: int) -> None:
     """The default tactic is chosen per batch: persistent CTAs where the work items walk few KV
     tiles on average (many short requests, P1/P3-like), one CTA per item where they are long."""
-    base = geometry.default_prefill_params(d, H200)
+    base = prefill_op.default_prefill_params(d, H200)
 
-    def chosen(q_lens: list[int], kv_lens: list[int]) -> geometry.PrefillParams:
-        pack = geometry.prefill_pack(4, base.q_tile)
-        work = geometry.prefill_work(q_lens, kv_lens, q_tile=base.q_tile, kv_tile=base.kv_tile, pack=pack,
-                                     causal=True, window_left=-1)  # fmt: skip
-        return geometry.prefill_default_persist(base, work.tiles, d, H200)
+    def chosen(q_lens: list[int], kv_lens: list[int]) -> PrefillParams:
+        pack = prefill_op.prefill_pack(4, base.q_tile)
+        work = prefill_op.prefill_work(q_lens, kv_lens, q_tile=base.q_tile, kv_tile=base.kv_tile, pack=pack,
+                                       causal=True, window_left=-1)  # fmt: skip
+        return prefill_op.prefill_default_persist(base, work.tiles, d, H200)
 
     short = chosen([2048] * 8, [2048] * 8)  # causal 2k: items walk 1..16 tiles of 128 keys (d256: 1..32 of 64)
     long = chosen([512], [8192])  # chunked prefill over a long prefix: every item walks the whole prefix
@@ -1373,9 +1449,9 @@ def test_the_default_prefill_goes_persistent_for_batches_of_short_work_items(d: 
     if not base.pingpong:  # d256: persistent CTAs without the ping-pong were slower on every case
         assert short == base
         return
-    assert short == dataclasses.replace(base, persist=1) and short.reasons(d, H200) == []
+    assert short == base.replace(persist=1) and short.reasons(d, H200) == []
     # the tactic the plan reports names the choice; tactics without wgmma are never changed
     assert short.to_tactic().params["persist"] == 1 and "persist" not in base.to_tactic().params
-    sync = geometry.default_prefill_params(d, H200, "sync")
-    assert geometry.prefill_default_persist(sync, [1] * 100, d, H200) == sync
-    assert geometry.prefill_default_persist(base, [], d, H200) == base  # an empty batch launches nothing
+    sync = prefill_op.default_prefill_params(d, H200, "sync")
+    assert prefill_op.prefill_default_persist(sync, [1] * 100, d, H200) == sync
+    assert prefill_op.prefill_default_persist(base, [], d, H200) == base  # an empty batch launches nothing

@@ -8,8 +8,8 @@ mma.sync m16n8k16), cp.async groups and shuffles serve both kernels. The decode 
 as the plugin's plan launches them (`emulate.DecodePlan`), and split requests are merged inside
 the kernel by the CTA that draws the last ticket: they run under several CTA schedules (one at a
 time, overlapping, held back after their tickets), which must all give the same bits. The
-prefill runs use the plan's own host data (`geometry.prefill_work`, `plugin.prefill_lists`,
-`plugin.prefill_scalars`). cp.async copies land when their thread waits for them (the latest
+prefill runs use the plan's own host data (`prefill.prefill_work`, `prefill.prefill_lists`,
+`prefill.prefill_scalars`). cp.async copies land when their thread waits for them (the latest
 legal moment) or, with TXE_EAGER_COPIES=1, at once (the earliest); shared memory starts as NaN
 for every CTA, and so does the decode workspace before each launch.
 What this cannot show: speed, and the real memory model: global memory is sequentially
@@ -27,8 +27,8 @@ import torch
 
 pytest.importorskip("tactix_cuda_native", reason="plugins/cuda_native is not installed (scripts/setup.sh installs it)")
 
-from tactix_cuda_native import geometry, plugin
-from tactix_cuda_native.geometry import H200
+from tactix_cuda_native import gemm, plugin, prefill
+from tactix_cuda_native.device import H200
 
 import tactix
 from tactix import Tactic
@@ -81,7 +81,8 @@ def prefill_case(q_lens: list[int], kv_lens: list[int], *, page: int = 16, hq: i
                  persistent: int = 0, capacity: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Run one batch through the emulated prefill kernel (its CTAs as ``schedule`` says: one at a
     time by default; with a ``persist`` tactic ``persistent`` CTAs, see `emulate.run_prefill`, as
-    ``capacity``) and hold it to the oracle's tolerances; (out, lse)."""
+    ``capacity``) and hold it to the oracle's
+    tolerances; (out, lse)."""
     gen = torch.Generator().manual_seed(seed)
     _, k, v, indptr, indices, last = _cache(kv_lens, page, hkv, d, layout, dtype, gen, five_d)
     qo = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
@@ -317,7 +318,7 @@ PREFILL_HEADS = (8, 2)
 PREFILL_TACTICS = [
     pytest.param(d, params.to_tactic().params, id=f"d{d}-{params.to_tactic()}")
     for d in (64, 128, 256)
-    for params in geometry.prefill_candidates(d, H200, gqa=PREFILL_HEADS[0] // PREFILL_HEADS[1])
+    for params in prefill.prefill_candidates(d, H200, gqa=PREFILL_HEADS[0] // PREFILL_HEADS[1])
 ]
 
 
@@ -396,7 +397,7 @@ def test_emulated_wgmma_ring_wraps_and_warpgroups_skip(shape: tuple[int, int, in
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 def test_emulated_wgmma_every_head_dim_with_long_keys(d: int, dtype: torch.dtype) -> None:
     """The default wgmma tactic for each head dim past its ring (soft-cap and LSE too)."""
-    params = geometry.default_prefill_params(d, H200)
+    params = prefill.default_prefill_params(d, H200)
     assert params.mma == "wgmma"
     prefill_case([150, 1, 64], [700, 333, 64], d=d, dtype=dtype, hq=4, hkv=2, cap=20.0, layout="NHD", seed=d)
 
@@ -475,8 +476,8 @@ def test_emulated_persistent_rounds_back_and_forth_with_the_batch_longest_first(
     round each way): bitwise the non-persistent kernel's result."""
     shape = (128, 128, 8, 2)
     q_lens, kv_lens = [300, 5, 129, 1, 40, 260], [1100, 700, 129, 900, 40, 260]
-    variant = plugin.prefill_variant("bfloat16", 64, geometry.PrefillParams(*shape, sched=2, mma="wgmma", persist=1,
-                                                                             pingpong=pingpong), "sm_90a")  # fmt: skip
+    params = prefill.PrefillParams.model_validate(_wgmma(shape, sched=2, persist=1, pingpong=pingpong))
+    variant = prefill.prefill_variant("bfloat16", 64, params, "sm_90a")
     assert ("TX_SNAKE", "1") in variant.defines
     case: dict[str, Any] = {"d": 64, "hq": 8, "hkv": 2, "page": 16, "seed": 23}
     ref = prefill_case(q_lens, kv_lens, tactic=_wgmma(shape, sched=2, pingpong=pingpong), **case)
@@ -491,7 +492,7 @@ def test_emulated_persistent_every_head_dim_and_features(d: int) -> None:
     """The persistent variant of the default wgmma shape of each head dim (the register split
     differs with d128 and 128-key tiles), non-causal with q longer than kv, soft-cap, fp16, an
     empty request, and a single CTA over everything."""
-    base = geometry.default_prefill_params(d, H200)
+    base = prefill.default_prefill_params(d, H200)
     tactic = _wgmma((base.q_tile, base.kv_tile, base.warps, base.stages), persist=1)
     prefill_case([150, 0, 1, 64], [700, 3, 333, 64], d=d, hq=4, hkv=2, cap=20.0, layout="NHD", tactic=tactic,
                  persistent=2, seed=d)  # fmt: skip
@@ -583,7 +584,7 @@ def test_emulated_pingpong_every_head_dim_and_diagonal(d: int, persist: int) -> 
     """Ping-pong for the default shape of every head dim (soft-cap, fp16, non-causal with q longer
     than kv, an empty request), and the diagonal alignment cases (one request per prefix length
     0..kv_tile + 1) at d64."""
-    base = geometry.default_prefill_params(d, H200)
+    base = prefill.default_prefill_params(d, H200)
     tactic = _wgmma((base.q_tile, base.kv_tile, base.warps, base.stages), pingpong=1, persist=persist)
     n = 2 if persist else 0
     prefill_case([150, 0, 1, 64], [700, 3, 333, 64], d=d, hq=4, hkv=2, cap=20.0, layout="NHD", tactic=tactic,
@@ -612,6 +613,28 @@ def test_emulated_pingpong_concurrent_ctas(schedule: emulate.Schedule, persist: 
                        schedule=schedule, persistent=3 if persist else 0, capacity=32 if persist else 0,
                        **case)  # fmt: skip
     assert torch.equal(out, got[0]) and torch.equal(lse, got[1]), f"{schedule} persist {persist}"
+
+
+# -- the wgmma kernel without its options (one kernel serves every combination) ---------------
+
+PLAIN_WGMMA_CASES = [
+    pytest.param(d, shape, id="d{}-q{}-kv{}-s{}".format(d, *shape[:2], shape[3]))
+    for d, shape in ((128, (128, 128, 8, 3)), (256, (128, 64, 8, 2)), (64, (64, 64, 4, 2)), (64, (128, 128, 8, 2)))
+]
+
+
+@pytest.mark.parametrize(("d", "shape"), PLAIN_WGMMA_CASES)
+def test_emulated_wgmma_without_options_matches_the_oracle(d: int, shape: tuple[int, int, int, int]) -> None:
+    """A wgmma tactic without persist and pingpong runs the one kernel with both options off (the
+    d128 default's tile shape without the ping-pong, the d256 default, one consumer warpgroup),
+    with a window and one head per CTA too; a second copy of the kernel once kept for this case
+    was measured on the H200 no faster (benchmarks/results/h200-prefill-kernel-ab.json)."""
+    params = prefill.PrefillParams.model_validate(_wgmma(shape))
+    assert "TX_PERSIST" not in dict(prefill.prefill_variant("bfloat16", d, params, "sm_90a").defines)
+    case: dict[str, Any] = {"d": d, "hq": 4, "hkv": 2, "seed": 41 + d}
+    windowed = {"window": 70, "page": 1, "tactic": _wgmma(shape, pack=1)}
+    for q_lens, kv_lens, extra in (([200, 1, 64], [700, 333, 64], {}), ([90, 7], [300, 40], windowed)):
+        prefill_case(q_lens, kv_lens, **{"tactic": _wgmma(shape), **case, **extra})  # held to the oracle
 
 
 # -- the Hopper skinny GEMM (kernels/gemm_sm90.cu) -------------------------------------------
@@ -643,9 +666,10 @@ def _gemm_run(m: int, n: int, k: int, params: tuple[int, ...] | None, *, dtype: 
     name = str(dtype).removeprefix("torch.")
     problem = tactix.GemmProblem(device_type="cuda", m=m, n=n, k=k, batch=batch, batched=batch > 1, a_dtype=name,
                                  b_dtype=name, out_dtype=name, bias_dtype=name if bias else None)  # fmt: skip
-    default = geometry.default_gemm_params(m, H200)
-    assert isinstance(default, geometry.GemmWgmmaParams)
-    chosen = default if params is None else geometry.GemmWgmmaParams(*params)
+    default = gemm.default_gemm_params(m, H200)
+    assert isinstance(default, gemm.GemmWgmmaParams)
+    fields = gemm.GemmWgmmaParams.model_fields  # (bw, bk, stages, splits, tma)
+    chosen = default if params is None else gemm.GemmWgmmaParams(**dict(zip(fields, params, strict=False)))
     tactic = chosen.to_tactic()
     assert plugin._reasons(problem, tactic, H200) == [], tactic
     plan = emulate.GemmPlan(problem, tactic)
@@ -708,7 +732,7 @@ def test_emulated_wgmma_gemm_clusters_give_the_same_bits_under_every_schedule() 
             assert torch.equal(out, first), f"{schedule}: not bitwise the same"
 
 
-GEMM_WGMMA_TACTICS = [p for p in plugin.gemm_tactic_params(40, H200) if isinstance(p, geometry.GemmWgmmaParams)]
+GEMM_WGMMA_TACTICS = [p for p in gemm.gemm_tactic_params(40, H200) if isinstance(p, gemm.GemmWgmmaParams)]
 
 
 def test_the_hopper_gemm_enumerates_a_real_choice_of_tactics() -> None:
@@ -717,6 +741,6 @@ def test_the_hopper_gemm_enumerates_a_real_choice_of_tactics() -> None:
 
 @pytest.mark.exhaustive(sample=3)
 @pytest.mark.parametrize("p", GEMM_WGMMA_TACTICS, ids=lambda p: str(p.to_tactic()))
-def test_emulated_wgmma_gemm_every_enumerated_tactic(p: geometry.GemmWgmmaParams) -> None:
+def test_emulated_wgmma_gemm_every_enumerated_tactic(p: gemm.GemmWgmmaParams) -> None:
     """Every Hopper GEMM tactic the backend enumerates, on one skinny shape with a bias."""
     _gemm_run(40, 256, 1024, (p.bw, p.bk, p.stages, p.splits, p.tma), bias=True, seed=p.bw + p.stages + p.splits)

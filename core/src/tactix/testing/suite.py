@@ -238,7 +238,7 @@ def test_attention_replan(backend: Backend | None, graph_case: AttentionCase, de
     for case in (first, second, first):
         inputs = build_attention_inputs(case, device)
         problem, batch = _problem(case, inputs, device)
-        _skip_unless_claimed(backend, problem, batch)
+        _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
         _plan(wrapper, case, inputs)
         _run(wrapper, case, inputs)
         _check_attention(case, inputs, f"{case.id} re-planned on a used wrapper (batch {case.kv_lens})")
@@ -250,7 +250,7 @@ def test_attention_rejects_bad_input(backend: Backend | None, graph_case: Attent
     case = graph_case
     inputs = build_attention_inputs(case, device)
     problem, batch = _problem(case, inputs, device)
-    _skip_unless_claimed(backend, problem, batch)
+    _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
     num_pages = inputs.k_cache.shape[0]
     bad = replace(inputs, kv_indices=inputs.kv_indices.clone())
     bad.kv_indices[-1] = num_pages  # one past the cache: another request's memory, or none
@@ -275,7 +275,7 @@ def test_attention_refuses_an_empty_batch(
     case = graph_case
     inputs = build_attention_inputs(case, device)
     problem, batch = _problem(case, inputs, device)
-    _skip_unless_claimed(backend, problem, batch)
+    _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
     wrapper = _wrapper(case, backend, device)
     argument = "qo_indptr" if case.ragged else "paged_kv_indptr"
     with pytest.raises(InvalidArgumentError, match=f"'{argument}'"), claimed_path():

@@ -12,8 +12,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from tactix_cuda_native import plugin, runtime
-from tactix_cuda_native.geometry import DeviceInfo
+from tactix_cuda_native import runtime
+from tactix_cuda_native.device import DeviceInfo, info_for
+from tactix_cuda_native.variants import candidate_variants, default_variants
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -24,9 +25,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.jobs is not None and args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
-    base = plugin._info_for(None)
+    base = info_for(None)
     info = base if args.arch is None else DeviceInfo(base.sms, base.smem_per_block, base.smem_per_sm, args.arch)
-    variants = plugin.candidate_variants(info) if args.all else plugin.default_variants(info)
+    variants = candidate_variants(info) if args.all else default_variants(info)
     t0 = time.perf_counter()
 
     def progress(done: int, total: int, label: str) -> None:

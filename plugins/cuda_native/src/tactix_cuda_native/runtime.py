@@ -13,8 +13,9 @@ before the cubin, and is written to a temporary file in the same directory and r
 target (``os.replace``): concurrent processes share the cache, a reader sees a whole file or
 none, and a truncated or corrupt file is recompiled, never loaded.
 
-Launches go through ``cuda.core.launch`` on torch's current stream with raw pointers and
-64-bit integers as arguments: no allocation and no host sync, so they capture in CUDA graphs.
+Plans launch with ``cuda.core.launch`` (`kernel.launcher`) on torch's current stream (`stream_for`),
+with a `launch_config` and raw pointers and 64-bit integers as arguments (floats as doubles): no
+allocation and no host sync, so the launches capture in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -51,11 +52,13 @@ __all__ = [
     "cuda_core",
     "cuda_core_status",
     "default_jobs",
-    "launch",
+    "launch_config",
     "load",
     "nvrtc_version",
+    "resident_ctas",
     "resource_usage",
     "source_text",
+    "stream_for",
     "tensor_map",
     "tensor_maps_status",
 ]
@@ -522,11 +525,6 @@ def _ask_resident(kernel: Any, threads: int, smem: int) -> int | None:
 def launch_config(grid: tuple[int, int, int], block: int, smem: int) -> Any:
     """The cuda.core launch configuration (immutable once made, so shared between plans)."""
     return cuda_core().LaunchConfig(grid=grid, block=(block, 1, 1), shmem_size=smem)
-
-
-def launch(stream: Any, config: Any, kernel: Any, *args: int | float) -> None:
-    """Enqueue ``kernel`` on ``stream``: ints are passed as 64-bit values, floats as doubles."""
-    cuda_core().launch(stream, config, kernel, *args)
 
 
 # -- tensor maps (TMA descriptors) -----------------------------------------------------------

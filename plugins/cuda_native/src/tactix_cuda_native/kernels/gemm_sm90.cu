@@ -31,7 +31,7 @@
 // 128-byte swizzle; every thread waits on the mbarrier (parity: the tile's round of the ring).
 // The maps (host: plugin.CudaNativeGemmPlan, `gemm_tensor_map`) are 3-D [batch][rows][k]; rows
 // past n or m and k past k_ read as zeros. Splits start on multiples of TX_BK
-// (geometry.gemm_wgmma_k_per_split), so a box never reaches into the next split's k.
+// (gemm.gemm_wgmma_k_per_split), so a box never reaches into the next split's k.
 //
 // Epilogue: thread t of warp w holds rows 16 w + t / 4 and + 8, columns 8 j + 2 (t % 4) and + 1
 // of the 64 x TX_BW tile. With one split it writes `out` (+ bias) from registers. With several,
@@ -80,7 +80,7 @@ static_assert(64 * KCH % NT == 0 && BW * KCH % NT == 0, "whole passes of 16-byte
 static_assert(CL == 1 || CL == 2 || CL == 4 || CL == 8, "TX_CLUSTER must be 1, 2, 4 or 8");
 static_assert(64 * PART_LD * 4 <= RING, "the partial tile must fit in the ring");
 static_assert(TMA >= 0 && TMA <= 2, "TX_TMA must be 0, 1 or 2");
-#ifdef TX_SMEM  // the dynamic shared memory the plan launches with (geometry.GemmWgmmaParams.smem_bytes)
+#ifdef TX_SMEM  // the dynamic shared memory the plan launches with (gemm.GemmWgmmaParams.smem_bytes)
 static_assert(SMEM == TX_SMEM, "GemmWgmmaParams.smem_bytes disagrees with this kernel's layout");
 #endif
 

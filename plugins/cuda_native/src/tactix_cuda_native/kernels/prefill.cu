@@ -2,7 +2,7 @@
 //
 // Work item = (request, first query token of a q tile); grid x = item x head group, heads
 // fastest, so the CTAs of one item (and the query heads sharing a KV head) are dispatched
-// together. Items are planned on the host, longest first (see geometry.prefill_work); in
+// together. Items are planned on the host, longest first (see prefill.prefill_work); in
 // CUDA-graph mode the grid is the capacity and CTAs past `num_items` exit at once.
 //
 // A CTA owns TX_QTILE query rows. Row r is (token t0 + r / pack, query head head0 + r % pack):

@@ -47,7 +47,7 @@
 // is computed by one CTA in a fixed order.
 //
 // Shared memory (dynamic, 1024-byte aligned): [Q: TX_QTILE rows] [stages x (K tile, V tile)]
-// [row pointers: TX_KVTILE x (K, V)] [mbarriers: 4 x stages] (geometry.prefill_smem_bytes).
+// [row pointers: TX_KVTILE x (K, V)] [mbarriers: 4 x stages] (prefill.prefill_smem_bytes).
 //
 // TX_PERSIST=1 (tactic param persist): persistent CTAs. The grid is what the GPU holds at once;
 // CTA b walks virtual CTAs (item x head group) b, b + gridDim.x, ... with the K/V ring, its
@@ -60,8 +60,10 @@
 // softmax of S while the other's GEMMs run (see the loop).
 //
 // Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_QTILE (64, 128), TX_KVTILE (64, 128),
-// TX_STAGES (2..4), TX_PERSIST, TX_PINGPONG, TX_SNAKE (0 or 1), TX_SMEM (optional: the size the host
-// computed, checked against the layout).
+// TX_STAGES (2..4), TX_PERSIST, TX_PINGPONG, TX_SNAKE, TX_SMEM (optional: the size the host computed,
+// checked against the layout). One kernel serves every combination of the options: a second copy
+// once kept for the case of neither was measured on the H200 to be no faster (B/A 0.992-0.997 on
+// P1 and P3, identical outputs: benchmarks/results/h200-prefill-kernel-ab.json) and removed.
 // Needs sm_90a (wgmma); kernels/prefill.cu serves other GPUs.
 #include "common.cuh"
 
@@ -119,7 +121,7 @@ constexpr int LAUNCH_REGS = CWG == 2 ? 168 : 128;
 constexpr int MIN_CTAS = TWO_CTAS ? 2 : 1;
 // TX_PERSIST with 128-key tiles at d128 (a producer warp gathers 32 rows of 256 bytes a tile): the
 // producer's loop over items needs 16 more (56); the two consumer warpgroups give 8 each (224).
-// (With one consumer warpgroup that leaves it too few: geometry refuses q_tile 64 there.)
+// (With one consumer warpgroup that leaves it too few: PrefillParams.reasons refuses q_tile 64 there.)
 constexpr int PRODUCER_REGS = PERSIST && BK == 128 && D == 128 ? 56 : 40;
 constexpr int CONSUMER_REGS = (CWG == 2 ? 232 : 216) - (PRODUCER_REGS - 40) / CWG;
 constexpr float LN2 = 0.6931471805599453f;
@@ -134,287 +136,12 @@ static_assert(!PINGPONG || CWG == 2, "TX_PINGPONG needs two consumer warpgroups 
 static_assert(CH <= 32 && RW % RPI == 0 && RW <= 32, "whole rows per producer warp pass, one key per lane");
 static_assert(!REBALANCE || PRODUCER_REGS + CWG * CONSUMER_REGS <= (CWG + 1) * LAUNCH_REGS,
               "the register hand-over must balance");
-#ifdef TX_SMEM  // the dynamic shared memory the plan launches with (geometry.prefill_smem_bytes)
-static_assert(BARS + 4 * STAGES * 8 == TX_SMEM, "geometry.prefill_smem_bytes disagrees with this kernel's layout");
+#ifdef TX_SMEM  // the dynamic shared memory the plan launches with (prefill.prefill_smem_bytes)
+static_assert(BARS + 4 * STAGES * 8 == TX_SMEM, "prefill.prefill_smem_bytes disagrees with this kernel's layout");
 #endif
 
 #include "sm90.cuh"
 
-#if !TX_PERSIST && !TX_PINGPONG
-// ---- the kernel as measured on the H200 (neither option): kept verbatim, so the default tactic's
-// code is unchanged until the options are measured there. The options' kernel below runs the
-// same protocol per item; the emulator tests hold the two to bitwise equal results.
-extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
-    const u16* __restrict__ q, i64 q_st, i64 q_sh, const u16* __restrict__ k, const u16* __restrict__ v, i64 k_sp,
-    i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh, u16* __restrict__ out, float* __restrict__ lse,
-    const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ reqs,
-    const int* __restrict__ kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups, i64 page_shift,
-    i64 causal, i64 window_left, double scale_log2_d, double cap_d) {
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const int hgs = (int)head_groups;
-  const int item = (int)blockIdx.x / hgs, hg = (int)blockIdx.x % hgs;
-  if (item >= __ldg(num_items)) return;
-  const int tid = threadIdx.x;
-
-  const int req = __ldg(items + 2 * item), t0 = __ldg(items + 2 * item + 1);
-  const int q_start = __ldg(reqs + 4 * req), q_len = __ldg(reqs + 4 * req + 1);
-  const int kv_len = __ldg(reqs + 4 * req + 2), page_base = __ldg(reqs + 4 * req + 3);
-  const int P = (int)pack;
-  const int nt = min(BQ / P, q_len - t0);  // valid tokens of this tile (>= 1)
-  const int head0 = hg * P;
-  const int delta = kv_len - q_len;  // the token at index t of the request sits at position delta + t
-  const int win = (int)window_left;
-  const bool is_causal = causal != 0;
-  // keys [lo, hi] attended by the token at local index tl of this tile (0 <= tl < nt)
-  auto lo_of = [&](int tl) { return win >= 0 ? delta + t0 + tl - win : NO_LOWER; };
-  auto hi_of = [&](int tl) { return is_causal ? delta + t0 + tl : kv_len - 1; };
-  const int kv_lo = max(0, lo_of(0));
-  const int kv_hi = min(kv_len, hi_of(nt - 1) + 1);
-  const int ntiles = (kv_hi - kv_lo + BK - 1) / BK;
-  // consumer warpgroups with at least one valid row (the others exit; the barriers count only these)
-  const int nwg = min(CWG, (nt * P + 63) / 64);
-
-  const u32 base = tx_smem_addr(smem);
-  if (base & 1023) tx_trap();  // the swizzle needs 1024-byte aligned tiles
-  const u32 bars = base + BARS;
-  if (tid == 0) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      tx_mbar_init(bars + 8 * (FULL_K * STAGES + s), 128);
-      tx_mbar_init(bars + 8 * (FULL_V * STAGES + s), 128);
-      tx_mbar_init(bars + 8 * (EMPTY_K * STAGES + s), 4 * nwg);
-      tx_mbar_init(bars + 8 * (EMPTY_V * STAGES + s), 4 * nwg);
-    }
-    tx_mbar_init_fence();
-  }
-  __syncthreads();
-
-  if (tid >= PRODUCER) {
-    // ---- producer warpgroup: page lookups, row pointers, cp.async gathers --------------------
-    if (REBALANCE) tx_setmaxnreg_dec<PRODUCER_REGS>();
-    const int pw = (tid - PRODUCER) >> 5, lane = tid & 31;
-    const u16* kh = k + (head0 / (int)gqa) * k_sh;
-    const u16* vh = v + (head0 / (int)gqa) * v_sh;
-    const int* pages = kv_indices + page_base;
-    const int pshift = (int)page_shift, pmask = (1 << pshift) - 1;
-    // warp pw gathers rows [pw RW, (pw + 1) RW) of every tile (lane pw RW + lane looks up its
-    // page); lane copies chunk `ch` of rows it * RPI + h of them
-    const u16** rowp = reinterpret_cast<const u16**>(smem + ROWP) + 2 * pw * RW;
-    const int h = lane / CH, ch = lane % CH;
-    const int key0 = kv_lo + pw * RW + lane;  // this lane's key in tile 0
-    int pg = 0;
-    if (ntiles > 0 && lane < RW) pg = __ldg(pages + (min(key0, kv_hi - 1) >> pshift));
-    for (int i = 0; i < ntiles; ++i) {
-      const int s = i % STAGES;
-      const u32 parity = ((i / STAGES) & 1) ^ 1;  // the consumers' release of this slot's previous tile
-      __syncwarp();  // every lane is done reading the previous tile's row pointers
-      if (lane < RW) {
-        const int in = min(key0 + i * BK, kv_hi - 1) & pmask;
-        rowp[2 * lane] = kh + (i64)pg * k_sp + in * k_st;
-        rowp[2 * lane + 1] = vh + (i64)pg * v_sp + in * v_st;
-        // the next tile's page, in flight while this tile is issued
-        if (i + 1 < ntiles) pg = __ldg(pages + (min(key0 + (i + 1) * BK, kv_hi - 1) >> pshift));
-      }
-      __syncwarp();
-      const u32 kdst = base + RING + s * STAGE_BYTES, vdst = kdst + TILE_BYTES;
-      tx_mbar_wait(bars + 8 * (EMPTY_K * STAGES + s), parity);
-#pragma unroll
-      for (int it = 0; it < RW / RPI; ++it) {
-        const int r = it * RPI + h;
-        tx_cp_async16(kdst + sw128(pw * RW + r, ch, BK), rowp[2 * r] + ch * 8, 16);
-      }
-      tx_cp_async_mbar_arrive(bars + 8 * (FULL_K * STAGES + s));
-      tx_mbar_wait(bars + 8 * (EMPTY_V * STAGES + s), parity);
-#pragma unroll
-      for (int it = 0; it < RW / RPI; ++it) {
-        const int r = it * RPI + h;
-        tx_cp_async16(vdst + sw128(pw * RW + r, ch, BK), rowp[2 * r + 1] + ch * 8, 16);
-      }
-      tx_cp_async_mbar_arrive(bars + 8 * (FULL_V * STAGES + s));
-    }
-    tx_cp_async_commit();
-    tx_cp_async_wait<0>();  // nothing of this thread in flight when it exits
-    return;
-  }
-
-  // ---- consumer warpgroups --------------------------------------------------------------
-  if (REBALANCE) tx_setmaxnreg_inc<CONSUMER_REGS>();
-  const int wg = tid >> 7;
-  if (wg >= nwg) return;  // no valid row: computes nothing, counted by no barrier
-  const int wtid = tid & 127, warp = wtid >> 5, lane = tid & 31;
-  const int grp = lane >> 2, tig = lane & 3;
-  const int wrow0 = wg * 64;
-  const u32 qw = base + wg * WG_Q_BYTES;  // this warpgroup's Q rows
-
-  // Q rows (rows past the valid tokens are zero)
-  for (int c = wtid; c < 64 * CH; c += 128) {
-    const int lr = c / CH, cc = c % CH;
-    const int row = wrow0 + lr, tl = row / P;
-    const bool ok = tl < nt;
-    const u16* src = q + (i64)(q_start + t0 + tl) * q_st + (i64)(head0 + row % P) * q_sh + cc * 8;
-    tx_cp_async16(qw + sw128(lr, cc, 64), ok ? (const void*)src : (const void*)q, ok ? 16 : 0);
-  }
-  tx_cp_async_commit();
-  tx_cp_async_wait<0>();
-  tx_fence_proxy_async();
-  tx_bar_sync(1 + wg, 128);
-
-  // this thread's rows (16 warp + grp and + 8 of the warpgroup) and the warpgroup's bounds; rows
-  // past the valid tokens take the last valid token's bounds (computed, never written)
-  const int r0 = wrow0 + 16 * warp + grp, r1 = r0 + 8;
-  const int lo0 = lo_of(min(r0 / P, nt - 1)), hi0 = hi_of(min(r0 / P, nt - 1));
-  const int lo1 = lo_of(min(r1 / P, nt - 1)), hi1 = hi_of(min(r1 / P, nt - 1));
-  const int lo_min_w = lo_of(min(wrow0 / P, nt - 1)), hi_min_w = hi_of(min(wrow0 / P, nt - 1));
-  const int lo_max_w = lo_of(min((wrow0 + 63) / P, nt - 1)), hi_max_w = hi_of(min((wrow0 + 63) / P, nt - 1));
-
-  const float cap = (float)cap_d;
-  const float scale_log2 = (float)scale_log2_d;                               // sm_scale * log2(e)
-  const float scale_over_cap = cap > 0.f ? scale_log2 / (cap * LOG2E) : 0.f;  // sm_scale / cap
-  const float cap_log2 = cap * LOG2E;
-  const float mul = cap > 0.f ? 1.f : scale_log2;  // logits (capped or not) -> base-2 exponent
-
-  float o[D / 2];
-#pragma unroll
-  for (int j = 0; j < D / 2; ++j) o[j] = 0.f;
-  float sc[BK / 2];
-  u32 pa[BK / 4];
-  float m0 = tx_neg_inf(), m1 = tx_neg_inf(), l0 = 0.f, l1 = 0.f;
-
-  for (int i = 0; i < ntiles; ++i) {
-    const int s = i % STAGES;
-    const u32 parity = (i / STAGES) & 1;
-    const u32 kst = base + RING + s * STAGE_BYTES, vst = kst + TILE_BYTES;
-    const int kv0 = kv_lo + i * BK, kv_last = kv0 + BK - 1;
-    const bool active = kv0 <= hi_max_w && kv_last >= lo_min_w;  // some row of the warpgroup attends a key
-
-    tx_mbar_wait(bars + 8 * (FULL_K * STAGES + s), parity);
-    if (active) {  // S = Q K^T
-      tx_fence_proxy_async();
-#pragma unroll
-      for (int j = 0; j < BK / 2; ++j) tx_reg_fence(sc[j]);
-      tx_wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        tx_wgmma_ss<BK>(sc, desc_k_major(qw + (kk >> 2) * (64 * 128) + (kk & 3) * 32),
-                        desc_k_major(kst + (kk >> 2) * (BK * 128) + (kk & 3) * 32), kk > 0);
-      }
-      tx_wgmma_commit();
-    }
-    tx_wgmma_wait<0>();  // S of this tile, and P V of the previous one
-#pragma unroll
-    for (int j = 0; j < BK / 2; ++j) tx_reg_fence(sc[j]);
-#pragma unroll
-    for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
-#pragma unroll
-    for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
-    if (lane == 0) {
-      tx_mbar_arrive(bars + 8 * (EMPTY_K * STAGES + s));
-      if (i > 0) tx_mbar_arrive(bars + 8 * (EMPTY_V * STAGES + (i - 1) % STAGES));
-    }
-
-    if (active) {
-      const bool need_mask = kv0 < lo_max_w || kv_last > hi_min_w;
-      if (cap > 0.f) {
-#pragma unroll
-        for (int j = 0; j < BK / 2; ++j) sc[j] = cap_log2 * tx_tanh(sc[j] * scale_over_cap);
-      }
-      if (need_mask) {
-#pragma unroll
-        for (int j = 0; j < BK / 2; ++j) {
-          const int key = kv0 + 8 * (j >> 2) + 2 * tig + (j & 1);
-          const bool ok = (j & 2) ? key >= lo1 && key <= hi1 : key >= lo0 && key <= hi0;
-          sc[j] = ok ? sc[j] : tx_neg_inf();
-        }
-      }
-      // online softmax: registers j with (j & 2) == 0 belong to row r0, the others to r1
-      float mx0 = tx_neg_inf(), mx1 = tx_neg_inf();
-#pragma unroll
-      for (int j = 0; j < BK / 2; j += 4) {
-        mx0 = fmaxf(mx0, fmaxf(sc[j], sc[j + 1]));
-        mx1 = fmaxf(mx1, fmaxf(sc[j + 2], sc[j + 3]));
-      }
-      mx0 = tx_warp_max4(mx0) * mul;
-      mx1 = tx_warp_max4(mx1) * mul;
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      const float mu0 = mn0 == tx_neg_inf() ? 0.f : mn0;
-      const float mu1 = mn1 == tx_neg_inf() ? 0.f : mn1;
-      const float al0 = tx_exp2(m0 - mu0), al1 = tx_exp2(m1 - mu1);
-      m0 = mn0;
-      m1 = mn1;
-      float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-      for (int j = 0; j < BK / 2; j += 4) {
-        sc[j] = tx_exp2(fmaf(sc[j], mul, -mu0));
-        sc[j + 1] = tx_exp2(fmaf(sc[j + 1], mul, -mu0));
-        sc[j + 2] = tx_exp2(fmaf(sc[j + 2], mul, -mu1));
-        sc[j + 3] = tx_exp2(fmaf(sc[j + 3], mul, -mu1));
-        rs0 += sc[j] + sc[j + 1];
-        rs1 += sc[j + 2] + sc[j + 3];
-      }
-      l0 = l0 * al0 + rs0;
-      l1 = l1 * al1 + rs1;
-#pragma unroll
-      for (int j = 0; j < D / 2; j += 4) {
-        o[j] *= al0;
-        o[j + 1] *= al0;
-        o[j + 2] *= al1;
-        o[j + 3] *= al1;
-      }
-#pragma unroll
-      for (int j = 0; j < BK / 4; ++j) pa[j] = tx_pack2(sc[2 * j], sc[2 * j + 1]);
-    }
-
-    tx_mbar_wait(bars + 8 * (FULL_V * STAGES + s), parity);
-    if (active) {  // O += P V, left running
-      tx_fence_proxy_async();
-#pragma unroll
-      for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
-#pragma unroll
-      for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
-      tx_wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < BK / 16; ++ks) tx_wgmma_rs_t<D>(o, pa + 4 * ks, desc_mn_major(vst + ks * 2048, BK * 128), 1);
-      tx_wgmma_commit();
-#pragma unroll
-      for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
-#pragma unroll
-      for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
-    }
-  }
-  tx_wgmma_wait<0>();
-#pragma unroll
-  for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
-
-  // ---- epilogue: O / l staged through this warpgroup's own Q rows, then 16-byte stores ----
-  l0 = tx_warp_sum4(l0);
-  l1 = tx_warp_sum4(l1);
-  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
-  tx_bar_sync(1 + wg, 128);  // every warp's wgmma reads of Q are complete before Q is overwritten
-  tx_fence_proxy_async();
-  const int lr0 = 16 * warp + grp;
-  const u32 qoff = qw - base;
-#pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-    *reinterpret_cast<u32*>(smem + qoff + sw128(lr0, j, 64) + tig * 4) = tx_pack2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
-    *reinterpret_cast<u32*>(smem + qoff + sw128(lr0 + 8, j, 64) + tig * 4) =
-        tx_pack2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
-  }
-  tx_bar_sync(1 + wg, 128);
-  const int H = (int)num_qo_heads;
-  for (int c = wtid; c < 64 * CH; c += 128) {
-    const int lr = c / CH, cc = c % CH;
-    const int row = wrow0 + lr, tl = row / P;
-    if (tl < nt) {
-      const tx_u4 val = *reinterpret_cast<const tx_u4*>(smem + qoff + sw128(lr, cc, 64));
-      *reinterpret_cast<tx_u4*>(out + ((i64)(q_start + t0 + tl) * H + head0 + row % P) * D + cc * 8) = val;
-    }
-  }
-  if (lse != nullptr && tig == 0) {
-    if (r0 / P < nt) lse[(i64)(q_start + t0 + r0 / P) * H + head0 + r0 % P] = (m0 + tx_log2(l0)) * LN2;
-    if (r1 / P < nt) lse[(i64)(q_start + t0 + r1 / P) * H + head0 + r1 % P] = (m1 + tx_log2(l1)) * LN2;
-  }
-}
-#else  // TX_PERSIST || TX_PINGPONG
 constexpr int PP_BAR = 3;  // named barriers PP_BAR + wg: warpgroup wg's turn (TX_PINGPONG)
 
 // One work item as the producer and the consumers both see it: virtual CTA v = (item, head group),
@@ -902,4 +629,3 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     tx_bar_sync(1 + wg, 128);  // every thread has read its O out of the Q rows: the next item's Q may land
   }
 }
-#endif  // TX_PERSIST || TX_PINGPONG

@@ -1,0 +1,591 @@
+"""Paged decode (kernels/decode.cu): its tactic parameters (`DecodeParams`), the work split over the
+GPU (chunks, work items, the last wave), the kernel variant, the reasons a tactic cannot run, the
+tactic space and the default, and the plan (`CudaNativeDecodePlan`).
+
+Tactics: ``Tactic(backend="cuda_native", kernel="decode", params={"tile": 64, "warps": 4, "stages": 2,
+"kv_chunk": 0})`` (``kv_chunk`` 0: the split of long requests is chosen per batch by `decode_chunk`;
+optional ``"l2"``: 1, the default, left out of the params, streams the KV cache with an L2
+evict_first policy, 0 with evict_normal, 2 adds a 256-byte L2 prefetch; optional ``"bulk"``:
+segments of that many tokens per bulk copy, HND, sm_90, and ``"tma": 1``: those segments through
+tensor maps of the caches).
+
+The geometry functions are pure (no CUDA), so every rule is tested on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final
+
+import torch
+
+from tactix import (
+    DecodeProblem,
+    InvalidArgumentError,
+    PagedBatch,
+    PlanOptions,
+    Tactic,
+    UnsupportedProblemError,
+)
+from tactix.plugin import Sections, bucket_size, raw_stream, sections
+from tactix_cuda_native import NAME
+from tactix_cuda_native.device import DeviceInfo, arch_at_least, cuda_device, device_index, device_info
+from tactix_cuda_native.kernel import FLAG_BYTES, L2_HINTS, Kernel, TensorMaps, bf16, launcher, load_kernel
+from tactix_cuda_native.paged import LOG2E, StagedPlan, attention_reasons, cache_strides, log2_exact
+from tactix_cuda_native.runtime import Variant, launch_config, stream_for, tensor_map, tensor_maps_status
+from tactix_cuda_native.tactics import TacticParams
+
+Q_TILE: Final = 16  # query heads of one GQA group per CTA (the mma's 16 rows)
+DECODE_ITEM_INTS: Final = 8  # ints per work item record (kernels/decode.cu)
+DECODE_BULK: Final = (0, 8, 16, 32)
+
+
+# -- tactic parameters -----------------------------------------------------------------------
+
+
+class DecodeParams(TacticParams):
+    """A decode tactic's parameters: tile (tokens per stage), warps, stages, the KV chunk policy, L2 hint.
+
+    ``kv_chunk`` is the number of keys one CTA handles before its partial result is merged with
+    the others of its request (a multiple of ``tile``), or 0 for the heuristic (`decode_chunk`).
+    ``l2``: 1 (default) streams K/V with an L2 evict_first policy, 0 without a hint, 2 adds a
+    256-byte L2 prefetch to 1. ``bulk``: 0 (default) gathers K/V rows with 16-byte ``cp.async``;
+    8, 16 or 32 copies that many tokens at a time with bulk copies (sm_90 and later; HND caches
+    whose pages hold a multiple of ``bulk`` tokens, rows contiguous: kernels/decode.cu). ``tma``
+    1 (with ``bulk``) copies those segments through tensor maps of the caches (the 128-byte
+    swizzle, any 16-byte strides) instead of linear bulk copies.
+    """
+
+    KERNEL: ClassVar[str] = "decode"
+    # the default hint, cp.async (bulk 0) and linear bulk copies (tma 0) stay implicit, so tactics
+    # stored before they existed still match
+    IMPLICIT: ClassVar[tuple[str, ...]] = ("l2", "bulk", "tma")
+
+    tile: int
+    warps: int
+    stages: int
+    kv_chunk: int = 0
+    l2: int = 1
+    bulk: int = 0
+    tma: int = 0
+
+    def reasons(self, head_dim: int, info: DeviceInfo) -> list[str]:
+        out = []
+        if self.bulk not in DECODE_BULK:
+            out.append(f"bulk must be 0 (cp.async) or tokens per bulk copy in {DECODE_BULK[1:]} (got {self.bulk})")
+        elif self.bulk:
+            if not arch_at_least(info.arch, 90):
+                out.append(f"bulk copies need sm_90 or later; this GPU is {info.arch} (use bulk 0)")
+            if self.tile % self.bulk or not 4 <= self.tile // self.bulk <= 16:
+                out.append(f"bulk {self.bulk} must cut tile {self.tile} into 4 to 16 copies")
+        if self.tma not in (0, 1):
+            out.append(f"tma must be 0 or 1 (got {self.tma})")
+        elif self.tma and not self.bulk:
+            out.append("tma 1 copies bulk segments through tensor maps: it needs bulk 8, 16 or 32")
+        if self.l2 not in L2_HINTS:
+            out.append(
+                f"l2 must be 0 (evict_normal), 1 (evict_first) or 2 (evict_first + 256B prefetch) (got {self.l2})"
+            )
+        if self.warps not in (2, 4, 8):
+            out.append(f"warps must be 2, 4 or 8 (got {self.warps})")
+        elif self.tile % self.warps or self.tile // self.warps not in (16, 32):
+            out.append(f"tile / warps must be 16 or 32 tokens (got tile {self.tile}, warps {self.warps})")
+        elif self.tile > 32 * self.warps:
+            out.append(f"tile {self.tile} exceeds the {32 * self.warps} threads of {self.warps} warps")
+        if not 2 <= self.stages <= 8:
+            out.append(f"stages must be in 2..8 (got {self.stages})")
+        if self.kv_chunk < 0 or (self.kv_chunk and self.kv_chunk % self.tile):
+            out.append(f"kv_chunk must be 0 (auto) or a positive multiple of tile {self.tile} (got {self.kv_chunk})")
+        if not out:
+            smem = decode_smem_bytes(head_dim, self.tile, self.warps, self.stages, self.bulk, self.tma)
+            if smem > info.smem_per_block:
+                out.append(f"needs {smem} bytes of shared memory; this GPU allows {info.smem_per_block} per CTA")
+        return out
+
+
+def decode_smem_bytes(head_dim: int, tile: int, warps: int, stages: int, bulk: int = 0, tma: int = 0) -> int:
+    """Dynamic shared memory of the decode kernel (see the layout in kernels/decode.cu): with
+    ``bulk`` (linear copies, not ``tma``), each copy's segment of a tile is 16 bytes longer."""
+    row = head_dim * 2
+    tile_bytes = tile * row + (tile // bulk * 16 if bulk and not tma else 0)
+    return stages * 2 * tile_bytes + 16 * row + stages * 2 * tile * 8 + warps * 32 * 4 + 32 * 4 + FLAG_BYTES
+
+
+# -- defaults and candidates -----------------------------------------------------------------
+
+
+def decode_candidates(head_dim: int, info: DeviceInfo) -> list[DecodeParams]:
+    """The tactic space the tuner explores (every entry valid for ``head_dim`` on ``info``).
+
+    Shapes by CTAs per SM on an H200 (d128): (64, 4, 2) 3, (64, 4, 3) 2, (32, 2, 2) 5,
+    (32, 2, 3) 4, (128, 8, 2) 1; then the default shape with fixed chunks and other L2 hints.
+    """
+    shapes = [(64, 4, 2), (64, 4, 3), (32, 2, 2), (32, 2, 3), (128, 8, 2), (128, 8, 3)]
+    out = [DecodeParams(tile=t, warps=w, stages=s) for t, w, s in shapes]
+    base = default_decode_params(head_dim, info)
+    out += [base.replace(kv_chunk=c) for c in (256, 512, 1024, 2048)]
+    # deep pipelines: most of a short work item's bytes in flight at once (latency-bound batches)
+    out += [base.replace(stages=s, kv_chunk=c) for s in (4, 6) for c in (0, 256, 512, 1024)]
+    out += [base.replace(l2=hint) for hint in L2_HINTS if hint != base.l2]
+    # bulk copies (sm_90+; `decode_tactics` drops them for NHD caches and page sizes they do not divide)
+    if arch_at_least(info.arch, 90):
+        out += [DecodeParams(tile=t, warps=w, stages=s, l2=hint, bulk=bulk) for t, w, s, bulk in
+                ((64, 4, 2, 16), (64, 4, 2, 8), (64, 4, 3, 16), (64, 4, 3, 8), (128, 8, 2, 16), (32, 2, 2, 8))
+                for hint in (0, 1)]  # fmt: skip
+        # the same segments through tensor maps (`decode_tactics` drops them where maps cannot be encoded):
+        # the two that led on the H200 (h200-decode-tma-sweep.log: D3 without the L2 hint, D2 with 3 stages)
+        out += [DecodeParams(tile=64, warps=4, stages=2, l2=0, bulk=16, tma=1),
+                DecodeParams(tile=64, warps=4, stages=3, l2=1, bulk=16, tma=1)]  # fmt: skip
+    return [p for p in dict.fromkeys(out) if not p.reasons(head_dim, info)]
+
+
+@functools.lru_cache(maxsize=256)  # plans ask per batch; the parameters are immutable
+def default_decode_params(head_dim: int, info: DeviceInfo, small: bool = False) -> DecodeParams:
+    """The heuristic tactic.
+
+    Measured on the H200 (d128, 32/8 heads): throughput follows the warps resident per SM, so the
+    default is the shape with the most: tiles of 64 keys, 4 warps, 2 stages (72 KB of shared
+    memory, 153 registers a thread: 3 CTAs, 12 warps per SM). A ``small`` batch (one wave of
+    CTAs: latency, not bandwidth, decides) takes one stage more: two tiles in flight per CTA.
+    d64 fits 4 CTAs of (64, 4, 3); d256 keeps 3 CTAs with (32, 2, 2).
+    """
+    preferred = {64: (64, 4, 3), 128: (64, 4, 2), 256: (32, 2, 2)}.get(head_dim, (64, 4, 2))
+    tile, warps, stages = preferred
+    if small:
+        stages += 1
+    while stages > 2 and decode_smem_bytes(head_dim, tile, warps, stages) > info.smem_per_block:
+        stages -= 1
+    while tile > 32 and decode_smem_bytes(head_dim, tile, warps, stages) > info.smem_per_block:
+        tile, warps = tile // 2, max(2, warps // 2)
+    return DecodeParams(tile=tile, warps=warps, stages=stages)
+
+
+# -- work list and grid ----------------------------------------------------------------------
+
+
+DECODE_MIN_CHUNK: Final = 512
+"""Fewest keys per split work item. Measured on the H200 (D2: one request of 8192 keys, 8 KV
+heads): 512-key pieces (16 per head, 128 CTAs) 21.0-21.2 us against 22.1-22.3 for 256-key pieces
+(32 per head, 256 CTAs) in two runs: half the partial outputs to write and merge outweighs the
+idle SMs (benchmarks/results/h200-decode-sweep-deep.json)."""
+
+
+def decode_is_small(lengths: list[int], units: int, info: DeviceInfo, min_chunk: int = DECODE_MIN_CHUNK) -> bool:
+    """Whether a batch is one wave at two CTAs per SM even when cut into ``min_chunk``-key pieces
+    (D2: 8192 keys x 8 KV heads = 128 pieces of 512 keys <= 264): latency-bound."""
+    pieces = sum(_ceils(lengths, min_chunk)) * units
+    return pieces <= 2 * info.sms
+
+
+def _ceils(lengths: list[int], unit: int) -> list[int]:
+    """``max(1, ceil(n / unit))`` per length, in C-level maps (plans call this for every batch)."""
+    out = list(map(operator.floordiv, map(operator.add, lengths, itertools.repeat(unit - 1)), itertools.repeat(unit)))
+    if lengths and min(lengths) < 1:
+        out = [max(1, c) for c in out]
+    return out
+
+
+def q_tiles(gqa: int) -> int:
+    """CTAs per KV head: one per 16 query heads of its group."""
+    return -(-gqa // Q_TILE)
+
+
+def effective_lengths(kv_lens: list[int], window_left: int) -> list[tuple[int, int]]:
+    """Each request's attended key range ``[start, end)``: all keys, or the last ``window_left + 1``."""
+    if window_left < 0:
+        return list(zip(itertools.repeat(0), kv_lens))
+    return [(max(0, n - 1 - window_left), n) for n in kv_lens]
+
+
+DECODE_ITEMS_PER_SLOT: Final = 4
+"""Work items per resident CTA that `decode_chunk` aims at. Measured on the H200 (d128, 64 keys
+x 4 warps x 2 stages, 3 CTAs an SM): D3 (256 x 2048) unsplit 4.20 TB/s against 4.13 in two
+1024-key pieces (the aim of 8 split it: the merge's partial outputs cost more than a shorter
+last wave); D1 4.04 at 1024-key chunks, 3.99 at 2048 (benchmarks/results/h200-decode-sweep.json)."""
+
+
+def decode_chunk(lengths: list[int], units: int, tile: int, slots: int, min_chunk: int = DECODE_MIN_CHUNK) -> int:
+    """Keys per work item (a multiple of ``tile``) so that the batch fills the GPU evenly.
+
+    ``units`` = CTAs per request and chunk (KV heads x q tiles); ``slots`` = CTAs resident at
+    once on the whole GPU. The aim is about `DECODE_ITEMS_PER_SLOT` work items per slot (the
+    last wave is then short), never fewer keys per item than ``min_chunk`` (its start-up latency
+    must be amortised) and never more than the longest request (no split where none is needed);
+    the longest request is then cut into equal pieces (no short last piece). D2 (1 x 8192 keys,
+    8 KV heads) gives 512-key chunks, 128 CTAs; D3 (256 x 2048, 396 slots) no split: 2048 CTAs.
+    """
+    tiles = _ceils(lengths, tile)
+    longest = max(tiles)
+    total = sum(tiles) * units
+    chunk_tiles = -(-total // (DECODE_ITEMS_PER_SLOT * slots))
+    chunk_tiles = min(max(chunk_tiles, -(-min_chunk // tile), 1), longest)
+    pieces = -(-longest // chunk_tiles)
+    return -(-longest // pieces) * tile
+
+
+@dataclass(frozen=True)
+class DecodeWork:
+    """The host-side work list of a decode batch.
+
+    ``items``: (request, first key, end key, partial slot or -1) per work item, longest first;
+    ``splits``: (first slot, count) per request (count 1: written directly, no merge);
+    ``slots``: partial outputs the workspace must hold.
+    """
+
+    items: list[tuple[int, int, int, int]]
+    splits: list[tuple[int, int]]
+    slots: int
+
+    @property
+    def needs_merge(self) -> bool:
+        return self.slots > 0
+
+
+def decode_work(ranges: list[tuple[int, int]], chunk: int) -> DecodeWork:
+    """Cut each request's key range into pieces of ``chunk`` keys (one piece: no partial slot).
+
+    Items are ordered longest first, ties in request and key order (in-order block dispatch then
+    balances like longest-processing-time). No item is longer than ``chunk``, so that order is
+    the items of exactly ``chunk`` keys as made, then the others (at most one per request: a
+    last piece or a short request) sorted: only those go through the sort (plan time).
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be positive (got {chunk})")
+    full: list[tuple[int, int, int, int]] = []  # items of exactly `chunk` keys, in request and key order
+    short: list[tuple[int, int, int, int]] = []
+    splits: list[tuple[int, int]] = []
+    slots = 0
+    for b, (start, end) in enumerate(ranges):
+        if end - start <= chunk:
+            (full if end - start == chunk else short).append((b, start, end, -1))
+            splits.append((0, 1))
+            continue
+        pieces = -(-(end - start) // chunk)
+        splits.append((slots, pieces))
+        last = start + (pieces - 1) * chunk
+        full += [(b, s, s + chunk, slot) for slot, s in enumerate(range(start, last, chunk), slots)]
+        (full if end - last == chunk else short).append((b, last, end, slots + pieces - 1))
+        slots += pieces
+    short.sort(key=lambda it: it[1] - it[2])  # stable: ties keep request order
+    return DecodeWork(full + short, splits, slots)
+
+
+def decode_balance_tail(work: DecodeWork, units: int, slots: int, tile: int,
+                        min_chunk: int = DECODE_MIN_CHUNK) -> DecodeWork:  # fmt: skip
+    """Cut the whole requests of a short last wave into pieces, so that they fill the GPU.
+
+    CTAs are dispatched in the work list's order (the ``units`` of an item together), ``slots``
+    at a time. When the last wave holds only a few CTAs (at most half the slots) and they are
+    whole requests (not pieces) as long as the longest item, they would run with most SMs idle:
+    D3 (256 requests of 2048 keys, 8 KV heads, 396 slots) is 5 full waves and 68 CTAs. Those
+    requests are cut into ``p`` pieces of at least ``min_chunk`` keys (a multiple of ``tile``), so
+    that their pieces fill the last wave, and go to the end of the list (merged as split requests
+    are). Measured on the H200 (D3 shapes, ``benchmarks/decode_waves.py``): throughput drops
+    1.5-3 % from a whole number of waves to 0.17-0.33 of a wave more
+    (``benchmarks/results/h200-decode-tail-waves.log``).
+    """
+    items = work.items
+    ctas = len(items) * units
+    tail = ctas % slots
+    if ctas <= slots or tail == 0 or 2 * tail > slots:
+        return work
+    count = -(-tail // units)  # items that reach into the last wave
+    longest = items[0][2] - items[0][1]  # (longest first)
+    last = items[-count:]
+    if any(slot >= 0 or (end - start) * 4 < longest * 3 for _, start, end, slot in last):
+        return work
+    shortest = min(end - start for _, start, end, _ in last)
+    pieces = min(slots // (count * units), shortest // min_chunk)
+    if pieces < 2:
+        return work
+    splits = list(work.splits)
+    slot = work.slots
+    out = items[:-count]
+    added: list[tuple[int, int, int, int]] = []
+    for req, start, end, _ in last:
+        size = -(-(end - start) // (pieces * tile)) * tile
+        starts = range(start, end, size)
+        splits[req] = (slot, len(starts))
+        added += [(req, s, min(s + size, end), slot + i) for i, s in enumerate(starts)]
+        slot += len(starts)
+    added.sort(key=lambda it: it[1] - it[2])  # longest first, stable
+    return DecodeWork(out + added, splits, slot)
+
+
+def decode_plan_work(ranges: list[tuple[int, int]], lengths: list[int], units: int, slots: int,
+                     params: DecodeParams, graph: bool) -> tuple[int, DecodeWork]:  # fmt: skip
+    """A decode plan's chunk and work list: ``params.kv_chunk`` or `decode_chunk` of ``lengths``
+    (the bucket's in CUDA-graph mode), the ranges cut by it, and in eager mode with the automatic
+    chunk a short last wave cut further (`decode_balance_tail`; a captured grid is sized for its
+    bucket, and a forced chunk is kept)."""
+    chunk = params.kv_chunk or decode_chunk(lengths, units, params.tile, slots)
+    work = decode_work(ranges, chunk)
+    if not graph and not params.kv_chunk:
+        work = decode_balance_tail(work, units, slots, params.tile)
+    return chunk, work
+
+
+def decode_capacity(batch: int, max_len: int, chunk: int) -> int:
+    """Most work items any batch of ``batch`` requests up to ``max_len`` keys can need at ``chunk``."""
+    return batch * max(1, -(-max_len // chunk))
+
+
+def decode_buffer_sizes(work: DecodeWork, num_page_entries: int, *, graph: bool, batch: int, attended_cap: int,
+                        longest_cap: int, chunk: int, page_size: int) -> tuple[int, int, int]:  # fmt: skip
+    """Work items, partial-output slots and page entries a decode plan's buffers hold: the batch's
+    own, or in CUDA-graph mode the most any batch of its buckets needs (the captured grid and
+    buffers must fit every re-plan)."""
+    if graph:
+        items = decode_capacity(batch, attended_cap, chunk)
+        return items, items, batch * -(-longest_cap // page_size)
+    return len(work.items), work.slots, num_page_entries
+
+
+def decode_units(num_kv_heads: int, gqa: int) -> int:
+    """CTAs per work item: one per KV head and q tile."""
+    return num_kv_heads * q_tiles(gqa)
+
+
+def decode_grid(items: int, num_kv_heads: int, gqa: int) -> tuple[int, int, int]:
+    """One CTA per work item and unit, the units of an item adjacent (kernels/decode.cu)."""
+    return (items * decode_units(num_kv_heads, gqa), 1, 1)
+
+
+def decode_items(work: DecodeWork, page_base: list[int]) -> list[int]:
+    """The work list as the kernel reads it: 8 ints per item (kernels/decode.cu): request, first
+    key, end key, partial slot, the request's offset in kv_indices, its first slot, its slot count, 0."""
+    out: list[int] = []
+    extend, splits = out.extend, work.splits
+    for req, start, end, slot in work.items:
+        first, count = splits[req]
+        extend((req, start, end, slot, page_base[req], first, count, 0))
+    return out
+
+
+# -- support rules ---------------------------------------------------------------------------
+
+
+def decode_reasons(problem: DecodeProblem, tactic: Tactic, info: DeviceInfo) -> list[str]:
+    """Why ``tactic`` cannot serve ``problem`` on a GPU like ``info`` (empty: it can)."""
+    out = attention_reasons(problem)
+    if tactic.is_default:
+        if tactic.params:
+            out.append(f"the default tactic takes no params (got {tactic.params})")
+        return out
+    if tactic.kernel != DecodeParams.KERNEL:
+        return [*out, f"unknown decode kernel '{tactic.kernel}' (known: default, decode)"]
+    params = DecodeParams.read(tactic)
+    if isinstance(params, str):
+        return [*out, params]
+    params = DecodeParams.from_tactic(tactic)
+    if params.bulk > 0:
+        if problem.kv_layout != "HND":
+            out.append(f"bulk {params.bulk} copies a head's rows of a page at once: it needs the HND layout")
+        if problem.page_size % params.bulk:
+            out.append(f"bulk {params.bulk} needs a page size that is a multiple of it (got {problem.page_size})")
+    if params.tma and (why := tensor_maps_status()) is not None:
+        out.append(f"tma {params.tma} needs tensor maps: {why}")
+    return out + params.reasons(problem.head_dim_qk, info)
+
+
+def decode_tactics(problem: DecodeProblem, info: DeviceInfo) -> list[Tactic]:
+    """The tactics the tuner measures for ``problem``: the candidates the problem's cache can take."""
+    tactics = [p.to_tactic() for p in decode_candidates(problem.head_dim_qk, info)]
+    return [t for t in tactics if not decode_reasons(problem, t, info)]
+
+
+# -- kernel variant --------------------------------------------------------------------------
+
+
+def _l2_defines(hint: int) -> dict[str, int]:
+    return {"TX_L2": int(hint >= 1), "TX_L2_PREFETCH_256": int(hint == 2)}
+
+
+def decode_variant(dtype: str, head_dim: int, params: DecodeParams, arch: str) -> Variant:
+    return Variant.make(
+        "decode.cu",
+        arch,
+        TX_BF16=bf16(dtype),
+        TX_D=head_dim,
+        TX_TILE=params.tile,
+        TX_WARPS=params.warps,
+        TX_STAGES=params.stages,
+        **_l2_defines(params.l2),
+        **({"TX_BULK": params.bulk} if params.bulk else {}),  # absent when 0: the variants keep their keys
+        **({"TX_TMA": params.tma} if params.tma else {}),
+    )
+
+
+# -- plan ------------------------------------------------------------------------------------
+
+
+def decode_sections(item_cap: int, page_cap: int | None) -> Sections:
+    """Where a decode plan's int32 metadata lies in its staging slot: the work records
+    (`decode_items`, ``item_cap`` of them), the item count and, unless the kernel reads
+    the caller's device indices in place (``page_cap`` None), the page indices."""
+    if page_cap is None:
+        return sections(("items", DECODE_ITEM_INTS * item_cap), ("num_items", 1))
+    return sections(("items", DECODE_ITEM_INTS * item_cap), ("num_items", 1), ("indices", page_cap))
+
+
+def _decode_kernel(index: int, dtype: str, d: int, params: DecodeParams, info: DeviceInfo) -> tuple[Kernel, bool]:
+    """The decode kernel of ``params`` on device ``index``, and whether NVRTC compiled it now."""
+    smem = decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk, params.tma)
+    key = ("decode", index, dtype, d, params, info.arch)
+    return load_kernel(key, lambda: decode_variant(dtype, d, params, info.arch), "tactix_decode", smem,
+                       32 * params.warps, params, index, info)  # fmt: skip
+
+
+class CudaNativeDecodePlan(StagedPlan):
+    """A planned decode batch: work list, metadata and workspace on the device; ``run`` launches.
+
+    The int32 metadata (`decode_sections`) travels in one transfer from a pinned buffer of the
+    wrapper's `tactix.plugin.Staging` into one of its two device slots (`StagedPlan._send`).
+    """
+
+    _part_o: torch.Tensor  # workspace: partial outputs of split requests
+    _part_lse: torch.Tensor
+    _counters: torch.Tensor  # one per request and (KV head, q tile): partials merged so far; zero between runs
+
+    def __init__(self, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
+        index = device_index(options["device"])
+        self.device = cuda_device(index)
+        self.problem = problem
+        self._requested = tactic
+        info = device_info(index)
+        graph = options["use_cuda_graph"]
+        self._graph = bool(graph)
+        previous = options["previous"]
+        b, hq, hkv, d = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim_qk
+        gqa = problem.gqa_ratio
+        units = decode_units(hkv, gqa)
+        ranges = effective_lengths(batch.kv_lens_list, problem.window_left)
+        longest_cap = bucket_size(batch.max_kv_len) if graph else batch.max_kv_len
+        attended_cap = longest_cap if problem.window_left < 0 else min(longest_cap, problem.window_left + 1)
+        # in CUDA-graph mode sizes come from the bucket, so every batch of the bucket fits the captured grid
+        lengths = [attended_cap] * b if graph else [e - s for s, e in ranges]
+        if tactic.is_default:
+            params = default_decode_params(d, info, small=decode_is_small(lengths, units, info))
+        else:
+            params = DecodeParams.from_tactic(tactic)
+        kernel, self.built = _decode_kernel(index, problem.q_dtype, d, params, info)
+        self.tactic = kernel.tactic
+        self._kernel = kernel.kernel
+        self.ctas_per_sm = kernel.ctas_per_sm
+        slots = info.sms * self.ctas_per_sm
+        chunk, work = decode_plan_work(ranges, lengths, units, slots, params, bool(graph))
+        item_cap, slot_cap, page_cap = decode_buffer_sizes(
+            work, batch.num_page_entries, graph=graph, batch=b, attended_cap=attended_cap, longest_cap=longest_cap,
+            chunk=chunk, page_size=problem.page_size)  # fmt: skip
+        self.work = work
+        self.chunk = chunk
+        self._geometry = (b, hq, hkv, d, problem.page_size, item_cap, slot_cap, page_cap, params)
+        self._bulk = params.bulk
+        self._tma = params.tma
+        # the caches' tensor maps: a re-plan (every step of a server) shares its predecessor's
+        maps = TensorMaps(8)
+        if isinstance(previous, CudaNativeDecodePlan) and previous.device == self.device:
+            maps = previous._maps
+        self._maps: TensorMaps = maps
+        replaced = previous if graph and previous is not None else None
+        if replaced is not None and (
+            not isinstance(replaced, CudaNativeDecodePlan) or replaced._geometry != self._geometry
+        ):
+            raise UnsupportedProblemError(NAME, problem, [
+                "in CUDA-graph mode a re-plan must keep the batch size, the heads and the kv-length bucket "
+                "(the captured grid and buffers depend on them); use one wrapper per captured shape"])  # fmt: skip
+
+        layout, base, indices_ptr = self._send(problem, batch, previous, graph,
+                                               functools.partial(decode_sections, item_cap),
+                                               [decode_items(work, batch.kv_indptr_list), [len(work.items)]],
+                                               page_cap)  # fmt: skip
+        if isinstance(replaced, CudaNativeDecodePlan):  # CUDA-graph re-plan: the captured workspace
+            self._part_o, self._part_lse = replaced._part_o, replaced._part_lse
+            self._counters = replaced._counters
+        elif (
+            isinstance(previous, CudaNativeDecodePlan)
+            and previous.device == self.device
+            and previous._part_o.numel() >= max(slot_cap, 1) * hq * d
+            and previous._part_lse.numel() >= max(slot_cap, 1) * hq
+            and previous._counters.numel() >= b * units
+        ):
+            # an eager re-plan takes over the replaced plan's workspace (stream-ordered after its runs,
+            # as the staging slots are); the kernel leaves every counter at zero after a run
+            self._part_o, self._part_lse, self._counters = previous._part_o, previous._part_lse, previous._counters
+        else:
+            self._part_o = torch.empty(max(slot_cap, 1) * hq * d, dtype=torch.float32, device=self.device)
+            self._part_lse = torch.empty(max(slot_cap, 1) * hq, dtype=torch.float32, device=self.device)
+            self._counters = torch.zeros(b * units, dtype=torch.int32, device=self.device)
+        self._ptrs = (
+            base + 4 * layout.offset("items"),
+            base + 4 * layout.offset("num_items"),
+            indices_ptr,
+            self._part_o.data_ptr(),
+            self._part_lse.data_ptr(),
+            self._counters.data_ptr(),
+        )
+        shift = log2_exact(problem.page_size)
+        assert shift is not None  # check() refused other page sizes
+        self._scalars = (hq, gqa, q_tiles(gqa), shift, problem.sm_scale * LOG2E, float(problem.logits_soft_cap))
+        self._cfg = launch_config(decode_grid(item_cap, hkv, gqa), kernel.threads, kernel.smem)
+        self._index = index
+        self._seen: tuple[Any, ...] | None = None
+        self._strides: tuple[int, ...] = ()
+        self._q_copy: torch.Tensor | None = None
+        self._inherit_accepted(previous)
+
+    def _accept(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Check the cache strides and q's once per new set of strides; keep the stride arguments."""
+        self._strides = cache_strides(self.problem.kv_layout, k, v)
+        for name, t in (("k", k), ("v", v)) if self._bulk and not self._tma else ():
+            if t.stride(2) != t.shape[3]:  # HND (the tactic's check): [pages, heads, tokens, head_dim]
+                raise InvalidArgumentError(
+                    f"paged_kv_cache ({name})",
+                    f"rows of a page contiguous (token stride = head_dim) for the bulk-copy tactic "
+                    f"(bulk={self._bulk}; plan with another tactic for this cache)",
+                    f"strides {tuple(t.stride())}",
+                )
+        self._q_direct = q.stride(2) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0
+        self._seen = (q.stride(), k.stride(), v.stride())
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor | None) -> None:  # fmt: skip
+        if (q.stride(), k_cache.stride(), v_cache.stride()) != self._seen:
+            self._accept(q, k_cache, v_cache)
+        if not self._q_direct or q.data_ptr() % 16:
+            if self._q_copy is None:
+                self._q_copy = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            self._q_copy.copy_(q)
+            q = self._q_copy
+        k_ptr, v_ptr, out_ptr = k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+        if (k_ptr | v_ptr | out_ptr) % 16:
+            raise InvalidArgumentError("paged_kv_cache", "k, v and out starting at 16-byte aligned addresses",
+                                       f"addresses {k_ptr:#x}, {v_ptr:#x}, {out_ptr:#x}")  # fmt: skip
+        lse_ptr = 0 if lse is None else lse.data_ptr()
+        stream = stream_for(self._index, raw_stream(self._index))
+        cc = launcher()
+        args: tuple[Any, ...] = (q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr, *self._strides, out_ptr, lse_ptr,
+                                 *self._ptrs, *self._scalars)  # fmt: skip
+        if self._tma:
+            args = (self._cache_map(k_cache, "k"), self._cache_map(v_cache, "v"), *args)
+        cc.launch(stream, self._cfg, self._kernel, *args)
+
+    def _cache_map(self, t: torch.Tensor, name: str) -> Any:
+        """The tensor map of a K or V cache ([pages][heads][tokens][D], HND), boxes of 64 of D x
+        ``bulk`` tokens."""
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        return self._maps.get(key, lambda: tensor_map(t, (1, 1, self._bulk, 64)), f"paged_kv_cache ({name})")
+
+
+def plan_decode(problem: DecodeProblem, batch: PagedBatch, tactic: Tactic,
+                options: PlanOptions) -> CudaNativeDecodePlan:  # fmt: skip
+    """The plan hook's work: the check's reasons as an `UnsupportedProblemError`, else the plan."""
+    reasons = decode_reasons(problem, tactic, device_info(device_index(options["device"])))
+    if reasons:
+        raise UnsupportedProblemError(NAME, problem, reasons)
+    return CudaNativeDecodePlan(problem, batch, tactic, options)
+
+

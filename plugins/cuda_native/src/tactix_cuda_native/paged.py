@@ -1,0 +1,134 @@
+"""What the paged-attention ops (decode, prefill) share: head dims and page sizes, the problem's own
+reasons, the cache strides their kernels read, and their plans' metadata staging (`StagedPlan`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Final
+
+import torch
+
+from tactix import (
+    DecodeProblem,
+    InvalidArgumentError,
+    PagedBatch,
+    PlanOptions,
+    PrefillProblem,
+    Problem,
+    Tactic,
+    UnsupportedProblemError,
+)
+from tactix.plugin import Piece, Sections, Staging, cache_axes
+from tactix_cuda_native import NAME
+
+__all__ = ["HEAD_DIMS", "LOG2E", "MAX_PAGE_SIZE", "StagedPlan", "attention_reasons", "cache_strides", "log2_exact"]
+
+HEAD_DIMS: Final = (64, 128, 256)
+MAX_PAGE_SIZE: Final = 128
+LOG2E: Final = 1.4426950408889634  # the kernels' softmax is base 2: the scale is folded with log2(e)
+
+
+def log2_exact(n: int) -> int | None:
+    """log2 of a power of two, else None."""
+    if n < 1 or n & (n - 1):
+        return None
+    return int(math.log2(n))
+
+
+def attention_reasons(problem: DecodeProblem | PrefillProblem) -> list[str]:
+    """Why neither kernel of the op serves ``problem``, whatever the tactic."""
+    out = []
+    if not (problem.q_dtype == problem.kv_dtype == problem.out_dtype):
+        out.append("q, kv and out dtypes must be the same")
+    if log2_exact(problem.page_size) is None or problem.page_size > MAX_PAGE_SIZE:
+        out.append(f"page size {problem.page_size} must be a power of two up to {MAX_PAGE_SIZE}")
+    return out
+
+
+def cache_strides(layout: str, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+    """(page, token, head) strides of k then v, in elements; refuses what the kernels cannot read."""
+    strides: list[int] = []
+    for name, t in (("k", k), ("v", v)):
+        s = t.stride()
+        page, tok, head, dim = cache_axes(s, layout)
+        if dim != 1 or page % 8 or tok % 8 or head % 8:
+            raise InvalidArgumentError(
+                f"paged_kv_cache ({name})",
+                "dense along head_dim with page, token and head strides that are multiples of 8 elements",
+                f"strides {tuple(s)}",
+            )
+        strides += [page, tok, head]
+    return tuple(strides)
+
+
+class StagedPlan:
+    """What decode and prefill plans share: their int32 metadata in the wrapper's staging."""
+
+    device: torch.device
+    _staging: Staging  # the wrapper's metadata slots and pinned buffers (handed from plan to plan)
+    _requested: Tactic  # the tactic this plan was made for (the default, or a tuned one)
+    _graph: bool  # made for CUDA-graph mode
+    problem: DecodeProblem | PrefillProblem
+    _seen: tuple[Any, ...] | None  # the q, k and v strides run() last checked (`_accept`)
+    _strides: tuple[int, ...]  # the cache stride arguments they gave
+    _q_direct: bool  # q is read in place (else through a copy)
+    _bulk = 0  # tokens per bulk copy of a decode plan's kernel (0: cp.async): _accept checks more
+
+    def _inherit_accepted(self, previous: object) -> None:
+        """Keep what the previous plan of the wrapper (same class, device and cache layout) found
+        when it checked the run's strides, so that the first run after a re-plan does not check
+        them again when they are the same (``run`` compares them on every call)."""
+        if (
+            isinstance(previous, StagedPlan)
+            and type(previous) is type(self)
+            and previous._seen is not None
+            and previous.device == self.device
+            and previous.problem.kv_layout == self.problem.kv_layout
+            and previous._bulk == self._bulk
+        ):
+            self._seen, self._strides, self._q_direct = previous._seen, previous._strides, previous._q_direct
+
+    def replan(self, problem: Problem, batch: PagedBatch, options: PlanOptions) -> StagedPlan | None:
+        """The plan of a new batch with this plan's static problem and tactic (the core's fast
+        re-plan, `tactix.selection.replan_selection`): made as the plugin's plan hook would make
+        it, without the selection, the check and the hook dispatch in front of it. What
+        ``tactix_check`` says depends on the static problem, the tactic and the device only, so
+        it holds for every batch. None for another device or mode (the full path decides)."""
+        if options["device"] != self.device or bool(options["use_cuda_graph"]) != self._graph:
+            return None
+        return type(self)(problem, batch, self._requested, {**options, "previous": self})  # type: ignore[call-arg]
+
+    def _send(self, problem: Problem, batch: PagedBatch, previous: object, graph: bool,
+              layout_for: Callable[[int | None], Sections], pieces: list[Piece],
+              page_cap: int) -> tuple[Sections, int, int]:  # fmt: skip
+        """Send the metadata: ``pieces`` (and the page indices, where the kernel does not read the
+        caller's device indices in place: host indices, or any in CUDA-graph mode) written into a
+        pinned buffer of the wrapper's staging (taken over from the previous plan, `tactix.staging`)
+        with C-level copies, one transfer into a device slot. ``layout_for(page_cap or None)``:
+        the sections. Returns the sections, the slot's device address and the indices' address.
+
+        Eager plans alternate between the two slots, so the slot the previous plan's runs read is
+        left alone; CUDA-graph plans keep slot 0, sized by the buckets, whose addresses the
+        captured kernel reads (a re-plan of the same buckets rewrites it in place)."""
+        host_indices = batch.indices_on_host
+        copied = host_indices or graph
+        layout = layout_for(page_cap if copied else None)
+        if copied:
+            pieces = [*pieces, batch.kv_indices if host_indices else []]
+        old = previous._staging if isinstance(previous, StagedPlan) else None
+        staging = Staging.reuse(old, self.device, layout.total)
+        if graph and previous is not None and staging is not old:
+            raise UnsupportedProblemError(NAME, problem, [
+                "in CUDA-graph mode a re-plan must keep the metadata buffer of the captured kernel"])  # fmt: skip
+        slot = staging.slot(graph)
+        base = staging.send(slot, layout.total, lambda dst: layout.write(dst, pieces))
+        self._staging = staging
+        if not copied:
+            self._indices_ref = batch.kv_indices.contiguous()  # keep the caller's device indices alive
+            return layout, base, self._indices_ref.data_ptr()
+        at = layout.offset("indices")
+        if not host_indices and batch.num_page_entries:  # device indices: after the transfer, on its stream
+            staging.view(slot, at, batch.num_page_entries).copy_(batch.kv_indices, non_blocking=True)
+        return layout, base, base + 4 * at

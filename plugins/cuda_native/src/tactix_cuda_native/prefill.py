@@ -1,0 +1,623 @@
+"""Paged prefill (kernels/prefill.cu: mma.sync, any GPU from sm_80; kernels/prefill_sm90.cu: Hopper wgmma):
+its tactic parameters (`PrefillParams`), the work list and grids, the kernel variants, the reasons a
+tactic cannot run, the tactic space and the default, and the plan (`CudaNativePrefillPlan`).
+
+Tactics: ``Tactic(backend="cuda_native", kernel="prefill", params={"q_tile": 128, "kv_tile": 32, "warps": 4,
+"stages": 3, "pack": 0, "sched": 0})`` (``pack`` 0: the query heads of a GQA group per CTA chosen by
+`prefill_pack`; ``sched`` 0: requests by work, each one's items longest first, 1: request order,
+2: longest first over the batch; see `prefill_work`); with ``"mma": "wgmma"`` the Hopper kernel
+(``q_tile`` 64 or 128 rows, ``warps`` = q_tile / 16 consumer warps, ``kv_tile`` 64 or 128), the
+default on sm_90 for head dims 64, 128 and 256; ``mma`` left out (or "sync") is the mma.sync kernel;
+wgmma also takes ``"persist": 1``: persistent CTAs (as many as the GPU holds at once, each looping
+over the work items; left out, 0, one CTA per item) and, with q_tile 128, ``"pingpong": 1``: the
+two consumer warpgroups take turns at the tensor cores (FlashAttention-3's schedule).
+
+The geometry functions are pure (no CUDA), so every rule is tested on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final
+
+import torch
+
+from tactix import (
+    InvalidArgumentError,
+    PagedBatch,
+    PlanOptions,
+    PrefillProblem,
+    Tactic,
+    UnsupportedProblemError,
+)
+from tactix.plugin import Sections, bucket_size, raw_stream, sections
+from tactix_cuda_native import NAME
+from tactix_cuda_native.device import WGMMA_ARCHS, DeviceInfo, cuda_device, device_index, device_info, wgmma_arch
+from tactix_cuda_native.kernel import Kernel, bf16, launcher, load_kernel
+from tactix_cuda_native.paged import LOG2E, StagedPlan, attention_reasons, cache_strides, log2_exact
+from tactix_cuda_native.runtime import Variant, launch_config, stream_for
+from tactix_cuda_native.tactics import TacticParams
+
+PREFILL_SCHEDULES: Final = ("requests_by_work", "in_order", "longest_first")
+PREFILL_MMAS: Final = ("sync", "wgmma")
+"""The prefill kernels: "sync" kernels/prefill.cu (mma.sync, any GPU from sm_80), "wgmma"
+kernels/prefill_sm90.cu (Hopper warpgroup MMA, compiled for sm_90a)."""
+WGMMA_HEAD_DIMS: Final = (64, 128, 256)
+WGMMA_ACCUMULATORS: Final = 176
+"""Registers per consumer thread the wgmma kernel's O, S and P take at most (head_dim / 2 +
+kv_tile / 2 + kv_tile / 4): d256 with 128-key tiles (224) spills at the 232 a consumer gets."""
+
+
+# -- tactic parameters -----------------------------------------------------------------------
+
+
+class PrefillParams(TacticParams):
+    """A prefill tactic's parameters (see kernels/prefill.cu and kernels/prefill_sm90.cu).
+
+    ``mma``: "sync" (mma.sync, the default: left out of the tactic's params so tactics stored
+    before the wgmma kernel existed keep matching) or "wgmma" (Hopper only). ``q_tile``: query
+    rows per CTA (sync: 16 or 32 per warp; wgmma: 64 or 128, one consumer warpgroup per 64);
+    ``kv_tile``: keys per pipeline stage; ``warps``: the warps computing (wgmma: q_tile / 16, the
+    consumer warpgroups; a producer warpgroup of 4 more gathers K/V); ``stages``: depth of the K/V
+    ring; ``pack``: query heads of one GQA group per CTA (0: the heuristic `prefill_pack`, else a
+    divisor of the group size up to ``q_tile``); ``sched``: order of the work items (see
+    `prefill_work`: 0 requests by work, each longest first; 1 in request order; 2 longest first
+    over the whole batch). ``persist`` (wgmma only; 0, the default, is left out of the tactic's
+    params): 1 launches persistent CTAs, as many as the GPU holds at once (`prefill_persistent_ctas`),
+    each looping over the work items (item x head group) in turn with the K/V ring running on
+    across them, so the producer prefetches the next item's keys during the current epilogue.
+    ``pingpong`` (wgmma with two consumer warpgroups, q_tile 128; 0, the default, left out): 1
+    makes the warpgroups take turns at the tensor cores (FlashAttention-3's schedule: named
+    barriers; each issues S of a tile and P V of the previous one in its turn, then computes its
+    softmax while the other's GEMMs run).
+    """
+
+    KERNEL: ClassVar[str] = "prefill"
+    # "sync" and the flags' 0 stay implicit: tactics stored before the wgmma kernel and the flags keep matching
+    IMPLICIT: ClassVar[tuple[str, ...]] = ("mma", "persist", "pingpong")
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"mma": PREFILL_MMAS}
+
+    q_tile: int
+    kv_tile: int
+    warps: int
+    stages: int
+    pack: int = 0
+    sched: int = 0
+    mma: str = "sync"
+    persist: int = 0
+    pingpong: int = 0
+
+    @property
+    def m_tiles(self) -> int:
+        """m16 tiles per warp (sync)."""
+        return self.q_tile // (16 * self.warps)
+
+    @property
+    def threads(self) -> int:
+        """Threads per CTA: the computing warps, and for wgmma the producer warpgroup."""
+        return 32 * self.warps + (128 if self.mma == "wgmma" else 0)
+
+    def smem_bytes(self, head_dim: int) -> int:
+        return prefill_smem_bytes(head_dim, self.q_tile, self.kv_tile, self.stages, self.mma)
+
+    def reasons(self, head_dim: int, info: DeviceInfo, gqa: int | None = None) -> list[str]:
+        if self.mma not in PREFILL_MMAS:
+            return [f"mma must be 'sync' or 'wgmma' (got {self.mma!r})"]
+        out = self._wgmma_reasons(head_dim, info) if self.mma == "wgmma" else self._sync_reasons()
+        if self.pack < 0:
+            out.append(f"pack must be 0 (auto) or a divisor of the GQA group size (got {self.pack})")
+        elif self.pack and gqa is not None and (gqa % self.pack or self.pack > self.q_tile):
+            out.append(f"pack {self.pack} must divide the GQA group size {gqa} and be at most q_tile {self.q_tile}")
+        if self.sched not in (0, 1, 2):
+            out.append(f"sched must be 0, 1 or 2 ({', '.join(PREFILL_SCHEDULES)}) (got {self.sched})")
+        if self.persist not in (0, 1):
+            out.append(f"persist must be 0 (one CTA per work item) or 1 (persistent CTAs) (got {self.persist})")
+        elif self.persist and self.mma != "wgmma":
+            out.append("persist 1 needs mma 'wgmma' (kernels/prefill_sm90.cu)")
+        elif self.persist and (self.q_tile, self.kv_tile, head_dim) == (64, 128, 128):
+            out.append(
+                "persist 1 with q_tile 64, kv_tile 128 at head dim 128 spills registers (the producer's loop "
+                "over items needs more than one consumer warpgroup can give); use kv_tile 64 or q_tile 128"
+            )
+        if self.pingpong not in (0, 1):
+            out.append(f"pingpong must be 0 or 1 (the consumer warpgroups take turns) (got {self.pingpong})")
+        elif self.pingpong and (self.mma != "wgmma" or self.q_tile != 128):
+            out.append("pingpong 1 needs mma 'wgmma' with two consumer warpgroups (q_tile 128)")
+        if not out:
+            if self.mma == "sync":
+                regs = self.m_tiles * (head_dim + self.kv_tile) // 2
+                if regs > 192:
+                    out.append(
+                        f"O and S accumulators need {regs} registers per thread (q_tile {self.q_tile}, "
+                        f"{self.warps} warps, kv_tile {self.kv_tile}, head dim {head_dim}); at most 192 fit"
+                    )
+            else:
+                regs = head_dim // 2 + self.kv_tile // 2 + self.kv_tile // 4
+                if regs > WGMMA_ACCUMULATORS:
+                    out.append(
+                        f"O, S and P need {regs} registers per consumer thread (kv_tile {self.kv_tile}, head dim "
+                        f"{head_dim}); at most {WGMMA_ACCUMULATORS} fit with mma 'wgmma'"
+                    )
+            smem = self.smem_bytes(head_dim)
+            if smem > info.smem_per_block:
+                out.append(f"needs {smem} bytes of shared memory; this GPU allows {info.smem_per_block} per CTA")
+        return out
+
+    def _sync_reasons(self) -> list[str]:
+        out = []
+        if self.warps not in (2, 4, 8):
+            out.append(f"warps must be 2, 4 or 8 (got {self.warps})")
+        elif self.q_tile % (16 * self.warps) or self.m_tiles not in (1, 2):
+            out.append(f"q_tile must be 16 or 32 rows per warp (got q_tile {self.q_tile}, warps {self.warps})")
+        if self.kv_tile not in (32, 64, 128):
+            out.append(f"kv_tile must be 32, 64 or 128 (got {self.kv_tile})")
+        elif self.warps in (2, 4, 8) and self.kv_tile > 32 * self.warps:
+            out.append(f"kv_tile {self.kv_tile} exceeds the {32 * self.warps} threads of {self.warps} warps")
+        if not 2 <= self.stages <= 4:
+            out.append(f"stages must be in 2..4 (got {self.stages})")
+        return out
+
+    def _wgmma_reasons(self, head_dim: int, info: DeviceInfo) -> list[str]:
+        out = []
+        if info.arch not in WGMMA_ARCHS:
+            out.append(f"mma 'wgmma' needs a Hopper GPU (sm_90); this one is {info.arch} (use mma 'sync')")
+        if head_dim not in WGMMA_HEAD_DIMS:
+            out.append(f"mma 'wgmma' supports head dims {WGMMA_HEAD_DIMS} (got {head_dim}; use mma 'sync')")
+        if self.q_tile not in (64, 128) or self.warps != self.q_tile // 16:
+            out.append(
+                f"with mma 'wgmma' q_tile must be 64 or 128 and warps q_tile / 16, the consumer warps of 64 rows "
+                f"per warpgroup (got q_tile {self.q_tile}, warps {self.warps})"
+            )
+        if self.kv_tile not in (64, 128):
+            out.append(f"with mma 'wgmma' kv_tile must be 64 or 128 (got {self.kv_tile})")
+        if not 2 <= self.stages <= 4:
+            out.append(f"stages must be in 2..4 (got {self.stages})")
+        return out
+
+
+def prefill_smem_bytes(head_dim: int, q_tile: int, kv_tile: int, stages: int, mma: str = "sync") -> int:
+    """Dynamic shared memory of the prefill kernel (see the layouts in kernels/prefill.cu and
+    kernels/prefill_sm90.cu: for wgmma, Q + stages x (K, V) tiles + a K and a V row pointer per
+    key of a tile + four mbarriers per stage)."""
+    row = head_dim * 2
+    if mma == "wgmma":
+        return q_tile * row + stages * 2 * kv_tile * row + kv_tile * 16 + 4 * stages * 8
+    return q_tile * row + stages * 2 * kv_tile * row + stages * 2 * kv_tile * 8 + q_tile * 8 + 16
+
+
+# -- defaults and candidates -----------------------------------------------------------------
+
+
+def _shape(shape: tuple[int, int, int, int], **rest: Any) -> PrefillParams:
+    """The parameters of a ``(q_tile, kv_tile, warps, stages)`` shape and ``rest``."""
+    q_tile, kv_tile, warps, stages = shape
+    return PrefillParams(q_tile=q_tile, kv_tile=kv_tile, warps=warps, stages=stages, **rest)
+
+
+_PREFILL_DEFAULTS: Final = {64: (128, 64, 4, 3), 128: (128, 32, 4, 3), 256: (64, 32, 4, 2)}
+"""q_tile, kv_tile, warps, stages per head dim: two or more CTAs of 4 warps per H200 SM, no spills."""
+
+
+_WGMMA_DEFAULTS: Final = {64: (128, 128, 8, 3), 128: (128, 128, 8, 3), 256: (128, 64, 8, 2)}
+"""wgmma (sm_90): two consumer warpgroups of 64 rows (FlashAttention-3's 128 x 128 tile for d128),
+one CTA per SM (the 384 threads take every register). The candidates with one consumer
+warpgroup (q_tile 64) launch with 128 registers a thread up to d128, so two CTAs share an SM
+where their shared memory fits (d128: kv_tile 64, 2 stages)."""
+
+
+_WGMMA_PINGPONG: Final = frozenset({64, 128})
+"""Head dims whose wgmma default runs the warpgroups' ping-pong: on the H200 it was faster than
+without on all of P1-P4 at d64 and d128 (3 stages; d128 P2 567 against 547 TFLOP/s, d64 P2 380
+against 351: benchmarks/results/h200-prefill-sweep.json, h200-prefill-sweep-d64.json), slower
+at d256 (kv_tile 64: P2 510 against 531, h200-prefill-sweep-d256.json)."""
+
+
+PERSIST_MAX_MEAN_KEYS: Final = 2048
+"""The default goes persistent (`prefill_default_persist`) when the batch's work items walk at
+most this many keys on average: there the per-item prologue and epilogue weigh most, and
+persistent CTAs hide them (H200, d128, 128-key tiles: P1, 8.5 tiles an item, 471 against 442
+TFLOP/s; P3 366 against 347). With long items the static split of persistent CTAs balances
+worse than the hardware's dispatch of one CTA per item (P2, 32.5 tiles: 547 against 567)."""
+
+
+@functools.lru_cache(maxsize=256)  # plans ask per batch; the parameters are immutable
+def default_prefill_params(head_dim: int, info: DeviceInfo, mma: str | None = None) -> PrefillParams:
+    """The heuristic tactic: on Hopper the wgmma kernel (`_WGMMA_DEFAULTS`); elsewhere, or with
+    ``mma="sync"``, the mma.sync kernel with 4 warps, 32 rows per warp where the accumulators fit
+    (d64, d128), the deepest ring that still leaves two CTAs per SM; smaller tiles where shared
+    memory is short."""
+    shape = _WGMMA_DEFAULTS.get(head_dim)
+    if shape is not None and (mma == "wgmma" or (mma is None and info.arch in WGMMA_ARCHS)):
+        params = _shape(shape, mma="wgmma", pingpong=int(head_dim in _WGMMA_PINGPONG))
+        if mma == "wgmma" or not params.reasons(head_dim, info):
+            return params
+    q_tile, kv_tile, warps, stages = _PREFILL_DEFAULTS.get(head_dim, (64, 32, 4, 2))
+    while stages > 2 and prefill_smem_bytes(head_dim, q_tile, kv_tile, stages) > info.smem_per_block:
+        stages -= 1
+    while kv_tile > 32 and prefill_smem_bytes(head_dim, q_tile, kv_tile, stages) > info.smem_per_block:
+        kv_tile //= 2
+    while q_tile > 16 * warps and prefill_smem_bytes(head_dim, q_tile, kv_tile, stages) > info.smem_per_block:
+        q_tile //= 2
+    return PrefillParams(q_tile=q_tile, kv_tile=kv_tile, warps=warps, stages=stages)
+
+
+_PREFILL_SHAPES: Final = {
+    64: [(128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4)],
+    128: [(128, 32, 4, 3), (128, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 3)],
+    256: [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2)],
+}
+
+
+_WGMMA_SHAPES: Final = {
+    64: [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 128, 4, 3)],
+    128: [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 2), (64, 64, 4, 2)],
+    256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3)],
+}
+
+
+def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1) -> list[PrefillParams]:
+    """The tactic space the tuner explores: mma.sync tile shapes, wgmma tile shapes (on Hopper),
+    then the default's with one head per CTA and with work in request order, then (on Hopper)
+    the wgmma shapes with persistent CTAs and with the warpgroups' ping-pong (every entry valid
+    for ``head_dim`` on ``info``)."""
+    out = [_shape(shape) for shape in _PREFILL_SHAPES.get(head_dim, [])]
+    out += [_shape(shape, mma="wgmma") for shape in _WGMMA_SHAPES.get(head_dim, [])]
+    base = default_prefill_params(head_dim, info)
+    shape = (base.q_tile, base.kv_tile, base.warps, base.stages)
+    if gqa > 1:
+        out.append(_shape(shape, pack=1, mma=base.mma))
+    out += [_shape(shape, sched=sched, mma=base.mma) for sched in (1, 2)]
+    # persistent CTAs (wgmma): every wgmma shape, and the default's with longest-first order; the
+    # warpgroups' ping-pong: every shape with two, with and without persistent CTAs
+    wgmma_shapes = _WGMMA_SHAPES.get(head_dim, [])
+    out += [_shape(shape, mma="wgmma", persist=1) for shape in wgmma_shapes]
+    if base.mma == "wgmma":
+        out.append(_shape(shape, sched=2, mma="wgmma", persist=1))
+    out += [_shape(shape, mma="wgmma", persist=persist, pingpong=1) for shape in wgmma_shapes
+            for persist in (0, 1) if shape[0] == 128]  # fmt: skip
+    if base.pingpong:  # the default's persistent form with the whole batch longest first (rounds back and forth)
+        out.append(_shape(shape, sched=2, mma="wgmma", persist=1, pingpong=1))
+    unique = list(dict.fromkeys(out))
+    return [p for p in unique if not p.reasons(head_dim, info, gqa)]
+
+
+def prefill_default_persist(params: PrefillParams, tiles: list[int], head_dim: int, info: DeviceInfo) -> PrefillParams:
+    """The default tactic for one batch: ``params`` (`default_prefill_params`) with persistent
+    CTAs where it runs the ping-pong, its work items (``tiles``: the KV tiles each walks,
+    `PrefillWork`) are short on average (`PERSIST_MAX_MEAN_KEYS`) and the kernel takes them, else
+    ``params`` unchanged. (Without the ping-pong, at d256, persistent CTAs were slower on every
+    case: h200-prefill-sweep-d256.json.)"""
+    if params.mma != "wgmma" or not params.pingpong or params.persist or not tiles:
+        return params
+    if sum(tiles) * params.kv_tile > PERSIST_MAX_MEAN_KEYS * len(tiles):
+        return params
+    return _persistent(params, head_dim, info)
+
+
+@functools.lru_cache(maxsize=256)
+def _persistent(params: PrefillParams, head_dim: int, info: DeviceInfo) -> PrefillParams:
+    """``params`` with persistent CTAs where the kernel takes them, else ``params``."""
+    persistent = params.replace(persist=1)
+    return params if persistent.reasons(head_dim, info) else persistent
+
+
+# -- work list and grid ----------------------------------------------------------------------
+
+
+def prefill_pack(gqa: int, q_tile: int, requested: int = 0) -> int:
+    """Query heads per CTA: the requested count, else the largest divisor of the GQA group size
+    up to ``q_tile``. Packing a group's heads fills a tile's rows with heads where a request has
+    few tokens, and reads each K/V tile once for all of them; for long requests it changes
+    nothing (as many CTAs, each over as many keys)."""
+    if requested:
+        return requested
+    return max(p for p in range(1, min(gqa, q_tile) + 1) if gqa % p == 0)
+
+
+def prefill_range(q_len: int, kv_len: int, t0: int, t1: int, causal: bool, window_left: int) -> tuple[int, int]:
+    """The keys ``[lo, hi)`` attended by query tokens ``[t0, t1)`` of a request (what a CTA walks).
+
+    Token ``t`` sits at position ``kv_len - q_len + t`` (bottom-right alignment); it attends keys
+    up to its position when causal (all keys otherwise) and from ``position - window_left`` on
+    with a window. Must match ``kv_lo``/``kv_hi`` in kernels/prefill.cu.
+    """
+    delta = kv_len - q_len
+    lo = max(0, delta + t0 - window_left) if window_left >= 0 else 0
+    hi = min(kv_len, delta + t1) if causal else kv_len
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    """The host-side work list of a prefill batch.
+
+    ``items``: (request, first query token) per work item, in launch order; ``tiles``: the KV
+    tiles each item walks (its cost); ``tokens``: query tokens per item (``q_tile // pack``);
+    ``pack``: query heads per CTA. Each item becomes ``num_qo_heads // pack`` CTAs.
+    """
+
+    items: list[tuple[int, int]]
+    tiles: list[int]
+    tokens: int
+    pack: int
+
+
+def prefill_work(
+    q_lens: list[int],
+    kv_lens: list[int],
+    *,
+    q_tile: int,
+    kv_tile: int,
+    pack: int,
+    causal: bool,
+    window_left: int,
+    sched: int = 0,
+) -> PrefillWork:
+    """Cut each request's query tokens into items of ``q_tile // pack`` tokens and order them.
+
+    The GPU dispatches CTAs in grid order, so the order is the schedule. sched 0 (default):
+    requests by their total work, largest first, and each request's items longest first: the
+    batch ends on the smallest request's shortest items (as longest-processing-time scheduling
+    would), while the CTAs in flight at any time read the K/V of one or two requests, which stay
+    in L2. sched 1: request order, items in token order. sched 2: longest first over the whole
+    batch (the tightest end, but equal items of every request run together: with many long
+    requests their K/V do not all fit in L2).
+    """
+    tokens = q_tile // pack
+    items: list[tuple[int, int]] = []
+    tiles: list[int] = []
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        # prefill_range for every item of the request, written out (plan time: ~0.3 us an item)
+        delta = kv_len - q_len
+        starts = range(0, q_len, tokens)
+        items += [(b, t0) for t0 in starts]
+        his = [min(kv_len, delta + min(q_len, t0 + tokens)) for t0 in starts] if causal else [kv_len] * len(starts)
+        if window_left >= 0:
+            los = [max(0, delta + t0 - window_left) for t0 in starts]
+            tiles += [-(-(hi - lo) // kv_tile) for lo, hi in zip(los, his, strict=True)]
+        else:
+            tiles += [-(-hi // kv_tile) for hi in his]
+    if sched != 1 and items:
+        if sched == 0:
+            work: dict[int, int] = {}
+            for (b, _), n in zip(items, tiles, strict=True):
+                work[b] = work.get(b, 0) + n
+            key = lambda i: (-work[items[i][0]], items[i][0], -tiles[i])  # noqa: E731
+        else:
+            key = lambda i: -tiles[i]  # noqa: E731
+        order = sorted(range(len(items)), key=key)  # stable: ties keep request and token order
+        items = [items[i] for i in order]
+        tiles = [tiles[i] for i in order]
+    return PrefillWork(items, tiles, tokens, pack)
+
+
+def prefill_capacity(batch: int, num_tokens: int, tokens_per_item: int) -> int:
+    """Most work items a batch of up to ``batch`` requests and ``num_tokens`` query tokens can need."""
+    return -(-num_tokens // tokens_per_item) + batch
+
+
+def prefill_grid(items: int, num_qo_heads: int, pack: int, persistent: int = 0) -> tuple[int, int, int]:
+    """One CTA per work item and group of ``pack`` query heads, heads fastest; with
+    ``persistent`` > 0 (the CTAs the GPU holds at once, `prefill_persistent_ctas`) at most that
+    many, each looping over every ``grid``-th of them (kernels/prefill_sm90.cu, TX_PERSIST).
+    ``items`` is the capacity in CUDA-graph mode: the grid stays fixed for every batch of the
+    plan's buckets, and CTAs or loop turns past the real item count do nothing."""
+    ctas = max(1, items) * (num_qo_heads // pack)
+    return (min(ctas, persistent) if persistent > 0 else ctas, 1, 1)
+
+
+def prefill_persistent_ctas(info: DeviceInfo, ctas_sm: int) -> int:
+    """The persistent grid's size: every SM times the CTAs one SM holds (``ctas_sm``, from the
+    driver's occupancy calculator where it answers: `ctas_per_sm`)."""
+    return info.sms * max(1, ctas_sm)
+
+
+# -- support rules ---------------------------------------------------------------------------
+
+
+def prefill_reasons(problem: PrefillProblem, tactic: Tactic, info: DeviceInfo) -> list[str]:
+    """Why ``tactic`` cannot serve ``problem`` on a GPU like ``info`` (empty: it can)."""
+    out = attention_reasons(problem)
+    if tactic.is_default:
+        if tactic.params:
+            out.append(f"the default tactic takes no params (got {tactic.params})")
+        return out
+    if tactic.kernel != PrefillParams.KERNEL:
+        return [*out, f"unknown prefill kernel '{tactic.kernel}' (known: default, prefill)"]
+    params = PrefillParams.read(tactic)
+    if isinstance(params, str):
+        return [*out, params]
+    return out + params.reasons(problem.head_dim_qk, info, problem.gqa_ratio)
+
+
+def prefill_tactics(problem: PrefillProblem, info: DeviceInfo) -> list[Tactic]:
+    """The tactics the tuner measures for ``problem``."""
+    return [p.to_tactic() for p in prefill_candidates(problem.head_dim_qk, info, problem.gqa_ratio)]
+
+
+# -- kernel variants -------------------------------------------------------------------------
+
+
+def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str) -> Variant:
+    """``pack`` and ``sched`` are launch-time choices: every value shares one compiled variant.
+    ``mma`` "wgmma" is kernels/prefill_sm90.cu, compiled for the arch-specific target (sm_90a) of
+    an sm_90 ``arch``; its warps are implied by the tiles (one consumer warpgroup per 64 rows)."""
+    if params.mma == "wgmma":
+        return Variant.make(
+            "prefill_sm90.cu",
+            wgmma_arch(arch),
+            TX_BF16=bf16(dtype),
+            TX_D=head_dim,
+            TX_QTILE=params.q_tile,
+            TX_KVTILE=params.kv_tile,
+            TX_STAGES=params.stages,
+            TX_SMEM=params.smem_bytes(head_dim),  # the kernel asserts that its layout has this size
+            **({"TX_PERSIST": 1} if params.persist else {}),  # absent when 0: default variants keep their keys
+            **({"TX_PINGPONG": 1} if params.pingpong else {}),
+            **({"TX_SNAKE": 1} if params.persist and params.sched == 2 else {}),  # sorted over the batch
+        )
+    return Variant.make(
+        "prefill.cu",
+        arch,
+        TX_BF16=bf16(dtype),
+        TX_D=head_dim,
+        TX_QTILE=params.q_tile,
+        TX_KVTILE=params.kv_tile,
+        TX_WARPS=params.warps,
+        TX_STAGES=params.stages,
+    )
+
+
+# -- plan ------------------------------------------------------------------------------------
+
+
+def prefill_sections(item_cap: int, batch_cap: int, page_cap: int | None) -> Sections:
+    """Where a prefill plan's int32 metadata lies in its staging slot: the work items (request,
+    first token), the item count, four ints per request (`prefill_lists`) and, unless the kernel
+    reads the caller's device indices in place (``page_cap`` None), the page indices."""
+    parts = [("items", 2 * item_cap), ("num_items", 1), ("reqs", 4 * batch_cap)]
+    if page_cap is not None:
+        parts.append(("indices", page_cap))
+    return sections(*parts)
+
+
+def prefill_lists(batch: PagedBatch, work: PrefillWork) -> tuple[list[int], list[int]]:
+    """The kernel's int32 metadata as flat lists: per item (request, first token); per request
+    (first q row, q length, kv length, first entry in the page indices)."""
+    qo, kv = batch.qo_indptr_list, batch.kv_indptr_list
+    reqs: list[int] = []
+    for r in range(batch.batch_size):
+        reqs += (qo[r], qo[r + 1] - qo[r], batch.kv_lens_list[r], kv[r])
+    return [x for item in work.items for x in item], reqs
+
+
+def prefill_scalars(problem: PrefillProblem, pack: int) -> tuple[int | float, ...]:
+    """The kernel's scalar arguments after the pointers (see kernels/prefill.cu)."""
+    shift = log2_exact(problem.page_size)
+    assert shift is not None  # check() refused other page sizes
+    hq = problem.num_qo_heads
+    return (hq, problem.gqa_ratio, pack, hq // pack, shift, int(problem.causal), problem.window_left,
+            problem.sm_scale * LOG2E, float(problem.logits_soft_cap))  # fmt: skip
+
+
+def _prefill_kernel(index: int, dtype: str, d: int, params: PrefillParams, info: DeviceInfo) -> tuple[Kernel, bool]:
+    """The prefill kernel of ``params`` on device ``index``, and whether NVRTC compiled it now."""
+    key = ("prefill", index, dtype, d, params, info.arch)
+    return load_kernel(key, lambda: prefill_variant(dtype, d, params, info.arch), "tactix_prefill",
+                       params.smem_bytes(d), params.threads, params, index, info)  # fmt: skip
+
+
+class CudaNativePrefillPlan(StagedPlan):
+    """A planned prefill batch: work list and metadata on the device; ``run`` launches one kernel.
+
+    Work items are (request, first query token) pairs of ``q_tile // pack`` tokens each, ordered
+    by `prefill_work` (requests by work, longest items first); each becomes one CTA per group of
+    ``pack`` query heads. The int32 metadata (`prefill_sections`) travels in one transfer from a
+    pinned buffer of the wrapper's `tactix.plugin.Staging` into one of its two device slots
+    (`StagedPlan._send`). In CUDA-graph mode every buffer has the capacity of the plan's buckets (batch size,
+    query tokens, kv length: the next power of two), the grid is that capacity and a re-plan
+    rewrites the buffers in place (slot 0).
+    """
+
+    params: PrefillParams  # the kernel's (the default's choice for this batch, where the tactic was the default)
+
+    def __init__(self, problem: PrefillProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
+        index = device_index(options["device"])
+        self.device = cuda_device(index)
+        self.problem = problem
+        self._requested = tactic
+        info = device_info(index)
+        d = problem.head_dim_qk
+        graph = options["use_cuda_graph"]
+        self._graph = bool(graph)
+        previous = options["previous"]
+        params = default_prefill_params(d, info) if tactic.is_default else PrefillParams.from_tactic(tactic)
+        b, hq, hkv, gqa = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.gqa_ratio
+        pack = prefill_pack(gqa, params.q_tile, params.pack)
+        work = prefill_work(batch.qo_lens_list, batch.kv_lens_list, q_tile=params.q_tile, kv_tile=params.kv_tile,
+                            pack=pack, causal=problem.causal, window_left=problem.window_left,
+                            sched=params.sched)  # fmt: skip
+        if tactic.is_default:  # persistent CTAs or not, by the batch (the captured kernel stays in graph mode)
+            if graph and isinstance(previous, CudaNativePrefillPlan):
+                params = previous.params
+            else:
+                params = prefill_default_persist(params, work.tiles, d, info)
+        self.params = params
+        kernel, self.built = _prefill_kernel(index, problem.q_dtype, d, params, info)
+        self.tactic = kernel.tactic
+        self._kernel = kernel.kernel
+        self.work = work
+        self.pack = pack
+        if graph:  # capacities of the buckets, so every batch of them fits the captured grid
+            b_cap = bucket_size(b)
+            item_cap = prefill_capacity(b_cap, bucket_size(batch.num_qo_tokens), work.tokens)
+            page_cap = b_cap * -(-bucket_size(batch.max_kv_len) // problem.page_size)
+        else:
+            b_cap, item_cap, page_cap = b, len(work.items), batch.num_page_entries
+        self._scalars = prefill_scalars(problem, pack)
+        self._geometry = (b_cap, hq, hkv, d, problem.page_size, item_cap, page_cap, params, self._scalars)
+        replaced = previous if graph and previous is not None else None
+        if replaced is not None and (
+            not isinstance(replaced, CudaNativePrefillPlan) or replaced._geometry != self._geometry
+        ):
+            raise UnsupportedProblemError(NAME, problem, [
+                "in CUDA-graph mode a re-plan must keep the heads, the scalars (causal, window, scale, "
+                "soft-cap) and the buckets of the batch size, query tokens and kv length (the captured grid "
+                "and buffers depend on them); use one wrapper per captured shape"])  # fmt: skip
+
+        items, reqs = prefill_lists(batch, work)
+        layout, base, indices_ptr = self._send(problem, batch, previous, graph,
+                                               functools.partial(prefill_sections, item_cap, b_cap),
+                                               [items, [len(work.items)], reqs], page_cap)  # fmt: skip
+        self._ptrs = (base + 4 * layout.offset("items"), base + 4 * layout.offset("num_items"),
+                      base + 4 * layout.offset("reqs"), indices_ptr)  # fmt: skip
+        self._launch = graph or bool(work.items)
+        # persistent CTAs: as many as the GPU holds at once, each looping over the items
+        persistent = prefill_persistent_ctas(info, kernel.ctas_per_sm) if params.persist else 0
+        self.grid = prefill_grid(item_cap, hq, pack, persistent)
+        self._cfg = launch_config(self.grid, kernel.threads, kernel.smem)
+        self._index = index
+        self._seen: tuple[Any, ...] | None = None
+        self._strides: tuple[int, ...] = ()
+        self._q_copy: torch.Tensor | None = None
+        self._inherit_accepted(previous)
+
+    def _accept(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Check the cache strides and q's once per new set of strides; keep the stride arguments."""
+        self._strides = cache_strides(self.problem.kv_layout, k, v)
+        self._q_direct = q.stride(2) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0
+        self._seen = (q.stride(), k.stride(), v.stride())
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor | None) -> None:  # fmt: skip
+        if (q.stride(), k_cache.stride(), v_cache.stride()) != self._seen:
+            self._accept(q, k_cache, v_cache)
+        if not self._q_direct or q.data_ptr() % 16:
+            if self._q_copy is None:
+                self._q_copy = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            self._q_copy.copy_(q)
+            q = self._q_copy
+        k_ptr, v_ptr, out_ptr = k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+        if (k_ptr | v_ptr | out_ptr) % 16:
+            raise InvalidArgumentError("paged_kv_cache", "k, v and out starting at 16-byte aligned addresses",
+                                       f"addresses {k_ptr:#x}, {v_ptr:#x}, {out_ptr:#x}")  # fmt: skip
+        if not self._launch:  # no query rows at all
+            return
+        lse_ptr = 0 if lse is None else lse.data_ptr()
+        stream = stream_for(self._index, raw_stream(self._index))
+        items, num_items, reqs, indices = self._ptrs
+        cc = launcher()
+        cc.launch(stream, self._cfg, self._kernel, q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr,
+                  *self._strides, out_ptr, lse_ptr, items, num_items, reqs, indices, *self._scalars)  # fmt: skip
+
+
+def plan_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Tactic,
+                 options: PlanOptions) -> CudaNativePrefillPlan:  # fmt: skip
+    """The plan hook's work: the check's reasons as an `UnsupportedProblemError`, else the plan."""
+    reasons = prefill_reasons(problem, tactic, device_info(device_index(options["device"])))
+    if reasons:
+        raise UnsupportedProblemError(NAME, problem, reasons)
+    return CudaNativePrefillPlan(problem, batch, tactic, options)
+
+

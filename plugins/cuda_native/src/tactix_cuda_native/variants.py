@@ -1,0 +1,56 @@
+"""Every kernel variant the backend compiles ahead of time: the default tactics' (`default_variants`:
+``tactix warmup cuda_native``) and every enumerated tactic's (`candidate_variants`: ``python -m
+tactix_cuda_native --all``), over the ops' modules.
+"""
+
+from __future__ import annotations
+
+from tactix_cuda_native.decode import decode_candidates, decode_variant, default_decode_params
+from tactix_cuda_native.device import H200, DeviceInfo
+from tactix_cuda_native.gemm import GEMM_MAX_M, default_gemm_params, gemm_params_variant, gemm_tactic_params
+from tactix_cuda_native.kernel import DTYPES
+from tactix_cuda_native.paged import HEAD_DIMS
+from tactix_cuda_native.prefill import (
+    default_prefill_params,
+    prefill_candidates,
+    prefill_default_persist,
+    prefill_variant,
+)
+from tactix_cuda_native.runtime import Variant
+
+__all__ = ["candidate_variants", "default_variants"]
+
+
+def default_variants(info: DeviceInfo = H200) -> list[Variant]:
+    """Every kernel variant the default tactics use on a GPU like ``info`` (what `warmup` compiles):
+    prefill for each head dim, with persistent CTAs where the default takes them for batches of
+    short work items; decode for each head dim, large and small batches; GEMM for 1, 2 and 4
+    m-tiles."""
+    out = []
+    for dtype in sorted(DTYPES):
+        for d in HEAD_DIMS:
+            prefill = default_prefill_params(d, info)
+            out.append(prefill_variant(dtype, d, prefill, info.arch))
+            persistent = prefill_default_persist(prefill, [1], d, info)  # batches of short work items
+            if persistent != prefill:
+                out.append(prefill_variant(dtype, d, persistent, info.arch))
+            for small in (False, True):
+                out.append(decode_variant(dtype, d, default_decode_params(d, info, small), info.arch))
+        for m in (1, 32, GEMM_MAX_M):  # one m per m-tile count (1, 2, 4 tiles of 16 rows)
+            out.append(gemm_params_variant(dtype, m, default_gemm_params(m, info), info))
+    return list(dict.fromkeys(out))
+
+
+def candidate_variants(info: DeviceInfo) -> list[Variant]:
+    """Every variant any enumerated tactic compiles to (both dtypes, every head dim and GEMM
+    m-tile count, GQA 1/4/8 for prefill): what tuning or ``python -m tactix_cuda_native --all``
+    compiles."""
+    out = list(default_variants(info))
+    for dtype in sorted(DTYPES):
+        for d in HEAD_DIMS:
+            out += [decode_variant(dtype, d, p, info.arch) for p in decode_candidates(d, info)]
+            for gqa in (1, 4, 8):
+                out += [prefill_variant(dtype, d, p, info.arch) for p in prefill_candidates(d, info, gqa)]
+        for m in (1, 32, GEMM_MAX_M):
+            out += [gemm_params_variant(dtype, m, p, info) for p in gemm_tactic_params(m, info)]
+    return list(dict.fromkeys(out))
