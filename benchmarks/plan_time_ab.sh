@@ -20,6 +20,9 @@ export TACTIX_CACHE_DIR=${TACTIX_CACHE_DIR:-/tmp/txcache}
 if [ ! -f /tmp/old-site/.ok ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/old-site .gpu/deps/*.whl .gpu/project/*.whl
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old-site .gpu/old/*.whl
+  # the same flashinfer tree as the new side's (importing it, as the trtllm plugin's environment
+  # check does, changes torch's per-call cost: both sides must have it or neither)
+  [ -f .gpu/flashinfer-trim.tar.xz ] && tar -xJf .gpu/flashinfer-trim.tar.xz -C /tmp/old-site
   touch /tmp/old-site/.ok
 fi
 NEW=$PYTHONPATH
