@@ -55,7 +55,7 @@ def _library(source: str, defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
             raise RuntimeError(f"g++ failed for {source} {defines}:\n{done.stderr[-4000:]}")
         tmp.replace(out)
     lib = ctypes.CDLL(str(out))
-    for name in ("emu_prefill", "emu_decode", "emu_gemm"):
+    for name in ("emu_prefill", "emu_decode", "emu_gemm"):  # (emu_fp8_convert returns nothing)
         if hasattr(lib, name):
             getattr(lib, name).restype = ctypes.c_char_p
     return lib
@@ -195,8 +195,11 @@ class DecodePlan:
         else:
             params = decode.DecodeParams.from_tactic(tactic)
         self.params = params
-        self.lib = _library("emu_decode.cpp", decode.decode_variant(problem.q_dtype, d, params, info.arch).defines)
-        self.smem = decode.decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk, params.tma)
+        variant = decode.decode_variant(problem.q_dtype, d, params, info.arch, problem.kv_dtype)
+        self.lib = _library("emu_decode.cpp", variant.defines)
+        kv_bytes = 1 if problem.kv_dtype in paged.FP8_KV_DTYPES else 2
+        self.smem = decode.decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk, params.tma,
+                                             kv_bytes)  # fmt: skip
         self.threads = 32 * params.warps
         slots = info.sms * device.ctas_per_sm(info, self.smem, self.threads)  # no driver here: the estimate
         chunk, work = decode.decode_plan_work(ranges, lengths, units, slots, params, graph)
@@ -239,13 +242,15 @@ class DecodePlan:
         assert view["items"].numel() >= decode.DECODE_ITEM_INTS * item_cap
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
-            schedule: Schedule = SCHEDULES[0]) -> None:  # fmt: skip
-        """`decode.CudaNativeDecodePlan.run`: the same argument list, launched on the emulation.
+            schedule: Schedule = SCHEDULES[0], k_scale: float | torch.Tensor | None = None,
+            v_scale: float | torch.Tensor | None = None) -> None:  # fmt: skip
+        """`decode.CudaNativeDecodePlan.run`: the same argument list, launched on the emulation (the
+        scales as `decode.decode_scale_args` passes them: a CPU tensor's address is the pointer).
 
         The workspace is NaN again before each launch (on the GPU it holds the previous launch's
         partials, here identical ones): a partial read before its CTA wrote it in this launch shows.
         """
-        from tactix_cuda_native import paged
+        from tactix_cuda_native import decode, paged
 
         self.part_o.fill_(float("nan"))
         self.part_lse.fill_(float("nan"))
@@ -254,7 +259,9 @@ class DecodePlan:
         if not (q.stride(2) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0) or q.data_ptr() % 16:
             q = q.contiguous().clone()
         assert (k.data_ptr() | v.data_ptr() | out.data_ptr()) % 16 == 0
-        args = _args([q, q.stride(0), q.stride(1), k, v, *strides, out, lse, *self._buffers, *self._scalars])
+        kf, vf, kp, vp = decode.decode_scale_args(k_scale, v_scale)
+        args = _args([q, q.stride(0), q.stride(1), k, v, *strides, out, lse, *self._buffers, *self._scalars, kf, vf])
+        args += [ctypes.c_void_p(kp or None), ctypes.c_void_p(vp or None)]
         if self.params.tma:  # the plan's maps: the caches as they are ([pages][heads][tokens][D], HND)
             box = (1, 1, self.params.bulk, 64)
             self._maps = (tensor_map(k, box), tensor_map(v, box))  # alive until the launch is done
@@ -294,6 +301,16 @@ def tensor_map(view: torch.Tensor, box: tuple[int, ...]) -> TensorMap:
         if i:
             m.opaque[7 + i - 1] = view.stride(rank - 1 - i) * 2
     return m
+
+
+def fp8_convert(codes: torch.Tensor, fmt: int, bf16: bool) -> torch.Tensor:
+    """kernels/decode.cu's fp8 -> 16-bit conversion (``fmt``: its TX_KV_FP8, 1 e4m3fn, 2 e5m2) of
+    ``codes`` (uint8, a multiple of 4 of them): the bfloat16 (else float16) results."""
+    lib = _library("emu_fp8.cpp", (("TX_BF16", str(int(bf16))), ("TX_KV_FP8", str(fmt))))
+    codes = codes.contiguous()
+    out = torch.empty(codes.numel(), dtype=torch.int16)
+    lib.emu_fp8_convert(ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int(codes.numel()))
+    return out.view(torch.bfloat16 if bf16 else torch.float16)
 
 
 class GemmPlan:

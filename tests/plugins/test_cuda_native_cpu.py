@@ -32,7 +32,7 @@ from tactix_cuda_native.gemm import GemmParams, GemmWgmmaParams
 from tactix_cuda_native.kernel import TensorMaps
 from tactix_cuda_native.paged import HEAD_DIMS
 from tactix_cuda_native.prefill import PrefillParams
-from tactix_cuda_native.variants import candidate_variants, default_variants
+from tactix_cuda_native.variants import candidate_variants, default_variants, fp8_decode_variants
 
 import tactix
 from tactix.ops import DecodeProblem, GemmProblem, PrefillProblem
@@ -105,6 +105,101 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
         assert b"_merge" not in cubin and b"_reduce" not in cubin, variant.label()
 
 
+def test_fp8_kv_decode_variants_compile_without_a_gpu(cache_root: Path) -> None:
+    """The fp8-cache decode variants of the default tactics (e4m3fn and e5m2 under bf16 and fp16 q,
+    every head dim, large and small batches) compile for sm_90 and sm_80 (the conversion is plain
+    bit arithmetic); they differ from the 16-bit variants only by TX_KV_FP8, which the 16-bit
+    variants never carry (their defines, hence their cache keys' defines, are as before)."""
+    variants = fp8_decode_variants(H200)
+    assert len(variants) == 2 * 2 * len(HEAD_DIMS) * 2 == len(set(variants))
+    assert {dict(v.defines)["TX_KV_FP8"] for v in variants} == {"1", "2"}
+    assert not any("TX_KV_FP8" in dict(v.defines) for v in candidate_variants(H200))
+    for v in variants:  # the same defines as the 16-bit variant of the tactic, plus TX_KV_FP8
+        plain = dict(v.defines)
+        plain.pop("TX_KV_FP8")
+        assert any(dict(w.defines) == plain for w in default_variants(H200)), v.label()
+    a100 = DeviceInfo(108, 166912, 167936, "sm_80")
+    both = [*variants, *fp8_decode_variants(a100)[:2]]
+    assert runtime.compile_all(both, root=cache_root) == len(set(both))
+    for variant in both:
+        cubin, _ = runtime.compile_variant(variant, root=cache_root)
+        assert cubin[:4] == b"\x7fELF" and b"tactix_decode" in cubin, variant.label()
+
+
+def test_fp8_kv_decode_is_gated_and_takes_cp_async_tactics_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8 caches (16-bit q and out of one dtype): refused with the gate's reason unless
+    TACTIX_CUDA_NATIVE_FP8=1; then served by the cp.async tactics (bulk and tma refused, none
+    enumerated); the 16-bit problems' reasons and tactics are untouched by the gate."""
+    default = tactix.Tactic.default("cuda_native")
+    ok = {"tile": 64, "warps": 4, "stages": 2}
+    tactic = tactix.Tactic(backend="cuda_native", kernel="decode", params=ok)
+    e4m3 = decode(kv_dtype="float8_e4m3fn")
+    e5m2 = decode(kv_dtype="float8_e5m2", q_dtype="float16", out_dtype="float16")
+    plain_tactics = decode_op.decode_tactics(decode(), H200)
+    monkeypatch.delenv(decode_op.FP8_GATE_ENV, raising=False)
+    gate = f"{decode_op.FP8_UNTESTED} (set TACTIX_CUDA_NATIVE_FP8=1 to run it)"
+    for problem in (e4m3, e5m2):
+        assert plugin._reasons(problem, default, H200) == [gate]
+        assert plugin._reasons(problem, tactic, H200) == [gate]
+        assert decode_op.decode_tactics(problem, H200) == []
+    assert plugin._reasons(decode(), default, H200) == []
+    monkeypatch.setenv(decode_op.FP8_GATE_ENV, "1")
+    assert decode_op.decode_tactics(decode(), H200) == plain_tactics
+    for problem in (e4m3, e5m2):
+        assert plugin._reasons(problem, default, H200) == []
+        assert plugin._reasons(problem, tactic, H200) == []
+        tactics = decode_op.decode_tactics(problem, H200)
+        assert tactics and all(not t.params.get("bulk") and not t.params.get("tma") for t in tactics)
+        assert len(tactics) == sum(not t.params.get("bulk") for t in plain_tactics)
+        bulk = tactix.Tactic(backend="cuda_native", kernel="decode", params={**ok, "bulk": 16})
+        assert "cp.async only: bulk and tma must be 0" in plugin._reasons(problem, bulk, H200)[0]
+        maps = tactix.Tactic(backend="cuda_native", kernel="decode", params={**ok, "bulk": 16, "tma": 1})
+        assert "cp.async only" in plugin._reasons(problem, maps, H200)[0]
+    mixed = decode(kv_dtype="float8_e4m3fn", out_dtype="float16")
+    assert "takes float16 or bfloat16 q and out of the same dtype" in plugin._reasons(mixed, default, H200)[0]
+    # prefill reads 16-bit caches only, gate or not
+    same = ["q, kv and out dtypes must be the same"]
+    assert plugin._reasons(prefill(kv_dtype="float8_e4m3fn"), default, H200) == same
+    # the variant and its shared memory: the ring holds fp8 rows, one converted 16-bit K and V tile follows
+    params = DecodeParams(tile=64, warps=4, stages=3)
+    defines = dict(decode_op.decode_variant("bfloat16", 128, params, "sm_90", "float8_e5m2").defines)
+    assert defines["TX_KV_FP8"] == "2"
+    assert "TX_KV_FP8" not in dict(decode_op.decode_variant("bfloat16", 128, params, "sm_90").defines)
+    assert decode_op.decode_smem_bytes(128, 64, 4, 2, kv_bytes=1) == decode_op.decode_smem_bytes(128, 64, 4, 2)
+    assert (decode_op.decode_smem_bytes(128, 64, 4, 3) - decode_op.decode_smem_bytes(128, 64, 4, 3, kv_bytes=1)
+            == 3 * 2 * 64 * 128 - 2 * 64 * 256)  # fmt: skip
+
+
+def test_fp8_capabilities_and_the_untested_declaration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode declares the fp8 KV dtypes (check refuses them while gated) and, only with the gate
+    open, the k_scale / v_scale run extras (so the core refuses scales for this backend until the
+    scaled kernel has run on a GPU); the spec lists the path as declared but not tested; prefill
+    keeps 16-bit caches and no run extras."""
+    monkeypatch.delenv(decode_op.FP8_GATE_ENV, raising=False)
+    spec = plugin.tactix_backends()[0]
+    assert spec.decode is not None and spec.prefill is not None
+    assert {"float8_e4m3fn", "float8_e5m2"} <= spec.decode.kv_dtypes
+    assert spec.decode.run_extras == frozenset() == spec.prefill.run_extras
+    assert spec.prefill.kv_dtypes == frozenset({"float16", "bfloat16"})
+    assert len(spec.untested) == 1 and decode_op.FP8_UNTESTED in next(iter(spec.untested.values()))
+    monkeypatch.setenv(decode_op.FP8_GATE_ENV, "1")
+    spec = plugin.tactix_backends()[0]
+    assert spec.decode is not None and spec.prefill is not None
+    assert spec.decode.run_extras == frozenset({"k_scale", "v_scale"})
+    assert spec.prefill.run_extras == frozenset()
+
+
+def test_decode_scale_arguments_pass_device_scales_by_address() -> None:
+    """`decode.decode_scale_args`: floats by value, tensors by address (never read on the host)."""
+    import torch
+
+    assert decode_op.decode_scale_args(None, None) == decode_op.UNIT_SCALES == (1.0, 1.0, 0, 0)
+    assert decode_op.decode_scale_args(0.5, None) == (0.5, 1.0, 0, 0)
+    t = torch.tensor([2.0])
+    assert decode_op.decode_scale_args(0.25, t) == (0.25, 1.0, 0, t.data_ptr())
+    assert decode_op.decode_scale_args(t, 3) == (1.0, 3.0, t.data_ptr(), 0)
+
+
 def test_tuning_candidates_compile(cache_root: Path) -> None:
     """Every decode geometry the tuner may pick for d128, and the GEMM geometries for m=16 (both kernels)."""
     variants = {decode_op.decode_variant("bfloat16", 128, p, "sm_90") for p in decode_op.decode_candidates(128, H200)}
@@ -157,7 +252,7 @@ def _ldgsts_forms(cubin: bytes) -> tuple[int, int]:
 def _enumerated_variants() -> list[runtime.Variant]:
     """Every variant a plan or the tuner can ask for on an H200: the defaults (bf16, fp16), and in
     bf16 every decode candidate for each head dim and every GEMM candidate for 1, 2 and 4 m-tiles."""
-    out = set(default_variants(H200))
+    out = set(default_variants(H200)) | set(fp8_decode_variants(H200))
     for d in HEAD_DIMS:
         out |= {decode_op.decode_variant("bfloat16", d, p, "sm_90") for p in decode_op.decode_candidates(d, H200)}
     for m in (1, 16, 32, 64):
@@ -489,6 +584,14 @@ def test_decode_run_checks_the_cache_strides_the_bulk_tactic_needs() -> None:
     assert accept(16, padded, hnd, tma=1)._strides == (17408, 136, 2176, 16384, 128, 2048)
     with pytest.raises(tactix.InvalidArgumentError, match=r"paged_kv_cache \(v\).*multiples of 8"):
         accept(0, hnd, torch.zeros(6, 8, 16, 129)[..., 1:])
+    # fp8 caches: one byte an element, so 16-byte rows take strides in multiples of 16 elements
+    fp8 = torch.zeros(6, 8, 16, 128, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert accept(0, fp8, fp8)._strides == (16384, 128, 2048) * 2
+    padded8 = torch.zeros(6, 8, 16, 136, dtype=torch.uint8).view(torch.float8_e4m3fn)[..., :128]
+    with pytest.raises(tactix.InvalidArgumentError, match=r"paged_kv_cache \(k\).*multiples of 16"):
+        accept(0, padded8, fp8)
+    padded16 = torch.zeros(6, 8, 16, 144, dtype=torch.uint8).view(torch.float8_e5m2)[..., :128]
+    assert accept(0, padded16, padded16)._strides == (18432, 144, 2304) * 2
 
 
 # -- support reasons -------------------------------------------------------------------------

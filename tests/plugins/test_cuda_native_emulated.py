@@ -27,7 +27,7 @@ import torch
 
 pytest.importorskip("tactix_cuda_native", reason="plugins/cuda_native is not installed (scripts/setup.sh installs it)")
 
-from tactix_cuda_native import gemm, plugin, prefill
+from tactix_cuda_native import decode, gemm, plugin, prefill
 from tactix_cuda_native.device import H200
 
 import tactix
@@ -41,6 +41,7 @@ from tactix.testing import (
     relative_error,
     tolerance_for,
 )
+from tactix.testing.oracle import attention_lse_tolerance, attention_tolerance
 from tests.emulator import emulate
 
 if emulate.available() is not None:
@@ -271,6 +272,131 @@ def test_emulated_decode_graph_mode_replays_and_replans() -> None:
             assert lse is not None
             assert relative_error(out, ref) <= tolerance_for(q.dtype), f"{lens} {schedule}"
             assert lse_error(lse, ref_lse) <= LSE_TOLERANCE["bfloat16"], f"{lens} {schedule}"
+
+
+# -- fp8 KV caches (decode; gated by TACTIX_CUDA_NATIVE_FP8 until it has run on a GPU) -----------
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("fmt", [1, 2], ids=["e4m3fn", "e5m2"])
+def test_fp8_conversion_is_exact_for_every_code(fmt: int, bf16: bool) -> None:
+    """decode.cu's fp8 -> 16-bit conversion of each of the 256 codes is torch's, exactly: NaN for
+    NaN codes, e5m2's infinities, the signs of zeros, subnormals and the largest values."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    ref = codes.view(E4M3 if fmt == 1 else E5M2).float()
+    got = emulate.fp8_convert(codes, fmt, bf16).float()
+    nan = torch.isnan(ref)
+    assert int(nan.sum()) == (2 if fmt == 1 else 6)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan], ref[~nan])
+    assert torch.equal(torch.signbit(got[~nan]), torch.signbit(ref[~nan]))
+
+
+def _fp8_case(lens: list[int], kw: dict[str, Any], seed: int = 1) -> tuple[Any, ...]:
+    """A decode batch over a ``kw["kv"]`` cache (fp8, or 16-bit) under ``kw["dtype"]`` q and out,
+    the slots no request owns holding 448 (e4m3's largest: large but finite)."""
+    gen = torch.Generator().manual_seed(seed)
+    d, page, layout = kw.get("d", 64), kw.get("page", 16), kw.get("layout", "HND")
+    hq, hkv, dtype, kv = kw.get("hq", 8), kw.get("hkv", 2), kw.get("dtype", torch.bfloat16), kw["kv"]
+    _, k, v, indptr, indices, last = _cache(lens, page, hkv, d, layout, torch.float32, gen, False)
+    inside = torch.zeros(k.shape[0], page, dtype=torch.bool)
+    for r, n in enumerate(lens):
+        for i, p in enumerate(indices[indptr[r] : indptr[r + 1]].tolist()):
+            inside[p, : min(page, n - i * page)] = True
+    mask = ~inside[:, :, None, None] if layout == "NHD" else ~inside[:, None, :, None]
+    k, v = (3 * k).masked_fill(mask, 448.0).to(kv), (3 * v).masked_fill(mask, 448.0).to(kv)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
+    problem, batch = attention_problem(
+        "decode", device=CPU, kv_layout=layout, qo_indptr=None, paged_kv_indptr=indptr, paged_kv_indices=indices,
+        paged_kv_last_page_len=last, num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d, head_dim_vo=None,
+        page_size=page, causal=False, sm_scale=None, window_left=kw.get("window", -1),
+        logits_soft_cap=kw.get("cap", 0.0), q_data_type=dtype, kv_data_type=kv, o_data_type=None, return_lse=True,
+    )  # fmt: skip
+
+    def reference(k_scale: float, v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return attention_reference(q, k, v, torch.arange(len(lens) + 1, dtype=torch.int32), indptr, indices, last,
+                                   kv_layout=layout, causal=False, sm_scale=problem.sm_scale,
+                                   window_left=kw.get("window", -1), logits_soft_cap=kw.get("cap", 0.0),
+                                   k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+
+    return problem, batch, q, k, v, reference
+
+
+_T32 = {"tile": 32, "warps": 2, "stages": 2, "kv_chunk": 64, "l2": 0}
+_LOCAL = {"d": 128, "page": 1, "layout": "NHD", "hq": 4, "hkv": 4, "window": 20, "cap": 10.0}
+FP8_CASES = [
+    # (lens, options, whether a request is split)
+    ([1, 17, 700, 64], {"kv": E4M3, "scales": (0.5, 2.0)}, True),
+    ([33, 2, 300], {"kv": E5M2, "dtype": torch.float16, **_LOCAL, "scales": (0.25, 0.5), "tensor": True}, False),
+    ([700, 5], {"kv": E5M2, "tactic": {**_B64, "stages": 3, "kv_chunk": 128}, "scales": (2.0, 0.25), "tensor": True},
+     True),
+    ([33, 2], {"kv": E4M3, "dtype": torch.float16, "d": 256, "page": 128, "scales": (1.0, 1.0)}, False),
+    ([33, 260], {"kv": E4M3, "d": 128, "page": 32, "hq": 40, "hkv": 2, "scales": (0.5, 1.0), "tensor": True,
+                 "tactic": _T32}, True),
+    # a 16-bit cache with scales: the same scale arguments of the kernel
+    ([700, 5, 64], {"kv": torch.bfloat16, "scales": (0.5, 2.0), "tensor": True}, True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("lens", "kw", "split"), FP8_CASES)
+def test_emulated_fp8_kv_decode(lens: list[int], kw: dict[str, Any], split: bool,
+                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """fp8 (e4m3fn, e5m2) caches under bf16 and fp16 q against the float64 oracle with the same
+    scales: as floats and as one-element tensors (read by the kernel: a new value is seen by the
+    next launch, as in a CUDA-graph replay), with and without the LSE, split requests merged under
+    every schedule (bitwise the same), 448 in the slots no request owns, windows, the soft cap, GQA
+    20 (two q tiles), d 64 to 256, a 32-key tile of 2 warps."""
+    monkeypatch.setenv(decode.FP8_GATE_ENV, "1")
+    problem, batch, q, k, v, reference = _fp8_case(lens, kw)
+    tactic = kw.get("tactic")
+    t = Tactic.default("cuda_native") if tactic is None else Tactic(backend="cuda_native", kernel="decode",
+                                                                     params=tactic)  # fmt: skip
+    assert plugin._reasons(problem, t, H200) == []  # type: ignore[arg-type]
+    plan = emulate.DecodePlan(problem, batch, t)  # type: ignore[arg-type]
+    assert any(count > 1 for _, count in plan.work.splits) == split, plan.work
+    tol, ltol = attention_tolerance(q.dtype, k.dtype, q.dtype), attention_lse_tolerance(q.dtype, k.dtype)
+    ks, vs = kw["scales"]
+
+    def scales(a: float, b: float) -> tuple[Any, Any]:
+        if kw.get("tensor"):
+            return torch.tensor(a, dtype=torch.float32), torch.tensor([b], dtype=torch.float32)  # 0-d and [1]
+        return (None if a == 1.0 else a), (None if b == 1.0 else b)
+
+    def launch(k_scale: Any, v_scale: Any, schedule: emulate.Schedule, lse: bool = True) -> tuple[Any, Any]:
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+        lse_t = torch.full(q.shape[:2], float("nan"), dtype=torch.float32) if lse else None
+        plan.run(q, k, v, out, lse_t, schedule, k_scale, v_scale)
+        assert not plan.counters.any(), f"{schedule}: counters not reset"
+        return out, lse_t
+
+    ref, ref_lse = reference(ks, vs)
+    k_scale, v_scale = scales(ks, vs)
+    first = None
+    for schedule in emulate.SCHEDULES if split else emulate.SCHEDULES[:1]:
+        out, lse = launch(k_scale, v_scale, schedule)
+        assert lse is not None and not torch.isnan(out).any(), f"{schedule}: NaN in the output"
+        err, lerr = relative_error(out, ref), lse_error(lse, ref_lse)
+        assert err <= tol, f"{schedule}: relative error {err:.3e}"
+        assert lerr <= ltol, f"{schedule}: LSE error {lerr:.3e}"
+        if first is None:
+            first = out, lse
+        else:
+            assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), f"{schedule}: not bitwise the same"
+    assert first is not None
+    out, _ = launch(k_scale, v_scale, emulate.SCHEDULES[-1], lse=False)  # no LSE (a null pointer): the same output
+    assert torch.equal(out, first[0])
+    if kw.get("tensor"):  # new values in the same tensors: the next launch reads them
+        assert isinstance(k_scale, torch.Tensor) and isinstance(v_scale, torch.Tensor)
+        k_scale.fill_(ks * 3), v_scale.fill_(vs / 2)
+        ref, ref_lse = reference(ks * 3, vs / 2)
+        out, lse = launch(k_scale, v_scale, emulate.SCHEDULES[-1])
+        assert lse is not None
+        assert relative_error(out, ref) <= tol and lse_error(lse, ref_lse) <= ltol
+        # the LSE follows k_scale only
+        _, lse_v = launch(k_scale, torch.tensor([vs * 4], dtype=torch.float32), emulate.SCHEDULES[0])
+        assert lse_v is not None and torch.equal(lse_v, lse)
 
 
 # -- prefill ---------------------------------------------------------------------------------

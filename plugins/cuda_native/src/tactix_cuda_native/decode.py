@@ -9,6 +9,11 @@ evict_first policy, 0 with evict_normal, 2 adds a 256-byte L2 prefetch; optional
 segments of that many tokens per bulk copy, HND, sm_90, and ``"tma": 1``: those segments through
 tensor maps of the caches).
 
+FP8 KV caches (``float8_e4m3fn``, ``float8_e5m2``, 16-bit q and out): the same kernel with
+``TX_KV_FP8`` (cp.async tactics only; the tile converted to 16 bits in shared memory), and the
+dequantization scales (run extras ``k_scale``, ``v_scale``) as kernel arguments. Gated
+(`FP8_GATE_ENV`): verified on the CPU emulator only until it has run on a GPU.
+
 The geometry functions are pure (no CUDA), so every rule is tested on a machine without a GPU.
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
@@ -34,13 +40,29 @@ from tactix.plugin import Sections, bucket_size, raw_stream, sections
 from tactix_cuda_native import NAME
 from tactix_cuda_native.device import DeviceInfo, arch_at_least, cuda_device, device_index, device_info
 from tactix_cuda_native.kernel import FLAG_BYTES, L2_HINTS, Kernel, TensorMaps, bf16, launcher, load_kernel
-from tactix_cuda_native.paged import LOG2E, StagedPlan, attention_reasons, cache_strides, log2_exact
+from tactix_cuda_native.paged import (
+    FP8_KV_DTYPES,
+    LOG2E,
+    StagedPlan,
+    attention_reasons,
+    cache_strides,
+    log2_exact,
+)
 from tactix_cuda_native.runtime import Variant, launch_config, stream_for, tensor_map, tensor_maps_status
 from tactix_cuda_native.tactics import TacticParams
 
 Q_TILE: Final = 16  # query heads of one GQA group per CTA (the mma's 16 rows)
 DECODE_ITEM_INTS: Final = 8  # ints per work item record (kernels/decode.cu)
 DECODE_BULK: Final = (0, 8, 16, 32)
+FP8_GATE_ENV: Final = "TACTIX_CUDA_NATIVE_FP8"
+FP8_UNTESTED: Final = "fp8 KV decode: verified on the CPU emulator only; not yet run on this project's H200"
+"""Why fp8 KV-cache decode (and the k/v scales) is refused unless ``TACTIX_CUDA_NATIVE_FP8=1``."""
+
+
+def fp8_enabled() -> bool:
+    """Whether the fp8 KV-cache decode path (and the dequantization scales) is let through: the
+    environment variable `FP8_GATE_ENV` is 1 (set it to validate the path on a GPU)."""
+    return os.environ.get(FP8_GATE_ENV) == "1"
 
 
 # -- tactic parameters -----------------------------------------------------------------------
@@ -106,12 +128,15 @@ class DecodeParams(TacticParams):
         return out
 
 
-def decode_smem_bytes(head_dim: int, tile: int, warps: int, stages: int, bulk: int = 0, tma: int = 0) -> int:
+def decode_smem_bytes(head_dim: int, tile: int, warps: int, stages: int, bulk: int = 0, tma: int = 0,
+                      kv_bytes: int = 2) -> int:  # fmt: skip
     """Dynamic shared memory of the decode kernel (see the layout in kernels/decode.cu): with
-    ``bulk`` (linear copies, not ``tma``), each copy's segment of a tile is 16 bytes longer."""
+    ``bulk`` (linear copies, not ``tma``), each copy's segment of a tile is 16 bytes longer; with an
+    fp8 cache (``kv_bytes`` 1) the ring holds fp8 rows and one converted 16-bit K and V tile follows."""
     row = head_dim * 2
     tile_bytes = tile * row + (tile // bulk * 16 if bulk and not tma else 0)
-    return stages * 2 * tile_bytes + 16 * row + stages * 2 * tile * 8 + warps * 32 * 4 + 32 * 4 + FLAG_BYTES
+    ring = stages * 2 * tile_bytes if kv_bytes == 2 else stages * 2 * tile * head_dim + 2 * tile * row
+    return ring + 16 * row + stages * 2 * tile * 8 + warps * 32 * 4 + 32 * 4 + FLAG_BYTES
 
 
 # -- defaults and candidates -----------------------------------------------------------------
@@ -370,7 +395,10 @@ def decode_items(work: DecodeWork, page_base: list[int]) -> list[int]:
 
 def decode_reasons(problem: DecodeProblem, tactic: Tactic, info: DeviceInfo) -> list[str]:
     """Why ``tactic`` cannot serve ``problem`` on a GPU like ``info`` (empty: it can)."""
-    out = attention_reasons(problem)
+    out = attention_reasons(problem, fp8_kv=True)
+    fp8 = problem.kv_dtype in FP8_KV_DTYPES
+    if fp8 and not fp8_enabled():
+        out.append(f"{FP8_UNTESTED} (set {FP8_GATE_ENV}=1 to run it)")
     if tactic.is_default:
         if tactic.params:
             out.append(f"the default tactic takes no params (got {tactic.params})")
@@ -381,6 +409,8 @@ def decode_reasons(problem: DecodeProblem, tactic: Tactic, info: DeviceInfo) -> 
     if isinstance(params, str):
         return [*out, params]
     params = DecodeParams.from_tactic(tactic)
+    if fp8 and (params.bulk or params.tma):
+        out.append(f"an fp8 KV cache ({problem.kv_dtype}) is read with cp.async only: bulk and tma must be 0")
     if params.bulk > 0:
         if problem.kv_layout != "HND":
             out.append(f"bulk {params.bulk} copies a head's rows of a page at once: it needs the HND layout")
@@ -404,7 +434,9 @@ def _l2_defines(hint: int) -> dict[str, int]:
     return {"TX_L2": int(hint >= 1), "TX_L2_PREFETCH_256": int(hint == 2)}
 
 
-def decode_variant(dtype: str, head_dim: int, params: DecodeParams, arch: str) -> Variant:
+def decode_variant(dtype: str, head_dim: int, params: DecodeParams, arch: str, kv_dtype: str | None = None) -> Variant:
+    """The kernel variant: ``dtype`` of q and out (and of the cache, unless ``kv_dtype`` is an fp8 dtype)."""
+    fp8 = FP8_KV_DTYPES.get(kv_dtype or dtype, 0)
     return Variant.make(
         "decode.cu",
         arch,
@@ -416,6 +448,7 @@ def decode_variant(dtype: str, head_dim: int, params: DecodeParams, arch: str) -
         **_l2_defines(params.l2),
         **({"TX_BULK": params.bulk} if params.bulk else {}),  # absent when 0: the variants keep their keys
         **({"TX_TMA": params.tma} if params.tma else {}),
+        **({"TX_KV_FP8": fp8} if fp8 else {}),  # absent for 16-bit caches (their variants keep their keys)
     )
 
 
@@ -431,11 +464,13 @@ def decode_sections(item_cap: int, page_cap: int | None) -> Sections:
     return sections(("items", DECODE_ITEM_INTS * item_cap), ("num_items", 1), ("indices", page_cap))
 
 
-def _decode_kernel(index: int, dtype: str, d: int, params: DecodeParams, info: DeviceInfo) -> tuple[Kernel, bool]:
+def _decode_kernel(index: int, dtype: str, d: int, params: DecodeParams, info: DeviceInfo,
+                   kv_dtype: str) -> tuple[Kernel, bool]:  # fmt: skip
     """The decode kernel of ``params`` on device ``index``, and whether NVRTC compiled it now."""
-    smem = decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk, params.tma)
-    key = ("decode", index, dtype, d, params, info.arch)
-    return load_kernel(key, lambda: decode_variant(dtype, d, params, info.arch), "tactix_decode", smem,
+    kv_bytes = 1 if kv_dtype in FP8_KV_DTYPES else 2
+    smem = decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk, params.tma, kv_bytes)
+    key = ("decode", index, dtype, kv_dtype, d, params, info.arch)
+    return load_kernel(key, lambda: decode_variant(dtype, d, params, info.arch, kv_dtype), "tactix_decode", smem,
                        32 * params.warps, params, index, info)  # fmt: skip
 
 
@@ -471,7 +506,7 @@ class CudaNativeDecodePlan(StagedPlan):
             params = default_decode_params(d, info, small=decode_is_small(lengths, units, info))
         else:
             params = DecodeParams.from_tactic(tactic)
-        kernel, self.built = _decode_kernel(index, problem.q_dtype, d, params, info)
+        kernel, self.built = _decode_kernel(index, problem.q_dtype, d, params, info, problem.kv_dtype)
         self.tactic = kernel.tactic
         self._kernel = kernel.kernel
         self.ctas_per_sm = kernel.ctas_per_sm
@@ -552,7 +587,10 @@ class CudaNativeDecodePlan(StagedPlan):
         self._seen = (q.stride(), k.stride(), v.stride())
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-            lse: torch.Tensor | None) -> None:  # fmt: skip
+            lse: torch.Tensor | None, k_scale: float | torch.Tensor | None = None,
+            v_scale: float | torch.Tensor | None = None) -> None:  # fmt: skip
+        """Launch the kernel; ``k_scale`` and ``v_scale`` (run extras, `decode_scale_args`): floats,
+        or one-element float32 device tensors whose value the kernel reads."""
         if (q.stride(), k_cache.stride(), v_cache.stride()) != self._seen:
             self._accept(q, k_cache, v_cache)
         if not self._q_direct or q.data_ptr() % 16:
@@ -567,8 +605,9 @@ class CudaNativeDecodePlan(StagedPlan):
         lse_ptr = 0 if lse is None else lse.data_ptr()
         stream = stream_for(self._index, raw_stream(self._index))
         cc = launcher()
+        scales = UNIT_SCALES if k_scale is None and v_scale is None else decode_scale_args(k_scale, v_scale)
         args: tuple[Any, ...] = (q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr, *self._strides, out_ptr, lse_ptr,
-                                 *self._ptrs, *self._scalars)  # fmt: skip
+                                 *self._ptrs, *self._scalars, *scales)  # fmt: skip
         if self._tma:
             args = (self._cache_map(k_cache, "k"), self._cache_map(v_cache, "v"), *args)
         cc.launch(stream, self._cfg, self._kernel, *args)
@@ -578,6 +617,20 @@ class CudaNativeDecodePlan(StagedPlan):
         ``bulk`` tokens."""
         key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
         return self._maps.get(key, lambda: tensor_map(t, (1, 1, self._bulk, 64)), f"paged_kv_cache ({name})")
+
+
+UNIT_SCALES: Final = (1.0, 1.0, 0, 0)
+"""The kernel's scale arguments without scales: k and v values 1.0, no device pointers."""
+
+
+def decode_scale_args(k_scale: float | torch.Tensor | None,
+                      v_scale: float | torch.Tensor | None) -> tuple[float, float, int, int]:  # fmt: skip
+    """The kernel's scale arguments (kernels/decode.cu): the k and v values, then the k and v
+    device addresses (0: use the value). A tensor's address is passed, never its value (no
+    host sync; a CUDA graph replays with whatever it holds)."""
+    kf, kp = (1.0, k_scale.data_ptr()) if isinstance(k_scale, torch.Tensor) else (float(k_scale or 1.0), 0)
+    vf, vp = (1.0, v_scale.data_ptr()) if isinstance(v_scale, torch.Tensor) else (float(v_scale or 1.0), 0)
+    return kf, vf, kp, vp
 
 
 def plan_decode(problem: DecodeProblem, batch: PagedBatch, tactic: Tactic,

@@ -23,11 +23,22 @@ from tactix import (
 from tactix.plugin import Piece, Sections, Staging, cache_axes
 from tactix_cuda_native import NAME
 
-__all__ = ["HEAD_DIMS", "LOG2E", "MAX_PAGE_SIZE", "StagedPlan", "attention_reasons", "cache_strides", "log2_exact"]
+__all__ = [
+    "FP8_KV_DTYPES",
+    "HEAD_DIMS",
+    "LOG2E",
+    "MAX_PAGE_SIZE",
+    "StagedPlan",
+    "attention_reasons",
+    "cache_strides",
+    "log2_exact",
+]
 
 HEAD_DIMS: Final = (64, 128, 256)
 MAX_PAGE_SIZE: Final = 128
 LOG2E: Final = 1.4426950408889634  # the kernels' softmax is base 2: the scale is folded with log2(e)
+FP8_KV_DTYPES: Final = {"float8_e4m3fn": 1, "float8_e5m2": 2}
+"""The fp8 KV-cache dtypes the decode kernel reads (under 16-bit q and out), by their ``TX_KV_FP8`` value."""
 
 
 def log2_exact(n: int) -> int | None:
@@ -37,10 +48,14 @@ def log2_exact(n: int) -> int | None:
     return int(math.log2(n))
 
 
-def attention_reasons(problem: DecodeProblem | PrefillProblem) -> list[str]:
-    """Why neither kernel of the op serves ``problem``, whatever the tactic."""
+def attention_reasons(problem: DecodeProblem | PrefillProblem, fp8_kv: bool = False) -> list[str]:
+    """Why neither kernel of the op serves ``problem``, whatever the tactic (``fp8_kv``: the op's
+    kernel also reads fp8 caches, `FP8_KV_DTYPES`, under 16-bit q and out of one dtype)."""
     out = []
-    if not (problem.q_dtype == problem.kv_dtype == problem.out_dtype):
+    if fp8_kv and problem.kv_dtype in FP8_KV_DTYPES:
+        if problem.q_dtype != problem.out_dtype or problem.q_dtype not in ("float16", "bfloat16"):
+            out.append(f"an fp8 KV cache ({problem.kv_dtype}) takes float16 or bfloat16 q and out of the same dtype")
+    elif not (problem.q_dtype == problem.kv_dtype == problem.out_dtype):
         out.append("q, kv and out dtypes must be the same")
     if log2_exact(problem.page_size) is None or problem.page_size > MAX_PAGE_SIZE:
         out.append(f"page size {problem.page_size} must be a power of two up to {MAX_PAGE_SIZE}")
@@ -48,15 +63,17 @@ def attention_reasons(problem: DecodeProblem | PrefillProblem) -> list[str]:
 
 
 def cache_strides(layout: str, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
-    """(page, token, head) strides of k then v, in elements; refuses what the kernels cannot read."""
+    """(page, token, head) strides of k then v, in elements; refuses what the kernels cannot read
+    (rows 16-byte aligned: strides in multiples of 8 16-bit or 16 one-byte elements)."""
     strides: list[int] = []
     for name, t in (("k", k), ("v", v)):
         s = t.stride()
         page, tok, head, dim = cache_axes(s, layout)
-        if dim != 1 or page % 8 or tok % 8 or head % 8:
+        align = 16 if t.element_size() == 1 else 8  # 16-byte rows: 16 fp8 or 8 16-bit elements
+        if dim != 1 or page % align or tok % align or head % align:
             raise InvalidArgumentError(
                 f"paged_kv_cache ({name})",
-                "dense along head_dim with page, token and head strides that are multiples of 8 elements",
+                f"dense along head_dim with page, token and head strides that are multiples of {align} elements",
                 f"strides {tuple(s)}",
             )
         strides += [page, tok, head]

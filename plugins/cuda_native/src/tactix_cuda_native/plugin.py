@@ -27,7 +27,7 @@ from tactix.plugin import compute_capability
 from tactix_cuda_native import NAME, __version__, decode, gemm, prefill
 from tactix_cuda_native.device import DeviceInfo, info_for
 from tactix_cuda_native.kernel import DTYPES
-from tactix_cuda_native.paged import HEAD_DIMS
+from tactix_cuda_native.paged import FP8_KV_DTYPES, HEAD_DIMS
 from tactix_cuda_native.runtime import compile_all, cuda_core_status
 from tactix_cuda_native.variants import default_variants
 
@@ -38,7 +38,7 @@ _DECODE = tactix.AttentionCapabilities(
     devices=frozenset({"cuda"}),
     compute_capabilities=_CCS,
     q_dtypes=DTYPES,
-    kv_dtypes=DTYPES,
+    kv_dtypes=DTYPES | frozenset(FP8_KV_DTYPES),  # fp8: gated (decode.fp8_enabled, UNTESTED_DECLARED)
     out_dtypes=DTYPES,
     head_dims=frozenset(HEAD_DIMS),
     page_sizes=_PAGE_SIZES,
@@ -49,6 +49,18 @@ _DECODE = tactix.AttentionCapabilities(
     lse=True,
     cuda_graph="fixed_buffers",
 )
+
+_DECODE_SCALED = _DECODE.model_copy(update={"run_extras": frozenset({"k_scale", "v_scale"})})
+"""Decode with the dequantization scales as run extras: declared only while the fp8 gate is open
+(`decode.fp8_enabled`), since the scale arguments have not run on a GPU yet either."""
+
+UNTESTED_DECLARED: Final[dict[str, str]] = {
+    "fp8 KV-cache decode (float8_e4m3fn, float8_e5m2) and the k_scale / v_scale run extras": (
+        f"{decode.FP8_UNTESTED}; refused unless {decode.FP8_GATE_ENV}=1 (which also declares the run extras)"
+    ),
+}
+"""Paths declared but not yet run on this project's GPU (`BackendSpec.untested`): check() refuses
+fp8 KV-cache decode with `decode.FP8_UNTESTED` unless the gate is open."""
 
 _PREFILL = tactix.AttentionCapabilities(
     devices=frozenset({"cuda"}),
@@ -91,7 +103,7 @@ def tactix_backends() -> list[tactix.BackendSpec]:
             description="the project's CUDA kernels (NVRTC): paged prefill (flash attention: wgmma on Hopper, "
             "mma.sync elsewhere), paged decode with split-KV, skinny GEMM for m <= 64",
             prefill=_PREFILL,
-            decode=_DECODE,
+            decode=_DECODE_SCALED if decode.fp8_enabled() else _DECODE,
             gemm=_GEMM,
             preference=5,
             # decode: ahead of cudnn untuned. Measured on the H200 (benchmarks/results/
@@ -102,6 +114,7 @@ def tactix_backends() -> list[tactix.BackendSpec]:
             # cuBLAS at m <= 16 but 0.91x at m = 64 (h200-bench-gemm.md); tuning picks it where
             # it wins.
             op_preference={"decode": 20, "gemm": -150},
+            untested=UNTESTED_DECLARED,
         )
     ]
 

@@ -9,7 +9,7 @@ from tactix_cuda_native.decode import decode_candidates, decode_variant, default
 from tactix_cuda_native.device import H200, DeviceInfo
 from tactix_cuda_native.gemm import GEMM_MAX_M, default_gemm_params, gemm_params_variant, gemm_tactic_params
 from tactix_cuda_native.kernel import DTYPES
-from tactix_cuda_native.paged import HEAD_DIMS
+from tactix_cuda_native.paged import FP8_KV_DTYPES, HEAD_DIMS
 from tactix_cuda_native.prefill import (
     default_prefill_params,
     prefill_candidates,
@@ -18,7 +18,7 @@ from tactix_cuda_native.prefill import (
 )
 from tactix_cuda_native.runtime import Variant
 
-__all__ = ["candidate_variants", "default_variants"]
+__all__ = ["candidate_variants", "default_variants", "fp8_decode_variants"]
 
 
 def default_variants(info: DeviceInfo = H200) -> list[Variant]:
@@ -38,6 +38,19 @@ def default_variants(info: DeviceInfo = H200) -> list[Variant]:
                 out.append(decode_variant(dtype, d, default_decode_params(d, info, small), info.arch))
         for m in (1, 32, GEMM_MAX_M):  # one m per m-tile count (1, 2, 4 tiles of 16 rows)
             out.append(gemm_params_variant(dtype, m, default_gemm_params(m, info), info))
+    return list(dict.fromkeys(out))
+
+
+def fp8_decode_variants(info: DeviceInfo = H200) -> list[Variant]:
+    """The decode variants of the default tactics for fp8 KV caches (each fp8 dtype under bf16 and
+    fp16 q, every head dim, large and small batches). Not in `default_variants` (what ``warmup``
+    compiles) while the fp8 path is gated (`decode.fp8_enabled`); the CPU tests compile them."""
+    out = []
+    for dtype in sorted(DTYPES):
+        for kv in sorted(FP8_KV_DTYPES):
+            for d in HEAD_DIMS:
+                for small in (False, True):
+                    out.append(decode_variant(dtype, d, default_decode_params(d, info, small), info.arch, kv))
     return list(dict.fromkeys(out))
 
 

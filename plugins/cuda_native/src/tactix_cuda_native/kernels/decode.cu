@@ -35,9 +35,24 @@
 // keeps every ldmatrix phase conflict-free without padding. The maps are kernel parameters the
 // plan encodes (plugin.CudaNativeDecodePlan: kept per cache tensor), any 16-byte strides.
 //
+// With TX_KV_FP8 (1: float8_e4m3fn, 2: float8_e5m2 caches; cp.async only, not TX_BULK) a K/V row
+// is D bytes: the fp8 rows of a tile are copied unswizzled into the ring (D bytes a row), and
+// once the tile has landed the CTA's threads convert it, exactly, into one pair of 16-bit K and V
+// tiles after the ring, swizzled as the 16-bit path's (then a barrier): the mma.sync code reads
+// those. The next tile's copies are issued before the conversion (into another ring stage).
+//
+// Dequantization scales (every variant): logits (q . k) k_scale sm_scale, output sum p v v_scale.
+// Each scale is a float argument or, where its pointer is not null, the float32 at that address
+// (read by every CTA: a CUDA graph replays with whatever it holds). k_scale multiplies the
+// base-2 logit scale (so the LSE follows it, and the soft cap applies to the scaled logits);
+// v_scale the final outputs (written whole or merged; the partials are unscaled).
+//
 // Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_TILE, TX_WARPS, TX_STAGES,
 // TX_L2 (1: K/V streamed with an L2 evict_first policy, 0: no hint), TX_L2_PREFETCH_256, TX_BULK,
-// TX_TMA.
+// TX_TMA, TX_KV_FP8.
+#ifndef TX_KV_FP8
+#define TX_KV_FP8 0
+#endif
 #ifndef TX_BULK
 #define TX_BULK 0
 #endif
@@ -52,6 +67,42 @@
 #ifndef TX_D
 #error "TX_D must be defined"
 #endif
+#if TX_KV_FP8
+typedef unsigned char kv_t;  // a cache element
+#else
+typedef u16 kv_t;
+#endif
+
+// fp8 -> float, exact (plain bit arithmetic, no CUDA headers: NVRTC and the emulation alike); every
+// e4m3fn and e5m2 value is a float16 and a bfloat16 too, so tx_pack2 of the result is exact.
+// e4m3fn: bias 7, no infinities, 0x7f / 0xff NaN, subnormals m 2^-9. e5m2: float16's top byte
+// (bias 15, infinities, NaN), subnormals m 2^-16.
+TX_DEVICE float tx_e4m3_to_float(u32 b) {
+  const u32 sign = (b & 0x80u) << 24, mag = b & 0x7fu;
+  if (mag == 0x7fu) return __uint_as_float(sign | 0x7fc00000u);
+  if (mag < 0x08u) return __uint_as_float(sign | __float_as_uint((float)mag * 0.001953125f));
+  return __uint_as_float(sign | ((mag << 20) + (120u << 23)));
+}
+TX_DEVICE float tx_e5m2_to_float(u32 b) {
+  const u32 sign = (b & 0x80u) << 24, mag = b & 0x7fu;
+  if (mag >= 0x7cu) return __uint_as_float(sign | (mag == 0x7cu ? 0x7f800000u : 0x7fc00000u));
+  if (mag < 0x04u) return __uint_as_float(sign | __float_as_uint((float)mag * 1.52587890625e-05f));
+  return __uint_as_float(sign | ((mag << 21) + (112u << 23)));
+}
+// Four fp8 values (one 32-bit word, the first in the low byte) -> four 16-bit values in two words;
+// e5m2: format 2, else e4m3fn.
+template <int FORMAT>
+TX_DEVICE void tx_fp8x4_to_16(u32 w, u32& lo, u32& hi) {
+  float f[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const u32 b = (w >> (8 * j)) & 0xffu;
+    f[j] = FORMAT == 2 ? tx_e5m2_to_float(b) : tx_e4m3_to_float(b);
+  }
+  lo = tx_pack2(f[0], f[1]);
+  hi = tx_pack2(f[2], f[3]);
+}
+
 #ifndef TX_TILE
 #define TX_TILE 64
 #endif
@@ -74,7 +125,10 @@ constexpr int TPW = TILE / WARPS;  // tokens per warp per tile
 constexpr int NNT = TPW / 8;       // n8 tiles of S per warp
 constexpr int NKS = TPW / 16;      // k16 steps of P V per warp
 constexpr int DCH = D / 8;         // 16-byte chunks per row
-constexpr int ROW_BYTES = D * 2;
+constexpr int ROW_BYTES = D * 2;           // a 16-bit K/V row in shared memory (what ldmatrix reads)
+constexpr bool FP8 = TX_KV_FP8 != 0;
+constexpr int KV_ROW_BYTES = FP8 ? D : ROW_BYTES;  // a cache row
+constexpr int KCH = KV_ROW_BYTES / 16;             // 16-byte chunks per cache row
 constexpr bool BULK = TX_BULK != 0;
 constexpr int SEG = BULK ? TX_BULK : 1;      // tokens per bulk copy
 constexpr int NSEG = TILE / SEG;             // bulk copies per K (or V) tile
@@ -82,9 +136,12 @@ constexpr int SEG_BYTES = SEG * ROW_BYTES;   // bytes of one bulk copy
 constexpr bool TMA = TX_TMA != 0;            // segments through tensor maps, in the 128-byte swizzle
 constexpr int SEG_PITCH = TMA ? SEG_BYTES : SEG_BYTES + 16;  // a segment's place (bulk: 16 bytes apart: banks)
 constexpr int TILE_BYTES = BULK ? NSEG * SEG_PITCH : TILE * ROW_BYTES;
-constexpr int STAGE_BYTES = 2 * TILE_BYTES;
+constexpr int RING_TILE_BYTES = FP8 ? TILE * KV_ROW_BYTES : TILE_BYTES;  // a K (or V) tile as copied
+constexpr int STAGE_BYTES = 2 * RING_TILE_BYTES;
+constexpr int CONV_BYTES = FP8 ? 2 * TILE_BYTES : 0;    // fp8: the converted K and V tiles, after the ring
+constexpr int KV_AREA = STAGES * STAGE_BYTES + CONV_BYTES;
 constexpr bool Q_IN_REGS = D <= 128;
-constexpr int ROWS_PER_PASS = NT / DCH;        // tile rows one pass of the CTA's threads copies
+constexpr int ROWS_PER_PASS = NT / KCH;        // tile rows one pass of the CTA's threads copies
 constexpr int PASSES = TILE / ROWS_PER_PASS;   // passes per K (or V) tile: a compile-time count
 constexpr int ITEM_INTS = 8;
 constexpr float LN2 = 0.6931471805599453f;
@@ -94,8 +151,11 @@ static_assert(D == 64 || D == 128 || D == 256, "head dim must be 64, 128 or 256"
 static_assert(TPW == 16 || TPW == 32, "TX_TILE / TX_WARPS must be 16 or 32");
 static_assert(TILE <= NT, "one thread per token of a tile computes its offsets");
 static_assert(STAGES >= 2, "at least two stages");
-static_assert(NT % DCH == 0 && TILE % ROWS_PER_PASS == 0, "threads tile the rows of a K/V tile evenly");
-static_assert(WARPS * 16 * D * 4 <= STAGES * STAGE_BYTES, "warp merge buffer must fit in the stage area");
+static_assert(NT % KCH == 0 && TILE % ROWS_PER_PASS == 0, "threads tile the rows of a K/V tile evenly");
+static_assert(WARPS * 16 * D * 4 <= KV_AREA, "warp merge buffer must fit in the stage area");
+static_assert(TX_KV_FP8 >= 0 && TX_KV_FP8 <= 2, "TX_KV_FP8: 0 (16-bit cache), 1 (e4m3fn) or 2 (e5m2)");
+static_assert(!FP8 || !BULK, "fp8 caches: cp.async only");
+static_assert(!FP8 || (2 * TILE * KCH) % NT == 0, "fp8: the threads convert a tile pair evenly");
 static_assert(!BULK || (TILE % SEG == 0 && NSEG >= 4 && 2 * NSEG <= 32), "bulk: 4 to 16 segments a tile");
 static_assert(!TMA || (BULK && SEG % 8 == 0), "tensor maps: TX_BULK rows per box, 8 or more (1 KB swizzle atoms)");
 
@@ -113,8 +173,8 @@ TX_DEVICE u32 kv_row(int row, int ch) {
 }
 TX_DEVICE int row_token(int row) { return BULK && !TMA ? (row % NSEG) * SEG + row / NSEG : row; }
 
-// Dynamic shared memory: [stages: K tile, V tile] [Q 16 rows] [row addresses: stages x (K, V) x TILE;
-// TX_BULK: an mbarrier per stage there instead]
+// Dynamic shared memory: [stages: K tile, V tile] [TX_KV_FP8: the converted K tile, V tile] [Q 16 rows]
+// [row addresses: stages x (K, V) x TILE; TX_BULK: an mbarrier per stage there instead]
 // [per-warp row max/sum: WARPS x 16 x 2] [final row max/sum: 16 x 2] [flag: 4 ints]
 extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
 #if TX_TMA
@@ -122,11 +182,12 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
     // boxes of 64 x TX_BULK tokens, the 128-byte swizzle
     const __grid_constant__ TxTensorMap kmap, const __grid_constant__ TxTensorMap vmap,
 #endif
-    const u16* __restrict__ q, i64 q_sb, i64 q_sh, const u16* __restrict__ k, const u16* __restrict__ v,
+    const u16* __restrict__ q, i64 q_sb, i64 q_sh, const kv_t* __restrict__ k, const kv_t* __restrict__ v,
     i64 k_sp, i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh, u16* __restrict__ out, float* __restrict__ lse,
     const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ kv_indices,
     float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ counters, i64 num_qo_heads, i64 gqa,
-    i64 q_tiles, i64 page_shift, double scale_log2_d, double cap_d) {
+    i64 q_tiles, i64 page_shift, double scale_log2_d, double cap_d, double k_scale_d, double v_scale_d,
+    const float* __restrict__ k_scale_p, const float* __restrict__ v_scale_p) {
   extern __shared__ __align__(1024) unsigned char smem[];  // (the tensor maps' swizzle atoms: 1 KB)
   const int units = (int)(num_qo_heads / gqa * q_tiles);
   const int item = blockIdx.x / units, unit = blockIdx.x % units;
@@ -144,20 +205,22 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
   const int kvh = unit / (int)q_tiles, qt = unit % (int)q_tiles;
   const int head0 = kvh * (int)gqa + qt * 16;
   const int nrows = min(16, (int)gqa - qt * 16);
-  const u16* kh = k + kvh * k_sh;
-  const u16* vh = v + kvh * v_sh;
+  const kv_t* kh = k + kvh * k_sh;
+  const kv_t* vh = v + kvh * v_sh;
   const int* pages = kv_indices + page_base;
   const int pshift = (int)page_shift, pmask = (1 << pshift) - 1;
   const int first = BULK ? start & ~(SEG - 1) : start;  // key of tile 0's first row
   const int ntiles = (end - first + TILE - 1) / TILE;
   const float cap = (float)cap_d;
-  const float scale_log2 = (float)scale_log2_d;           // sm_scale * log2(e)
-  const float scale_over_cap = cap > 0.f ? scale_log2 / (cap * LOG2E) : 0.f;  // sm_scale / cap
+  const float k_scale = k_scale_p != nullptr ? __ldg(k_scale_p) : (float)k_scale_d;
+  const float v_scale = v_scale_p != nullptr ? __ldg(v_scale_p) : (float)v_scale_d;
+  const float scale_log2 = (float)scale_log2_d * k_scale;  // k_scale * sm_scale * log2(e)
+  const float scale_over_cap = cap > 0.f ? scale_log2 / (cap * LOG2E) : 0.f;  // k_scale sm_scale / cap
   const float cap_log2 = cap * LOG2E;
   // K/V rows are read once, unless several q tiles share a KV head (they read it in turn)
   const u64 policy = tx_l2_policy(TX_L2 != 0 && q_tiles == 1);
 
-  unsigned char* q_s = smem + STAGES * STAGE_BYTES;
+  unsigned char* q_s = smem + KV_AREA;
   u64* raddr = reinterpret_cast<u64*>(q_s + 16 * ROW_BYTES);  // [STAGES][2][TILE] byte addresses, 0: no row
   float* ml = reinterpret_cast<float*>(raddr + STAGES * 2 * TILE);
   float* fin = ml + WARPS * 32;
@@ -202,11 +265,15 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
   __syncthreads();
 
   // each thread copies 16-byte chunk `cch` of rows crow, crow + ROWS_PER_PASS, ... of a tile
-  const int crow = tid / DCH, cch = tid % DCH;
+  const int crow = tid / KCH, cch = tid % KCH;
+  // where a copied chunk lands: 16-bit rows swizzled, fp8 rows as they are (converted afterwards)
+  auto ring_off = [&](int row) -> u32 {
+    return FP8 ? (u32)(row * KV_ROW_BYTES + cch * 16) : tx_swz(row, cch, ROW_BYTES);
+  };
   auto issue = [&](int tile) {
     if (tile < ntiles) {
       const int s = tile % STAGES;
-      const u32 kb = sbase + s * STAGE_BYTES, vb = kb + TILE_BYTES;
+      const u32 kb = sbase + s * STAGE_BYTES, vb = kb + RING_TILE_BYTES;
       const u64* ka = raddr + (s * 2) * TILE;
       const u64* va = ka + TILE;
       // all row addresses first: the copies' memory clobbers would otherwise order each
@@ -216,7 +283,7 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
       for (int p = 0; p < PASSES; ++p) src[p] = ka[crow + p * ROWS_PER_PASS];
 #pragma unroll
       for (int p = 0; p < PASSES; ++p) {
-        tx_cp_async16_hint(kb + tx_swz(crow + p * ROWS_PER_PASS, cch, ROW_BYTES),
+        tx_cp_async16_hint(kb + ring_off(crow + p * ROWS_PER_PASS),
                            src[p] ? reinterpret_cast<const void*>(src[p] + cch * 16) : (const void*)kh,
                            src[p] ? 16 : 0, policy);
       }
@@ -224,7 +291,7 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
       for (int p = 0; p < PASSES; ++p) src[p] = va[crow + p * ROWS_PER_PASS];
 #pragma unroll
       for (int p = 0; p < PASSES; ++p) {
-        tx_cp_async16_hint(vb + tx_swz(crow + p * ROWS_PER_PASS, cch, ROW_BYTES),
+        tx_cp_async16_hint(vb + ring_off(crow + p * ROWS_PER_PASS),
                            src[p] ? reinterpret_cast<const void*>(src[p] + cch * 16) : (const void*)vh,
                            src[p] ? 16 : 0, policy);
       }
@@ -265,7 +332,7 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
           }
         }
 #else
-        const u16* src = is_v ? vh + (i64)pg * v_sp + in * v_st : kh + (i64)pg * k_sp + in * k_st;
+        const kv_t* src = is_v ? vh + (i64)pg * v_sp + in * v_st : kh + (i64)pg * k_sp + in * k_st;
         if (TX_L2) {
           tx_bulk_copy_hint(dst, src, (u32)SEG_BYTES, bar, policy);
         } else {
@@ -313,7 +380,8 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
 
   for (int i = 0; i < ntiles; ++i) {
     const int s = i % STAGES;
-    const u32 kb = sbase + s * STAGE_BYTES, vb = kb + TILE_BYTES;
+    // the K and V tiles the mma.sync code reads (fp8: the converted pair after the ring)
+    const u32 kb = FP8 ? sbase + STAGES * STAGE_BYTES : sbase + s * STAGE_BYTES, vb = kb + TILE_BYTES;
     const int t0 = first + i * TILE;
 #if TX_BULK
     tx_mbar_wait(bars + s * 8, (u32)((i / STAGES) & 1));
@@ -338,6 +406,27 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
     const int ptok = start + pt * TILE + tid;
     int ppage = -1;
     if (tid < TILE && pt < ntiles && ptok < end) ppage = __ldg(pages + (ptok >> pshift));
+#if TX_KV_FP8
+    // tile i has landed (every thread's copies, the barrier above): convert it into the 16-bit
+    // pair, whose previous contents every warp is done with (also that barrier)
+    {
+      const unsigned char* ring = smem + s * STAGE_BYTES;
+      unsigned char* conv = smem + STAGES * STAGE_BYTES;
+      for (int c = tid; c < 2 * TILE * KCH; c += NT) {
+        const int half = c / (TILE * KCH), rem = c % (TILE * KCH), row = rem / KCH, ch = rem % KCH;
+        const tx_u4 in = *reinterpret_cast<const tx_u4*>(ring + half * RING_TILE_BYTES + row * KV_ROW_BYTES + ch * 16);
+        tx_u4 lo, hi;
+        tx_fp8x4_to_16<TX_KV_FP8>(in.x, lo.x, lo.y);
+        tx_fp8x4_to_16<TX_KV_FP8>(in.y, lo.z, lo.w);
+        tx_fp8x4_to_16<TX_KV_FP8>(in.z, hi.x, hi.y);
+        tx_fp8x4_to_16<TX_KV_FP8>(in.w, hi.z, hi.w);
+        unsigned char* dst = conv + half * TILE_BYTES;
+        *reinterpret_cast<tx_u4*>(dst + tx_swz(row, 2 * ch, ROW_BYTES)) = lo;
+        *reinterpret_cast<tx_u4*>(dst + tx_swz(row, 2 * ch + 1, ROW_BYTES)) = hi;
+      }
+    }
+    __syncthreads();
+#endif
 #endif
 
     float sc[NNT][4];
@@ -507,8 +596,8 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
     const i64 qh = head0 + r;
     if (slot < 0) {
       u32* dst = reinterpret_cast<u32*>(out + ((i64)req * H + qh) * D + d4);
-      dst[0] = tx_pack2(a0, a1);
-      dst[1] = tx_pack2(a2, a3);
+      dst[0] = tx_pack2(a0 * v_scale, a1 * v_scale);
+      dst[1] = tx_pack2(a2 * v_scale, a3 * v_scale);
     } else {
       float* dst = part_o + ((i64)slot * H + qh) * D + d4;
       dst[0] = a0;
@@ -578,8 +667,8 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
     }
     const float inv = 1.0f / S;
     u32* dst = reinterpret_cast<u32*>(out + ((i64)req * H + qh) * D + d4);
-    dst[0] = tx_pack2(a0 * inv, a1 * inv);
-    dst[1] = tx_pack2(a2 * inv, a3 * inv);
+    dst[0] = tx_pack2(a0 * inv * v_scale, a1 * inv * v_scale);
+    dst[1] = tx_pack2(a2 * inv * v_scale, a3 * inv * v_scale);
     if (lse != nullptr && d4 == 0) lse[(i64)req * H + qh] = M + tx_log2(S) * LN2;
   }
   if (tid == 0) *counter = 0;  // every ticket of this launch is drawn: ready for the next one
