@@ -475,11 +475,14 @@ class _PagedAttention(Planned):
             if extra.neutral(value):
                 continue
             if name not in b.extras:
-                takes = [x.name for x in get_registry().active(self._op) if name in _run_extras(x, self._op)]
+                problem = b.state.problem  # the static problem: what the advice depends on
+                takes = [x.name for x in get_registry().active(self._op)
+                         if name in _run_extras(x, self._op) and not x.static_reasons(problem)]  # fmt: skip
                 raise InvalidArgumentError(
                     name,
                     f"None or 1.0: backend '{b.extras_by}' does not take {name} ({extra.summary}); backends that "
-                    f"do: {', '.join(takes) or 'none installed'} (plan with backend=... to use one)",
+                    f"take it and can serve this problem: {', '.join(takes) or 'none here'} (plan with "
+                    "backend=... to use one)",
                     value if not isinstance(value, torch.Tensor) else "a tensor",
                 )
             extras[name] = value
