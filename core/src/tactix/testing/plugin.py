@@ -171,6 +171,7 @@ KIT_FIXTURES: Final[dict[str, tuple[str, Callable[[list[Any]], list[Any]] | None
     "tactic_case": ("attention", _tactic_cases),
     "graph_case": ("attention", _graph_cases),
     "gemm_case": ("gemm", None),
+    "gemm_edge_case": ("gemm", lambda cases: cases[:3]),
 }
 """The suite's case fixtures: the kit family (`OpDefinition.kit_family`) whose cases each takes,
 and the subset of them (None: all)."""
@@ -235,8 +236,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if callspec is None or item.config.getoption("--tactix-backend") is None:
         return
     backend = callspec.params.get("backend")
-    case = next((callspec.params[k] for k in ("attention_case", "gemm_case", "tactic_case", "graph_case")
-                 if k in callspec.params), None)  # fmt: skip
+    case = next((callspec.params[k] for k in KIT_FIXTURES if k in callspec.params), None)
     if backend is None or case is None:
         return
     results = item.config.stash[_RESULTS]

@@ -375,6 +375,32 @@ def test_gemm(backend: Backend | None, gemm_case: GemmCase, device: torch.device
     _check_gemm(case, inputs, f"{what}, same plan with new operands")
 
 
+def test_gemm_rejects_bad_input(backend: Backend | None, gemm_edge_case: GemmCase, device: torch.device) -> None:
+    """Operands and outputs of the wrong dtype, shape or device raise a TactixError naming the
+    argument before the backend writes anything."""
+    backend = _require(backend)
+    case = gemm_edge_case
+    _skip_unless_claimed(backend, _gemm_problem(case, device), None)
+    inputs = build_gemm_inputs(case, device)
+    g = _plan_gemm(case, backend, device)
+    other = torch.float16 if inputs.a.dtype != torch.float16 else torch.bfloat16
+    bad: list[tuple[str, dict[str, Any]]] = [
+        ("a", {"a": inputs.a.to(other)}),
+        ("a", {"a": inputs.a[..., :-1]}),
+        ("b", {"b": inputs.b[..., :-1]}),
+        ("out", {"out": torch.empty_like(inputs.out, dtype=other if inputs.out.dtype != other else torch.float32)}),
+        ("out", {"out": torch.empty_like(inputs.out, device="meta")}),
+    ]
+    for argument, change in bad:
+        call = {"a": inputs.a, "b": inputs.b, "out": inputs.out, **inputs.run_kwargs(), **change}
+        inputs.out.fill_(float("nan"))
+        with pytest.raises(TactixError, match=f"'{argument}'"):  # the message names it: "'a' must be ..."
+            g.run(call.pop("a"), call.pop("b"), **call)
+        assert bool(torch.isnan(inputs.out).all()), (
+            f"{case.id}: bad '{argument}' was refused only after output was written"
+        )
+
+
 def test_gemm_tactics(backend: Backend | None, gemm_case: GemmCase, device: torch.device, all_tactics: bool) -> None:
     backend = _require(backend)
     case = gemm_case
