@@ -245,7 +245,8 @@ def test_xqa_fp8_tactics_and_the_fp8_mma_switch() -> None:
 def _scale_plan(fp8: bool) -> Any:
     """An XqaDecodePlan's scale state without a GPU (what _scaled reads)."""
     p = plugin.XqaDecodePlan.__new__(plugin.XqaDecodePlan)
-    p._q_scale, p._fp8, p._q_buf, p.device = 0.7, fp8, None, torch.device("cpu")
+    p._q_scale, p._fp8, p.device = 0.7, fp8, torch.device("cpu")
+    p._q_buf = torch.empty(1)  # (made at plan on the device)
     p._head = (fp8, 132, 8, 0, 0.7, None)
     p._tail = (None, None, "table", 1024, "lens", 4, 1.0, None, 1, None, None, "sem", "scratch", True)
     return p

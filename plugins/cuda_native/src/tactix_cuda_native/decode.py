@@ -591,17 +591,7 @@ class CudaNativeDecodePlan(StagedPlan):
             v_scale: float | torch.Tensor | None = None) -> None:  # fmt: skip
         """Launch the kernel; ``k_scale`` and ``v_scale`` (run extras, `decode_scale_args`): floats,
         or one-element float32 device tensors whose value the kernel reads."""
-        if (q.stride(), k_cache.stride(), v_cache.stride()) != self._seen:
-            self._accept(q, k_cache, v_cache)
-        if not self._q_direct or q.data_ptr() % 16:
-            if self._q_copy is None:
-                self._q_copy = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            self._q_copy.copy_(q)
-            q = self._q_copy
-        k_ptr, v_ptr, out_ptr = k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
-        if (k_ptr | v_ptr | out_ptr) % 16:
-            raise InvalidArgumentError("paged_kv_cache", "k, v and out starting at 16-byte aligned addresses",
-                                       f"addresses {k_ptr:#x}, {v_ptr:#x}, {out_ptr:#x}")  # fmt: skip
+        q, k_ptr, v_ptr, out_ptr = self._operands(q, k_cache, v_cache, out)
         lse_ptr = 0 if lse is None else lse.data_ptr()
         stream = stream_for(self._index, raw_stream(self._index))
         cc = launcher()

@@ -93,6 +93,29 @@ class StagedPlan:
     _q_direct: bool  # q is read in place (else through a copy)
     _bulk = 0  # tokens per bulk copy of a decode plan's kernel (0: cp.async): _accept checks more
 
+    _q_copy: torch.Tensor | None  # the packed q of a q the kernel cannot read in place (made once)
+
+    def _accept(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _operands(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  out: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:  # fmt: skip
+        """What ``run`` launches with: q (or its packed copy when the kernel cannot read it in
+        place) and the k, v and out addresses, checked 16-byte aligned; the strides are checked
+        once per new set (`_accept`)."""
+        if (q.stride(), k.stride(), v.stride()) != self._seen:
+            self._accept(q, k, v)
+        if not self._q_direct or q.data_ptr() % 16:
+            if self._q_copy is None:
+                self._q_copy = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            self._q_copy.copy_(q)
+            q = self._q_copy
+        k_ptr, v_ptr, out_ptr = k.data_ptr(), v.data_ptr(), out.data_ptr()
+        if (k_ptr | v_ptr | out_ptr) % 16:
+            raise InvalidArgumentError("paged_kv_cache", "k, v and out starting at 16-byte aligned addresses",
+                                       f"addresses {k_ptr:#x}, {v_ptr:#x}, {out_ptr:#x}")  # fmt: skip
+        return q, k_ptr, v_ptr, out_ptr
+
     def _inherit_accepted(self, previous: object) -> None:
         """Keep what the previous plan of the wrapper (same class, device and cache layout) found
         when it checked the run's strides, so that the first run after a re-plan does not check

@@ -450,7 +450,9 @@ class XqaDecodePlan(_Plan):
         # quantized cache its one kv_scale to Q.K and to the output (mha.cu: voScale)
         q_scale = problem.sm_scale * math.sqrt(d)
         self._q_scale, self._fp8 = q_scale, fp8
-        self._q_buf: torch.Tensor | None = None  # the device q scale of device k/v scales (made once)
+        # the device q scale of device k/v scales: made here, so run() allocates nothing (a graph
+        # captures its address)
+        self._q_buf = torch.empty(1, dtype=torch.float32, device=self.device)
         semaphores = self._workspace[:semaphore_bytes]
         scratch = self._workspace[semaphore_bytes:]
         # xqa_wrapper(run_sm90_fp8_mha, sm_count, num_kv_heads, sliding_win_size, q_scale, q_scale_tensor,
@@ -516,8 +518,6 @@ class XqaDecodePlan(_Plan):
             head[4] = base * k / v
             return tuple(head), tuple(tail), after
         buf = self._q_buf
-        if buf is None:
-            buf = self._q_buf = torch.empty(1, dtype=torch.float32, device=self.device)
         if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
             torch.div(k.view(1), v.view(1), out=buf)
             buf.mul_(base)
