@@ -2,7 +2,8 @@
 
 Backends that offer direct calls of the library they wrap (``tactix_references``; cuDNN does)
 get extra "NAME (direct)" rows: the library called by hand, same inputs, same timer, so the
-cost of the unified API is read off one run.
+cost of the unified API is read off one run. Where flashinfer is installed, its own wrappers add
+``flashinfer fa2`` / ``tc`` / ``fa3`` anchor rows to every attention case (`tactix.bench_flashinfer`).
 
 Every implementation gets the same inputs (one paged cache, pages in random order), is checked
 against the float64 oracle, and is timed by the tuner's timer under one policy (L2 flushed
@@ -27,6 +28,7 @@ from typing import Any, Final
 import torch
 
 import tactix
+from tactix import bench_flashinfer
 from tactix.attention import PagedDecode, PagedPrefill
 from tactix.autotune.context import autotune
 from tactix.autotune.policy import MeasurementPolicy
@@ -416,6 +418,58 @@ def _measure_references(
     ]
 
 
+def _measure_flashinfer(
+    case: BenchCase,
+    inputs: dict[str, Any],
+    device: torch.device,
+    policy: MeasurementPolicy,
+    reference: torch.Tensor,
+    tolerance: float,
+    work: tuple[float, str],
+) -> list[BenchRow]:
+    """One row per FlashInfer wrapper of the case's op (`tactix.bench_flashinfer`)."""
+    try:
+        calls = bench_flashinfer.calls(case.op, inputs)
+    except Exception as exc:  # flashinfer imported but could not be set up: one row that says why
+        return [BenchRow(case.id, case.description, "flashinfer", "-", "failed", detail=f"{type(exc).__name__}: {exc}")]
+    out = inputs["out"]
+    rows = []
+    for name, call in calls:
+        if isinstance(call, Exception):
+            rows.append(BenchRow(case.id, case.description, name, "-", "failed",
+                                 detail=f"plan: {type(call).__name__}: {call}"))  # fmt: skip
+            continue
+        try:
+            out.fill_(float("nan"))
+            call()
+            err = relative_error(out, reference)
+            if not err <= tolerance:
+                rows.append(BenchRow(case.id, case.description, name, "-", "wrong", error=err, detail="wrong result"))
+                continue
+            timing = measure_with_policy(call, device, policy)
+        except Exception as exc:
+            rows.append(BenchRow(case.id, case.description, name, "-", "failed",
+                                 detail=f"run: {type(exc).__name__}: {exc}"))  # fmt: skip
+            continue
+        amount, unit = work
+        rows.append(
+            BenchRow(
+                case.id,
+                case.description,
+                name,
+                "-",
+                "ok",
+                timing.median * 1e6,
+                amount / timing.median / 1e12,
+                unit,
+                error=err,
+                timed_as=timing.timed_as,
+                samples_us=[x * 1e6 for x in timing.samples],
+            )
+        )
+    return rows
+
+
 def _gemm_work(case: BenchCase, inputs: dict[str, Any]) -> tuple[float, str]:
     if case.m <= 64:  # memory-bound: report the bytes of the weight (and activations) moved
         size = inputs["a"].element_size()
@@ -431,6 +485,7 @@ def run_bench(
     backends: list[str] | None = None,
     tune: bool = True,
     references: bool = True,
+    flashinfer: bool = True,
     deterministic: bool = False,
     policy: MeasurementPolicy | None = None,
     progress: Any = None,
@@ -439,6 +494,7 @@ def run_bench(
 
     Attention is planned with ``deterministic=False`` unless asked otherwise: the suite compares
     speed with the libraries' fastest plans, which need not be run-to-run deterministic.
+    ``flashinfer`` adds FlashInfer's own wrappers as anchor rows where flashinfer is installed.
     """
     policy = policy or MeasurementPolicy(warmup=3, repeat=20)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -446,6 +502,7 @@ def run_bench(
     names = backends or [b.name for b in get_registry().active()]
     rows: list[BenchRow] = []
     store = tempfile.mkdtemp(prefix="tactix-bench-store-")
+    anchor_version = bench_flashinfer.version(device) if flashinfer else None
     for case in chosen:
         if progress:
             progress(f"{case.id}: {case.description}")
@@ -516,6 +573,8 @@ def run_bench(
         if references:
             for name in serving:
                 case_rows += _measure_references(case, name, ref_inputs, device, policy, ref, tolerance, work)
+        if anchor_version and case.op != "gemm":
+            case_rows += _measure_flashinfer(case, ref_inputs, device, policy, ref, tolerance, work)
         if tune:
             with autotune(mode="tune", cache_dir=store, policy=policy):
                 case_rows.append(measure_one("auto"))
@@ -535,6 +594,7 @@ def run_bench(
         "python": platform.python_version(),
         "tactix": tactix.__version__,
         "backends": {b.name: b.spec.version for b in get_registry().active()},
+        "flashinfer": anchor_version,
         "policy": policy.model_dump(mode="json"),
         "suite": suite_name,
         "deterministic": deterministic,
@@ -549,6 +609,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"torch {env['torch']} (CUDA {env['cuda']}), tactix {env['tactix']}, backends "
         + ", ".join(f"{k} {v}" for k, v in env["backends"].items())
+        + (f"; anchors: flashinfer {env['flashinfer']}" if env.get("flashinfer") else "")
         + f". Policy: {env['policy']}.",
         "",
         "| case | shape | implementation | tactic | time (us) | rate | vs best | rel. error | status |",

@@ -257,6 +257,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cases=cases,
         backends=backends,
         tune=not args.no_tune,
+        flashinfer=not args.no_flashinfer,
         deterministic=args.deterministic,
         policy=policy,
         progress=lambda text: print(f"  {text}", file=sys.stderr, flush=True),
@@ -339,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", metavar="IDS", help=f"comma-separated case ids (default: all of the suite); {ids}")
     p.add_argument("--backends", metavar="NAMES", help="comma-separated backends (default: every active one)")
     p.add_argument("--no-tune", action="store_true", help="leave out the tuned 'auto' rows")
+    p.add_argument("--no-flashinfer", action="store_true",
+                   help="leave out the FlashInfer anchor rows (added where flashinfer is installed)")  # fmt: skip
     p.add_argument(
         "--deterministic",
         action="store_true",

@@ -1,0 +1,87 @@
+"""FlashInfer's own wrappers as anchor rows of ``tactix bench`` (when flashinfer is installed).
+
+The rows are FlashInfer called as a FlashInfer user calls it, on the same inputs as the tactix
+rows (the same HND paged cache, pages in random order, the same fp8 cache and scales), checked
+against the same float64 oracle and timed by the same timer:
+
+- decode: ``BatchDecodeWithPagedKVCacheWrapper`` without tensor cores (``flashinfer fa2``) and
+  with them (``flashinfer tc``);
+- prefill: ``BatchPrefillWithPagedKVCacheWrapper`` with ``backend="fa2"`` and ``"fa3"``.
+
+flashinfer is never a dependency of tactix: without it (or without a GPU) there are no rows, and
+`version` says why. Scales go to FlashInfer as Python floats, the form its ``run`` takes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, Final
+
+import torch
+
+__all__ = ["WORKSPACE_BYTES", "calls", "version"]
+
+WORKSPACE_BYTES: Final = 128 * 1024 * 1024
+"""FlashInfer's recommended float workspace (split-KV partial results)."""
+
+_DECODE: Final = (("flashinfer fa2", {"use_tensor_cores": False}), ("flashinfer tc", {"use_tensor_cores": True}))
+_PREFILL: Final = (("flashinfer fa2", {"backend": "fa2"}), ("flashinfer fa3", {"backend": "fa3"}))
+
+Call = Callable[[], object]
+
+
+def version(device: torch.device) -> str | None:
+    """flashinfer's version when its wrappers can run on ``device``, else None."""
+    if device.type != "cuda":
+        return None
+    try:
+        module = importlib.import_module("flashinfer")
+    except Exception:  # not installed, or its import fails on this machine: no anchor rows
+        return None
+    return str(getattr(module, "__version__", "unknown"))
+
+
+def calls(op: str, inputs: dict[str, Any]) -> list[tuple[str, Call | Exception]]:
+    """``(row name, call or the error that stopped its plan)`` for each FlashInfer wrapper of ``op``.
+
+    ``inputs`` holds what the bench gives every implementation: ``q``, ``k_cache``/``v_cache``
+    (HND), ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, ``causal``,
+    ``sm_scale``, ``out``, and for an fp8 cache ``k_scale``/``v_scale`` (0-d device tensors).
+    Each call writes ``inputs["out"]``.
+    """
+    flashinfer = importlib.import_module("flashinfer")
+    q, k, v, out = inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["out"]
+    device = q.device
+    _, hkv, page, dim = k.shape
+    hq = q.shape[1]
+    scales = {name: float(inputs[name]) for name in ("k_scale", "v_scale") if inputs.get(name) is not None}
+    indptr = inputs["kv_indptr"].to(device=device, dtype=torch.int32)
+    indices = inputs["kv_indices"].to(device=device, dtype=torch.int32)
+    last = inputs["kv_last_page_len"].to(device=device, dtype=torch.int32)
+    common = {"q_data_type": q.dtype, "kv_data_type": k.dtype, "sm_scale": inputs["sm_scale"]}
+    found: list[tuple[str, Call | Exception]] = []
+    variants = _DECODE if op == "decode" else _PREFILL
+    for name, options in variants:
+        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        try:
+            if op == "decode":
+                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", **options)
+                wrapper.plan(indptr, indices, last, hq, hkv, dim, page, **common)
+            else:
+                wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", **options)
+                qo = inputs["qo_indptr"].to(device=device, dtype=torch.int32)
+                wrapper.plan(qo, indptr, indices, last, hq, hkv, dim, page, causal=inputs["causal"], **common)
+        except Exception as exc:  # this FlashInfer build refuses the problem: a row that says so
+            found.append((name, exc))
+            continue
+        found.append((name, _runner(wrapper, q, (k, v), out, scales)))
+    return found
+
+
+def _runner(wrapper: Any, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor,
+            scales: dict[str, float]) -> Call:  # fmt: skip
+    def call() -> object:
+        return wrapper.run(q, cache, out=out, **scales)
+
+    return call
