@@ -266,3 +266,17 @@ def test_shape_override_gate() -> None:
     assert not ok and "no is_override_shape_enabled flag" in why
     ok, why = shape_override(library=92200, module=BrokenFrontend())
     assert not ok and "cannot ask the cuDNN frontend" in why and "cudnnGetVersion" in why
+
+
+def test_direct_references_offer_no_call_over_a_cache_of_another_dtype() -> None:
+    """`tactix bench`'s "cudnn (direct)" rows: a cuDNN graph takes q's dtype for its I/O, so over an
+    fp8 cache it would read 16-bit values past the pages (an illegal access on the H200): no call."""
+    from tactix_cudnn import direct
+
+    k = torch.zeros(4, 2, 16, 64, dtype=torch.float8_e4m3fn)
+    i32 = torch.int32
+    inputs = {"q": torch.zeros(2, 8, 64, dtype=torch.bfloat16), "k_cache": k, "v_cache": k.clone(),
+              "out": torch.zeros(2, 8, 64, dtype=torch.bfloat16), "qo_indptr": torch.tensor([0, 1, 2], dtype=i32),
+              "kv_indptr": torch.tensor([0, 2, 4], dtype=i32), "kv_indices": torch.arange(4, dtype=i32),
+              "kv_last_page_len": torch.tensor([16, 5], dtype=i32)}  # fmt: skip
+    assert direct.attention_references("decode", inputs) == []

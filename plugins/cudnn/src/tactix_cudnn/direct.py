@@ -53,10 +53,14 @@ def _plans(graph: Any, pack: dict[int, torch.Tensor], handle: Any) -> list[tuple
 
 
 def attention_references(op: str, inputs: dict[str, Any]) -> list[tuple[str, Callable[[], object]]]:
-    """Paged SDPA over an HND cache, one cuDNN graph for exactly this batch."""
+    """Paged SDPA over an HND cache, one cuDNN graph for exactly this batch; none for a cache
+    whose dtype is not q's (an fp8 cache: the graph's I/O type is q's, so it would read the cache
+    as 16-bit values, past the end of its pages)."""
+    q, k, v, out = inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["out"]
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return []
     cudnn = frontend()
     handle = cudnn.create_handle()
-    q, k, v, out = inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["out"]
     qo, kv_indptr, indices, last = (inputs[n].long() for n in ("qo_indptr", "kv_indptr", "kv_indices",
                                                                  "kv_last_page_len"))  # fmt: skip
     device = q.device
