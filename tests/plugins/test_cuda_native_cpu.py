@@ -77,7 +77,8 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
     # wgmma kernel, whose one variant serves every m (its tile has 64 rows)
     persistent = sum(prefill_op.default_prefill_params(d, H200).pingpong for d in HEAD_DIMS)
     assert persistent == 2  # d64 and d128
-    assert len(variants) == len(set(variants)) == 2 * (3 * len(HEAD_DIMS) + persistent + 1)
+    # (and the decode variants for fp8 caches: two fp8 dtypes, each head dim, large and small batches)
+    assert len(variants) == len(set(variants)) == 2 * (3 * len(HEAD_DIMS) + persistent + 1) + 2 * 2 * len(HEAD_DIMS) * 2
     assert sum(("TX_PERSIST", "1") in v.defines for v in variants) == 2 * persistent
     # prefill and GEMM on the H200 are the wgmma kernels, compiled for the arch-specific sm_90a
     assert {(v.source, v.arch) for v in variants} == {
@@ -113,38 +114,31 @@ def test_fp8_kv_decode_variants_compile_without_a_gpu(cache_root: Path) -> None:
     variants = fp8_decode_variants(H200)
     assert len(variants) == 2 * 2 * len(HEAD_DIMS) * 2 == len(set(variants))
     assert {dict(v.defines)["TX_KV_FP8"] for v in variants} == {"1", "2"}
-    assert not any("TX_KV_FP8" in dict(v.defines) for v in candidate_variants(H200))
+    fp8 = set(variants)
+    assert fp8 <= set(default_variants(H200))  # what warmup compiles
+    assert not any("TX_KV_FP8" in dict(v.defines) for v in candidate_variants(H200) if v not in fp8)
     for v in variants:  # the same defines as the 16-bit variant of the tactic, plus TX_KV_FP8
         plain = dict(v.defines)
         plain.pop("TX_KV_FP8")
         assert any(dict(w.defines) == plain for w in default_variants(H200)), v.label()
     a100 = DeviceInfo(108, 166912, 167936, "sm_80")
     both = [*variants, *fp8_decode_variants(a100)[:2]]
-    assert runtime.compile_all(both, root=cache_root) == len(set(both))
+    runtime.compile_all(both, root=cache_root)  # (the sm_90 ones: already, as default variants)
     for variant in both:
         cubin, _ = runtime.compile_variant(variant, root=cache_root)
         assert cubin[:4] == b"\x7fELF" and b"tactix_decode" in cubin, variant.label()
 
 
-def test_fp8_kv_decode_is_gated_and_takes_cp_async_tactics_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp8 caches (16-bit q and out of one dtype): refused with the gate's reason unless
-    TACTIX_CUDA_NATIVE_FP8=1; then served by the cp.async tactics (bulk and tma refused, none
-    enumerated); the 16-bit problems' reasons and tactics are untouched by the gate."""
+def test_fp8_kv_decode_takes_cp_async_tactics_only() -> None:
+    """fp8 caches (16-bit q and out of one dtype) are served by the cp.async tactics (bulk and tma
+    refused, none enumerated); the 16-bit problems' tactics are the same as without fp8."""
     default = tactix.Tactic.default("cuda_native")
     ok = {"tile": 64, "warps": 4, "stages": 2}
     tactic = tactix.Tactic(backend="cuda_native", kernel="decode", params=ok)
     e4m3 = decode(kv_dtype="float8_e4m3fn")
     e5m2 = decode(kv_dtype="float8_e5m2", q_dtype="float16", out_dtype="float16")
     plain_tactics = decode_op.decode_tactics(decode(), H200)
-    monkeypatch.delenv(decode_op.FP8_GATE_ENV, raising=False)
-    gate = f"{decode_op.FP8_UNTESTED} (set TACTIX_CUDA_NATIVE_FP8=1 to run it)"
-    for problem in (e4m3, e5m2):
-        assert plugin._reasons(problem, default, H200) == [gate]
-        assert plugin._reasons(problem, tactic, H200) == [gate]
-        assert decode_op.decode_tactics(problem, H200) == []
     assert plugin._reasons(decode(), default, H200) == []
-    monkeypatch.setenv(decode_op.FP8_GATE_ENV, "1")
-    assert decode_op.decode_tactics(decode(), H200) == plain_tactics
     for problem in (e4m3, e5m2):
         assert plugin._reasons(problem, default, H200) == []
         assert plugin._reasons(problem, tactic, H200) == []
@@ -157,7 +151,7 @@ def test_fp8_kv_decode_is_gated_and_takes_cp_async_tactics_only(monkeypatch: pyt
         assert "cp.async only" in plugin._reasons(problem, maps, H200)[0]
     mixed = decode(kv_dtype="float8_e4m3fn", out_dtype="float16")
     assert "takes float16 or bfloat16 q and out of the same dtype" in plugin._reasons(mixed, default, H200)[0]
-    # prefill reads 16-bit caches only, gate or not
+    # prefill reads 16-bit caches only
     same = ["q, kv and out dtypes must be the same"]
     assert plugin._reasons(prefill(kv_dtype="float8_e4m3fn"), default, H200) == same
     # the variant and its shared memory: the ring holds fp8 rows, one converted 16-bit K and V tile follows
@@ -170,23 +164,39 @@ def test_fp8_kv_decode_is_gated_and_takes_cp_async_tactics_only(monkeypatch: pyt
             == 3 * 2 * 64 * 128 - 2 * 64 * 256)  # fmt: skip
 
 
-def test_fp8_capabilities_and_the_untested_declaration(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode declares the fp8 KV dtypes (check refuses them while gated) and, only with the gate
-    open, the k_scale / v_scale run extras (so the core refuses scales for this backend until the
-    scaled kernel has run on a GPU); the spec lists the path as declared but not tested; prefill
-    keeps 16-bit caches and no run extras."""
-    monkeypatch.delenv(decode_op.FP8_GATE_ENV, raising=False)
+def test_fp8_hardware_conversion_is_opt_in_and_compiles(monkeypatch: pytest.MonkeyPatch, cache_root: Path) -> None:
+    """TACTIX_CUDA_NATIVE_FP8_CVT=1 adds TX_FP8_CVT to the fp8 variants only (16-bit variants keep
+    their defines), and those variants compile (the hardware conversion on sm_90, the bit
+    arithmetic on sm_80, where the instruction does not exist)."""
+    params = DecodeParams(tile=64, warps=4, stages=3)
+    monkeypatch.delenv(decode_op.FP8_CVT_ENV, raising=False)
+    plain = decode_op.decode_variant("bfloat16", 128, params, "sm_90", "float8_e4m3fn")
+    assert "TX_FP8_CVT" not in dict(plain.defines)
+    monkeypatch.setenv(decode_op.FP8_CVT_ENV, "1")
+    assert "TX_FP8_CVT" not in dict(decode_op.decode_variant("bfloat16", 128, params, "sm_90").defines)
+    chosen = [decode_op.decode_variant(dt, 128, params, arch, kv) for arch in ("sm_90", "sm_80")
+              for dt, kv in (("bfloat16", "float8_e4m3fn"), ("float16", "float8_e5m2"))]  # fmt: skip
+    assert all(dict(v.defines)["TX_FP8_CVT"] == "1" for v in chosen)
+    assert runtime.compile_all(chosen, root=cache_root) == len(chosen)
+    for variant in chosen:
+        cubin, _ = runtime.compile_variant(variant, root=cache_root)
+        assert cubin[:4] == b"\x7fELF" and b"tactix_decode" in cubin, variant.label()
+    # the hardware path compiles to F2FP conversions from fp8 pairs: a different cubin on sm_90,
+    # the same code on sm_80 (the guard leaves the bit arithmetic)
+    cvt90 = runtime.compile_variant(chosen[0], root=cache_root)[0]
+    assert cvt90 != runtime.compile_variant(plain, root=cache_root)[0]
+
+
+def test_fp8_capabilities() -> None:
+    """Decode declares the fp8 KV dtypes and the k_scale / v_scale run extras; prefill keeps
+    16-bit caches and no run extras; nothing is declared untested."""
     spec = plugin.tactix_backends()[0]
     assert spec.decode is not None and spec.prefill is not None
     assert {"float8_e4m3fn", "float8_e5m2"} <= spec.decode.kv_dtypes
-    assert spec.decode.run_extras == frozenset() == spec.prefill.run_extras
-    assert spec.prefill.kv_dtypes == frozenset({"float16", "bfloat16"})
-    assert len(spec.untested) == 1 and decode_op.FP8_UNTESTED in next(iter(spec.untested.values()))
-    monkeypatch.setenv(decode_op.FP8_GATE_ENV, "1")
-    spec = plugin.tactix_backends()[0]
-    assert spec.decode is not None and spec.prefill is not None
     assert spec.decode.run_extras == frozenset({"k_scale", "v_scale"})
     assert spec.prefill.run_extras == frozenset()
+    assert spec.prefill.kv_dtypes == frozenset({"float16", "bfloat16"})
+    assert not spec.untested
 
 
 def test_decode_scale_arguments_pass_device_scales_by_address() -> None:

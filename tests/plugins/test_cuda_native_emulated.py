@@ -27,7 +27,7 @@ import torch
 
 pytest.importorskip("tactix_cuda_native", reason="plugins/cuda_native is not installed (scripts/setup.sh installs it)")
 
-from tactix_cuda_native import decode, gemm, plugin, prefill
+from tactix_cuda_native import gemm, plugin, prefill
 from tactix_cuda_native.device import H200
 
 import tactix
@@ -274,7 +274,7 @@ def test_emulated_decode_graph_mode_replays_and_replans() -> None:
             assert lse_error(lse, ref_lse) <= LSE_TOLERANCE["bfloat16"], f"{lens} {schedule}"
 
 
-# -- fp8 KV caches (decode; gated by TACTIX_CUDA_NATIVE_FP8 until it has run on a GPU) -----------
+# -- fp8 KV caches (decode) ------------------------------------------------------------------------
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -341,14 +341,12 @@ FP8_CASES = [
 
 
 @pytest.mark.parametrize(("lens", "kw", "split"), FP8_CASES)
-def test_emulated_fp8_kv_decode(lens: list[int], kw: dict[str, Any], split: bool,
-                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_emulated_fp8_kv_decode(lens: list[int], kw: dict[str, Any], split: bool) -> None:
     """fp8 (e4m3fn, e5m2) caches under bf16 and fp16 q against the float64 oracle with the same
     scales: as floats and as one-element tensors (read by the kernel: a new value is seen by the
     next launch, as in a CUDA-graph replay), with and without the LSE, split requests merged under
     every schedule (bitwise the same), 448 in the slots no request owns, windows, the soft cap, GQA
     20 (two q tiles), d 64 to 256, a 32-key tile of 2 warps."""
-    monkeypatch.setenv(decode.FP8_GATE_ENV, "1")
     problem, batch, q, k, v, reference = _fp8_case(lens, kw)
     tactic = kw.get("tactic")
     t = Tactic.default("cuda_native") if tactic is None else Tactic(backend="cuda_native", kernel="decode",

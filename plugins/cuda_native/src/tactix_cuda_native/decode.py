@@ -11,8 +11,10 @@ tensor maps of the caches).
 
 FP8 KV caches (``float8_e4m3fn``, ``float8_e5m2``, 16-bit q and out): the same kernel with
 ``TX_KV_FP8`` (cp.async tactics only; the tile converted to 16 bits in shared memory), and the
-dequantization scales (run extras ``k_scale``, ``v_scale``) as kernel arguments. Gated
-(`FP8_GATE_ENV`): verified on the CPU emulator only until it has run on a GPU.
+dequantization scales (run extras ``k_scale``, ``v_scale``) as kernel arguments; run on the H200
+by the conformance kit. ``TACTIX_CUDA_NATIVE_FP8_CVT=1`` (`FP8_CVT_ENV`) compiles the tile
+conversion with the hardware fp8 conversion instead (sm_89+; bitwise the same values): opt-in
+until it has been run and timed on a GPU.
 
 The geometry functions are pure (no CUDA), so every rule is tested on a machine without a GPU.
 """
@@ -54,15 +56,14 @@ from tactix_cuda_native.tactics import TacticParams
 Q_TILE: Final = 16  # query heads of one GQA group per CTA (the mma's 16 rows)
 DECODE_ITEM_INTS: Final = 8  # ints per work item record (kernels/decode.cu)
 DECODE_BULK: Final = (0, 8, 16, 32)
-FP8_GATE_ENV: Final = "TACTIX_CUDA_NATIVE_FP8"
-FP8_UNTESTED: Final = "fp8 KV decode: verified on the CPU emulator only; not yet run on this project's H200"
-"""Why fp8 KV-cache decode (and the k/v scales) is refused unless ``TACTIX_CUDA_NATIVE_FP8=1``."""
+FP8_CVT_ENV: Final = "TACTIX_CUDA_NATIVE_FP8_CVT"
 
 
-def fp8_enabled() -> bool:
-    """Whether the fp8 KV-cache decode path (and the dequantization scales) is let through: the
-    environment variable `FP8_GATE_ENV` is 1 (set it to validate the path on a GPU)."""
-    return os.environ.get(FP8_GATE_ENV) == "1"
+def fp8_cvt() -> int:
+    """1 when `FP8_CVT_ENV` is 1: fp8 decode variants convert their tiles with the hardware fp8
+    conversion (``TX_FP8_CVT``, sm_89 and later) instead of bit arithmetic. Opt-in: it has not
+    run on a GPU yet (set it to validate and time it there)."""
+    return int(os.environ.get(FP8_CVT_ENV) == "1")
 
 
 # -- tactic parameters -----------------------------------------------------------------------
@@ -397,8 +398,6 @@ def decode_reasons(problem: DecodeProblem, tactic: Tactic, info: DeviceInfo) -> 
     """Why ``tactic`` cannot serve ``problem`` on a GPU like ``info`` (empty: it can)."""
     out = attention_reasons(problem, fp8_kv=True)
     fp8 = problem.kv_dtype in FP8_KV_DTYPES
-    if fp8 and not fp8_enabled():
-        out.append(f"{FP8_UNTESTED} (set {FP8_GATE_ENV}=1 to run it)")
     if tactic.is_default:
         if tactic.params:
             out.append(f"the default tactic takes no params (got {tactic.params})")
@@ -449,6 +448,7 @@ def decode_variant(dtype: str, head_dim: int, params: DecodeParams, arch: str, k
         **({"TX_BULK": params.bulk} if params.bulk else {}),  # absent when 0: the variants keep their keys
         **({"TX_TMA": params.tma} if params.tma else {}),
         **({"TX_KV_FP8": fp8} if fp8 else {}),  # absent for 16-bit caches (their variants keep their keys)
+        **({"TX_FP8_CVT": 1} if fp8 and fp8_cvt() else {}),
     )
 
 
@@ -469,7 +469,7 @@ def _decode_kernel(index: int, dtype: str, d: int, params: DecodeParams, info: D
     """The decode kernel of ``params`` on device ``index``, and whether NVRTC compiled it now."""
     kv_bytes = 1 if kv_dtype in FP8_KV_DTYPES else 2
     smem = decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk, params.tma, kv_bytes)
-    key = ("decode", index, dtype, kv_dtype, d, params, info.arch)
+    key = ("decode", index, dtype, kv_dtype, d, params, info.arch, fp8_cvt())
     return load_kernel(key, lambda: decode_variant(dtype, d, params, info.arch, kv_dtype), "tactix_decode", smem,
                        32 * params.warps, params, index, info)  # fmt: skip
 

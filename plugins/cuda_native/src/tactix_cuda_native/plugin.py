@@ -38,7 +38,7 @@ _DECODE = tactix.AttentionCapabilities(
     devices=frozenset({"cuda"}),
     compute_capabilities=_CCS,
     q_dtypes=DTYPES,
-    kv_dtypes=DTYPES | frozenset(FP8_KV_DTYPES),  # fp8: gated (decode.fp8_enabled, UNTESTED_DECLARED)
+    kv_dtypes=DTYPES | frozenset(FP8_KV_DTYPES),
     out_dtypes=DTYPES,
     head_dims=frozenset(HEAD_DIMS),
     page_sizes=_PAGE_SIZES,
@@ -48,19 +48,8 @@ _DECODE = tactix.AttentionCapabilities(
     logits_soft_cap=True,
     lse=True,
     cuda_graph="fixed_buffers",
+    run_extras=frozenset({"k_scale", "v_scale"}),  # an fp8 cache's dequantization scales
 )
-
-_DECODE_SCALED = _DECODE.model_copy(update={"run_extras": frozenset({"k_scale", "v_scale"})})
-"""Decode with the dequantization scales as run extras: declared only while the fp8 gate is open
-(`decode.fp8_enabled`), since the scale arguments have not run on a GPU yet either."""
-
-UNTESTED_DECLARED: Final[dict[str, str]] = {
-    "fp8 KV-cache decode (float8_e4m3fn, float8_e5m2) and the k_scale / v_scale run extras": (
-        f"{decode.FP8_UNTESTED}; refused unless {decode.FP8_GATE_ENV}=1 (which also declares the run extras)"
-    ),
-}
-"""Paths declared but not yet run on this project's GPU (`BackendSpec.untested`): check() refuses
-fp8 KV-cache decode with `decode.FP8_UNTESTED` unless the gate is open."""
 
 _PREFILL = tactix.AttentionCapabilities(
     devices=frozenset({"cuda"}),
@@ -103,7 +92,7 @@ def tactix_backends() -> list[tactix.BackendSpec]:
             description="the project's CUDA kernels (NVRTC): paged prefill (flash attention: wgmma on Hopper, "
             "mma.sync elsewhere), paged decode with split-KV, skinny GEMM for m <= 64",
             prefill=_PREFILL,
-            decode=_DECODE_SCALED if decode.fp8_enabled() else _DECODE,
+            decode=_DECODE,
             gemm=_GEMM,
             preference=5,
             # decode: ahead of cudnn untuned. Measured on the H200 (benchmarks/results/
@@ -114,7 +103,6 @@ def tactix_backends() -> list[tactix.BackendSpec]:
             # cuBLAS at m <= 16 but 0.91x at m = 64 (h200-bench-gemm.md); tuning picks it where
             # it wins.
             op_preference={"decode": 20, "gemm": -150},
-            untested=UNTESTED_DECLARED,
         )
     ]
 

@@ -24,8 +24,8 @@ __all__ = ["candidate_variants", "default_variants", "fp8_decode_variants"]
 def default_variants(info: DeviceInfo = H200) -> list[Variant]:
     """Every kernel variant the default tactics use on a GPU like ``info`` (what `warmup` compiles):
     prefill for each head dim, with persistent CTAs where the default takes them for batches of
-    short work items; decode for each head dim, large and small batches; GEMM for 1, 2 and 4
-    m-tiles."""
+    short work items; decode for each head dim, large and small batches, over 16-bit and fp8
+    caches (`fp8_decode_variants`); GEMM for 1, 2 and 4 m-tiles."""
     out = []
     for dtype in sorted(DTYPES):
         for d in HEAD_DIMS:
@@ -38,13 +38,12 @@ def default_variants(info: DeviceInfo = H200) -> list[Variant]:
                 out.append(decode_variant(dtype, d, default_decode_params(d, info, small), info.arch))
         for m in (1, 32, GEMM_MAX_M):  # one m per m-tile count (1, 2, 4 tiles of 16 rows)
             out.append(gemm_params_variant(dtype, m, default_gemm_params(m, info), info))
-    return list(dict.fromkeys(out))
+    return list(dict.fromkeys(out + fp8_decode_variants(info)))
 
 
 def fp8_decode_variants(info: DeviceInfo = H200) -> list[Variant]:
     """The decode variants of the default tactics for fp8 KV caches (each fp8 dtype under bf16 and
-    fp16 q, every head dim, large and small batches). Not in `default_variants` (what ``warmup``
-    compiles) while the fp8 path is gated (`decode.fp8_enabled`); the CPU tests compile them."""
+    fp16 q, every head dim, large and small batches); part of `default_variants`."""
     out = []
     for dtype in sorted(DTYPES):
         for kv in sorted(FP8_KV_DTYPES):
