@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import math
+from functools import partial
+from typing import Any
 
 import pytest
 import torch
 
 import tactix
-from tactix.compat.flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
+from tactix.compat.flashinfer import (
+    BatchDecodeWithPagedKVCacheWrapper,
+    BatchPrefillWithPagedKVCacheWrapper,
+    fast_decode_plan,
+)
 from tactix.testing import attention_reference, lse_error, relative_error
 
 i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
@@ -118,3 +125,295 @@ def test_multi_token_decode_is_refused(batch: dict[str, torch.Tensor]) -> None:
 def test_workspace_must_be_a_tensor() -> None:
     with pytest.raises(tactix.InvalidArgumentError, match="float_workspace_buffer"):
         BatchDecodeWithPagedKVCacheWrapper(None, "NHD")  # type: ignore[arg-type]
+
+
+# -- backend names ------------------------------------------------------------------------------
+
+
+def decode_reference(batch: dict[str, torch.Tensor], q: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 oracle of a decode batch (``kv_indptr``, ``kv_indices``, ``last`` of ``batch``)."""
+    rows = batch["last"].shape[0]
+    kw.setdefault("sm_scale", 1 / math.sqrt(32))
+    return attention_reference(q, batch["k"], batch["v"], torch.arange(rows + 1, dtype=torch.int32),
+                               batch["kv_indptr"], batch["kv_indices"], batch["last"], kv_layout="HND", causal=False,
+                               **kw)  # fmt: skip
+
+
+def plan_decode(wrapper: BatchDecodeWithPagedKVCacheWrapper, batch: dict[str, torch.Tensor], **kw: Any) -> None:
+    wrapper.plan(batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8, q_data_type=torch.float32, **kw)
+
+
+@pytest.mark.parametrize("name", ["auto", "fa2", "fa3"])
+def test_flashinfer_auto_names_are_served_by_tactix_auto(batch: dict[str, torch.Tensor], name: str) -> None:
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND", backend=name)
+    plan_decode(wrapper, batch)
+    out = wrapper.run(batch["q"][:3], (batch["k"], batch["v"]))
+    ref, _ = decode_reference(batch, batch["q"][:3])
+    assert isinstance(out, torch.Tensor) and relative_error(out, ref) < 1e-5
+    prefill = BatchPrefillWithPagedKVCacheWrapper(WORKSPACE, "HND", backend=name)
+    prefill.plan(batch["qo_indptr"], batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8,
+                 q_data_type=torch.float32)  # fmt: skip
+    assert prefill.run(batch["q"], (batch["k"], batch["v"])).shape == (20, 4, 32)
+
+
+@pytest.mark.parametrize(("name", "tactix_name"), [("cudnn", "cudnn"), ("trtllm-gen", "trtllm"), ("torch", "torch")])
+def test_flashinfer_backend_names_select_the_matching_tactix_backend(
+    batch: dict[str, torch.Tensor], name: str, tactix_name: str
+) -> None:
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND", backend=name)
+    if tactix_name == "torch":
+        plan_decode(wrapper, batch)
+        return
+    # on this CPU the named backend itself refuses (auto would have served the batch with torch)
+    with pytest.raises(tactix.UnsupportedProblemError) as info:
+        plan_decode(wrapper, batch)
+    assert info.value.backend == tactix_name
+
+
+def test_a_name_that_only_selects_auto_is_noted_once_per_name(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import tactix.compat.flashinfer as compat
+
+    monkeypatch.setattr(compat, "_noted", set())
+    with caplog.at_level(logging.INFO, logger="tactix.compat"):
+        for name in ("auto", "fa2", "fa2", "fa3", "auto", "fa3"):
+            BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND", backend=name)
+        BatchPrefillWithPagedKVCacheWrapper(WORKSPACE, "HND", backend="fa2")
+    notes = [r for r in caplog.records if r.name == "tactix.compat"]
+    assert [r.levelno for r in notes] == [logging.INFO, logging.INFO]
+    assert "'fa2'" in notes[0].getMessage() and "'fa3'" in notes[1].getMessage()
+    assert all("'auto'" in r.getMessage() for r in notes)
+
+
+@pytest.mark.parametrize("name", ["cute-dsl", "fa4", "FA2", "", 3])
+def test_an_unknown_backend_name_is_refused_naming_the_choices(name: object) -> None:
+    for cls in (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper):
+        with pytest.raises(tactix.InvalidArgumentError) as info:
+            cls(WORKSPACE, "HND", backend=name)  # type: ignore[arg-type]
+        assert info.value.argument == "backend" and info.value.given == repr(name)
+        assert "'trtllm-gen'" in info.value.expected and "torch" in info.value.expected
+
+
+# -- fast_decode_plan ---------------------------------------------------------------------------
+
+# a second decode batch over the same cache: kv lengths 7, 11, 16 (the first has 13, 8, 12: the
+# same batch size and length bucket, so a CUDA-graph wrapper re-plans it in place)
+NEXT = {"kv_indptr": i32(0, 1, 3, 5), "kv_indices": i32(2, 5, 6, 0, 1), "last": i32(7, 3, 8)}
+
+
+def test_fast_decode_plan_replans_as_plan_does(batch: dict[str, torch.Tensor]) -> None:
+    nxt = {**batch, **NEXT}
+    q = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(5))
+    fresh = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND")
+    plan_decode(fresh, nxt, o_data_type=torch.bfloat16)
+    expected = fresh.run(q, (batch["k"], batch["v"]))
+
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND")
+    plan_decode(wrapper, batch, o_data_type=torch.bfloat16)
+    wrapper.plan = partial(fast_decode_plan, wrapper)  # type: ignore[method-assign]  # what vLLM and SGLang do
+    override = torch.zeros(9, dtype=torch.int32)  # a host buffer sized for the largest batch
+    override[:4] = NEXT["kv_indptr"]
+    wrapper.plan(NEXT["kv_indptr"], NEXT["kv_indices"], NEXT["last"], 4, 2, 32, 8, q_data_type=torch.float32,
+                 non_blocking=True, global_override_indptr_cpu=override)  # fmt: skip
+    out = wrapper.run(q, (batch["k"], batch["v"]))
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16  # the planned output dtype is kept
+    assert torch.equal(out, expected)
+    ref, ref_lse = decode_reference(nxt, q)
+    assert relative_error(out, ref) < 1e-2  # bfloat16 output
+    _, lse = wrapper.run(q, (batch["k"], batch["v"]), return_lse=True)
+    assert lse_error(lse, ref_lse / math.log(2)) < 1e-5
+
+
+def test_fast_decode_plan_needs_no_earlier_plan_and_keeps_flashinfer_dtype_rules(
+    batch: dict[str, torch.Tensor],
+) -> None:
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND")
+    # q_data_type=None stands for data_type, as in FlashInfer's fast_decode_plan
+    fast_decode_plan(wrapper, batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8,
+                     data_type=torch.float32, sm_scale=0.3)  # fmt: skip
+    out = wrapper.run(batch["q"][:3], (batch["k"], batch["v"]))
+    ref, _ = decode_reference(batch, batch["q"][:3], sm_scale=0.3)
+    assert isinstance(out, torch.Tensor) and relative_error(out, ref) < 1e-5
+
+
+def test_fast_decode_plan_keeps_cuda_graph_buffers_of_both_plans(batch: dict[str, torch.Tensor]) -> None:
+    """A captured graph replays the plan objects it was captured with: after fast_decode_plan those
+    same objects (plain and LSE) must compute the new batch. Called directly here, on the CPU."""
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND", use_cuda_graph=True)
+    assert wrapper.is_cuda_graph_enabled
+    plan_decode(wrapper, batch)
+    q = batch["q"][:3]
+    wrapper.run(q, (batch["k"], batch["v"]))
+    wrapper.run_return_lse(q, (batch["k"], batch["v"]))  # the warm-up run that makes the LSE plan
+    captured = wrapper._plain.plan_object, wrapper._with_lse.plan_object  # type: ignore[union-attr]
+    fast_decode_plan(wrapper, NEXT["kv_indptr"], NEXT["kv_indices"], NEXT["last"], 4, 2, 32, 8,
+                     q_data_type=torch.float32)  # fmt: skip
+    ref, ref_lse = decode_reference({**batch, **NEXT}, q)
+    k, v = batch["k"], batch["v"]
+    out = torch.empty(3, 4, 32)
+    captured[0].run(q, k, v, out, None)  # "replay"
+    assert relative_error(out, ref) < 1e-5
+    lse = torch.empty(3, 4)
+    captured[1].run(q, k, v, out, lse)
+    assert relative_error(out, ref) < 1e-5 and lse_error(lse, ref_lse) < 1e-5
+    with pytest.raises(tactix.UnsupportedProblemError, match="CUDA-graph mode"):  # as plan() refuses it
+        fast_decode_plan(wrapper, i32(0, 1, 2), i32(0, 1), i32(1, 1), 4, 2, 32, 8, q_data_type=torch.float32)
+
+
+def test_fast_decode_plan_refuses_what_plan_refuses(batch: dict[str, torch.Tensor]) -> None:
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND")
+    args = (batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8)
+    for argument, kw in [
+        ("q_len_per_req", {"q_len_per_req": 2}),
+        ("pos_encoding_mode", {"pos_encoding_mode": "ROPE_LLAMA"}),
+        ("kv_data_type", {"kv_data_type": torch.uint8}),
+        ("global_override_indptr_cpu", {"global_override_indptr_cpu": [0, 2, 3, 5]}),
+    ]:
+        with pytest.raises(tactix.InvalidArgumentError) as info:
+            fast_decode_plan(wrapper, *args, q_data_type=torch.float32, **kw)  # type: ignore[arg-type]
+        assert info.value.argument == argument
+    with pytest.raises(tactix.InvalidArgumentError, match="'self'"):
+        fast_decode_plan(BatchPrefillWithPagedKVCacheWrapper(WORKSPACE), *args)  # type: ignore[arg-type]
+
+
+def test_flashinfer_internals_are_missing_with_a_pointer_to_fast_decode_plan() -> None:
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND")
+    with pytest.raises(AttributeError, match=r"_requested_backend.*tactix\.compat\.flashinfer\.fast_decode_plan"):
+        _ = wrapper._requested_backend  # the first internal FlashInfer 0.7's fast_decode_plan reads
+    assert getattr(wrapper, "_user_block_tables", False) is False  # getattr with a default still works
+
+
+# -- FlashInfer's other members -----------------------------------------------------------------
+
+
+def test_use_tensor_cores_is_the_decode_wrappers_property() -> None:
+    assert BatchDecodeWithPagedKVCacheWrapper(WORKSPACE).use_tensor_cores is False
+    assert BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, use_tensor_cores=True).use_tensor_cores is True
+    assert BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, backend="trtllm-gen").use_tensor_cores is True
+    assert not hasattr(BatchPrefillWithPagedKVCacheWrapper(WORKSPACE), "use_tensor_cores")  # nor has FlashInfer's
+
+
+@pytest.mark.parametrize("cls", [BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper])
+def test_is_cuda_graph_enabled(cls: type[Any]) -> None:
+    assert cls(WORKSPACE, "HND", use_cuda_graph=True).is_cuda_graph_enabled is True
+    assert cls(WORKSPACE, "HND").is_cuda_graph_enabled is False
+
+
+def test_run_return_lse_begin_forward_and_end_forward(batch: dict[str, torch.Tensor]) -> None:
+    decode = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND")
+    decode.begin_forward(batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8,
+                         q_data_type=torch.float32)  # fmt: skip
+    q = batch["q"][:3]
+    out, lse = decode.run_return_lse(q, (batch["k"], batch["v"]))
+    ref, ref_lse = decode_reference(batch, q)
+    assert relative_error(out, ref) < 1e-5 and lse_error(lse, ref_lse / math.log(2)) < 1e-5
+    decode.end_forward()  # no effect: the plan stays usable
+    assert relative_error(decode.run(q, (batch["k"], batch["v"])), ref) < 1e-5  # type: ignore[arg-type]
+
+    prefill = BatchPrefillWithPagedKVCacheWrapper(WORKSPACE, "HND")
+    prefill.begin_forward(batch["qo_indptr"], batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8,
+                          causal=True, q_data_type=torch.float32)  # fmt: skip
+    out, lse = prefill.run_return_lse(batch["q"], (batch["k"], batch["v"]))
+    ref, ref_lse = attention_reference(
+        batch["q"], batch["k"], batch["v"], batch["qo_indptr"], batch["kv_indptr"], batch["kv_indices"],
+        batch["last"], kv_layout="HND", causal=True, sm_scale=1 / math.sqrt(32),
+    )  # fmt: skip
+    assert relative_error(out, ref) < 1e-5 and lse_error(lse, ref_lse / math.log(2)) < 1e-5
+    prefill.end_forward()
+
+
+def test_forward_arguments_replace_the_planned_ones_as_in_flashinfer(batch: dict[str, torch.Tensor]) -> None:
+    # the legacy pattern: begin_forward with the batch only, attention arguments given to forward
+    prefill = BatchPrefillWithPagedKVCacheWrapper(WORKSPACE, "HND")
+    prefill.begin_forward(batch["qo_indptr"], batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8,
+                          q_data_type=torch.float32)  # fmt: skip
+    cache = (batch["k"], batch["v"])
+
+    def reference(causal: bool, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        kw.setdefault("sm_scale", 1 / math.sqrt(32))
+        return attention_reference(batch["q"], batch["k"], batch["v"], batch["qo_indptr"], batch["kv_indptr"],
+                                   batch["kv_indices"], batch["last"], kv_layout="HND", causal=causal,
+                                   **kw)  # fmt: skip
+
+    ref, _ = reference(True, sm_scale=0.2, logits_soft_cap=5.0)
+    out = prefill.forward(batch["q"], cache, causal=True, sm_scale=0.2, logits_soft_cap=5.0)
+    assert relative_error(out, ref) < 1e-5
+    ref, ref_lse = reference(False)  # forward's defaults are FlashInfer's: not causal, default scale
+    out, lse = prefill.forward_return_lse(batch["q"], cache)
+    assert relative_error(out, ref) < 1e-5 and lse_error(lse, ref_lse / math.log(2)) < 1e-5
+    with pytest.raises(tactix.InvalidArgumentError, match="causal"):
+        prefill.forward(batch["q"], cache, causal=1)  # type: ignore[arg-type]
+
+    decode = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND")
+    plan_decode(decode, batch, sm_scale=0.7)
+    q = batch["q"][:3]
+    ref, ref_lse = decode_reference(batch, q, sm_scale=0.1, window_left=4)
+    assert relative_error(decode.forward(q, cache, sm_scale=0.1, window_left=4), ref) < 1e-5
+    out, lse = decode.forward_return_lse(q, cache, sm_scale=0.1, window_left=4)
+    assert relative_error(out, ref) < 1e-5 and lse_error(lse, ref_lse / math.log(2)) < 1e-5
+    with pytest.raises(tactix.InvalidArgumentError, match="pos_encoding_mode"):
+        decode.forward(q, cache, pos_encoding_mode="ALIBI")
+    with pytest.raises(tactix.TactixError, match="plan"):
+        BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND").forward(q, cache)
+
+
+def test_reset_workspace_buffer_takes_tensors_on_the_wrappers_device(batch: dict[str, torch.Tensor]) -> None:
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND")
+    plan_decode(wrapper, batch)
+    wrapper.reset_workspace_buffer(torch.empty(64, dtype=torch.uint8), torch.empty(64, dtype=torch.uint8))
+    assert isinstance(wrapper.run(batch["q"][:3], (batch["k"], batch["v"])), torch.Tensor)
+    with pytest.raises(tactix.InvalidArgumentError, match="int_workspace_buffer"):
+        wrapper.reset_workspace_buffer(torch.empty(64), None)  # type: ignore[arg-type]
+    with pytest.raises(tactix.InvalidArgumentError, match="float_workspace_buffer"):
+        BatchPrefillWithPagedKVCacheWrapper(WORKSPACE).reset_workspace_buffer(
+            torch.empty(64, device="meta"), torch.empty(64)
+        )
+
+
+def test_flashinfer_neutral_plan_arguments_are_accepted(batch: dict[str, torch.Tensor]) -> None:
+    # values a FlashInfer caller passes explicitly that ask for nothing tactix lacks
+    decode = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND")
+    plan_decode(decode, batch, q_len_per_req=1, fixed_split_size=16, disable_split_kv=True, window_right=0)
+    prefill = BatchPrefillWithPagedKVCacheWrapper(WORKSPACE, "HND")
+    prefill.plan(batch["qo_indptr"], batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8,
+                 q_data_type=torch.float32, disable_split_kv=False, fixed_split_size=None,
+                 token_pos_in_items_len=0)  # fmt: skip
+    with pytest.raises(tactix.InvalidArgumentError, match="q_len_per_req"):
+        plan_decode(decode, batch, q_len_per_req=4)
+    with pytest.raises(tactix.InvalidArgumentError, match="block_tables"):
+        plan_decode(decode, batch, block_tables=torch.zeros(3, 2, dtype=torch.int32))
+
+
+# -- NVFP4 --------------------------------------------------------------------------------------
+
+NVFP4 = [torch.uint8, "uint8"] + ([torch.float4_e2m1fn_x2] if hasattr(torch, "float4_e2m1fn_x2") else [])
+
+
+@pytest.mark.parametrize("dtype", NVFP4, ids=str)
+def test_nvfp4_kv_caches_are_refused_at_plan(batch: dict[str, torch.Tensor], dtype: object) -> None:
+    args = (batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8)
+    cases: list[tuple[str, Any]] = [
+        ("kv_data_type", lambda w: w.plan(*args, q_data_type=torch.float16, kv_data_type=dtype)),
+        ("data_type", lambda w: w.plan(*args, data_type=dtype)),  # FlashInfer's older name: both q and kv
+    ]
+    for argument, plan in cases:
+        wrapper = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND", use_tensor_cores=True)
+        with pytest.raises(tactix.InvalidArgumentError, match=r"NVFP4 KV caches .* not supported by tactix") as info:
+            plan(wrapper)
+        assert info.value.argument == argument
+        with pytest.raises(tactix.TactixError, match="plan"):  # nothing was planned
+            wrapper.run(batch["q"][:3], (batch["k"], batch["v"]))
+    prefill = BatchPrefillWithPagedKVCacheWrapper(WORKSPACE, "HND")
+    with pytest.raises(tactix.InvalidArgumentError, match="NVFP4") as info:
+        prefill.plan(batch["qo_indptr"], batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8,
+                     q_data_type=torch.float16, kv_data_type=dtype)  # fmt: skip
+    assert info.value.argument == "kv_data_type"
+
+
+def test_nvfp4_scale_factors_are_refused_at_run(batch: dict[str, torch.Tensor]) -> None:
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND")
+    plan_decode(wrapper, batch)
+    scales = torch.zeros(7, 2, 2, 8, 2, dtype=torch.uint8)
+    with pytest.raises(tactix.InvalidArgumentError, match=r"kv_cache_sf.*NVFP4"):
+        wrapper.run(batch["q"][:3], (batch["k"], batch["v"]), kv_cache_sf=scales)

@@ -3,34 +3,112 @@
     # from flashinfer import BatchPrefillWithPagedKVCacheWrapper, BatchDecodeWithPagedKVCacheWrapper
     from tactix.compat.flashinfer import BatchPrefillWithPagedKVCacheWrapper, BatchDecodeWithPagedKVCacheWrapper
 
-Constructor, ``plan`` and ``run`` take FlashInfer's signatures. Differences, all explicit:
+Constructor, ``plan`` and ``run`` take FlashInfer's signatures, and the wrappers have the rest of
+FlashInfer's documented members: ``begin_forward`` (another name of ``plan``), ``run_return_lse``
+(``run`` with ``return_lse=True``), ``reset_workspace_buffer``, the ``is_cuda_graph_enabled``
+property, the decode wrapper's ``use_tensor_cores`` property (what the constructor was given;
+``True`` for ``backend="trtllm-gen"``, as in FlashInfer), and the deprecated ``forward`` /
+``forward_return_lse`` and ``end_forward``. As in FlashInfer, the attention arguments of
+``forward`` (``causal``, ``sm_scale``, ``window_left``, ``logits_soft_cap``) replace the planned
+ones: the wrapper re-plans when they differ from the last plan's. ``end_forward`` has no effect.
 
-* The workspace buffer only tells the device (tactix backends own their scratch memory), and
+``backend`` takes FlashInfer's names: ``"auto"``, ``"fa2"`` and ``"fa3"`` select tactix's
+``"auto"`` (tactix's choice among the installed backends, tuned where a tactic store has an
+entry), ``"cudnn"`` selects tactix's ``cudnn`` backend and ``"trtllm-gen"`` its ``trtllm`` backend
+(TensorRT-LLM's kernels, through FlashInfer). Since ``"fa2"``/``"fa3"`` name a FlashInfer kernel
+family tactix does not have, the first wrapper made with each logs a note (INFO, logger
+``tactix.compat``) saying that ``auto`` serves it. A tactix backend name (``"torch"``,
+``"cuda_native"``, ...) is taken as it is; any other name raises `InvalidArgumentError`.
+
+``fast_decode_plan`` (this module's) re-plans a decode wrapper: it has the signature of FlashInfer's
+``flashinfer.fast_decode_plan``, which serving engines (vLLM, SGLang) call every step in place of
+``plan``, and is used the same way::
+
+    from functools import partial
+    from tactix.compat.flashinfer import fast_decode_plan
+
+    wrapper.plan = partial(fast_decode_plan, wrapper)
+
+FlashInfer's own ``fast_decode_plan`` cannot drive these wrappers: it reads and writes FlashInfer's
+private wrapper state (the JIT module whose planner it calls with FlashInfer's own argument list,
+the ``_plan_info`` its ``run`` reads, its workspace and CUDA-graph buffers, which backend its
+``auto`` resolved to), none of which a tactix wrapper has: tactix plans own their buffers and are
+re-planned through tactix. Reading a missing attribute of these wrappers raises an
+``AttributeError`` that says so.
+
+Differences, all explicit:
+
+* The workspace buffers only tell the device (tactix backends own their scratch memory), and
   the ``*_buf`` arguments for CUDA-graph mode are accepted and not needed: plans keep their own
-  buffers at fixed addresses.
-* ``backend`` is ``"auto"`` or a tactix backend name (FlashInfer's ``"fa2"``/``"fa3"`` are not
-  tactix backends).
+  buffers at fixed addresses. With ``use_cuda_graph=True`` a re-plan (``plan`` or
+  ``fast_decode_plan``) of the same batch size and length bucket rewrites those buffers in place,
+  so a captured ``run`` replays the new batch. ``run`` with the LSE uses a second plan, made at
+  the first such run: run once with the LSE before capturing (the usual warm-up run); later
+  re-plans rewrite both.
 * The LSE is returned in base 2, as FlashInfer returns it (tactix's own API uses natural log).
+* Scheduling hints (``fixed_split_size``, ``disable_split_kv``, ``non_blocking``,
+  ``enable_pdl``) are accepted: each tactix backend schedules for itself.
 * Features tactix does not implement raise `InvalidArgumentError` naming the argument: custom
-  masks, rotary embedding inside the kernel, fp16 QK reduction, q/k/v scales, attention sinks,
-  more than one query per request in decode.
+  masks, rotary embedding inside the kernel, fp16 QK reduction, a q scale, attention sinks,
+  NVFP4 KV caches (``kv_data_type=torch.uint8`` at plan, ``kv_cache_sf`` at run), FlashInfer's
+  own page-table arguments (``block_tables``, ``seq_lens``), more than one query per request in
+  decode (``q_len_per_req``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final, get_args
 
 import torch
 
 from tactix.arguments import flag
 from tactix.attention import PagedDecode, PagedPrefill
+from tactix.dtypes import DTypeName
 from tactix.errors import InvalidArgumentError, TactixError
 from tactix.problems import KVLayout
+from tactix.registry import get_registry
 
-__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"]
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper", "fast_decode_plan"]
+
+log = logging.getLogger("tactix.compat")
 
 _LOG2E = 1.0 / math.log(2.0)
+
+_AUTO_NAMES: Final = ("auto", "fa2", "fa3")
+"""FlashInfer backend names that tactix serves with its ``auto``."""
+_RENAMED: Final = {"cudnn": "cudnn", "trtllm-gen": "trtllm"}
+"""FlashInfer backend names of a tactix backend: the tactix name of each."""
+_noted: set[str] = set()
+"""The FlashInfer names whose note (served by ``auto``) this process has logged."""
+
+_HINTS: Final = frozenset({"fixed_split_size", "disable_split_kv"})
+"""FlashInfer plan arguments that only steer its scheduler: accepted, each tactix backend schedules for itself."""
+_NEUTRAL: Final[dict[str, object]] = {"token_pos_in_items_len": 0, "window_right": 0}
+"""FlashInfer's defaults, where they are not None, of plan arguments tactix does not implement."""
+_NVFP4_NAMES: Final = frozenset({"uint8", "torch.uint8", "float4_e2m1fn_x2", "torch.float4_e2m1fn_x2"})
+
+
+def _tactix_backend(backend: object) -> str:
+    """The tactix backend argument that serves FlashInfer's ``backend`` name."""
+    if isinstance(backend, str) and backend in _AUTO_NAMES:
+        if backend != "auto" and backend not in _noted:
+            _noted.add(backend)
+            log.info("FlashInfer backend %r is served by tactix's 'auto' (its choice among the installed backends; "
+                     "pass a tactix backend name to choose one)", backend)  # fmt: skip
+        return "auto"
+    if isinstance(backend, str) and backend in _RENAMED:
+        return _RENAMED[backend]
+    known = sorted({record.name for record in get_registry().records()})
+    if isinstance(backend, str) and backend in known:
+        return backend
+    raise InvalidArgumentError(
+        "backend",
+        "one of FlashInfer's 'auto', 'fa2', 'fa3' (tactix's auto), 'cudnn', 'trtllm-gen' (tactix's trtllm) or a tactix "
+        f"backend name ({', '.join(known) or 'none installed'})",
+        repr(backend),
+    )
 
 
 def _unsupported(argument: str, value: object, default: object = None) -> None:
@@ -38,46 +116,111 @@ def _unsupported(argument: str, value: object, default: object = None) -> None:
         raise InvalidArgumentError(argument, f"{default!r} (tactix does not implement it)", repr(value))
 
 
-def _workspace_device(buffer: object) -> torch.device:
+def _unsupported_extras(extras: dict[str, Any]) -> None:
+    """Refuse the FlashInfer plan arguments this signature does not name, unless neutral or a hint."""
+    for name, value in extras.items():
+        if name not in _HINTS:
+            _unsupported(name, value, _NEUTRAL.get(name))
+
+
+def _refuse_nvfp4(argument: str, dtype: object) -> None:
+    fp4 = getattr(torch, "float4_e2m1fn_x2", None)
+    if (
+        (isinstance(dtype, torch.dtype) and (dtype == torch.uint8 or (fp4 is not None and dtype == fp4)))
+        or (isinstance(dtype, str) and dtype.lower() in _NVFP4_NAMES)
+    ):  # fmt: skip
+        raise InvalidArgumentError(
+            argument,
+            f"a KV dtype tactix serves (one of {', '.join(get_args(DTypeName))}): NVFP4 KV caches (packed uint8 "
+            "pages with kv_cache_sf scale factors) are not supported by tactix",
+            repr(dtype),
+        )
+
+
+def _workspace_device(buffer: object, argument: str = "float_workspace_buffer") -> torch.device:
     if not isinstance(buffer, torch.Tensor):
-        raise InvalidArgumentError("float_workspace_buffer", "a torch.Tensor", type(buffer).__name__)
+        raise InvalidArgumentError(argument, "a torch.Tensor", type(buffer).__name__)
     return buffer.device
 
 
+def _effective(name: str, value: object, planned: dict[str, Any]) -> object:
+    """What an attention argument means (None stands for FlashInfer's default), to compare two of them."""
+    if value is None:
+        if name == "sm_scale":
+            return 1.0 / math.sqrt(planned["head_dim_qk"])
+        if name == "logits_soft_cap":
+            return 0.0
+    return value
+
+
 class _Wrapper:
-    """Plans without LSE; a run that asks for the LSE re-plans once with it (cached until the next plan)."""
+    """Plans without LSE; a run that asks for the LSE plans a second wrapper with it, at the first
+    such run (then again at each re-plan: eagerly in CUDA-graph mode, else at the next such run)."""
 
     _impl_type: type[PagedPrefill] | type[PagedDecode]
 
-    def __init__(self, device: torch.device, kv_layout: str, use_cuda_graph: bool, backend: str) -> None:
+    def __init__(self, float_workspace_buffer: object, kv_layout: str, use_cuda_graph: bool, backend: object) -> None:
+        device = _workspace_device(float_workspace_buffer)
         self._args: dict[str, Any] = {}
         if kv_layout not in ("NHD", "HND"):
             raise InvalidArgumentError("kv_layout", "'NHD' or 'HND'", repr(kv_layout))
         self._kv_layout: KVLayout = kv_layout  # type: ignore[assignment]
         self._device = device
-        self._use_cuda_graph = use_cuda_graph
-        self._backend = backend
-        self._plain = self._impl_type(self._kv_layout, backend=backend, device=device, use_cuda_graph=use_cuda_graph)
+        self._use_cuda_graph = flag(use_cuda_graph, "use_cuda_graph")
+        self._backend = _tactix_backend(backend)
+        self._plain = self._make()
         self._with_lse: PagedPrefill | PagedDecode | None = None
+        self._lse_planned = False  # whether _with_lse holds the last plan's batch
+
+    def _make(self) -> PagedPrefill | PagedDecode:
+        return self._impl_type(self._kv_layout, backend=self._backend, device=self._device,
+                               use_cuda_graph=self._use_cuda_graph)  # fmt: skip
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        """Whether the wrapper was made with ``use_cuda_graph=True`` (its ``run`` can be captured)."""
+        return self._use_cuda_graph
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer: torch.Tensor) -> None:
+        """FlashInfer's workspace swap. tactix plans own their scratch memory, so this only checks
+        that both buffers are tensors on the wrapper's device."""
+        for name, buffer in (("float_workspace_buffer", float_workspace_buffer),
+                             ("int_workspace_buffer", int_workspace_buffer)):  # fmt: skip
+            if _workspace_device(buffer, name) != self._device:
+                raise InvalidArgumentError(name, f"a torch.Tensor on the wrapper's device {self._device}",
+                                           f"a tensor on {buffer.device}")  # fmt: skip
+
+    def end_forward(self) -> None:
+        """Deprecated in FlashInfer, where it has no effect; here too (plans keep their buffers)."""
 
     def _plan(self, **args: Any) -> None:
         self._plain.plan(**args, return_lse=False)
         self._args = args
-        self._with_lse = None
+        self._lse_planned = False
+        if self._with_lse is not None and self._use_cuda_graph:
+            # a captured graph may read the LSE plan's buffers too: rewrite them with this batch now
+            self._with_lse.plan(**args, return_lse=True)
+            self._lse_planned = True
 
     def _lse_wrapper(self) -> PagedPrefill | PagedDecode:
+        if not self._args:
+            raise TactixError(f"{type(self).__name__}: call plan() before run()")
         if self._with_lse is None:
-            if not self._args:
-                raise TactixError(f"{type(self).__name__}: call plan() before run()")
-            wrapper = self._impl_type(
-                self._kv_layout,
-                backend=self._backend,
-                device=self._device,
-                use_cuda_graph=self._use_cuda_graph,
-            )
-            wrapper.plan(**self._args, return_lse=True)
-            self._with_lse = wrapper
+            self._with_lse = self._make()
+        if not self._lse_planned:
+            self._with_lse.plan(**self._args, return_lse=True)  # the same wrapper: a fast re-plan
+            self._lse_planned = True
         return self._with_lse
+
+    def _replan_for(self, **attention: Any) -> None:
+        """Re-plan with the attention arguments of a ``forward`` call where they differ from the plan's."""
+        if not self._args:
+            raise TactixError(f"{type(self).__name__}: call plan() before forward()")
+        planned = self._args
+        changed = {name: value for name, value in attention.items()
+                   if _effective(name, value, planned) != _effective(name, planned[name], planned)}  # fmt: skip
+        if changed:
+            self._plan(**{**planned, **changed})
 
     def _run(
         self,
@@ -93,6 +236,7 @@ class _Wrapper:
         enable_pdl: bool | None,
         window_left: int | None,
         sinks: Any,
+        kv_cache_sf: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         flag(return_lse, "return_lse")
         if enable_pdl is not None:
@@ -101,6 +245,9 @@ class _Wrapper:
             raise InvalidArgumentError(
                 "*args", "empty (pass k_scale/v_scale by keyword)", f"{len(args)} extra arguments"
             )
+        if kv_cache_sf is not None:
+            raise InvalidArgumentError("kv_cache_sf", "None: NVFP4 KV caches are not supported by tactix",
+                                       f"a {type(kv_cache_sf).__name__}")  # fmt: skip
         _unsupported("q_scale", q_scale)
         _unsupported("sinks", sinks)
         planned_window = self._args.get("window_left", -1)
@@ -114,6 +261,29 @@ class _Wrapper:
         o, natural = result
         natural.mul_(_LOG2E)  # FlashInfer's LSE is base 2
         return o, natural
+
+    def run_return_lse(
+        self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``run(..., return_lse=True)``: the output and its base-2 LSE."""
+        result = self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)  # type: ignore[attr-defined]
+        assert isinstance(result, tuple)
+        return result
+
+    if not TYPE_CHECKING:  # (mypy would then accept any attribute name on a wrapper)
+
+        def __getattr__(self, name: str) -> Any:
+            # called only for attributes the wrapper lacks, FlashInfer's private state mostly
+            if name.startswith("__"):
+                raise AttributeError(name, name=name, obj=self)
+            raise AttributeError(
+                f"{type(self).__name__!r} of tactix.compat.flashinfer has no attribute {name!r}: it serves "
+                "FlashInfer's documented wrapper API, not FlashInfer's internals (for FlashInfer's fast_decode_plan, "
+                "which drives those, use tactix.compat.flashinfer.fast_decode_plan)",
+                name=name,
+                obj=self,
+            )
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
@@ -134,10 +304,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         mask_indptr_buf: torch.Tensor | None = None,
         backend: str = "auto",
         jit_args: list[Any] | None = None,
+        jit_kwargs: dict[str, Any] | None = None,
+        variant_owns_mask: bool = False,
     ) -> None:
         _unsupported("custom_mask_buf", custom_mask_buf)
         _unsupported("jit_args", jit_args)
-        super().__init__(_workspace_device(float_workspace_buffer), kv_layout, use_cuda_graph, backend)
+        _unsupported("jit_kwargs", jit_kwargs)
+        _unsupported("variant_owns_mask", variant_owns_mask, False)
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
 
     def plan(
         self,
@@ -171,8 +345,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         _unsupported("pos_encoding_mode", pos_encoding_mode, "NONE")
         _unsupported("use_fp16_qk_reduction", use_fp16_qk_reduction, False)
         flag(non_blocking, "non_blocking")  # a copy hint: tactix plans make their own metadata copies
-        for name, value in unsupported.items():
-            _unsupported(name, value)
+        _unsupported_extras(unsupported)
+        _refuse_nvfp4("kv_data_type", kv_data_type)
         self._plan(
             qo_indptr=qo_indptr,
             paged_kv_indptr=paged_kv_indptr,
@@ -208,9 +382,73 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         enable_pdl: bool | None = None,
         window_left: int | None = None,
         sinks: torch.Tensor | None = None,
+        kv_cache_sf: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return self._run(q, paged_kv_cache, args, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
-                         window_left, sinks)  # fmt: skip
+                         window_left, sinks, kv_cache_sf)  # fmt: skip
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+    ) -> torch.Tensor:
+        """Deprecated in FlashInfer (use `run`): attention with these arguments replacing the planned ones."""
+        result = self._forward(q, paged_kv_cache, causal, pos_encoding_mode, use_fp16_qk_reduction, k_scale, v_scale,
+                               window_left, logits_soft_cap, sm_scale, return_lse=False)  # fmt: skip
+        assert isinstance(result, torch.Tensor)
+        return result
+
+    def forward_return_lse(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Deprecated in FlashInfer (use `run_return_lse`): `forward` with the base-2 LSE."""
+        result = self._forward(q, paged_kv_cache, causal, pos_encoding_mode, use_fp16_qk_reduction, k_scale, v_scale,
+                               window_left, logits_soft_cap, sm_scale, return_lse=True)  # fmt: skip
+        assert isinstance(result, tuple)
+        return result
+
+    def _forward(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: Any,
+        causal: bool,
+        pos_encoding_mode: str,
+        use_fp16_qk_reduction: bool,
+        k_scale: float | None,
+        v_scale: float | None,
+        window_left: int,
+        logits_soft_cap: float | None,
+        sm_scale: float | None,
+        *,
+        return_lse: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        _unsupported("pos_encoding_mode", pos_encoding_mode, "NONE")
+        _unsupported("use_fp16_qk_reduction", use_fp16_qk_reduction, False)
+        self._replan_for(causal=flag(causal, "causal"), sm_scale=sm_scale, window_left=window_left,
+                         logits_soft_cap=logits_soft_cap)  # fmt: skip
+        return self._run(q, paged_kv_cache, (), None, k_scale, v_scale, None, None, return_lse, None, None, None, None)
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
@@ -232,7 +470,14 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
     ) -> None:
         _unsupported("jit_args", jit_args)
         flag(use_tensor_cores, "use_tensor_cores")  # each tactix backend picks its own kernels
-        super().__init__(_workspace_device(float_workspace_buffer), kv_layout, use_cuda_graph, backend)
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
+        self._use_tensor_cores = use_tensor_cores or backend == "trtllm-gen"
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        """What the constructor was given (``True`` for ``backend="trtllm-gen"``, as in FlashInfer).
+        Informational: each tactix backend chooses its own kernels."""
+        return self._use_tensor_cores
 
     def plan(
         self,
@@ -246,21 +491,67 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         pos_encoding_mode: str = "NONE",
         window_left: int = -1,
         logits_soft_cap: float | None = None,
-        q_data_type: torch.dtype | str = "float16",
+        q_data_type: torch.dtype | str | None = "float16",
         kv_data_type: torch.dtype | str | None = None,
+        o_data_type: torch.dtype | str | None = None,
         data_type: torch.dtype | str | None = None,
         sm_scale: float | None = None,
         rope_scale: float | None = None,
         rope_theta: float | None = None,
         non_blocking: bool = True,
+        block_tables: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        fixed_split_size: int | None = None,
+        disable_split_kv: bool = False,
+        q_len_per_req: int = 1,
         **unsupported: Any,
     ) -> None:
+        _unsupported("block_tables", block_tables)
+        _unsupported("seq_lens", seq_lens)
+        _unsupported_extras(unsupported)
+        self._plan_decode(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                          pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type,
+                          data_type, sm_scale, non_blocking, disable_split_kv, q_len_per_req)  # fmt: skip
+
+    begin_forward = plan
+
+    def _plan_decode(
+        self,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        pos_encoding_mode: str,
+        window_left: int,
+        logits_soft_cap: float | None,
+        q_data_type: torch.dtype | str | None,
+        kv_data_type: torch.dtype | str | None,
+        o_data_type: torch.dtype | str | None,
+        data_type: torch.dtype | str | None,
+        sm_scale: float | None,
+        non_blocking: bool,
+        disable_split_kv: bool,
+        q_len_per_req: int | None,
+    ) -> None:
+        """What `plan` and `fast_decode_plan` share (neither calls the other: serving code replaces
+        ``wrapper.plan`` with ``partial(fast_decode_plan, wrapper)``)."""
         _unsupported("pos_encoding_mode", pos_encoding_mode, "NONE")
         flag(non_blocking, "non_blocking")  # a copy hint: tactix plans make their own metadata copies
-        for name, value in unsupported.items():
-            if name in ("fixed_split_size", "disable_split_kv"):
-                continue  # scheduling hints; each tactix backend schedules for itself
-            _unsupported(name, value)
+        flag(disable_split_kv, "disable_split_kv")  # a scheduling hint, as fixed_split_size is
+        if q_len_per_req is not None and q_len_per_req != 1:
+            raise InvalidArgumentError("q_len_per_req", "1 (tactix's decode serves one query row per request)",
+                                       repr(q_len_per_req))  # fmt: skip
+        # FlashInfer's dtype rules: data_type stands for whichever of q and kv is not given
+        if q_data_type is None:
+            q_data_type = data_type if data_type is not None else "float16"
+        if kv_data_type is None:
+            _refuse_nvfp4("data_type", data_type)
+            kv_data_type = data_type
+        else:
+            _refuse_nvfp4("kv_data_type", kv_data_type)
         self._plan(
             paged_kv_indptr=indptr,
             paged_kv_indices=indices,
@@ -272,11 +563,10 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
             window_left=window_left,
             logits_soft_cap=logits_soft_cap,
             q_data_type=q_data_type,
-            kv_data_type=kv_data_type if kv_data_type is not None else data_type,
+            kv_data_type=kv_data_type,
+            o_data_type=o_data_type,
             sm_scale=sm_scale,
         )
-
-    begin_forward = plan
 
     def run(
         self,
@@ -292,8 +582,139 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         enable_pdl: bool | None = None,
         window_left: int | None = None,
         sinks: torch.Tensor | None = None,
-        q_len_per_req: int | None = 1,
+        q_len_per_req: int | None = None,
+        kv_cache_sf: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        _unsupported("q_len_per_req", q_len_per_req, 1)
+        if q_len_per_req is not None and q_len_per_req != 1:
+            raise InvalidArgumentError("q_len_per_req", "None or 1 (tactix's decode serves one query row per "
+                                       "request)", repr(q_len_per_req))  # fmt: skip
         return self._run(q, paged_kv_cache, args, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
-                         window_left, sinks)  # fmt: skip
+                         window_left, sinks, kv_cache_sf)  # fmt: skip
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        pos_encoding_mode: str = "NONE",
+        q_scale: float | None = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+    ) -> torch.Tensor:
+        """Deprecated in FlashInfer (use `run`): attention with these arguments replacing the planned ones."""
+        result = self._forward(q, paged_kv_cache, pos_encoding_mode, q_scale, k_scale, v_scale, window_left,
+                               logits_soft_cap, sm_scale, return_lse=False)  # fmt: skip
+        assert isinstance(result, torch.Tensor)
+        return result
+
+    def forward_return_lse(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        pos_encoding_mode: str = "NONE",
+        q_scale: float | None = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Deprecated in FlashInfer (use `run_return_lse`): `forward` with the base-2 LSE."""
+        result = self._forward(q, paged_kv_cache, pos_encoding_mode, q_scale, k_scale, v_scale, window_left,
+                               logits_soft_cap, sm_scale, return_lse=True)  # fmt: skip
+        assert isinstance(result, tuple)
+        return result
+
+    def _forward(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: Any,
+        pos_encoding_mode: str,
+        q_scale: float | None,
+        k_scale: float | None,
+        v_scale: float | None,
+        window_left: int,
+        logits_soft_cap: float | None,
+        sm_scale: float | None,
+        *,
+        return_lse: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        _unsupported("pos_encoding_mode", pos_encoding_mode, "NONE")
+        self._replan_for(sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap)
+        return self._run(q, paged_kv_cache, (), q_scale, k_scale, v_scale, None, None, return_lse, None, None, None,
+                         None)  # fmt: skip
+
+
+def fast_decode_plan(
+    self: BatchDecodeWithPagedKVCacheWrapper,
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    last_page_len: torch.Tensor,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    pos_encoding_mode: str = "NONE",
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    q_data_type: torch.dtype | str | None = None,
+    kv_data_type: torch.dtype | str | None = None,
+    data_type: torch.dtype | str | None = None,
+    sm_scale: float | None = None,
+    rope_scale: float | None = None,
+    rope_theta: float | None = None,
+    non_blocking: bool = True,
+    fixed_split_size: int | None = None,
+    disable_split_kv: bool = False,
+    q_len_per_req: int = 1,
+    global_override_indptr_cpu: torch.Tensor | None = None,
+) -> None:
+    """Re-plan a tactix decode wrapper for a new batch: FlashInfer's ``fast_decode_plan``, for
+    `BatchDecodeWithPagedKVCacheWrapper` (FlashInfer's own function cannot drive it: see the
+    module docs). Install it as serving engines do: ``wrapper.plan = partial(fast_decode_plan, wrapper)``.
+
+    The arguments are FlashInfer's ``plan`` arguments and mean the same, with FlashInfer's
+    defaults for this function: ``q_data_type=None`` stands for ``data_type``, else float16. The
+    output dtype is the last plan's (``o_data_type`` of ``plan``; the q dtype without one).
+
+    * ``global_override_indptr_cpu``: a host copy of ``indptr`` (its first ``batch_size + 1``
+      entries are read; a longer buffer is fine). When given, the batch is planned from it and
+      ``indptr`` is not read, so planning reads no indptr from the device.
+    * ``fixed_split_size``, ``disable_split_kv``, ``non_blocking``: scheduling hints, accepted
+      (each tactix backend schedules for itself).
+    * ``q_len_per_req`` must be 1; ``pos_encoding_mode`` must be ``"NONE"`` (``rope_scale`` and
+      ``rope_theta``, which only rotary embedding reads, are accepted and unused).
+
+    A tactix plan does what FlashInfer's function skips (it copies the batch metadata into the
+    plan's own buffers); what makes it fast is tactix's re-plan path: with the same static
+    arguments as the last plan only the batch is validated and laid out again. Unlike FlashInfer's,
+    it needs no earlier ``plan()`` (the first call plans in full). With ``use_cuda_graph=True`` it
+    keeps the plans' buffers at their addresses as ``plan`` does (same batch size and length bucket:
+    a captured ``run`` replays the new batch; the LSE plan, if a run made one, is rewritten too).
+    """
+    if not isinstance(self, BatchDecodeWithPagedKVCacheWrapper):
+        raise InvalidArgumentError(
+            "self",
+            "a tactix.compat.flashinfer.BatchDecodeWithPagedKVCacheWrapper (FlashInfer's own wrappers take "
+            "flashinfer.fast_decode_plan)",
+            type(self).__name__,
+        )
+    if global_override_indptr_cpu is not None:
+        override: object = global_override_indptr_cpu
+        if not isinstance(override, torch.Tensor) or not override.is_cpu:
+            given = f"a tensor on {override.device}" if isinstance(override, torch.Tensor) else type(override).__name__
+            raise InvalidArgumentError("global_override_indptr_cpu", "None or a CPU tensor (a host copy of indptr)",
+                                       given)  # fmt: skip
+        indptr = override
+        if isinstance(last_page_len, torch.Tensor) and last_page_len.dim() == 1 and indptr.dim() == 1:
+            indptr = indptr[: last_page_len.shape[0] + 1]
+    self._plan_decode(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                      pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type,
+                      self._args.get("o_data_type"), data_type, sm_scale, non_blocking, disable_split_kv,
+                      q_len_per_req)  # fmt: skip
