@@ -11,7 +11,7 @@
 # On the GPU machine (after `source .gpu/env.sh`; AB_BACKENDS defaults to cudnn,cuda_native):
 #   AB_BACKENDS=cudnn AB_ROUNDS=5 bash benchmarks/plan_time_ab.sh      # writes $OUT/r/ab.txt
 # run_time.py adds eager run() host times (AB_RUN_BACKENDS, default cudnn,cuda_native,trtllm,torch).
-# AB_ROUNDS (default 2): old/new alternations. Hosts drift within a run too: take the median of
+# AB_ROUNDS (default 2): old/new alternations; AB_PLANS (default 200): plans per row. Hosts drift within a run too: take the median of
 # each side over the rounds.
 # Run it on a settled machine: right after the GPU tests, plan times are disturbed.
 set -uo pipefail
@@ -26,13 +26,16 @@ if [ ! -f /tmp/old-site/.ok ]; then
   touch /tmp/old-site/.ok
 fi
 NEW=$PYTHONPATH
+PLAN_BACKENDS=${AB_BACKENDS:-cudnn,cuda_native}
+RUN_BACKENDS=${AB_RUN_BACKENDS:-cudnn,cuda_native,trtllm,torch}
+RUN_LINES=$((1 + $(echo "$RUN_BACKENDS" | tr ',' '\n' | wc -l)))  # the header and one row per backend
 for round in $(seq "${AB_ROUNDS:-2}"); do
   for which in old new; do
     if [ "$which" = old ]; then export PYTHONPATH=/tmp/old-site; else export PYTHONPATH=$NEW; fi
-    echo "== $which (round $round): $(python3 -c 'import tactix; print(tactix.__file__)')"
+    echo "== $which (round $round, $(date +%T)): $(python3 -c 'import tactix; print(tactix.__file__)')"
     (cd benchmarks && python3 plan_floor.py | head -1 \
-      && python3 plan_time.py --backends "${AB_BACKENDS:-cudnn,cuda_native}" --plans 200 | tail -6 \
-      && python3 run_time.py --backends "${AB_RUN_BACKENDS:-cudnn,cuda_native,trtllm,torch}" | tail -5)
+      && python3 plan_time.py --backends "$PLAN_BACKENDS" --plans "${AB_PLANS:-200}" | grep -E " plan | not implemented" \
+      && python3 run_time.py --backends "$RUN_BACKENDS" | tail -n "$RUN_LINES")
   done
 done 2>&1 | tee "$OUT/r/ab.txt"
 export PYTHONPATH=$NEW
