@@ -20,7 +20,7 @@ def test_cpu_suite_reports_checked_rows_for_every_backend_and_tuned_auto(
     report = json.loads(out.read_text())
     rows = report["rows"]
     cases = {r["case"] for r in rows}
-    assert cases == {"d1", "d2", "p1", "p4", "d1-fp8", "g1", "g2"}
+    assert cases == {"d1", "d2", "p1", "p4", "d1-fp8", "v1", "g1", "g2"}
     for case in cases:
         mine = [r for r in rows if r["case"] == case]
         assert {"torch", "auto (tuned)"} <= {r["implementation"] for r in mine}
@@ -66,7 +66,7 @@ def test_unknown_case_ids_are_an_error_listing_the_valid_ones(capsys: pytest.Cap
     assert main(["bench", "--suite", "cpu", "--device", "cpu", "--cases", "d1,zz"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""  # refused before anything ran: no empty table
-    valid = "d1, d2, p1, p4, d1-fp8, g1, g2"
+    valid = "d1, d2, p1, p4, d1-fp8, v1, g1, g2"
     assert captured.err == f"tactix: error: '--cases' must be ids of the cpu suite: {valid} (got 'zz')\n"
 
 

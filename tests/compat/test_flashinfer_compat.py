@@ -115,11 +115,25 @@ def test_run_time_scales_follow_flashinfer_semantics(batch: dict[str, torch.Tens
         wrapper.run(q, (batch["k"], batch["v"]), k_scale=-1.0)
 
 
-def test_multi_token_decode_is_refused(batch: dict[str, torch.Tensor]) -> None:
+def test_multi_token_decode_rows_are_causal_among_the_last_tokens(batch: dict[str, torch.Tensor]) -> None:
+    """FlashInfer's ``q_len_per_req``: request b owns rows [b N, (b + 1) N), its last N tokens,
+    row i attending the keys up to kv_len - N + i (a chunked prefill of N rows per request)."""
     wrapper = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND")
-    wrapper.plan(batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8, q_data_type=torch.float32)
+    wrapper.plan(batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8, q_data_type=torch.float32,
+                 q_len_per_req=4)  # fmt: skip
+    q = batch["q"][:12]
+    out, lse = wrapper.run(q, (batch["k"], batch["v"]), return_lse=True, q_len_per_req=4)
+    ref, ref_lse = attention_reference(
+        q, batch["k"], batch["v"], i32(0, 4, 8, 12), batch["kv_indptr"], batch["kv_indices"], batch["last"],
+        kv_layout="HND", causal=True, sm_scale=1 / math.sqrt(32),
+    )  # fmt: skip
+    assert relative_error(out, ref) < 1e-5
+    assert lse_error(lse * math.log(2.0), ref_lse) < 1e-5  # FlashInfer's base-2 LSE
     with pytest.raises(tactix.InvalidArgumentError, match="q_len_per_req"):
-        wrapper.run(batch["q"][:3], (batch["k"], batch["v"]), q_len_per_req=2)
+        wrapper.run(q, (batch["k"], batch["v"]), q_len_per_req=2)  # not what was planned
+    with pytest.raises(tactix.InvalidArgumentError, match="q_len_per_req"):  # more rows than request 1's 8 keys
+        wrapper.plan(batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8, q_data_type=torch.float32,
+                     q_len_per_req=9)  # fmt: skip
 
 
 def test_workspace_must_be_a_tensor() -> None:
@@ -265,7 +279,7 @@ def test_fast_decode_plan_refuses_what_plan_refuses(batch: dict[str, torch.Tenso
     wrapper = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND")
     args = (batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8)
     for argument, kw in [
-        ("q_len_per_req", {"q_len_per_req": 2}),
+        ("q_len_per_req", {"q_len_per_req": 0}),
         ("pos_encoding_mode", {"pos_encoding_mode": "ROPE_LLAMA"}),
         ("kv_data_type", {"kv_data_type": torch.uint8}),
         ("global_override_indptr_cpu", {"global_override_indptr_cpu": [0, 2, 3, 5]}),
@@ -379,8 +393,6 @@ def test_flashinfer_neutral_plan_arguments_are_accepted(batch: dict[str, torch.T
     prefill.plan(batch["qo_indptr"], batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8,
                  q_data_type=torch.float32, disable_split_kv=False, fixed_split_size=None,
                  token_pos_in_items_len=0)  # fmt: skip
-    with pytest.raises(tactix.InvalidArgumentError, match="q_len_per_req"):
-        plan_decode(decode, batch, q_len_per_req=4)
     with pytest.raises(tactix.InvalidArgumentError, match="block_tables"):
         plan_decode(decode, batch, block_tables=torch.zeros(3, 2, dtype=torch.int32))
 

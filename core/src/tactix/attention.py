@@ -88,6 +88,7 @@ def _build_batch(
     page_size: int,
     device: torch.device,
     causal: bool,
+    q_len_per_req: int = 1,
 ) -> PagedBatch:
     return PagedBatch.build(
         qo_indptr=qo_indptr,
@@ -97,12 +98,13 @@ def _build_batch(
         page_size=page_size,
         device=device,
         causal=causal,
+        q_len_per_req=q_len_per_req,
     )
 
 
 _ARGUMENT_NAMES: Final = ("num_qo_heads", "num_kv_heads", "head_dim_qk", "head_dim_vo", "page_size", "causal",
                           "sm_scale", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type", "o_data_type",
-                          "return_lse", "deterministic")  # fmt: skip
+                          "return_lse", "deterministic", "q_len_per_req")  # fmt: skip
 """The static arguments of `attention_problem` after ``op``, in the order the wrappers pass them."""
 
 
@@ -135,12 +137,13 @@ def attention_problem(
     o_data_type: torch.dtype | str | None,
     return_lse: bool,
     deterministic: bool = True,
+    q_len_per_req: int = 1,
 ) -> tuple[PrefillProblem | DecodeProblem, PagedBatch]:
     """Validate plan arguments and batch metadata; the problem and batch that ``plan()`` hands a backend.
 
-    ``qo_indptr=None`` means decode. Used by the wrappers (which keep the problem of each set of
-    static arguments, so a re-plan validates only its batch), and by the conformance kit to ask
-    a backend's ``check`` about a case before planning it.
+    ``qo_indptr=None`` means decode, ``q_len_per_req`` rows per request. Used by the wrappers
+    (which keep the problem of each set of static arguments, so a re-plan validates only its
+    batch), and by the conformance kit to ask a backend's ``check`` about a case before planning it.
     """
     if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= MAX_PAGE_SIZE:
         raise InvalidArgumentError(
@@ -169,8 +172,13 @@ def attention_problem(
     if not cap >= 0 or not math.isfinite(cap):
         raise InvalidArgumentError("logits_soft_cap", "None, 0 or a finite float > 0", logits_soft_cap)
 
+    ragged = definition(op).problem.ragged_queries  # type: ignore[attr-defined]
+    q_len_per_req = positive_int(q_len_per_req, "q_len_per_req")
+    if ragged and q_len_per_req != 1:
+        raise InvalidArgumentError("q_len_per_req", "1 for prefill (its rows per request are in qo_indptr)",
+                                   q_len_per_req)  # fmt: skip
     batch = _build_batch(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size, device,
-                         causal)  # fmt: skip
+                         causal, q_len_per_req)  # fmt: skip
     fields: dict[str, Any] = {
         "device_type": device.type,
         "num_qo_heads": num_qo_heads,
@@ -190,8 +198,10 @@ def attention_problem(
         "batch_size": batch.batch_size,
         "max_kv_len": batch.max_kv_len,
     }
-    if definition(op).problem.ragged_queries:  # type: ignore[attr-defined]
+    if ragged:
         fields.update(causal=causal, num_qo_tokens=batch.num_qo_tokens, max_qo_len=batch.max_qo_len)
+    elif q_len_per_req > 1:
+        fields.update(q_len_per_req=q_len_per_req)
     problem = make_problem(op, **fields)
     assert isinstance(problem, (PrefillProblem, DecodeProblem))
     return problem, batch
@@ -344,7 +354,8 @@ class _PagedAttention(Planned):
                 state, key = None, None
         if state is not None:
             batch = _build_batch(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                                 state.problem.page_size, device, state.problem.causal)  # fmt: skip
+                                 state.problem.page_size, device, state.problem.causal,
+                                 1 if qo_indptr is not None else state.problem.max_qo_len)  # fmt: skip
             problem = _sized(state.problem, batch)
         else:
             problem, batch = attention_problem(
@@ -736,7 +747,7 @@ class PagedPrefill(_PagedAttention):
             raise InvalidArgumentError("qo_indptr", "a 1-D int32 or int64 torch.Tensor", type(qo_indptr).__name__)
         arguments = ("prefill", num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, sm_scale,
                      window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, return_lse,
-                     deterministic)  # fmt: skip
+                     deterministic, 1)  # fmt: skip
         self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, arguments, backend, tactic)
 
 
@@ -780,9 +791,17 @@ class PagedDecode(_PagedAttention):
         deterministic: bool = True,
         backend: str | None = None,
         tactic: Tactic | dict[str, Any] | str | None = None,
+        q_len_per_req: int = 1,
     ) -> None:
-        """Plan a decode batch; the arguments mean what they mean for `PagedPrefill.plan`."""
+        """Plan a decode batch; the arguments mean what they mean for `PagedPrefill.plan`.
+
+        ``q_len_per_req`` > 1 plans a multi-token decode step (speculative decoding's verify
+        step): ``q`` holds that many rows per request (``[batch_size * q_len_per_req, ...]``,
+        request by request), the request's last ``q_len_per_req`` tokens, causal among them: row
+        ``i`` attends the keys up to position ``kv_len - q_len_per_req + i``. A backend whose
+        decode kernels do not take that many rows serves it through its prefill plans.
+        """
         arguments = ("decode", num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, False, sm_scale,
                      window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, return_lse,
-                     deterministic)  # fmt: skip
+                     deterministic, q_len_per_req)  # fmt: skip
         self._plan(None, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, arguments, backend, tactic)

@@ -137,11 +137,14 @@ class PagedBatch:
         page_size: int,
         device: torch.device,
         causal: bool,
+        q_len_per_req: int = 1,
         kv_indptr_name: str = "paged_kv_indptr",
         kv_indices_name: str = "paged_kv_indices",
         last_page_len_name: str = "paged_kv_last_page_len",
     ) -> PagedBatch:
-        """Check the CSR arrays of a batch. ``qo_indptr=None`` means decode (one row each)."""
+        """Check the CSR arrays of a batch. ``qo_indptr=None`` means decode: ``q_len_per_req`` rows
+        each (one, or the rows of a multi-token decode step, causal among them: each request
+        must then hold at least that many keys)."""
         decode = qo_indptr is None
         kv_indptr_t = _index_array(kv_indptr, kv_indptr_name, device)
         indices_t = _index_array(kv_indices, kv_indices_name, device)
@@ -162,7 +165,7 @@ class PagedBatch:
         if batch_size < 1:
             raise InvalidArgumentError(kv_indptr_name, "of length batch_size + 1 >= 2", f"length {len(kv_list)}")
         if decode:
-            qo_list = list(range(batch_size + 1))
+            qo_list = list(range(0, (batch_size + 1) * q_len_per_req, q_len_per_req))
         else:
             qo_list = small[2].tolist()
             if len(qo_list) != batch_size + 1:
@@ -181,8 +184,8 @@ class PagedBatch:
         fewest_pages = min(num_pages)
         _check_offsets(kv_indptr_name, kv_list, num_pages, fewest_pages)
         if decode:
-            qo_lens_list = [1] * batch_size
-            max_qo_len = 1
+            qo_lens_list = [q_len_per_req] * batch_size
+            max_qo_len = q_len_per_req
         else:
             qo_lens_list = list(map(operator.sub, qo_list[1:], qo_list))
             _check_offsets("qo_indptr", qo_list, qo_lens_list, min(qo_lens_list))
@@ -225,8 +228,14 @@ class PagedBatch:
                 f"offsets that give kv lengths up to {_INT32_MAX} tokens (kernels index keys with int32)",
                 f"request {i}: kv length {max_kv_len}",
             )
-        if not decode and causal:
+        if (causal and not decode) or q_len_per_req > 1:
             for i, (q, kv) in enumerate(zip(qo_lens_list, kv_lens_list, strict=True)):
+                if kv < q and decode:
+                    raise InvalidArgumentError(
+                        "q_len_per_req",
+                        "at most each request's kv length (the rows are the requests' last tokens)",
+                        f"{q_len_per_req} rows per request; request {i} has {kv} kv tokens",
+                    )
                 if kv < q:
                     raise InvalidArgumentError(
                         last_page_len_name,

@@ -66,6 +66,11 @@ class BenchCase:
     page_size: int = 16
     kv_dtype: str = ""  # attention: the cache's dtype when not the query's (an fp8 cache, with scales)
 
+    @property
+    def q_len_per_req(self) -> int:
+        """Decode: rows per request (``q_lens``, uniform; more than one is a multi-token decode step)."""
+        return self.q_lens[0] if self.op == "decode" and self.q_lens else 1
+
 
 FP8_KV_SCALES: Final = (0.25, 0.5)
 """``(k_scale, v_scale)`` of the fp8-KV cases: the cache holds ``k / k_scale`` (and ``v / v_scale``)
@@ -134,6 +139,15 @@ def suite(name: str) -> list[BenchCase]:
                     "d1", "decode", "decode b8, kv 64-512", kv_lens=_randint(64, 512, 8, 0), heads=(8, 2), head_dim=64
                 )
             ),
+            BenchCase(
+                "v1",
+                "decode",
+                "verify b8 x 4 rows, kv 64-512",
+                kv_lens=_randint(64, 512, 8, 0),
+                q_lens=(4,) * 8,
+                heads=(8, 2),
+                head_dim=64,
+            ),
             BenchCase("g1", "gemm", "gemm f32 256^3", m=256, n=256, k=256),
             BenchCase("g2", "gemm", "gemm f32 m=1, n=k=1024", m=1, n=1024, k=1024),
         ]
@@ -152,6 +166,9 @@ def suite(name: str) -> list[BenchCase]:
         p3_case,
         BenchCase("P4", "prefill", "chunked 512 over 4096", kv_lens=(4608,) * 8, q_lens=(512,) * 8),
         *[_fp8_kv(c) for c in (d1, d2, d3, p1, p3_case)],
+        BenchCase(
+            "V1", "decode", "verify b64 x 4 rows, kv 1k-8k", kv_lens=_randint(1024, 8192, 64, 0), q_lens=(4,) * 64
+        ),  # speculative decoding's verify step (multi-token decode)
         BenchCase("G1", "gemm", "gemm bf16 8192^3", m=8192, n=8192, k=8192),
         *[BenchCase(f"G2-m{m}", "gemm", f"gemm bf16 m={m}, n=k=4096", m=m, n=4096, k=4096) for m in (1, 16, 64, 256)],
         BenchCase("G3-n14336", "gemm", "gemm bf16 4096x14336x4096", m=4096, n=14336, k=4096),
@@ -248,7 +265,7 @@ def _attention_work(case: BenchCase, dtype: torch.dtype) -> tuple[float, str]:
     kv_size = torch.tensor([], dtype=to_torch_dtype(case.kv_dtype)).element_size() if case.kv_dtype else size
     if case.op == "decode":  # the bytes of K and V actually read (fp8: one per element), q and out
         kv_bytes = 2 * sum(case.kv_lens) * hkv * d * kv_size
-        return kv_bytes + 2 * len(case.kv_lens) * hq * d * size, "TB/s"
+        return kv_bytes + 2 * len(case.kv_lens) * case.q_len_per_req * hq * d * size, "TB/s"
     pairs = sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in zip(case.q_lens, case.kv_lens, strict=True))
     return 4.0 * hq * d * pairs, "TFLOP/s"
 
@@ -274,6 +291,8 @@ def _measure_attention(
     hq, hkv = case.heads
     kw: dict[str, Any] = {"q_data_type": dtype, "deterministic": deterministic,
                           **({"causal": True} if case.op == "prefill" else {})}  # fmt: skip
+    if case.q_len_per_req > 1:
+        kw["q_len_per_req"] = case.q_len_per_req
     if case.kv_dtype:
         kw["kv_data_type"] = to_torch_dtype(case.kv_dtype)
     try:
@@ -540,7 +559,7 @@ def run_bench(
                 inputs_a.kv_indices,
                 inputs_a.last,
                 kv_layout="HND",
-                causal=case.op == "prefill",
+                causal=case.op == "prefill" or case.q_len_per_req > 1,
                 sm_scale=1 / math.sqrt(case.head_dim),
                 k_scale=k_scale,
                 v_scale=v_scale,
@@ -559,7 +578,8 @@ def run_bench(
                 "kv_indptr": inputs_a.kv_indptr,
                 "kv_indices": inputs_a.kv_indices,
                 "kv_last_page_len": inputs_a.last,
-                "causal": case.op == "prefill",
+                "causal": case.op == "prefill" or case.q_len_per_req > 1,
+                "q_len_per_req": case.q_len_per_req,
                 "sm_scale": 1 / math.sqrt(case.head_dim),
                 "out": inputs_a.out,
                 **inputs_a.scales,

@@ -47,7 +47,8 @@ def calls(op: str, inputs: dict[str, Any]) -> list[tuple[str, Call | Exception]]
 
     ``inputs`` holds what the bench gives every implementation: ``q``, ``k_cache``/``v_cache``
     (HND), ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, ``causal``,
-    ``sm_scale``, ``out``, and for an fp8 cache ``k_scale``/``v_scale`` (0-d device tensors).
+    ``q_len_per_req`` (decode), ``sm_scale``, ``out``, and for an fp8 cache ``k_scale``/``v_scale``
+    (0-d device tensors).
     Each call writes ``inputs["out"]``.
     """
     flashinfer = importlib.import_module("flashinfer")
@@ -60,6 +61,7 @@ def calls(op: str, inputs: dict[str, Any]) -> list[tuple[str, Call | Exception]]
     indices = inputs["kv_indices"].to(device=device, dtype=torch.int32)
     last = inputs["kv_last_page_len"].to(device=device, dtype=torch.int32)
     common = {"q_data_type": q.dtype, "kv_data_type": k.dtype, "sm_scale": inputs["sm_scale"]}
+    rows = int(inputs.get("q_len_per_req", 1))
     found: list[tuple[str, Call | Exception]] = []
     variants = _DECODE if op == "decode" else _PREFILL
     for name, options in variants:
@@ -67,7 +69,8 @@ def calls(op: str, inputs: dict[str, Any]) -> list[tuple[str, Call | Exception]]
         try:
             if op == "decode":
                 wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", **options)
-                wrapper.plan(indptr, indices, last, hq, hkv, dim, page, **common)
+                multi = {"q_len_per_req": rows} if rows > 1 else {}  # multi-token decode (tensor cores only)
+                wrapper.plan(indptr, indices, last, hq, hkv, dim, page, **common, **multi)
             else:
                 wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", **options)
                 qo = inputs["qo_indptr"].to(device=device, dtype=torch.int32)

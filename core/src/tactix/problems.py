@@ -65,6 +65,9 @@ class ProblemBase(BaseModel):
 
     op: ClassVar[str]
     dynamic: ClassVar[tuple[str, ...]] = ()
+    implicit: ClassVar[tuple[str, ...]] = ()
+    """Fields left out of :meth:`key` while they hold their default (fields added after entries
+    were stored: those entries' keys, and hashes, stay what they were)."""
     _static_values: ClassVar[staticmethod[[dict[str, Any]], tuple[Any, ...]]]
     _dynamic_values: ClassVar[staticmethod[[dict[str, Any]], tuple[Any, ...]]]
 
@@ -99,7 +102,11 @@ class ProblemBase(BaseModel):
 
     def key(self) -> dict[str, Any]:
         """The JSON object identifying this problem's bucket (includes the op)."""
-        return {"op": self.op, **self.bucketed().model_dump(mode="json")}
+        key = {"op": self.op, **self.bucketed().model_dump(mode="json")}
+        for name in self.implicit:
+            if key[name] == type(self).model_fields[name].default:
+                del key[name]
+        return key
 
     def key_json(self) -> str:
         return json.dumps(self.key(), sort_keys=True, separators=(",", ":"))

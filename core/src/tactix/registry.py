@@ -138,8 +138,23 @@ class Backend:
             raise PluginError(f"plugin '{self.name}' must return dict[str, str] from tactix_known_failures")
         return dict(declared)
 
+    def served(self, problem: Problem) -> Problem:
+        """The problem this backend's hooks are asked about: ``problem``, or the problem of another
+        op that computes the same on the same batch where this backend's capabilities of
+        ``problem.op`` do not take it but those of the other op may (the op's ``served_through``:
+        multi-token decode through prefill)."""
+        through = OPS[problem.op].served_through
+        if through is None:
+            return problem
+        other, convert = through
+        if self.spec.capabilities(other) is None:
+            return problem
+        converted: Problem | None = convert(problem, self.spec.capabilities(problem.op))
+        return problem if converted is None else converted
+
     def tactics(self, problem: Problem) -> list[Tactic]:
         """The backend's tactic space for ``problem``, default first, without duplicates."""
+        problem = self.served(problem)
         listed = self._call("tactix_tactics", problem=problem) or []
         out = [Tactic.default(self.name)]
         for tactic in listed:
@@ -155,6 +170,7 @@ class Backend:
     def static_reasons(self, problem: Problem) -> Sequence[str]:
         """Why this backend cannot serve ``problem`` whatever the tactic and the batch: the
         environment and the declared capabilities. Remembered per static problem (attention)."""
+        problem = self.served(problem)
         if OPS[problem.op].sized_capabilities:  # e.g. GEMM's max_m: not a static answer
             return self.environment() + self.spec.reasons(problem)
         key = problem.static_key()
@@ -178,6 +194,7 @@ class Backend:
         static = self.static_reasons(problem)
         if static:
             return list(static)
+        problem = self.served(problem)
         try:
             extra = self.manager.hook.tactix_check(backend=name, problem=problem, tactic=tactic, batch=batch)
         except Exception as exc:
@@ -189,7 +206,9 @@ class Backend:
         return list(self._call("tactix_references", op=op, inputs=inputs) or [])
 
     def plan(self, problem: Problem, tactic: Tactic, options: hookspecs.PlanOptions, batch: Any = None) -> Any:
-        """Call this backend's plan hook for ``problem.op``. Exceptions propagate."""
+        """Call this backend's plan hook for ``problem.op`` (or for the op that serves it, see
+        `served`). Exceptions propagate."""
+        problem = self.served(problem)
         name = OPS[problem.op].plan_hook
         kwargs: dict[str, Any] = {"backend": self.spec.name, "problem": problem, "tactic": tactic, "options": options}
         if "batch" in OPS[problem.op].plan_arguments:

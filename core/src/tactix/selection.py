@@ -275,7 +275,7 @@ def replan_selection(previous: Selection, problem: Problem, batch: PagedBatch, b
             return None
     b, source, tactic = previous.backend, previous.source, previous.requested
     try:
-        made = replan(problem, batch, options)
+        made = replan(b.served(problem), batch, options)  # the problem its plan hook was given
     except InvalidArgumentError:
         raise  # bad input is the caller's to fix, whichever path noticed it
     except Exception:

@@ -68,6 +68,7 @@ _ATTENTION = AttentionCapabilities(
     lse=True,
     cuda_graph="fixed_buffers",
     run_extras=frozenset({"k_scale", "v_scale"}),
+    max_q_len_per_req=None,  # decode: any rows per request (the prefill path's masks)
 )
 
 _GEMM = GemmCapabilities(
@@ -204,7 +205,7 @@ def _needs_mask(problem: PrefillProblem | DecodeProblem, batch: PagedBatch) -> b
         and (bool((batch.kv_lens != batch.max_kv_len).any()) or bool((batch.qo_lens != batch.max_qo_len).any()))
     ):
         return True
-    causal = isinstance(problem, PrefillProblem) and problem.causal
+    causal = problem.causal
     # a uniform causal batch with q as long as kv is the one case is_causal expresses.
     return causal and batch.max_qo_len != batch.max_kv_len
 
@@ -275,7 +276,7 @@ class _AttentionPlan:
         self.built = False
         self.device = options["device"]
         self._compute_dtype = to_torch_dtype(problem.q_dtype)  # an fp8 cache is read in the query dtype
-        causal = isinstance(problem, PrefillProblem) and problem.causal
+        causal = problem.causal
         page = problem.page_size
         if options["use_cuda_graph"]:
             # shapes depend on the bucket only, so re-plans of the bucket keep them.

@@ -51,8 +51,9 @@ Differences, all explicit:
 * Features tactix does not implement raise `InvalidArgumentError` naming the argument: custom
   masks, rotary embedding inside the kernel, fp16 QK reduction, a q scale, attention sinks,
   NVFP4 KV caches (``kv_data_type=torch.uint8`` at plan, ``kv_cache_sf`` at run), FlashInfer's
-  own page-table arguments (``block_tables``, ``seq_lens``), more than one query per request in
-  decode (``q_len_per_req``).
+  own page-table arguments (``block_tables``, ``seq_lens``).
+* Decode's ``q_len_per_req`` (multi-token decode) is tactix's: ``q`` holds that many rows per
+  request, causal among them (`tactix.PagedDecode.plan`).
 """
 
 from __future__ import annotations
@@ -541,9 +542,6 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         _unsupported("pos_encoding_mode", pos_encoding_mode, "NONE")
         flag(non_blocking, "non_blocking")  # a copy hint: tactix plans make their own metadata copies
         flag(disable_split_kv, "disable_split_kv")  # a scheduling hint, as fixed_split_size is
-        if q_len_per_req is not None and q_len_per_req != 1:
-            raise InvalidArgumentError("q_len_per_req", "1 (tactix's decode serves one query row per request)",
-                                       repr(q_len_per_req))  # fmt: skip
         # FlashInfer's dtype rules: data_type stands for whichever of q and kv is not given
         if q_data_type is None:
             q_data_type = data_type if data_type is not None else "float16"
@@ -566,6 +564,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
             kv_data_type=kv_data_type,
             o_data_type=o_data_type,
             sm_scale=sm_scale,
+            q_len_per_req=1 if q_len_per_req is None else q_len_per_req,
         )
 
     def run(
@@ -585,9 +584,10 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         q_len_per_req: int | None = None,
         kv_cache_sf: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if q_len_per_req is not None and q_len_per_req != 1:
-            raise InvalidArgumentError("q_len_per_req", "None or 1 (tactix's decode serves one query row per "
-                                       "request)", repr(q_len_per_req))  # fmt: skip
+        planned = self._args.get("q_len_per_req", 1)
+        if q_len_per_req is not None and q_len_per_req != planned:
+            raise InvalidArgumentError("q_len_per_req", f"None or the planned {planned} (rows per request are "
+                                       "fixed at plan)", repr(q_len_per_req))  # fmt: skip
         return self._run(q, paged_kv_cache, args, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
                          window_left, sinks, kv_cache_sf)  # fmt: skip
 
@@ -688,8 +688,9 @@ def fast_decode_plan(
       ``indptr`` is not read, so planning reads no indptr from the device.
     * ``fixed_split_size``, ``disable_split_kv``, ``non_blocking``: scheduling hints, accepted
       (each tactix backend schedules for itself).
-    * ``q_len_per_req`` must be 1; ``pos_encoding_mode`` must be ``"NONE"`` (``rope_scale`` and
-      ``rope_theta``, which only rotary embedding reads, are accepted and unused).
+    * ``q_len_per_req``: query rows per request, as in ``plan``; ``pos_encoding_mode`` must be
+      ``"NONE"`` (``rope_scale`` and ``rope_theta``, which only rotary embedding reads, are
+      accepted and unused).
 
     A tactix plan does what FlashInfer's function skips (it copies the batch metadata into the
     plan's own buffers); what makes it fast is tactix's re-plan path: with the same static

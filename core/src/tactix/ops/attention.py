@@ -127,6 +127,12 @@ class AttentionCapabilities(CapabilitiesBase):
     causal: bool = True
     non_causal: bool = True
     chunked: bool = Field(default=True, description="prefill with kv longer than q (bottom-right causal alignment)")
+    max_q_len_per_req: int | None = Field(
+        default=1,
+        ge=1,
+        description="decode: the most query rows per request (multi-token decode, causal among them; "
+        "None: any). Beyond it the core plans the backend's prefill, if it has one",
+    )
     sliding_window: bool = False
     logits_soft_cap: bool = False
     lse: bool = False
@@ -171,6 +177,7 @@ def attention_tuner_inputs(
     pages, compact = torch.unique(indices, return_inverse=True)
     small = PagedBatch.build(
         qo_indptr=batch.qo_indptr if problem.ragged_queries else None,
+        q_len_per_req=getattr(problem, "q_len_per_req", 1),
         kv_indptr=batch.kv_indptr,
         kv_indices=compact.to(torch.int32),
         kv_last_page_len=batch.kv_last_page_len,

@@ -1,13 +1,20 @@
-"""The decode op: one query row per request over a paged KV cache.
+"""The decode op: one query row per request over a paged KV cache, or a few (multi-token decode:
+speculative decoding's verify step), causal among them.
 
 Its problem model, its plan hookspec and its registry entry; the capabilities and the plan
-protocol are those of every paged-attention op (`tactix.ops.attention`).
+protocol are those of every paged-attention op (`tactix.ops.attention`). A backend whose decode
+capabilities do not take a problem's rows per request (``max_q_len_per_req``) but which serves
+prefill is handed the equivalent prefill problem instead (`as_prefill`, the registry's
+``served_through``): every prefill backend serves multi-token decode.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import ClassVar
+
+from pydantic import Field
 
 from tactix.batch import PagedBatch
 from tactix.hookspecs import PlanOptions, hookspec
@@ -19,28 +26,69 @@ from tactix.ops.attention import (
     attention_tuner_inputs,
 )
 from tactix.ops.definition import OpDefinition
+from tactix.ops.prefill import PrefillProblem
 from tactix.tactics import Tactic
 
-__all__ = ["DEFINITION", "DecodeProblem", "tactix_plan_decode"]
+__all__ = ["DEFINITION", "DecodeProblem", "as_prefill", "tactix_plan_decode"]
 
 
 class DecodeProblem(AttentionProblem):
-    """One query token per request over a paged KV cache."""
+    """``q_len_per_req`` query rows per request (usually one) over a paged KV cache: the last
+    ``q_len_per_req`` tokens of each request, row ``i`` attending the keys up to position
+    ``kv_len - q_len_per_req + i`` (causal among the new rows, as a chunked prefill aligns them)."""
 
     op: ClassVar[str] = "decode"
     ragged_queries: ClassVar[bool] = False
     dynamic: ClassVar[tuple[str, ...]] = ("batch_size", "max_kv_len")
+    implicit: ClassVar[tuple[str, ...]] = ("q_len_per_req",)
+
+    q_len_per_req: int = Field(default=1, ge=1, description="query rows per request (multi-token decode: > 1)")
 
     @property
     def causal(self) -> bool:
-        """Never: a decode row attends every key of its request (`PrefillProblem.causal`'s twin,
-        so code over both reads it directly; not a field, so keys are unchanged)."""
-        return False
+        """Whether rows are masked causally: only among several rows per request (one row attends
+        every key of its request). `PrefillProblem.causal`'s twin, so code over both reads it."""
+        return self.q_len_per_req > 1
 
     @property
     def max_qo_len(self) -> int:
-        """One query row per request (`PrefillProblem.max_qo_len`'s twin; not a field)."""
-        return 1
+        """Query rows per request (`PrefillProblem.max_qo_len`'s twin)."""
+        return self.q_len_per_req
+
+    @property
+    def num_qo_tokens(self) -> int:
+        """Query rows of the batch (`PrefillProblem.num_qo_tokens`'s twin)."""
+        return self.batch_size * self.q_len_per_req
+
+    def masking_reasons(self, caps: AttentionCapabilities) -> list[str]:
+        most = caps.max_q_len_per_req
+        if most is not None and self.q_len_per_req > most:
+            return [f"{self.q_len_per_req} query rows per request (multi-token decode) above {most}"]
+        return []
+
+    def _label(self) -> str:
+        label = super()._label()
+        if self.q_len_per_req > 1:
+            label = label.replace("-causal", "") + f"-q{self.q_len_per_req}"
+        return label
+
+
+def as_prefill(problem: DecodeProblem, caps: AttentionCapabilities | None) -> PrefillProblem | None:
+    """The prefill problem a multi-token decode ``problem`` is, for a backend whose decode
+    capabilities (``caps``; None: it has none) do not take its rows per request; None when its
+    decode plans serve it. The batch is the same (its ``qo_indptr`` steps by ``q_len_per_req``)."""
+    if problem.q_len_per_req == 1 or (caps is not None and not problem.masking_reasons(caps)):
+        return None
+    return _prefill_of(problem)
+
+
+@functools.lru_cache(maxsize=256)
+def _prefill_of(problem: DecodeProblem) -> PrefillProblem:
+    """`as_prefill`'s problem (remembered: a re-plan of the same sizes asks again)."""
+    n = problem.q_len_per_req
+    fields = dict(problem.__dict__)
+    del fields["q_len_per_req"]
+    return PrefillProblem(**fields, causal=True, num_qo_tokens=problem.batch_size * n, max_qo_len=n)
 
 
 @hookspec(firstresult=True)
@@ -51,7 +99,8 @@ def tactix_plan_decode(  # type: ignore[empty-body]
     tactic: Tactic,
     options: PlanOptions,
 ) -> AttentionPlan | None:
-    """Plan a decode batch (one query row per request)."""
+    """Plan a decode batch (``problem.q_len_per_req`` query rows per request; more than one only
+    where the backend's decode capabilities declare ``max_q_len_per_req``)."""
 
 
 DEFINITION = OpDefinition(
@@ -65,5 +114,6 @@ DEFINITION = OpDefinition(
     kit_family="attention",
     kit_cases_path="tactix.testing.cases:attention_cases",
     tuner_inputs=attention_tuner_inputs,
-    summary="paged-KV attention of one query row per request",
+    served_through=("prefill", as_prefill),
+    summary="paged-KV attention of one query row per request (or a few: multi-token decode)",
 )

@@ -101,6 +101,12 @@ class OpDefinition:
     tuner_inputs: Callable[[Any, Any, Any, Any], TunerInputs] | None = None
     """``tuner_inputs(problem, batch, device, generator)``: the inputs the autotuner times and
     compares candidate plans on (None: the op cannot be tuned)."""
+    served_through: tuple[str, Callable[[Any, Any], Any]] | None = None
+    """``(other op, convert)``: ``convert(problem, capabilities)`` gives the problem of the other
+    op that is the same computation on the same batch, for a backend whose capabilities of this
+    op (None: it declares none) do not take ``problem`` (None: they do, or there is no such
+    problem). The registry then asks the backend's hooks of the other op (check, tactics, plan)
+    about it: decode's multi-token problems through prefill (`tactix.ops.decode.as_prefill`)."""
 
     def wrapper(self) -> type:
         """The op's user-facing wrapper class (`tactix.PagedPrefill`, ...)."""

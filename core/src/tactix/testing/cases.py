@@ -93,6 +93,17 @@ class AttentionCase:
         return self.ragged and any(k > q for k, q in zip(self.kv_lens, self.q_lens, strict=True))
 
     @property
+    def q_len_per_req(self) -> int:
+        """Decode: the query rows of each request (``q_lens`` is uniform; more than one is a
+        multi-token decode step, causal among the rows); prefill: 1 (rows are in ``q_lens``)."""
+        return 1 if self.ragged else self.q_lens[0]
+
+    @property
+    def masked_causally(self) -> bool:
+        """Whether rows attend causally: prefill as asked, decode with several rows per request."""
+        return self.causal if self.ragged else self.q_len_per_req > 1
+
+    @property
     def id(self) -> str:
         dtype = SHORT_NAMES[self.q_dtype]
         if self.kv_dtype != self.q_dtype:
@@ -107,6 +118,8 @@ class AttentionCase:
         parts = [dtype, f"h{self.num_qo_heads}/{self.num_kv_heads}", dims, f"p{self.page_size}", self.kv_layout]
         if self.causal:
             parts.append("causal")
+        if self.q_len_per_req > 1:
+            parts.append(f"q{self.q_len_per_req}")
         if self.window_left >= 0:
             parts.append(f"win{self.window_left}")
         if self.logits_soft_cap > 0:
@@ -142,6 +155,8 @@ class AttentionCase:
             tags.append("causal" if self.causal else "non-causal")
             if self.chunked:
                 tags.append("chunked prefill")
+        elif self.q_len_per_req > 1:
+            tags.append("multi-token decode")
         if self.window_left >= 0:
             tags.append("sliding window")
         if self.logits_soft_cap > 0:
@@ -174,6 +189,8 @@ class AttentionCase:
         )
         if self.ragged:
             kw["causal"] = self.causal
+        elif self.q_len_per_req > 1:
+            kw["q_len_per_req"] = self.q_len_per_req
         return kw
 
     @property
@@ -396,6 +413,14 @@ def attention_cases(op: str, caps: AttentionCapabilities) -> list[AttentionCase]
         add(causal=False, window_left=64)
     else:
         add(window_left=64)
+        # multi-token decode (speculative decoding's verify step): N rows per request, causal among
+        # them; GQA groups of 8 with 3 rows, the LSE, a window, NaN in unowned slots, an fp8 cache
+        rows = {n: (n,) * len(base.kv_lens) for n in (2, 3, 4)}
+        add(q_lens=rows[4])
+        add(q_lens=rows[2], return_lse=True, kv_layout=other_layout)
+        add(q_lens=rows[3], num_qo_heads=32, num_kv_heads=4, window_left=64)
+        add(q_lens=rows[4], stale="nan", logits_soft_cap=30.0)
+        add(q_lens=rows[4], kv_dtype=_STANDARD_FP8_KV[0], k_scale=0.5, v_scale=2.0)
     add(logits_soft_cap=30.0)
     add(return_lse=True)
     add(return_lse=True, logits_soft_cap=30.0, kv_layout=other_layout)

@@ -163,7 +163,8 @@ def _tactic_cases(cases: list[Any]) -> list[Any]:
 
 def _graph_cases(cases: list[Any]) -> list[Any]:
     ragged = [c for c in cases if c.batch == "ragged"]
-    return ragged[:4] + [c for c in ragged[4:] if getattr(c, "scale_form", "") == "tensor"]
+    multi_token = [c for c in ragged[4:] if getattr(c, "q_len_per_req", 1) > 1][:1]  # decode's verify step
+    return ragged[:4] + multi_token + [c for c in ragged[4:] if getattr(c, "scale_form", "") == "tensor"]
 
 
 KIT_FIXTURES: Final[dict[str, tuple[str, Callable[[list[Any]], list[Any]] | None]]] = {

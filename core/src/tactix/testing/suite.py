@@ -129,11 +129,11 @@ def _run(wrapper: Any, case: AttentionCase, inputs: AttentionInputs) -> None:
 
 
 def _reference(case: AttentionCase, inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = inputs.q.shape[0]
-    qo = inputs.qo_indptr if case.ragged else torch.arange(rows + 1, dtype=torch.int32)
+    rows, step = inputs.q.shape[0], case.q_len_per_req
+    qo = inputs.qo_indptr if case.ragged else torch.arange(0, rows + 1, step, dtype=torch.int32)
     return attention_reference(
         inputs.q, inputs.k_cache, inputs.v_cache, qo, inputs.kv_indptr, inputs.kv_indices, inputs.kv_last_page_len,
-        kv_layout=case.kv_layout, causal=case.causal, sm_scale=case.sm_scale, window_left=case.window_left,
+        kv_layout=case.kv_layout, causal=case.masked_causally, sm_scale=case.sm_scale, window_left=case.window_left,
         logits_soft_cap=case.logits_soft_cap, k_scale=case.k_scale, v_scale=case.v_scale,
     )  # fmt: skip
 
@@ -232,8 +232,10 @@ def test_attention_replan(backend: Backend | None, graph_case: AttentionCase, de
     """One wrapper re-planned for a different batch, then for the first batch again."""
     backend = _require(backend)
     first = graph_case
-    q_lens = (5, 1, 3, 64, 1, 17) if first.ragged else (1,) * 6
-    second = replace(first, kv_lens=(5, 1, 1030, 64, 200, 17), q_lens=q_lens, seed=first.seed + 77)
+    kv_lens = (5, 1, 1030, 64, 200, 17)
+    rows = first.q_len_per_req  # decode: the same rows per request (each request holds at least that many keys)
+    q_lens = (5, 1, 3, 64, 1, 17) if first.ragged else (rows,) * 6
+    second = replace(first, kv_lens=tuple(max(n, rows) for n in kv_lens), q_lens=q_lens, seed=first.seed + 77)
     wrapper = _wrapper(first, backend, device)
     for case in (first, second, first):
         inputs = build_attention_inputs(case, device)

@@ -59,6 +59,8 @@ def attention_references(op: str, inputs: dict[str, Any]) -> list[tuple[str, Cal
     q, k, v, out = inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["out"]
     if k.dtype != q.dtype or v.dtype != q.dtype:
         return []
+    if op == "decode" and q.shape[0] != inputs["kv_indptr"].numel() - 1:
+        return []  # a multi-token decode step: the decode graph here takes one row per request
     cudnn = frontend()
     handle = cudnn.create_handle()
     qo, kv_indptr, indices, last = (inputs[n].long() for n in ("qo_indptr", "kv_indptr", "kv_indices",

@@ -44,6 +44,8 @@ def attention_references(op: str, inputs: dict[str, Any]) -> list[tuple[str, Cal
     # an fp8 cache's scales, as flashinfer takes them: bmm1 = sm_scale * k_scale, bmm2 = v_scale
     k_scale, v_scale = (float(inputs[n]) if n in inputs else 1.0 for n in ("k_scale", "v_scale"))
     if op == "decode":
+        if q.shape[0] != batch:
+            return []  # a multi-token decode step: XQA is called here for one row per request
         decode = flashinfer("decode")
 
         def call_xqa() -> object:
