@@ -104,8 +104,17 @@ def _build_batch(
 
 _ARGUMENT_NAMES: Final = ("num_qo_heads", "num_kv_heads", "head_dim_qk", "head_dim_vo", "page_size", "causal",
                           "sm_scale", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type", "o_data_type",
-                          "return_lse", "deterministic", "q_len_per_req")  # fmt: skip
-"""The static arguments of `attention_problem` after ``op``, in the order the wrappers pass them."""
+                          "return_lse", "deterministic", "q_len_per_req", "masked")  # fmt: skip
+"""The static arguments of `attention_problem` after ``op``, in the order the wrappers pass them
+(``masked``: whether a custom mask was given, its tensors being per batch)."""
+
+
+def _static_arguments(arguments: tuple[Any, ...]) -> dict[str, Any]:
+    """`attention_problem`'s keyword arguments from a wrapper's ``arguments`` (``masked`` aside:
+    the mask tensors are passed with the batch)."""
+    named = dict(zip(_ARGUMENT_NAMES, arguments[1:], strict=True))
+    del named["masked"]
+    return named
 
 
 def _static_key(device_type: str, kv_layout: str, arguments: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -138,6 +147,8 @@ def attention_problem(
     return_lse: bool,
     deterministic: bool = True,
     q_len_per_req: int = 1,
+    custom_mask: torch.Tensor | None = None,
+    packed_custom_mask: torch.Tensor | None = None,
 ) -> tuple[PrefillProblem | DecodeProblem, PagedBatch]:
     """Validate plan arguments and batch metadata; the problem and batch that ``plan()`` hands a backend.
 
@@ -177,8 +188,16 @@ def attention_problem(
     if ragged and q_len_per_req != 1:
         raise InvalidArgumentError("q_len_per_req", "1 for prefill (its rows per request are in qo_indptr)",
                                    q_len_per_req)  # fmt: skip
+    masked = custom_mask is not None or packed_custom_mask is not None
+    if masked and not ragged:
+        raise InvalidArgumentError("custom_mask", "None for decode (custom masks are a prefill argument)", "a mask")
+    if masked and causal:
+        raise InvalidArgumentError("causal", "False with a custom mask (the mask decides which keys each row "
+                                   "attends)", True)  # fmt: skip
     batch = _build_batch(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size, device,
                          causal, q_len_per_req)  # fmt: skip
+    if masked:
+        batch = batch.with_custom_mask(custom_mask, packed_custom_mask, device)
     fields: dict[str, Any] = {
         "device_type": device.type,
         "num_qo_heads": num_qo_heads,
@@ -200,6 +219,8 @@ def attention_problem(
     }
     if ragged:
         fields.update(causal=causal, num_qo_tokens=batch.num_qo_tokens, max_qo_len=batch.max_qo_len)
+        if masked:
+            fields.update(custom_mask=True)
     elif q_len_per_req > 1:
         fields.update(q_len_per_req=q_len_per_req)
     problem = make_problem(op, **fields)
@@ -329,8 +350,10 @@ class _PagedAttention(Planned):
         arguments: tuple[Any, ...],
         backend: str | None,
         tactic: Tactic | dict[str, Any] | str | None,
+        mask: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
     ) -> None:
-        """``arguments``: ``op`` and the static plan arguments, in `_ARGUMENT_NAMES` order."""
+        """``arguments``: ``op`` and the static plan arguments, in `_ARGUMENT_NAMES` order;
+        ``mask``: ``(custom_mask, packed_custom_mask)`` when ``arguments`` say ``masked``."""
         explicit = self._device
         if explicit is not None and (explicit.index is not None or explicit.type == "cpu"):
             device = explicit  # what resolve_device gives back for a concrete device
@@ -356,6 +379,8 @@ class _PagedAttention(Planned):
             batch = _build_batch(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                                  state.problem.page_size, device, state.problem.causal,
                                  1 if qo_indptr is not None else state.problem.max_qo_len)  # fmt: skip
+            if mask is not None:
+                batch = batch.with_custom_mask(*mask, device)
             problem = _sized(state.problem, batch)
         else:
             problem, batch = attention_problem(
@@ -366,7 +391,9 @@ class _PagedAttention(Planned):
                 paged_kv_indptr=paged_kv_indptr,
                 paged_kv_indices=paged_kv_indices,
                 paged_kv_last_page_len=paged_kv_last_page_len,
-                **dict(zip(_ARGUMENT_NAMES, arguments[1:], strict=True)),
+                **_static_arguments(arguments),
+                custom_mask=None if mask is None else mask[0],
+                packed_custom_mask=None if mask is None else mask[1],
             )
             state = _Static(problem)
             if key is not None:
@@ -699,6 +726,8 @@ class PagedPrefill(_PagedAttention):
         deterministic: bool = True,
         backend: str | None = None,
         tactic: Tactic | dict[str, Any] | str | None = None,
+        custom_mask: torch.Tensor | None = None,
+        packed_custom_mask: torch.Tensor | None = None,
     ) -> None:
         """Plan a batch: validate its metadata, choose backend and tactic, build the plan.
 
@@ -742,13 +771,25 @@ class PagedPrefill(_PagedAttention):
             Run exactly this tactic (its backend must be able to serve the problem): a `Tactic`,
             the form it prints (``"torch:explicit"``, ``"torch:sdpa(impl=math)"``: what
             ``print(wrapper.tactic)`` shows), or its JSON object.
+        custom_mask : bool tensor, optional
+            A custom attention mask (tree attention for speculative decoding, ...), FlashInfer's
+            layout: request ``b``'s ``q_len x kv_len`` matrix, row-major (True: the row attends the
+            key), requests one after another, ``sum(q_len * kv_len)`` elements, on the CPU or the
+            plan's device. It replaces ``causal`` (which must then be False); a sliding window and
+            the soft cap still apply. A row that attends no key gives zeros (and an LSE of -inf).
+        packed_custom_mask : uint8 tensor, optional
+            The same mask bit-packed: each request's bits little-endian from a byte of its own
+            (``sum(ceil(q_len * kv_len / 8))`` bytes, what ``numpy.packbits(..., bitorder="little")``
+            gives per request). Used instead of ``custom_mask`` when both are given.
         """
         if not isinstance(qo_indptr, torch.Tensor):
             raise InvalidArgumentError("qo_indptr", "a 1-D int32 or int64 torch.Tensor", type(qo_indptr).__name__)
         arguments = ("prefill", num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, sm_scale,
                      window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, return_lse,
-                     deterministic, 1)  # fmt: skip
-        self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, arguments, backend, tactic)
+                     deterministic, 1, custom_mask is not None or packed_custom_mask is not None)  # fmt: skip
+        mask = None if not arguments[-1] else (custom_mask, packed_custom_mask)
+        self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, arguments, backend, tactic,
+                   mask)  # fmt: skip
 
 
 class PagedDecode(_PagedAttention):
@@ -803,5 +844,5 @@ class PagedDecode(_PagedAttention):
         """
         arguments = ("decode", num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, False, sm_scale,
                      window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, return_lse,
-                     deterministic, q_len_per_req)  # fmt: skip
+                     deterministic, q_len_per_req, False)  # fmt: skip
         self._plan(None, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, arguments, backend, tactic)

@@ -21,7 +21,7 @@ import torch
 
 from tactix.errors import InvalidArgumentError
 
-__all__ = ["DeviceBatch", "PagedBatch"]
+__all__ = ["CustomMask", "DeviceBatch", "PagedBatch"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = 2**31 - 1
@@ -77,6 +77,80 @@ class DeviceBatch:
 
 
 @dataclass(frozen=True, eq=False)
+class CustomMask:
+    """A prefill batch's custom attention mask in FlashInfer's layout: request ``r``'s mask is its
+    ``q_len x kv_len`` matrix, row-major (True: the row attends the key), requests one after
+    another. Held as given: ``flat`` (bool, ``offsets[-1]`` elements) or ``packed`` (uint8, each
+    request's bits little-endian from its own byte: ``byte_offsets``)."""
+
+    offsets: list[int]
+    byte_offsets: list[int]
+    flat: torch.Tensor | None
+    packed: torch.Tensor | None
+
+    @classmethod
+    def build(
+        cls,
+        custom_mask: object,
+        packed_custom_mask: object,
+        qo_lens: list[int],
+        kv_lens: list[int],
+        device: torch.device,
+    ) -> CustomMask:
+        """Check a mask against the batch's lengths (``packed_custom_mask`` wins when both are given,
+        as in FlashInfer)."""
+        offsets, byte_offsets = [0], [0]
+        for q, kv in zip(qo_lens, kv_lens, strict=True):
+            offsets.append(offsets[-1] + q * kv)
+            byte_offsets.append(byte_offsets[-1] + -(-(q * kv) // 8))
+        if packed_custom_mask is not None:
+            packed = _mask_tensor(packed_custom_mask, "packed_custom_mask", torch.uint8, byte_offsets[-1],
+                                  "sum over requests of ceil(q_len * kv_len / 8) bytes", device)  # fmt: skip
+            return cls(offsets, byte_offsets, None, packed)
+        flat = _mask_tensor(custom_mask, "custom_mask", torch.bool, offsets[-1],
+                            "sum over requests of q_len * kv_len elements", device)  # fmt: skip
+        return cls(offsets, byte_offsets, flat, None)
+
+    def unpacked(self, device: torch.device) -> torch.Tensor:
+        """The mask as one flat bool tensor on ``device`` (unpacking the bits if packed)."""
+        if self.flat is not None:
+            return self.flat.to(device)
+        assert self.packed is not None
+        lengths = torch.tensor([b - a for a, b in zip(self.offsets, self.offsets[1:], strict=False)], device=device)
+        total = self.offsets[-1]
+        req = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths, output_size=total)
+        local = torch.arange(total, device=device) - torch.tensor(self.offsets[:-1], device=device)[req]
+        byte = torch.tensor(self.byte_offsets[:-1], device=device)[req] + local // 8
+        bits = self.packed.to(device)[byte].to(torch.int32)
+        return ((bits >> (local % 8).to(torch.int32)) & 1).bool()
+
+    def dense(self, device: torch.device, q_len: int, kv_len: int, qo_lens: torch.Tensor,
+              kv_lens: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """``[batch, q_len, kv_len]`` bool on ``device``: each request's mask, False past its rows and keys."""
+        flat = self.unpacked(device)
+        i = torch.arange(q_len, device=device)[None, :, None]
+        j = torch.arange(kv_len, device=device)[None, None, :]
+        q_r, kv_r = qo_lens.to(device).long()[:, None, None], kv_lens.to(device).long()[:, None, None]
+        start = torch.tensor(self.offsets[:-1], device=device)[:, None, None]
+        valid = (i < q_r) & (j < kv_r)
+        index = (start + i * kv_r + j).clamp(0, max(flat.numel() - 1, 0))
+        return valid & flat[index]
+
+
+def _mask_tensor(value: object, argument: str, dtype: torch.dtype, numel: int, what: str,
+                 device: torch.device) -> torch.Tensor:  # fmt: skip
+    if not isinstance(value, torch.Tensor):
+        raise InvalidArgumentError(argument, f"a 1-D {dtype} torch.Tensor", type(value).__name__)
+    if value.dtype != dtype or value.dim() != 1:
+        raise InvalidArgumentError(argument, f"a 1-D {dtype} tensor", f"{value.dtype} of shape {tuple(value.shape)}")
+    if value.numel() != numel:
+        raise InvalidArgumentError(argument, f"{numel} long (the {what})", f"{value.numel()}")
+    if value.device.type != "cpu" and value.device != device:
+        raise InvalidArgumentError(argument, f"on the CPU or on the plan's device {device}", f"on {value.device}")
+    return value
+
+
+@dataclass(frozen=True, eq=False)
 class PagedBatch:
     """A validated paged batch. Lengths are per request.
 
@@ -100,6 +174,8 @@ class PagedBatch:
     num_page_entries: int
     max_page_index: int | None
     """Largest page index used, when the indices are on the host; None for device indices."""
+    custom_mask: CustomMask | None = None
+    """Prefill: the custom attention mask given at plan (`with_custom_mask`), else None."""
     _device_copies: dict[torch.device, DeviceBatch] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
@@ -279,8 +355,16 @@ class PagedBatch:
             max_kv_len=max_kv_len,
             num_page_entries=nnz,
             max_page_index=max_page_index,
+            custom_mask=None,
             _device_copies={},
         )
+        return batch
+
+    def with_custom_mask(self, custom_mask: object, packed_custom_mask: object, device: torch.device) -> PagedBatch:
+        """This batch with a custom mask (`CustomMask.build` checks it against the lengths)."""
+        mask = CustomMask.build(custom_mask, packed_custom_mask, self.qo_lens_list, self.kv_lens_list, device)
+        batch = type(self).__new__(type(self))
+        batch.__dict__.update(self.__dict__, custom_mask=mask, _device_copies={})
         return batch
 
     def check_page_bounds(self, num_pages: int, argument: str = "paged_kv_indices") -> None:

@@ -69,6 +69,7 @@ _ATTENTION = AttentionCapabilities(
     cuda_graph="fixed_buffers",
     run_extras=frozenset({"k_scale", "v_scale"}),
     max_q_len_per_req=None,  # decode: any rows per request (the prefill path's masks)
+    custom_mask=True,  # prefill: the explicit kernel
 )
 
 _GEMM = GemmCapabilities(
@@ -148,6 +149,8 @@ def _attention_reasons(problem: PrefillProblem | DecodeProblem, tactic: Tactic, 
     impl = tactic.params.get("impl")
     if impl not in _SDPA_IMPLS or set(tactic.params) != {"impl"}:
         return [*out, f"sdpa params must be {{'impl': one of {list(_SDPA_IMPLS)}}} (got {tactic.params})"]
+    if getattr(problem, "custom_mask", False):
+        out.append("SDPA gives NaN for a row a custom mask leaves no key: the explicit kernel serves custom masks")
     if problem.logits_soft_cap > 0:
         out.append("SDPA has no logits soft-cap")
     if problem.return_lse:
@@ -286,7 +289,8 @@ class _AttentionPlan:
             q_len = batch.max_qo_len
             pages = -(-batch.max_kv_len // page)
         self.geometry = _Geometry(batch.batch_size, batch.num_qo_tokens, max(q_len, 1), pages)
-        self.mask_needed = options["use_cuda_graph"] or _needs_mask(problem, batch)
+        self._custom = bool(getattr(problem, "custom_mask", False))
+        self.mask_needed = options["use_cuda_graph"] or self._custom or _needs_mask(problem, batch)
         self.is_causal = causal and not self.mask_needed
         self._sdpa = None
         if tactic.kernel == "sdpa":
@@ -362,6 +366,8 @@ class _AttentionPlan:
             mask = mask & (j[None, None, :] <= qpos)
         if problem.window_left >= 0:
             mask = mask & (j[None, None, :] >= qpos - problem.window_left)
+        if batch.custom_mask is not None:
+            mask = mask & batch.custom_mask.dense(device, g.q_len, g.pages * page, q_lens, kv_lens)
         padded_row = (i[None, :] >= q_lens[:, None])[:, :, None]
         # padding rows attend key 0 only, so no row is empty (their output is discarded).
         mask = torch.where(padded_row, j[None, None, :] == 0, mask)
@@ -450,7 +456,10 @@ class _AttentionPlan:
         scores = scores.view(g.batch_size, hkv, group, g.q_len, -1)
         scores = scores.masked_fill(~self.mask[:, :, None], float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1) if want_lse else None
-        probs = torch.softmax(scores, dim=-1).view(g.batch_size, hkv, group * g.q_len, -1)
+        probs = torch.softmax(scores, dim=-1)
+        if self._custom:  # a row its mask leaves no key: zeros (softmax over no key is NaN), LSE -inf
+            probs = probs.masked_fill(~self.mask[:, :, None].any(-1, keepdim=True), 0.0)
+        probs = probs.view(g.batch_size, hkv, group * g.q_len, -1)
         o = torch.matmul(probs, v32).view(g.batch_size, p.num_qo_heads, g.q_len, p.head_dim_vo)
         if row_lse is not None:
             row_lse = row_lse.reshape(g.batch_size, p.num_qo_heads, g.q_len)

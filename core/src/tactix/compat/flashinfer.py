@@ -48,8 +48,10 @@ Differences, all explicit:
 * The LSE is returned in base 2, as FlashInfer returns it (tactix's own API uses natural log).
 * Scheduling hints (``fixed_split_size``, ``disable_split_kv``, ``non_blocking``,
   ``enable_pdl``) are accepted: each tactix backend schedules for itself.
-* Features tactix does not implement raise `InvalidArgumentError` naming the argument: custom
-  masks, rotary embedding inside the kernel, fp16 QK reduction, a q scale, attention sinks,
+* ``custom_mask`` / ``packed_custom_mask`` are served (tactix's `PagedPrefill.plan`), replacing
+  ``causal`` as in FlashInfer, by the backends that declare custom masks.
+* Features tactix does not implement raise `InvalidArgumentError` naming the argument: rotary
+  embedding inside the kernel, fp16 QK reduction, a q scale, attention sinks,
   NVFP4 KV caches (``kv_data_type=torch.uint8`` at plan, ``kv_cache_sf`` at run), FlashInfer's
   own page-table arguments (``block_tables``, ``seq_lens``).
 * Decode's ``q_len_per_req`` (multi-token decode) is tactix's: ``q`` holds that many rows per
@@ -308,7 +310,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         jit_kwargs: dict[str, Any] | None = None,
         variant_owns_mask: bool = False,
     ) -> None:
-        _unsupported("custom_mask_buf", custom_mask_buf)
+        del custom_mask_buf, mask_indptr_buf  # CUDA-graph buffers: tactix plans keep their own
         _unsupported("jit_args", jit_args)
         _unsupported("jit_kwargs", jit_kwargs)
         _unsupported("variant_owns_mask", variant_owns_mask, False)
@@ -341,8 +343,6 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         non_blocking: bool = True,
         **unsupported: Any,
     ) -> None:
-        _unsupported("custom_mask", custom_mask)
-        _unsupported("packed_custom_mask", packed_custom_mask)
         _unsupported("pos_encoding_mode", pos_encoding_mode, "NONE")
         _unsupported("use_fp16_qk_reduction", use_fp16_qk_reduction, False)
         flag(non_blocking, "non_blocking")  # a copy hint: tactix plans make their own metadata copies
@@ -358,13 +358,16 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             head_dim_qk=head_dim_qk,
             page_size=page_size,
             head_dim_vo=head_dim_vo,
-            causal=causal,
+            # as in FlashInfer, a custom mask replaces causal (tactix refuses causal=True beside one)
+            causal=False if custom_mask is not None or packed_custom_mask is not None else causal,
             sm_scale=sm_scale,
             window_left=window_left,
             logits_soft_cap=logits_soft_cap,
             q_data_type=q_data_type,
             kv_data_type=kv_data_type,
             o_data_type=o_data_type,
+            **({"custom_mask": custom_mask} if custom_mask is not None else {}),
+            **({"packed_custom_mask": packed_custom_mask} if packed_custom_mask is not None else {}),
         )
 
     begin_forward = plan

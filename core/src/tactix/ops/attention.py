@@ -97,6 +97,8 @@ class AttentionProblem(ProblemBase):
         ]
         if getattr(self, "causal", False):
             parts.append("causal")
+        if getattr(self, "custom_mask", False):
+            parts.append("mask")
         if self.window_left >= 0:
             parts.append(f"win{self.window_left}")
         if self.logits_soft_cap > 0:
@@ -127,6 +129,9 @@ class AttentionCapabilities(CapabilitiesBase):
     causal: bool = True
     non_causal: bool = True
     chunked: bool = Field(default=True, description="prefill with kv longer than q (bottom-right causal alignment)")
+    custom_mask: bool = Field(
+        default=False, description="prefill: a custom mask per batch (FlashInfer's custom_mask / packed_custom_mask)"
+    )
     max_q_len_per_req: int | None = Field(
         default=1,
         ge=1,

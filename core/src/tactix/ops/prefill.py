@@ -33,11 +33,16 @@ class PrefillProblem(AttentionProblem):
     ragged_queries: ClassVar[bool] = True
     dynamic: ClassVar[tuple[str, ...]] = ("batch_size", "num_qo_tokens", "max_qo_len", "max_kv_len")
 
+    implicit: ClassVar[tuple[str, ...]] = ("custom_mask",)
+
     causal: bool
     num_qo_tokens: int = Field(ge=0)
     max_qo_len: int = Field(ge=0)
+    custom_mask: bool = Field(default=False, description="a custom mask per batch decides which keys each row attends")
 
     def masking_reasons(self, caps: AttentionCapabilities) -> list[str]:
+        if self.custom_mask:
+            return [] if caps.custom_mask else ["custom masks not supported"]
         if self.causal and not caps.causal:
             return ["causal masking not supported"]
         if not self.causal and not caps.non_causal:

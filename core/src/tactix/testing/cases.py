@@ -76,6 +76,8 @@ class AttentionCase:
     k_scale: float = 1.0  # run extras: dequantization scales (1.0: not passed)
     v_scale: float = 1.0
     scale_form: Literal["float", "tensor"] = "float"  # tensor: one-element float32 tensors on the device
+    mask: Literal["", "tree", "random"] = ""  # prefill: a custom mask (tree attention, or random with empty rows)
+    mask_form: Literal["bool", "packed"] = "bool"  # packed: bit-packed (packed_custom_mask)
     seed: int = 0
 
     @property
@@ -120,6 +122,8 @@ class AttentionCase:
             parts.append("causal")
         if self.q_len_per_req > 1:
             parts.append(f"q{self.q_len_per_req}")
+        if self.mask:
+            parts.append(f"mask-{self.mask}" + ("-packed" if self.mask_form == "packed" else ""))
         if self.window_left >= 0:
             parts.append(f"win{self.window_left}")
         if self.logits_soft_cap > 0:
@@ -157,6 +161,8 @@ class AttentionCase:
                 tags.append("chunked prefill")
         elif self.q_len_per_req > 1:
             tags.append("multi-token decode")
+        if self.mask:
+            tags.append("custom mask" + (" (bit-packed)" if self.mask_form == "packed" else ""))
         if self.window_left >= 0:
             tags.append("sliding window")
         if self.logits_soft_cap > 0:
@@ -214,6 +220,8 @@ class AttentionInputs:
     lse: torch.Tensor | None
     outside: torch.Tensor = field(repr=False)  # bool [pages, page_size]: slots that belong to no request
     extras: dict[str, Any] = field(default_factory=dict)  # the run extras run() receives (k_scale, ...)
+    custom_mask: torch.Tensor | None = None  # bool, flattened (FlashInfer's layout): what the oracle reads
+    mask_kwargs: dict[str, Any] = field(default_factory=dict)  # what plan() receives: custom_mask or packed_custom_mask
 
     def plan_args(self, op: str) -> tuple[torch.Tensor, ...]:
         meta = (self.kv_indptr, self.kv_indices, self.kv_last_page_len)
@@ -309,8 +317,44 @@ def build_attention_inputs(case: AttentionCase, device: torch.device) -> Attenti
     for name in sorted(case.run_extras):
         value = getattr(case, name)
         extras[name] = torch.tensor(value, dtype=torch.float32, device=device) if case.scale_form == "tensor" else value
+    mask, mask_kwargs = None, {}
+    if case.mask:
+        parts = [_mask(case.mask, q_len, kv_len, gen) for q_len, kv_len in zip(case.q_lens, case.kv_lens, strict=True)]
+        mask = torch.cat([m.reshape(-1) for m in parts])
+        if case.mask_form == "packed":
+            mask_kwargs = {"packed_custom_mask": torch.cat([_packbits(m.reshape(-1)) for m in parts]).to(device)}
+        else:
+            mask_kwargs = {"custom_mask": mask.to(device)}
     return AttentionInputs(_i32(qo), _i32(indptr), _i32(indices), _i32(last), q, k, v, cache, out, lse, outside,
-                           extras)  # fmt: skip
+                           extras, mask, mask_kwargs)  # fmt: skip
+
+
+def _mask(kind: str, q_len: int, kv_len: int, gen: torch.Generator) -> torch.Tensor:
+    """A ``q_len x kv_len`` custom mask: ``tree``, the new tokens as a random tree over the cached
+    prefix (each attends the prefix, itself and its ancestors: tree attention for speculative
+    decoding); ``random``, half the pairs, with the first row attending no key."""
+    if kind == "random":
+        mask = torch.rand(q_len, kv_len, generator=gen) < 0.5
+        if q_len:
+            mask[0] = False
+        return mask
+    prefix = kv_len - q_len
+    mask = torch.zeros(q_len, kv_len, dtype=torch.bool)
+    mask[:, :prefix] = True
+    for i in range(q_len):
+        parent = int(torch.randint(-1, i, (1,), generator=gen)) if i else -1
+        if parent >= 0:
+            mask[i, prefix:] = mask[parent, prefix:]
+        mask[i, prefix + i] = True
+    return mask
+
+
+def _packbits(bits: torch.Tensor) -> torch.Tensor:
+    """``bits`` (bool, 1-D) packed little-endian into bytes, the last one zero-padded."""
+    padded = torch.zeros(-(-bits.numel() // 8) * 8, dtype=torch.uint8)
+    padded[: bits.numel()] = bits.to(torch.uint8)
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+    return (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
 
 
 def _i32(values: list[int]) -> torch.Tensor:
@@ -411,6 +455,13 @@ def attention_cases(op: str, caps: AttentionCapabilities) -> list[AttentionCase]
         add(batch="chunked", kv_lens=chunked_kv, q_lens=chunked_q, window_left=100)
         add(window_left=64)
         add(causal=False, window_left=64)
+        # custom masks (tree attention over a cached prefix; random masks with a row that attends
+        # no key), bool and bit-packed
+        add(causal=False, mask="tree", batch="chunked", kv_lens=chunked_kv, q_lens=chunked_q)
+        add(causal=False, mask="tree", mask_form="packed", batch="chunked", kv_lens=chunked_kv, q_lens=chunked_q,
+            return_lse=True)  # fmt: skip
+        add(causal=False, mask="random", return_lse=True)
+        add(causal=False, mask="random", mask_form="packed", window_left=64, stale="nan")
     else:
         add(window_left=64)
         # multi-token decode (speculative decoding's verify step): N rows per request, causal among

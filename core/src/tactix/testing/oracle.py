@@ -106,8 +106,14 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def lse_error(lse: torch.Tensor, ref: torch.Tensor) -> float:
-    """Largest ``|lse - ref| / max(1, |ref|)``; ``inf`` if ``lse`` holds a NaN."""
+    """Largest ``|lse - ref| / max(1, |ref|)``; ``inf`` if ``lse`` holds a NaN, or an infinity
+    where ``ref`` is finite. A row that attends no key (a custom mask's) has ``ref`` -inf, and
+    ``lse`` must be -inf there too."""
     lse64 = lse.detach().to(ref.device, torch.float64)
+    empty = torch.isneginf(ref)
+    if not bool((torch.isneginf(lse64) == empty).all()):
+        return math.inf
+    lse64, ref = lse64[~empty], ref[~empty]
     if not bool(torch.isfinite(lse64).all()):
         return math.inf
     return float(((lse64 - ref).abs() / ref.abs().clamp(min=1.0)).max()) if ref.numel() else 0.0
@@ -140,8 +146,13 @@ def attention_reference(
     logits_soft_cap: float = 0.0,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    custom_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged attention in float64: returns ``out [rows, qo_heads, dim_vo]`` and ``lse [rows, qo_heads]``.
+
+    ``custom_mask`` (bool, FlashInfer's flattened layout: each request's ``q_len x kv_len``
+    matrix, row-major, one after another) restricts the keys each row attends, with the window;
+    a row left no key gives zeros and an LSE of -inf.
 
     Decode is the case ``qo_indptr = [0, 1, ..., batch]`` with ``causal=False``. The LSE is the
     natural-log log-sum-exp of the scaled, soft-capped logits over the attended keys. ``k_scale``
@@ -159,6 +170,7 @@ def attention_reference(
     out = torch.zeros(rows, qo_heads, dim_vo, dtype=torch.float64, device=q.device)
     lse = torch.zeros(rows, qo_heads, dtype=torch.float64, device=q.device)
 
+    mask_start = 0
     for r in range(len(last)):
         pages = indices[kv[r] : kv[r + 1]]
         kv_len = (len(pages) - 1) * page_size + last[r]
@@ -181,9 +193,12 @@ def attention_reference(
             allowed &= key[None, :] <= position[:, None]
         if window_left >= 0:
             allowed &= key[None, :] >= position[:, None] - window_left
+        if custom_mask is not None:
+            allowed &= custom_mask[mask_start : mask_start + q_len * kv_len].to(q.device).view(q_len, kv_len)
+            mask_start += q_len * kv_len
         logits = logits.masked_fill(~allowed, -math.inf)
         row_lse = torch.logsumexp(logits, dim=-1)  # [heads, q_len]
-        probs = torch.exp(logits - row_lse[..., None])
+        probs = torch.exp(logits - row_lse[..., None]).masked_fill(~allowed, 0.0)  # a row with no key: zeros
         out[qo[r] : qo[r + 1]] = torch.einsum("hqk,khd->qhd", probs, v.to(torch.float64)) * v_scale
         lse[qo[r] : qo[r + 1]] = row_lse.transpose(0, 1)
     return out, lse

@@ -94,6 +94,7 @@ def _problem(
         causal=kwargs.pop("causal", False),
         sm_scale=None,
         **kwargs,
+        **inputs.mask_kwargs,
     )
 
 
@@ -119,7 +120,7 @@ def _wrapper(case: AttentionCase, backend: Backend, device: torch.device, graph:
 
 def _plan(wrapper: Any, case: AttentionCase, inputs: AttentionInputs, tactic: Tactic | None = None) -> None:
     with claimed_path():
-        wrapper.plan(*inputs.plan_args(case.op), **case.plan_kwargs(), tactic=tactic)
+        wrapper.plan(*inputs.plan_args(case.op), **case.plan_kwargs(), **inputs.mask_kwargs, tactic=tactic)
 
 
 def _run(wrapper: Any, case: AttentionCase, inputs: AttentionInputs) -> None:
@@ -135,6 +136,7 @@ def _reference(case: AttentionCase, inputs: AttentionInputs) -> tuple[torch.Tens
         inputs.q, inputs.k_cache, inputs.v_cache, qo, inputs.kv_indptr, inputs.kv_indices, inputs.kv_last_page_len,
         kv_layout=case.kv_layout, causal=case.masked_causally, sm_scale=case.sm_scale, window_left=case.window_left,
         logits_soft_cap=case.logits_soft_cap, k_scale=case.k_scale, v_scale=case.v_scale,
+        custom_mask=inputs.custom_mask,
     )  # fmt: skip
 
 
