@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The H200 checks of an issue, as named jobs run side by side within one device call.
+#
+#   ../shared/device/prepare.sh --flashinfer          # here, after every code change
+#   run: source .gpu/env.sh && bash benchmarks/h200_checks.sh JOB [JOB ...]
+#
+# Each job runs under `timeout` (H200_LIMIT seconds, default 550: the device tool stops a call at
+# 600) and writes its log to /tmp/h200-logs; JSON results go to $OUT. The call returns at most 8
+# files: per call name at most 6 JSON-writing jobs (the summary and the logs' tarball are the
+# other two). Jobs (what they cost on the H200 of session 12, when run beside three others):
+#   warm-fmha            compile trtllm's four FMHAv2 modules (minutes each; one took >6 min beside
+#                        six other jobs): run it first, alone or beside light jobs, then run the
+#                        trtllm prefill jobs in the next call while the machine is still warm
+#   warm-flashinfer      FlashInfer's anchor modules for the bench (fa2/tc decode, fa2/fa3 prefill,
+#                        bf16 and e4m3 KV): 15-90 s each
+#   kit-torch kit-cudnn kit-cuda_native kit-trtllm-decode kit-trtllm-prefill
+#                        tactix conformance (2-7 min each)
+#   gpu-rest gpu-cuda_native gpu-trtllm
+#                        tests/gpu by file group (3, 6 and 5 min)
+#   fp8-cvt              the cuda_native fp8 decode kit cases with TACTIX_CUDA_NATIVE_FP8_CVT=1,
+#                        and the bench's fp8 decode rows with and without it
+#   bench-attention      tactix bench on the attention cases (bf16, fp8, V1), FlashInfer anchors
+#   ab                   benchmarks/plan_time_ab.sh (needs .gpu/old, see that script; run it alone)
+#   parity               benchmarks/flashinfer_parity/run.py on a sample, ours and FlashInfer's own
+# Nothing here is a result until its JSON or log is committed under benchmarks/results/.
+set -uo pipefail
+LOGS=/tmp/h200-logs
+mkdir -p "$LOGS" "$OUT"
+export TACTIX_CACHE_DIR=${TACTIX_CACHE_DIR:-/tmp/txcache}
+LIMIT=${H200_LIMIT:-550}
+ATTENTION=D1,D2,D3,D1-fp8,D2-fp8,D3-fp8,P1,P1-fp8,P3,P3-fp8,V1
+
+t() { timeout -s INT -k 30 "$LIMIT" "$@"; }  # SIGINT: pytest still writes the kit's JSON (KILL 30 s later)
+
+job() {
+  case "$1" in
+    warm-fmha) TACTIX_TRTLLM_WARMUP="ops=prefill" t python -m tactix warmup trtllm ;;
+    warm-flashinfer) t python -m tactix bench --cases D2,D2-fp8,P3,P3-fp8,V1 --backends torch --no-tune --repeat 3 ;;
+    kit-torch | kit-cudnn | kit-cuda_native)
+      t python -m tactix conformance "${1#kit-}" --json "$OUT/conformance-${1#kit-}-h200.json" ;;
+    kit-trtllm-decode) t python -m tactix conformance trtllm -k "not prefill" --json "$OUT/conformance-trtllm-decode-h200.json" ;;
+    kit-trtllm-prefill) t python -m tactix conformance trtllm -k prefill --json "$OUT/conformance-trtllm-prefill-h200.json" ;;
+    gpu-rest) t python -m pytest -q -p no:cacheprovider --durations=10 tests/gpu/test_autotune_cuda.py \
+      tests/gpu/test_cudnn_gpu.py tests/gpu/test_torch_backend_cuda.py ;;
+    gpu-cuda_native) t python -m pytest -q -p no:cacheprovider --durations=10 tests/gpu/test_cuda_native_gpu.py ;;
+    gpu-trtllm) t python -m pytest -q -p no:cacheprovider --durations=10 tests/gpu/test_trtllm_gpu.py ;;
+    fp8-cvt)
+      TACTIX_CUDA_NATIVE_FP8_CVT=1 t python -m tactix conformance cuda_native -k "e4m3 or e5m2" \
+        --json "$OUT/conformance-cuda_native-fp8-cvt-h200.json" \
+        && t python -m tactix bench --cases D1-fp8,D3-fp8 --backends cuda_native --no-tune --no-flashinfer \
+          --json "$OUT/bench-fp8-bits.json" \
+        && TACTIX_CUDA_NATIVE_FP8_CVT=1 t python -m tactix bench --cases D1-fp8,D3-fp8 --backends cuda_native \
+          --no-tune --no-flashinfer --json "$OUT/bench-fp8-cvt.json" ;;
+    bench-attention) t python -m tactix bench --cases "$ATTENTION" --json "$OUT/bench-attention-h200.json" \
+      --markdown "$OUT/bench-attention-h200.md" ;;
+    ab) t bash benchmarks/plan_time_ab.sh ;;
+    parity)
+      t python3 benchmarks/flashinfer_parity/run.py --sample "${PARITY_SAMPLE:-60}" --seed 0 \
+        --junit "$OUT/flashinfer-parity.xml" --summary "$OUT/flashinfer-parity.md" ;;
+    *) echo "unknown job '$1' (see the list at the top of benchmarks/h200_checks.sh)"; return 2 ;;
+  esac
+}
+
+for name in "$@"; do
+  ( start=$(date +%s); job "$name" > "$LOGS/$name.log" 2>&1
+    echo "rc=$? after $(( $(date +%s) - start )) s" >> "$LOGS/$name.log" ) &
+done
+wait
+for f in "$LOGS"/*.log; do
+  echo "== $(basename "$f" .log)"
+  grep -v "^\s*$" "$f" | grep -v "Synchronization debug\|_cuda_set_sync_debug_mode\|Docs: https" | tail -4
+done > "$OUT/summary.log"
+tar czf "$OUT/logs.tgz" -C "$LOGS" .
+cat "$OUT/summary.log"
