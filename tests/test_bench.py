@@ -29,6 +29,8 @@ def test_cpu_suite_reports_checked_rows_for_every_backend_and_tuned_auto(
         for r in ok:
             assert r["error"] is not None and r["error"] < 1e-5  # float32 on the CPU, checked against float64
             assert r["time_us"] > 0 and r["rate"] > 0 and r["unit"] in ("TB/s", "TFLOP/s")
+            # host cost of every implementation: a re-plan for new lengths and an eager run()
+            assert r["plan_host_us"] > 0 and r["run_host_us"] > 0
     # the fp8-KV case reads one byte per cache element: its bytes (rate x time) are about a quarter
     # of the float32 case's over the same batch
     moved = {r["case"]: r["rate"] * r["time_us"] for r in rows if r["implementation"] == "torch"}
@@ -40,6 +42,7 @@ def test_cpu_suite_reports_checked_rows_for_every_backend_and_tuned_auto(
     assert not [r for r in rows if r["implementation"].startswith("flashinfer")]
     text = md.read_text()
     assert "| d1 | decode b8, kv 64-512 |" in text and "auto (tuned)" in text
+    assert "| plan host (us) | run host (us) |" in text
     assert "auto (tuned)" in capsys.readouterr().out
 
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 import json
 import math
 import platform
+import statistics
 import tempfile
 import textwrap
+import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -98,6 +100,45 @@ class BenchRow:
     detail: str = ""  # the whole message: the Markdown table shortens it, the JSON keeps it
     reasons: list[str] = field(default_factory=list)  # unsupported: each reason the backend gave
     samples_us: list[float] = field(default_factory=list)
+    plan_host_us: float | None = None  # host time of a re-plan for new lengths (median; no device sync)
+    run_host_us: float | None = None  # host time of an eager run() (median; enqueue only, no device sync)
+
+
+HOST_CALLS: Final = 40
+"""Calls per host-cost median (plan and run)."""
+
+
+def host_us(fn: Any, device: torch.device, calls: int = HOST_CALLS) -> float:
+    """Median host wall time of ``fn()`` in microseconds, with no device synchronisation inside
+    the timed calls (a synchronisation before and after): what an eager caller's thread pays."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    fn()
+    fn()  # two warm-up calls: with the timed ones, an even number (see `bench_flashinfer.Anchor.replan`)
+    samples = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return statistics.median(samples) * 1e6
+
+
+assert HOST_CALLS % 2 == 0
+
+
+def _other_lengths(case: BenchCase, last: torch.Tensor) -> torch.Tensor:
+    """``last`` with the first request one key longer (or shorter, when its last page is full):
+    a batch of new lengths in the same shape bucket, as the next serving step plans (unchanged
+    where neither is a valid batch)."""
+    other = last.clone()
+    n, q_len = int(other[0]), case.q_lens[0] if case.q_lens else 1
+    if n < case.page_size:
+        other[0] = n + 1
+    elif n > 1 and case.kv_lens[0] - 1 >= q_len:
+        other[0] = n - 1
+    return other
 
 
 def _randint(low: int, high: int, count: int, seed: int) -> tuple[int, ...]:
@@ -314,6 +355,17 @@ def _measure_attention(
     timing = measure_with_policy(lambda: wrapper.run(inputs.q, cache, out=inputs.out, **inputs.scales), device, policy)
     work, unit = _attention_work(case, dtype)
     rate = work / timing.median / 1e12
+    # host cost: re-plans alternating between this batch and one of new lengths, then eager runs
+    other = (*args[:-1], _other_lengths(case, inputs.last))
+    flip = [other, args]
+
+    def replan() -> None:
+        flip.reverse()
+        wrapper.plan(*flip[0], hq, hkv, case.head_dim, case.page_size, **kw)
+
+    plan_host = host_us(replan, device)
+    wrapper.plan(*args, hq, hkv, case.head_dim, case.page_size, **kw)
+    run_host = host_us(lambda: wrapper.run(inputs.q, cache, out=inputs.out, **inputs.scales), device)
     return BenchRow(
         case.id,
         case.description,
@@ -326,6 +378,8 @@ def _measure_attention(
         error=err,
         timed_as=timing.timed_as,
         samples_us=[s * 1e6 for s in timing.samples],
+        plan_host_us=plan_host,
+        run_host_us=run_host,
     )
 
 
@@ -367,6 +421,10 @@ def _measure_gemm(
         return BenchRow(case.id, case.description, name, str(g.tactic), "wrong", error=err, detail="wrong result")
     timing = measure_with_policy(lambda: g.run(inputs["a"], inputs["b"], out=out, **scales), device, policy)
     work, unit = _gemm_work(case, inputs)
+    out_dtype_arg = torch.bfloat16 if case.fp8 else None
+    plan_host = host_us(lambda: g.plan(case.m, case.n, case.k, a_dtype=inputs["a"].dtype, out_dtype=out_dtype_arg),
+                        device)  # fmt: skip
+    run_host = host_us(lambda: g.run(inputs["a"], inputs["b"], out=out, **scales), device)
     return BenchRow(
         case.id,
         case.description,
@@ -379,6 +437,8 @@ def _measure_gemm(
         error=err,
         timed_as=timing.timed_as,
         samples_us=[s * 1e6 for s in timing.samples],
+        plan_host_us=plan_host,
+        run_host_us=run_host,
     )
 
 
@@ -417,6 +477,8 @@ def _measure_references(
             return []
         return [BenchRow(case.id, case.description, name, "-", "failed", detail="; ".join(problems))]
     label, timing, err = min(timed, key=lambda t: t[1].median)
+    fastest = next(call for lbl, call in calls if lbl == label)
+    run_host = host_us(fastest, device)
     variants = ", ".join(f"{lbl} {t.median * 1e6:.1f} us" for lbl, t, _ in sorted(timed, key=lambda t: t[1].median))
     amount, unit = work
     return [
@@ -433,6 +495,7 @@ def _measure_references(
             timed_as=timing.timed_as,
             detail=f"fastest of {len(timed)} variants: {variants}" + (f"; {'; '.join(problems)}" if problems else ""),
             samples_us=[x * 1e6 for x in timing.samples],
+            run_host_us=run_host,
         )
     ]
 
@@ -448,16 +511,18 @@ def _measure_flashinfer(
 ) -> list[BenchRow]:
     """One row per FlashInfer wrapper of the case's op (`tactix.bench_flashinfer`)."""
     try:
-        calls = bench_flashinfer.calls(case.op, inputs)
+        anchors = bench_flashinfer.calls(case.op, inputs, _other_lengths(case, inputs["kv_last_page_len"]))
     except Exception as exc:  # flashinfer imported but could not be set up: one row that says why
         return [BenchRow(case.id, case.description, "flashinfer", "-", "failed", detail=f"{type(exc).__name__}: {exc}")]
     out = inputs["out"]
     rows = []
-    for name, call in calls:
-        if isinstance(call, Exception):
+    for anchor in anchors:
+        if not isinstance(anchor, bench_flashinfer.Anchor):
+            name, error = anchor
             rows.append(BenchRow(case.id, case.description, name, "-", "failed",
-                                 detail=f"plan: {type(call).__name__}: {call}"))  # fmt: skip
+                                 detail=f"plan: {type(error).__name__}: {error}"))  # fmt: skip
             continue
+        name, call = anchor.name, anchor.run
         try:
             out.fill_(float("nan"))
             call()
@@ -466,6 +531,8 @@ def _measure_flashinfer(
                 rows.append(BenchRow(case.id, case.description, name, "-", "wrong", error=err, detail="wrong result"))
                 continue
             timing = measure_with_policy(call, device, policy)
+            plan_host = host_us(anchor.replan, device)  # an even number of re-plans: ends on the case's batch
+            run_host = host_us(call, device)
         except Exception as exc:
             rows.append(BenchRow(case.id, case.description, name, "-", "failed",
                                  detail=f"run: {type(exc).__name__}: {exc}"))  # fmt: skip
@@ -484,6 +551,8 @@ def _measure_flashinfer(
                 error=err,
                 timed_as=timing.timed_as,
                 samples_us=[x * 1e6 for x in timing.samples],
+                plan_host_us=plan_host,
+                run_host_us=run_host,
             )
         )
     return rows
@@ -632,19 +701,22 @@ def markdown(report: dict[str, Any]) -> str:
         + (f"; anchors: flashinfer {env['flashinfer']}" if env.get("flashinfer") else "")
         + f". Policy: {env['policy']}.",
         "",
-        "| case | shape | implementation | tactic | time (us) | rate | vs best | rel. error | status |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| case | shape | implementation | tactic | time (us) | rate | vs best | plan host (us) | run host (us) "
+        "| rel. error | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         time_s = f"{r['time_us']:,.1f}" if r["time_us"] else "-"
         rate = f"{r['rate']:.3g} {r['unit']}" if r["rate"] else "-"
         ratio = f"{r['ratio_to_best']:.2f}" if r["ratio_to_best"] else "-"
         err = f"{r['error']:.1e}" if r["error"] is not None else "-"
+        plan_host = f"{r['plan_host_us']:,.1f}" if r.get("plan_host_us") else "-"
+        run_host = f"{r['run_host_us']:,.1f}" if r.get("run_host_us") else "-"
         why = "; ".join(r.get("reasons") or []) or r["detail"]
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {_cell(why, 100)}"
         lines.append(
             f"| {r['case']} | {r['description']} | {r['implementation']} | `{r['tactic']}` | {time_s} | "
-            f"{rate} | {ratio} | {err} | {status} |"
+            f"{rate} | {ratio} | {plan_host} | {run_host} | {err} | {status} |"
         )
     return "\n".join(lines) + "\n"
 

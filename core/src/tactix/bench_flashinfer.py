@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import torch
 
-__all__ = ["WORKSPACE_BYTES", "calls", "version"]
+__all__ = ["WORKSPACE_BYTES", "Anchor", "calls", "version"]
 
 WORKSPACE_BYTES: Final = 128 * 1024 * 1024
 """FlashInfer's recommended float workspace (split-KV partial results)."""
@@ -29,6 +29,16 @@ _DECODE: Final = (("flashinfer fa2", {"use_tensor_cores": False}), ("flashinfer 
 _PREFILL: Final = (("flashinfer fa2", {"backend": "fa2"}), ("flashinfer fa3", {"backend": "fa3"}))
 
 Call = Callable[[], object]
+
+
+class Anchor(NamedTuple):
+    """One FlashInfer wrapper planned for a case: ``run`` writes the output; ``replan`` plans it
+    again, alternating between the case's batch and one of new lengths (ending on the case's
+    when called an even number of times), for the plan host-cost column."""
+
+    name: str
+    run: Call
+    replan: Call
 
 
 def version(device: torch.device) -> str | None:
@@ -42,8 +52,11 @@ def version(device: torch.device) -> str | None:
     return str(getattr(module, "__version__", "unknown"))
 
 
-def calls(op: str, inputs: dict[str, Any]) -> list[tuple[str, Call | Exception]]:
-    """``(row name, call or the error that stopped its plan)`` for each FlashInfer wrapper of ``op``.
+def calls(
+    op: str, inputs: dict[str, Any], other_last: torch.Tensor | None = None
+) -> list[Anchor | tuple[str, Exception]]:
+    """An `Anchor` (or ``(row name, the error that stopped its plan)``) for each FlashInfer wrapper
+    of ``op``; ``other_last``: the new lengths `Anchor.replan` alternates with (None: the same).
 
     ``inputs`` holds what the bench gives every implementation: ``q``, ``k_cache``/``v_cache``
     (HND), ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, ``causal``,
@@ -62,7 +75,8 @@ def calls(op: str, inputs: dict[str, Any]) -> list[tuple[str, Call | Exception]]
     last = inputs["kv_last_page_len"].to(device=device, dtype=torch.int32)
     common = {"q_data_type": q.dtype, "kv_data_type": k.dtype, "sm_scale": inputs["sm_scale"]}
     rows = int(inputs.get("q_len_per_req", 1))
-    found: list[tuple[str, Call | Exception]] = []
+    lasts = [last, last if other_last is None else other_last.to(device=device, dtype=torch.int32)]
+    found: list[Anchor | tuple[str, Exception]] = []
     variants = _DECODE if op == "decode" else _PREFILL
     for name, options in variants:
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -70,16 +84,36 @@ def calls(op: str, inputs: dict[str, Any]) -> list[tuple[str, Call | Exception]]
             if op == "decode":
                 wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", **options)
                 multi = {"q_len_per_req": rows} if rows > 1 else {}  # multi-token decode (tensor cores only)
-                wrapper.plan(indptr, indices, last, hq, hkv, dim, page, **common, **multi)
+
+                def plan_decode(lengths: torch.Tensor, w: Any = wrapper, extra: dict[str, Any] = multi) -> None:
+                    w.plan(indptr, indices, lengths, hq, hkv, dim, page, **common, **extra)
+
+                plan: Callable[[torch.Tensor], None] = plan_decode
             else:
                 wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", **options)
                 qo = inputs["qo_indptr"].to(device=device, dtype=torch.int32)
-                wrapper.plan(qo, indptr, indices, last, hq, hkv, dim, page, causal=inputs["causal"], **common)
+
+                def plan_prefill(lengths: torch.Tensor, w: Any = wrapper, qo: torch.Tensor = qo) -> None:
+                    w.plan(qo, indptr, indices, lengths, hq, hkv, dim, page, causal=inputs["causal"], **common)
+
+                plan = plan_prefill
+
+            plan(last)
         except Exception as exc:  # this FlashInfer build refuses the problem: a row that says so
             found.append((name, exc))
             continue
-        found.append((name, _runner(wrapper, q, (k, v), out, scales)))
+        found.append(Anchor(name, _runner(wrapper, q, (k, v), out, scales), _alternating(plan, lasts)))
     return found
+
+
+def _alternating(plan: Callable[[torch.Tensor], None], lasts: list[torch.Tensor]) -> Call:
+    order = list(lasts)  # odd calls plan the new lengths, even ones the case's batch again
+
+    def replan() -> None:
+        order.reverse()
+        plan(order[0])
+
+    return replan
 
 
 def _runner(wrapper: Any, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor,
