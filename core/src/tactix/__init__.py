@@ -28,6 +28,7 @@ from tactix.errors import (
 )
 from tactix.gemm import Gemm, gemm
 from tactix.hookspecs import PlanOptions, hookimpl
+from tactix.merge import merge_state, merge_state_in_place, merge_states
 from tactix.ops import (
     AttentionCapabilities,
     AttentionPlan,
@@ -81,6 +82,9 @@ __all__ = [
     "gemm",
     "get_registry",
     "hookimpl",
+    "merge_state",
+    "merge_state_in_place",
+    "merge_states",
     "reset_stats",
     "stats",
 ]

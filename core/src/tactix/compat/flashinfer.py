@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any, Final, get_args
 
 import torch
 
+from tactix import merge as _merge
 from tactix.arguments import flag
 from tactix.attention import PagedDecode, PagedPrefill
 from tactix.dtypes import DTypeName
@@ -73,7 +74,14 @@ from tactix.errors import InvalidArgumentError, TactixError
 from tactix.problems import KVLayout
 from tactix.registry import get_registry
 
-__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper", "fast_decode_plan"]
+__all__ = [
+    "BatchDecodeWithPagedKVCacheWrapper",
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "fast_decode_plan",
+    "merge_state",
+    "merge_state_in_place",
+    "merge_states",
+]
 
 log = logging.getLogger("tactix.compat")
 
@@ -722,3 +730,35 @@ def fast_decode_plan(
                       pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type,
                       self._args.get("o_data_type"), data_type, sm_scale, non_blocking, disable_split_kv,
                       q_len_per_req)  # fmt: skip
+
+
+# -- cascade: merging attention states, with FlashInfer's base-2 LSE -------------------------------
+
+
+def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
+                s_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """FlashInfer's ``merge_state``: `tactix.merge_state` with base-2 LSEs in and out."""
+    v, s = _merge.merge_state(v_a, _natural(s_a, "s_a"), v_b, _natural(s_b, "s_b"))
+    return v, s * _LOG2E
+
+
+def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer's ``merge_states``: `tactix.merge_states` with base-2 LSEs in and out."""
+    merged_v, merged_s = _merge.merge_states(v, _natural(s, "s"))
+    return merged_v, merged_s * _LOG2E
+
+
+def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor, s_other: torch.Tensor,
+                         mask: torch.Tensor | None = None) -> None:  # fmt: skip
+    """FlashInfer's ``merge_state_in_place``: ``s`` and ``s_other`` are base-2 LSEs (``s`` is
+    updated in base 2)."""
+    natural = _natural(s, "s")
+    _merge.merge_state_in_place(v, natural, v_other, _natural(s_other, "s_other"), mask)
+    s.copy_(natural * _LOG2E)
+
+
+def _natural(s: object, argument: str) -> torch.Tensor:
+    """A base-2 LSE as float32 natural log (FlashInfer converts the LSE to float32 too)."""
+    if not isinstance(s, torch.Tensor):
+        raise InvalidArgumentError(argument, "a torch.Tensor", type(s).__name__)
+    return s.to(torch.float32) / _LOG2E
