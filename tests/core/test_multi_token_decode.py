@@ -135,8 +135,9 @@ SEEN = []
 @tactix.hookimpl
 def tactix_backends():
     spec = _torch.tactix_backends()[0]
-    one_row = spec.decode.model_copy(update={"max_q_len_per_req": 1})
-    return [tactix.BackendSpec(name=NAME, version="1.0", decode=one_row, prefill=spec.prefill, preference=-300)]
+    one_row = spec.decode.model_copy(update={"max_q_len_per_req": 1})  # with the k/v scales
+    unscaled = spec.prefill.model_copy(update={"run_extras": frozenset()})
+    return [tactix.BackendSpec(name=NAME, version="1.0", decode=one_row, prefill=unscaled, preference=-300)]
 
 
 @tactix.hookimpl
@@ -205,6 +206,9 @@ def test_a_backend_without_multi_token_decode_serves_it_through_its_prefill(
         assert planned and all(isinstance(p, PrefillProblem) for p in planned)
         assert planned[-1].causal and planned[-1].max_qo_len == 4 and planned[-1].num_qo_tokens == 16
         assert relative_error(out, reference(cache, 4)[0]) < 1e-5
+        # the run extras are those of the op whose plan runs (prefill's: none here), not decode's
+        with pytest.raises(tactix.InvalidArgumentError, match="k_scale"):
+            wrapper.run(cache["q"][:16], (cache["k"], cache["v"]), k_scale=0.5)
         # one row per request stays on its decode plans
         split_plugin.SEEN.clear()
         wrapper.plan(cache["indptr"], cache["indices"], cache["last"], HQ, HKV, D, PAGE, q_data_type=torch.float32)

@@ -297,7 +297,8 @@ class _Bound:
         self.k_tail = state.k_tail
         self.v_tail = state.v_tail
         self.return_lse = state.return_lse
-        caps = selection.backend.spec.implements.get(state.problem.op)
+        # the op whose plan this is (multi-token decode may be a prefill plan: `Backend.served`)
+        caps = selection.backend.spec.implements.get(selection.backend.served(state.problem).op)
         self.extras: frozenset[str] = caps.run_extras if caps is not None else frozenset()
         """The run extras the plan's backend takes."""
         self.extras_by = selection.backend.name

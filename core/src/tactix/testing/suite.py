@@ -106,7 +106,7 @@ def _skip_unless_claimed(
     extras: frozenset[str] = frozenset(),
 ) -> None:
     reasons = backend.check(problem, tactic or Tactic.default(backend.name), batch)
-    caps = backend.spec.implements.get(problem.op)
+    caps = backend.spec.implements.get(backend.served(problem).op)  # the op whose plan serves it
     taken = caps.run_extras if caps is not None else frozenset()
     reasons += [f"run extra {name} not declared (run_extras)" for name in sorted(extras - taken)]
     if reasons:
@@ -296,11 +296,12 @@ def test_attention_cuda_graph(backend: Backend | None, graph_case: AttentionCase
     case = graph_case
     if device.type != "cuda":
         pytest.skip("CUDA graphs need a CUDA device")
-    caps = backend.spec.capabilities(case.op)
-    if caps is None or caps.cuda_graph != "fixed_buffers":
-        pytest.skip(f"{backend.name} declares no CUDA-graph support for {case.op}")
     inputs = build_attention_inputs(case, device)
     problem, batch = _problem(case, inputs, device)
+    served = backend.served(problem).op  # multi-token decode may be served by the prefill plans
+    caps = backend.spec.capabilities(served)
+    if caps is None or caps.cuda_graph != "fixed_buffers":
+        pytest.skip(f"{backend.name} declares no CUDA-graph support for {served}")
     _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
     wrapper = _wrapper(case, backend, device, graph=True)
     _plan(wrapper, case, inputs)
