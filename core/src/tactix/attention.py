@@ -794,9 +794,11 @@ class PagedPrefill(_PagedAttention):
 
 
 class PagedDecode(_PagedAttention):
-    """Batch decode attention (one query row per request) over a paged KV cache.
+    """Batch decode attention (one query row per request, or ``q_len_per_req`` rows of a
+    multi-token decode step) over a paged KV cache.
 
-    ``q`` is ``[batch_size, num_qo_heads, head_dim_qk]``; each request attends all its keys.
+    ``q`` is ``[batch_size, num_qo_heads, head_dim_qk]``; each request attends all its keys (with
+    ``q_len_per_req`` N: ``[batch_size * N, ...]``, causal among each request's N rows).
 
     Examples
     --------
