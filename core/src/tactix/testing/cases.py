@@ -457,8 +457,9 @@ def attention_cases(op: str, caps: AttentionCapabilities) -> list[AttentionCase]
         add(causal=False, window_left=64)
         # custom masks (tree attention over a cached prefix; random masks with a row that attends
         # no key), bool and bit-packed
-        add(causal=False, mask="tree", batch="chunked", kv_lens=chunked_kv, q_lens=chunked_q)
-        add(causal=False, mask="tree", mask_form="packed", batch="chunked", kv_lens=chunked_kv, q_lens=chunked_q,
+        tree_kv, tree_q = (301, 130, 48), (37, 130, 17)  # drafts of 17-130 tokens over cached prefixes
+        add(causal=False, mask="tree", batch="chunked", kv_lens=tree_kv, q_lens=tree_q)
+        add(causal=False, mask="tree", mask_form="packed", batch="chunked", kv_lens=tree_kv, q_lens=tree_q,
             return_lse=True)  # fmt: skip
         add(causal=False, mask="random", return_lse=True)
         add(causal=False, mask="random", mask_form="packed", window_left=64, stale="nan")
