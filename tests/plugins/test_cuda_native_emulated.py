@@ -129,6 +129,17 @@ def prefill_case(q_lens: list[int], kv_lens: list[int], *, page: int = 16, hq: i
 # -- the emulation itself, on the kernel proven on the H200 ------------------------------------
 
 
+def _emulated_decode_plan(problem: Any, batch: Any, tactic: dict[str, Any] | None, split: bool) -> Any:
+    """The emulated decode plan of ``tactic``'s params (None: the default), which the plugin's check
+    accepts and which splits some request exactly when ``split`` says."""
+    t = Tactic.default("cuda_native") if tactic is None else Tactic(backend="cuda_native", kernel="decode",
+                                                                     params=tactic)  # fmt: skip
+    assert plugin._reasons(problem, t, H200) == []
+    plan = emulate.DecodePlan(problem, batch, t)
+    assert any(count > 1 for _, count in plan.work.splits) == split, plan.work
+    return plan
+
+
 def _decode_case(lens: list[int], kw: dict[str, Any], seed: int = 1) -> tuple[Any, ...]:
     gen = torch.Generator().manual_seed(seed)
     d, page, layout, hq, hkv = kw.get("d", 64), kw.get("page", 16), kw.get("layout", "HND"), kw.get("hq", 8), kw.get(
@@ -186,12 +197,7 @@ def test_emulation_reproduces_the_h200_proven_decode_kernel(lens: list[int], kw:
     and, merged in slot order whoever merges, is bitwise the same as the first."""
     problem, batch, q, k, v, ref, ref_lse = _decode_case(lens, kw)
     dtype = q.dtype
-    tactic = kw.get("tactic")
-    t = Tactic.default("cuda_native") if tactic is None else Tactic(backend="cuda_native", kernel="decode",
-                                                                     params=tactic)  # fmt: skip
-    assert plugin._reasons(problem, t, H200) == []  # type: ignore[arg-type]
-    plan = emulate.DecodePlan(problem, batch, t)  # type: ignore[arg-type]
-    assert any(count > 1 for _, count in plan.work.splits) == split, plan.work
+    plan = _emulated_decode_plan(problem, batch, kw.get("tactic"), split)
     first: tuple[torch.Tensor, torch.Tensor] | None = None
     for schedule in emulate.SCHEDULES:
         out, lse = _decode_run(plan, q, k, v, lse=True, schedule=schedule)
@@ -348,12 +354,7 @@ def test_emulated_fp8_kv_decode(lens: list[int], kw: dict[str, Any], split: bool
     every schedule (bitwise the same), 448 in the slots no request owns, windows, the soft cap, GQA
     20 (two q tiles), d 64 to 256, a 32-key tile of 2 warps."""
     problem, batch, q, k, v, reference = _fp8_case(lens, kw)
-    tactic = kw.get("tactic")
-    t = Tactic.default("cuda_native") if tactic is None else Tactic(backend="cuda_native", kernel="decode",
-                                                                     params=tactic)  # fmt: skip
-    assert plugin._reasons(problem, t, H200) == []  # type: ignore[arg-type]
-    plan = emulate.DecodePlan(problem, batch, t)  # type: ignore[arg-type]
-    assert any(count > 1 for _, count in plan.work.splits) == split, plan.work
+    plan = _emulated_decode_plan(problem, batch, kw.get("tactic"), split)
     tol, ltol = attention_tolerance(q.dtype, k.dtype, q.dtype), attention_lse_tolerance(q.dtype, k.dtype)
     ks, vs = kw["scales"]
 

@@ -118,7 +118,6 @@ def host_us(fn: Any, device: torch.device, calls: int | None = None) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     fn()
-    fn()  # two warm-up calls: with the timed ones, an even number (see `bench_flashinfer.Anchor.replan`)
     samples = []
     for _ in range(calls):
         start = time.perf_counter()
@@ -127,9 +126,6 @@ def host_us(fn: Any, device: torch.device, calls: int | None = None) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return statistics.median(samples) * 1e6
-
-
-assert HOST_CALLS % 2 == 0 and HOST_CALLS_CPU % 2 == 0
 
 
 def _other_lengths(case: BenchCase, last: torch.Tensor) -> torch.Tensor:
@@ -255,6 +251,30 @@ def select_cases(suite_name: str, ids: list[str] | None, argument: str = "cases"
     return [c for c in cases if c.id in ids]
 
 
+def _ok_row(case: BenchCase, name: str, tactic: str, timing: Any, work: tuple[float, str], error: float,
+            **extra: Any) -> BenchRow:  # fmt: skip
+    """The row of a checked, timed implementation: its median, rate and samples (``extra``: the
+    host costs, a detail)."""
+    amount, unit = work
+    return BenchRow(case.id, case.description, name, tactic, "ok", timing.median * 1e6, amount / timing.median / 1e12,
+                    unit, error=error, timed_as=timing.timed_as, samples_us=[x * 1e6 for x in timing.samples],
+                    **extra)  # fmt: skip
+
+
+def _plan_host_us(plan: Any, last: torch.Tensor, other: torch.Tensor, device: torch.device) -> float:
+    """`host_us` of ``plan(lengths)`` alternating between ``other`` and ``last`` (a serving step
+    planning new lengths each time), then ``plan(last)``: the case's batch is planned again."""
+    order = [last, other]
+
+    def replan() -> None:
+        order.reverse()
+        plan(order[0])
+
+    cost = host_us(replan, device)
+    plan(last)
+    return cost
+
+
 def _unsupported(case: BenchCase, name: str, exc: TactixError) -> BenchRow:
     if isinstance(exc, tactix.UnsupportedProblemError):
         return BenchRow(case.id, case.description, name, "-", "unsupported", detail=str(exc), reasons=exc.reasons)
@@ -357,34 +377,11 @@ def _measure_attention(
     if not err <= attention_tolerance(dtype, case.kv_dtype or dtype, dtype):
         return BenchRow(case.id, case.description, name, tactic, "wrong", error=err, detail="wrong result")
     timing = measure_with_policy(lambda: wrapper.run(inputs.q, cache, out=inputs.out, **inputs.scales), device, policy)
-    work, unit = _attention_work(case, dtype)
-    rate = work / timing.median / 1e12
-    # host cost: re-plans alternating between this batch and one of new lengths, then eager runs
-    other = (*args[:-1], _other_lengths(case, inputs.last))
-    flip = [other, args]
-
-    def replan() -> None:
-        flip.reverse()
-        wrapper.plan(*flip[0], hq, hkv, case.head_dim, case.page_size, **kw)
-
-    plan_host = host_us(replan, device)
-    wrapper.plan(*args, hq, hkv, case.head_dim, case.page_size, **kw)
+    plan_host = _plan_host_us(lambda last: wrapper.plan(*args[:-1], last, hq, hkv, case.head_dim, case.page_size, **kw),
+                              inputs.last, _other_lengths(case, inputs.last), device)  # fmt: skip
     run_host = host_us(lambda: wrapper.run(inputs.q, cache, out=inputs.out, **inputs.scales), device)
-    return BenchRow(
-        case.id,
-        case.description,
-        name,
-        tactic,
-        "ok",
-        timing.median * 1e6,
-        rate,
-        unit,
-        error=err,
-        timed_as=timing.timed_as,
-        samples_us=[s * 1e6 for s in timing.samples],
-        plan_host_us=plan_host,
-        run_host_us=run_host,
-    )
+    return _ok_row(case, name, tactic, timing, _attention_work(case, dtype), err, plan_host_us=plan_host,
+                   run_host_us=run_host)  # fmt: skip
 
 
 def _gemm_inputs(case: BenchCase, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -424,26 +421,12 @@ def _measure_gemm(
     if not err <= tolerance_for(out_dtype, inputs["a"].dtype):
         return BenchRow(case.id, case.description, name, str(g.tactic), "wrong", error=err, detail="wrong result")
     timing = measure_with_policy(lambda: g.run(inputs["a"], inputs["b"], out=out, **scales), device, policy)
-    work, unit = _gemm_work(case, inputs)
     out_dtype_arg = torch.bfloat16 if case.fp8 else None
     plan_host = host_us(lambda: g.plan(case.m, case.n, case.k, a_dtype=inputs["a"].dtype, out_dtype=out_dtype_arg),
                         device)  # fmt: skip
     run_host = host_us(lambda: g.run(inputs["a"], inputs["b"], out=out, **scales), device)
-    return BenchRow(
-        case.id,
-        case.description,
-        name,
-        str(g.tactic),
-        "ok",
-        timing.median * 1e6,
-        work / timing.median / 1e12,
-        unit,
-        error=err,
-        timed_as=timing.timed_as,
-        samples_us=[s * 1e6 for s in timing.samples],
-        plan_host_us=plan_host,
-        run_host_us=run_host,
-    )
+    return _ok_row(case, name, str(g.tactic), timing, _gemm_work(case, inputs), err, plan_host_us=plan_host,
+                   run_host_us=run_host)  # fmt: skip
 
 
 def _measure_references(
@@ -484,24 +467,8 @@ def _measure_references(
     fastest = next(call for lbl, call in calls if lbl == label)
     run_host = host_us(fastest, device)
     variants = ", ".join(f"{lbl} {t.median * 1e6:.1f} us" for lbl, t, _ in sorted(timed, key=lambda t: t[1].median))
-    amount, unit = work
-    return [
-        BenchRow(
-            case.id,
-            case.description,
-            name,
-            label,
-            "ok",
-            timing.median * 1e6,
-            amount / timing.median / 1e12,
-            unit,
-            error=err,
-            timed_as=timing.timed_as,
-            detail=f"fastest of {len(timed)} variants: {variants}" + (f"; {'; '.join(problems)}" if problems else ""),
-            samples_us=[x * 1e6 for x in timing.samples],
-            run_host_us=run_host,
-        )
-    ]
+    detail = f"fastest of {len(timed)} variants: {variants}" + (f"; {'; '.join(problems)}" if problems else "")
+    return [_ok_row(case, name, label, timing, work, err, detail=detail, run_host_us=run_host)]
 
 
 def _measure_flashinfer(
@@ -515,7 +482,7 @@ def _measure_flashinfer(
 ) -> list[BenchRow]:
     """One row per FlashInfer wrapper of the case's op (`tactix.bench_flashinfer`)."""
     try:
-        anchors = bench_flashinfer.calls(case.op, inputs, _other_lengths(case, inputs["kv_last_page_len"]))
+        anchors = bench_flashinfer.calls(case.op, inputs)
     except Exception as exc:  # flashinfer imported but could not be set up: one row that says why
         return [BenchRow(case.id, case.description, "flashinfer", "-", "failed", detail=f"{type(exc).__name__}: {exc}")]
     out = inputs["out"]
@@ -535,30 +502,14 @@ def _measure_flashinfer(
                 rows.append(BenchRow(case.id, case.description, name, "-", "wrong", error=err, detail="wrong result"))
                 continue
             timing = measure_with_policy(call, device, policy)
-            plan_host = host_us(anchor.replan, device)  # an even number of re-plans: ends on the case's batch
+            last = inputs["kv_last_page_len"]
+            plan_host = _plan_host_us(anchor.plan, last, _other_lengths(case, last), device)
             run_host = host_us(call, device)
         except Exception as exc:
             rows.append(BenchRow(case.id, case.description, name, "-", "failed",
                                  detail=f"run: {type(exc).__name__}: {exc}"))  # fmt: skip
             continue
-        amount, unit = work
-        rows.append(
-            BenchRow(
-                case.id,
-                case.description,
-                name,
-                "-",
-                "ok",
-                timing.median * 1e6,
-                amount / timing.median / 1e12,
-                unit,
-                error=err,
-                timed_as=timing.timed_as,
-                samples_us=[x * 1e6 for x in timing.samples],
-                plan_host_us=plan_host,
-                run_host_us=run_host,
-            )
-        )
+        rows.append(_ok_row(case, name, "-", timing, work, err, plan_host_us=plan_host, run_host_us=run_host))
     return rows
 
 

@@ -32,13 +32,13 @@ Call = Callable[[], object]
 
 
 class Anchor(NamedTuple):
-    """One FlashInfer wrapper planned for a case: ``run`` writes the output; ``replan`` plans it
-    again, alternating between the case's batch and one of new lengths (ending on the case's
-    when called an even number of times), for the plan host-cost column."""
+    """One FlashInfer wrapper planned for a case: ``run`` writes the output; ``plan(last_page_len)``
+    plans it again for the case's pages with those last-page lengths (int32, host or device: the
+    plan host-cost column)."""
 
     name: str
     run: Call
-    replan: Call
+    plan: Callable[[torch.Tensor], None]
 
 
 def version(device: torch.device) -> str | None:
@@ -52,11 +52,9 @@ def version(device: torch.device) -> str | None:
     return str(getattr(module, "__version__", "unknown"))
 
 
-def calls(
-    op: str, inputs: dict[str, Any], other_last: torch.Tensor | None = None
-) -> list[Anchor | tuple[str, Exception]]:
+def calls(op: str, inputs: dict[str, Any]) -> list[Anchor | tuple[str, Exception]]:
     """An `Anchor` (or ``(row name, the error that stopped its plan)``) for each FlashInfer wrapper
-    of ``op``; ``other_last``: the new lengths `Anchor.replan` alternates with (None: the same).
+    of ``op``.
 
     ``inputs`` holds what the bench gives every implementation: ``q``, ``k_cache``/``v_cache``
     (HND), ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, ``causal``,
@@ -75,7 +73,6 @@ def calls(
     last = inputs["kv_last_page_len"].to(device=device, dtype=torch.int32)
     common = {"q_data_type": q.dtype, "kv_data_type": k.dtype, "sm_scale": inputs["sm_scale"]}
     rows = int(inputs.get("q_len_per_req", 1))
-    lasts = [last, last if other_last is None else other_last.to(device=device, dtype=torch.int32)]
     found: list[Anchor | tuple[str, Exception]] = []
     variants = _DECODE if op == "decode" else _PREFILL
     for name, options in variants:
@@ -102,18 +99,8 @@ def calls(
         except Exception as exc:  # this FlashInfer build refuses the problem: a row that says so
             found.append((name, exc))
             continue
-        found.append(Anchor(name, _runner(wrapper, q, (k, v), out, scales), _alternating(plan, lasts)))
+        found.append(Anchor(name, _runner(wrapper, q, (k, v), out, scales), plan))
     return found
-
-
-def _alternating(plan: Callable[[torch.Tensor], None], lasts: list[torch.Tensor]) -> Call:
-    order = list(lasts)  # odd calls plan the new lengths, even ones the case's batch again
-
-    def replan() -> None:
-        order.reverse()
-        plan(order[0])
-
-    return replan
 
 
 def _runner(wrapper: Any, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor,

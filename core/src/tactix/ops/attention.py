@@ -95,7 +95,7 @@ class AttentionProblem(ProblemBase):
             f"p{self.page_size}",
             self.kv_layout,
         ]
-        if getattr(self, "causal", False):
+        if self.ragged_queries and getattr(self, "causal", False):  # decode's rows: its own label part
             parts.append("causal")
         if getattr(self, "custom_mask", False):
             parts.append("mask")

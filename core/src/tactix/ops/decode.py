@@ -68,9 +68,7 @@ class DecodeProblem(AttentionProblem):
 
     def _label(self) -> str:
         label = super()._label()
-        if self.q_len_per_req > 1:
-            label = label.replace("-causal", "") + f"-q{self.q_len_per_req}"
-        return label
+        return label + f"-q{self.q_len_per_req}" if self.q_len_per_req > 1 else label
 
 
 def as_prefill(problem: DecodeProblem, caps: AttentionCapabilities | None) -> PrefillProblem | None:
