@@ -20,7 +20,13 @@
 #   fp8-cvt              the cuda_native fp8 decode kit cases with TACTIX_CUDA_NATIVE_FP8_CVT=1,
 #                        and the bench's fp8 decode rows with and without it
 #   bench-attention      tactix bench on the attention cases (bf16, fp8, V1), FlashInfer anchors
-#   ab                   benchmarks/plan_time_ab.sh (needs .gpu/old, see that script; run it alone)
+#   ab                   benchmarks/host_ab.py: plan() and run() host times of an older commit's
+#                        wheels (.gpu/old) and of the checkout, interleaved (run it alone). Make
+#                        .gpu/old here before prepare.sh (which keeps it):
+#                          git worktree add /tmp/wt-old <commit>
+#                          for d in core plugins/cudnn plugins/cuda_native plugins/trtllm; do
+#                            python -m pip wheel -q --no-deps --no-build-isolation -w .gpu/old /tmp/wt-old/$d; done
+#                          git worktree remove --force /tmp/wt-old
 #   parity               benchmarks/flashinfer_parity/run.py on a sample, ours and FlashInfer's own
 # Nothing here is a result until its JSON or log is committed under benchmarks/results/.
 set -uo pipefail
@@ -31,6 +37,18 @@ LIMIT=${H200_LIMIT:-550}
 ATTENTION=D1,D2,D3,D1-fp8,D2-fp8,D3-fp8,P1,P1-fp8,P3,P3-fp8,V1
 
 t() { timeout -s INT -k 30 "$LIMIT" "$@"; }  # SIGINT: pytest still writes the kit's JSON (KILL 30 s later)
+
+# the old side of the A/B: the same dependencies and flashinfer tree as the new side (importing
+# flashinfer, as the trtllm plugin's environment check does, changes torch's per-call cost: both
+# sides must have it or neither), tactix's packages from .gpu/old
+old_site() {
+  [ -f /tmp/old-site/.ok ] && return 0
+  ls .gpu/old/*.whl > /dev/null || { echo "ab: no wheels in .gpu/old (see the top of this script)"; return 2; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/old-site .gpu/deps/*.whl .gpu/project/*.whl \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old-site .gpu/old/*.whl \
+    && { [ ! -f .gpu/flashinfer-trim.tar.xz ] || tar -xJf .gpu/flashinfer-trim.tar.xz -C /tmp/old-site; } \
+    && touch /tmp/old-site/.ok
+}
 
 job() {
   case "$1" in
@@ -53,7 +71,8 @@ job() {
           --no-tune --no-flashinfer --json "$OUT/bench-fp8-cvt.json" ;;
     bench-attention) t python -m tactix bench --cases "$ATTENTION" --json "$OUT/bench-attention-h200.json" \
       --markdown "$OUT/bench-attention-h200.md" ;;
-    ab) t bash benchmarks/plan_time_ab.sh ;;
+    ab) old_site && t python3 benchmarks/host_ab.py --old /tmp/old-site --new "$PYTHONPATH" \
+      --rounds "${AB_ROUNDS:-12}" --json "$OUT/host-ab-h200.json" ;;
     parity)
       t python3 benchmarks/flashinfer_parity/run.py --sample "${PARITY_SAMPLE:-60}" --seed 0 \
         --junit "$OUT/flashinfer-parity.xml" --summary "$OUT/flashinfer-parity.md" ;;

@@ -6,7 +6,7 @@ For each backend: a decode wrapper planned for 8 and for 64 requests of 1k token
 32/8 heads, d128, page 16, bf16), a prefill wrapper for 4 requests of 64 new tokens over 1k, and a
 GEMM of m=4, n=k=4096; each ``run(..., out=...)`` is timed on the host only (enqueue, no sync in the
 loop), the median of ``--rounds`` blocks of ``--calls`` calls. Uses only the public API, so the
-same script measures an older checkout's wheels (``plan_time_ab.sh``). Compare numbers of one run
+same code measures an older checkout's wheels (``host_ab.py``). Compare numbers of one run
 on one host only.
 """
 

@@ -490,8 +490,11 @@ def _measure_flashinfer(
     for anchor in anchors:
         if not isinstance(anchor, bench_flashinfer.Anchor):
             name, error = anchor
-            rows.append(BenchRow(case.id, case.description, name, "-", "failed",
-                                 detail=f"plan: {type(error).__name__}: {error}"))  # fmt: skip
+            if isinstance(error, bench_flashinfer.NotServed):
+                rows.append(BenchRow(case.id, case.description, name, "-", "unsupported", detail=f"{name}: {error}"))
+            else:
+                rows.append(BenchRow(case.id, case.description, name, "-", "failed",
+                                     detail=f"plan: {type(error).__name__}: {error}"))  # fmt: skip
             continue
         name, call = anchor.name, anchor.run
         try:

@@ -5,7 +5,8 @@ rows (the same HND paged cache, pages in random order, the same fp8 cache and sc
 against the same float64 oracle and timed by the same timer:
 
 - decode: ``BatchDecodeWithPagedKVCacheWrapper`` without tensor cores (``flashinfer fa2``) and
-  with them (``flashinfer tc``);
+  with them (``flashinfer tc``); multi-token decode (``q_len_per_req`` above 1) only with them, as
+  FlashInfer documents, so the ``fa2`` row of such a case says it is not served (`NotServed`);
 - prefill: ``BatchPrefillWithPagedKVCacheWrapper`` with ``backend="fa2"`` and ``"fa3"``.
 
 flashinfer is never a dependency of tactix: without it (or without a GPU) there are no rows, and
@@ -20,7 +21,7 @@ from typing import Any, Final, NamedTuple
 
 import torch
 
-__all__ = ["WORKSPACE_BYTES", "Anchor", "calls", "version"]
+__all__ = ["WORKSPACE_BYTES", "Anchor", "NotServed", "calls", "version"]
 
 WORKSPACE_BYTES: Final = 128 * 1024 * 1024
 """FlashInfer's recommended float workspace (split-KV partial results)."""
@@ -29,6 +30,11 @@ _DECODE: Final = (("flashinfer fa2", {"use_tensor_cores": False}), ("flashinfer 
 _PREFILL: Final = (("flashinfer fa2", {"backend": "fa2"}), ("flashinfer fa3", {"backend": "fa3"}))
 
 Call = Callable[[], object]
+
+
+class NotServed(Exception):
+    """A FlashInfer wrapper that does not serve the case by FlashInfer's own documentation (its
+    row is "unsupported", not "failed")."""
 
 
 class Anchor(NamedTuple):
@@ -77,6 +83,9 @@ def calls(op: str, inputs: dict[str, Any]) -> list[Anchor | tuple[str, Exception
     variants = _DECODE if op == "decode" else _PREFILL
     for name, options in variants:
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        if op == "decode" and rows > 1 and not options["use_tensor_cores"]:
+            found.append((name, NotServed("multi-token decode (q_len_per_req > 1) needs use_tensor_cores=True")))
+            continue
         try:
             if op == "decode":
                 wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", **options)

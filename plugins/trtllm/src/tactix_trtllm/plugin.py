@@ -48,7 +48,7 @@ from tactix import (
     Tactic,
     UnsupportedProblemError,
 )
-from tactix.plugin import ReferenceCall, compute_capability, cuda_available, stale_slot_failures
+from tactix.plugin import STALE_SLOTS, ReferenceCall, compute_capability, cuda_available, stale_slot_failures
 from tactix_trtllm import __version__
 from tactix_trtllm.library import ARCHES, FmhaKey, ModuleKey, XqaKey, compile_ahead, load, status, target
 from tactix_trtllm.metadata import (
@@ -731,9 +731,11 @@ def tactix_references(op: str, inputs: dict[str, Any]) -> list[ReferenceCall] | 
 
 # FMHAv2 loads whole pages and masks scores past a request's length, so a NaN or an infinity in
 # such a slot still reaches the output through P @ V (0 x NaN is NaN): measured on an H200
-# (flashinfer-python 0.7.2.post1), every prefill case with NaN or Inf in a page tail. XQA decode keeps them out.
+# (flashinfer-python 0.7.2.post1), every prefill case with NaN or Inf in a page tail, and the
+# multi-token decode cases (``q2``..``q4``, served by FMHAv2 too; session 13). XQA decode keeps them out.
 
 
 @tactix.hookimpl
 def tactix_known_failures() -> dict[str, str] | None:
-    return stale_slot_failures("prefill")
+    multi_token = {f"decode[*-q?-*stale-{value}]": STALE_SLOTS for value in ("nan", "inf")}
+    return {**stale_slot_failures("prefill"), **multi_token}

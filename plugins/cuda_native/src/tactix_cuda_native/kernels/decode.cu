@@ -49,7 +49,8 @@
 //
 // Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_TILE, TX_WARPS, TX_STAGES,
 // TX_L2 (1: K/V streamed with an L2 evict_first policy, 0: no hint), TX_L2_PREFETCH_256, TX_BULK,
-// TX_TMA, TX_KV_FP8, TX_FP8_CVT (1: the hardware fp8 conversion on sm_89+, see tx_fp8x2_cvt).
+// TX_TMA, TX_KV_FP8, TX_FP8_CVT (1, the plugin's default: the hardware fp8 conversion on sm_89+,
+// see tx_fp8x2_cvt; 0: the bit arithmetic).
 #ifndef TX_KV_FP8
 #define TX_KV_FP8 0
 #endif

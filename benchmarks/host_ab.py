@@ -1,0 +1,239 @@
+"""Interleaved same-host A/B of plan() and run() host times: two tactix installs, measured in turn.
+
+    python benchmarks/host_ab.py --old /tmp/old-site --new "$PYTHONPATH" [--rounds 8] [--json PATH]
+
+Why not two whole runs one after the other (what this repository did before session 13): the lent H200 hosts
+drift by up to 2x within minutes, so a whole old run and a whole new run a few minutes apart
+compare two hosts. Here two worker processes stay up side by side, one importing tactix from
+``--old`` and one from ``--new`` (each ``PYTHONPATH``), both running this file's measurements (so
+the harness is the same on both sides: only the package differs). The driver asks them in turn
+for one measurement at a time, a few hundred milliseconds each, old first in even rounds and new
+first in odd ones (ABBA: a linear drift cancels). Only one worker measures at any moment; the
+other waits on its pipe.
+
+Measurements (the shapes of ``plan_time.py`` and ``run_time.py``; bf16, 32/8 heads, d128, page 16):
+``plan`` of a decode batch of 64 requests of 4-8k tokens and of 8 of 1k, and of a ragged prefill
+of 16 x 64 new tokens over 4k (new kv lengths each plan, in one shape bucket: no graph build),
+the median of ``--plans`` plans; eager ``run()`` host time (enqueue only) of decode b8 / b64,
+prefill 4 x 64 and a GEMM m4 4096^2, the median of 3 blocks of ``--calls`` calls. The report: per
+row, both sides' medians over the rounds and the median of the per-round new/old ratios (with
+their spread), which is what "within 3 %" is judged on.
+
+``--backends`` picks the plan rows' backends (default cudnn,cuda_native,trtllm), ``--run-backends``
+the run rows' (default cudnn,cuda_native,trtllm,torch); a row a side cannot measure says why.
+On a machine without CUDA the run rows are left out and ``--device cpu`` plans with the torch
+backend (a check of the harness, not a host-cost result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PREFIX = "@@ab "  # a worker's replies (anything else it prints, a library's log line, is passed over)
+PLAN_ROWS = (("decode", 64, 4100, 8000), ("decode", 8, 900, 1000), ("prefill", 16, 4100, 4200))
+RUN_ROWS = ("decode b8", "decode b64", "prefill b4x64", "gemm m4 4096^2")
+
+
+# -- worker: one tactix install, measurements on request ---------------------------------------
+
+
+class Worker:
+    """Measurements of one install, each set up once (wrappers planned, batches made) on first use."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        import tactix
+
+        self.torch, self.tactix = torch, tactix
+        self.device = torch.device(device if device != "cuda" else f"cuda:{torch.cuda.current_device()}")
+        self.made: dict[str, Any] = {}
+
+    def measure(self, kind: str, backend: str, row: str, count: int) -> float:
+        key = f"{kind}/{backend}/{row}"
+        if key not in self.made:
+            self.made[key] = self._plan_setup(backend, row) if kind == "plan" else self._run_setup(backend, row)
+        fn = self.made[key]
+        return fn(count)
+
+    def _plan_setup(self, backend: str, row: str) -> Callable[[int], float]:
+        torch, tactix = self.torch, self.tactix
+        op, count, low, high = next(r for r in PLAN_ROWS if f"{r[0]} b{r[1]}" == row)
+        from plan_time import batch  # the same batches as plan_time.py
+
+        spec = tactix.get_registry().get(backend).spec
+        if spec.capabilities(op) is None:
+            raise LookupError(f"{backend} does not implement {op}")
+        cls = tactix.PagedDecode if op == "decode" else tactix.PagedPrefill
+        wrapper = cls("HND", backend=backend, device=self.device)
+        qo = torch.arange(0, 17 * 64, 64, dtype=torch.int32)
+        batches = [batch(i, count, low, high) for i in range(64)]
+
+        def plan(b: tuple[Any, ...]) -> float:
+            t0 = time.perf_counter()
+            if op == "prefill":
+                wrapper.plan(qo, b[0], b[1], b[2], 32, 8, 128, 16, q_data_type=torch.bfloat16, causal=True)
+            else:
+                wrapper.plan(b[0], b[1], b[2], 32, 8, 128, 16, q_data_type=torch.bfloat16)
+            return time.perf_counter() - t0
+
+        for b in batches[:8]:  # the bucket's first plans may build a graph or compile
+            plan(b)
+
+        def timed(n: int) -> float:
+            return statistics.median(plan(batches[i % len(batches)]) for i in range(n)) * 1e6
+
+        return timed
+
+    def _run_setup(self, backend: str, row: str) -> Callable[[int], float]:
+        from run_time import attention_call, gemm_call, per_call_us
+
+        if row == "gemm m4 4096^2":
+            call = gemm_call(backend, self.device)
+        else:
+            op, size = row.split()[0], row.split()[1]
+            call = attention_call(backend, op, int(size[1:].split("x")[0]), self.device)
+        for _ in range(3):
+            per_call_us(call, 100)  # warm-up
+
+        def timed(n: int) -> float:
+            return statistics.median(per_call_us(call, n) for _ in range(3))
+
+        return timed
+
+
+def worker_main(device: str) -> None:
+    worker = Worker(device)
+    print(PREFIX + json.dumps({"ready": worker.tactix.__file__}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            reply: dict[str, Any] = {"us": worker.measure(cmd["kind"], cmd["backend"], cmd["row"], cmd["count"])}
+        except Exception as exc:  # a row this install cannot measure: the report says why
+            reply = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"}
+        print(PREFIX + json.dumps(reply), flush=True)
+
+
+# -- driver ---------------------------------------------------------------------------------------
+
+
+class Side:
+    def __init__(self, name: str, path: str, device: str) -> None:
+        env = {**os.environ, "PYTHONPATH": path}
+        here = str(Path(__file__).resolve().parent)
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", "--device", device],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=here,
+        )  # fmt: skip
+        self.origin = self._reply()["ready"]
+
+    def _reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(PREFIX):
+                return dict(json.loads(line[len(PREFIX) :]))
+            sys.stderr.write(f"[{self.name}] {line}")
+        raise SystemExit(f"host_ab.py: the {self.name} worker exited (rc {self.proc.wait()})")
+
+    def ask(self, kind: str, backend: str, row: str, count: int) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"kind": kind, "backend": backend, "row": row, "count": count}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--old", help="PYTHONPATH of the old install")
+    parser.add_argument("--new", help="PYTHONPATH of the new install")
+    parser.add_argument("--backends", default="cudnn,cuda_native,trtllm")
+    parser.add_argument("--run-backends", default="cudnn,cuda_native,trtllm,torch")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--plans", type=int, default=60)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--device", default=None, help="cuda (default where CUDA is) or cpu")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.worker:
+        worker_main(args.device or "cuda")
+        return
+    if args.old is None or args.new is None:
+        parser.error("--old and --new are required")
+    import torch  # the driver only asks: it measures nothing itself
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    plan_backends = args.backends.split(",") if device == "cuda" else ["torch"]
+    jobs = [("plan", b, f"{op} b{n}", args.plans) for b in plan_backends for op, n, _, _ in PLAN_ROWS]
+    if device == "cuda":
+        jobs += [("run", b, row, args.calls) for b in args.run_backends.split(",") for row in RUN_ROWS]
+    sides = {"old": Side("old", args.old, device), "new": Side("new", args.new, device)}
+    print(f"old: {sides['old'].origin}\nnew: {sides['new'].origin}\n{args.rounds} rounds, {device}", flush=True)
+    times: dict[tuple[str, ...], dict[str, list[float]]] = {j[:3]: {"old": [], "new": []} for j in jobs}
+    errors: dict[tuple[str, ...], dict[str, str]] = {}
+    for r in range(args.rounds):
+        start = time.perf_counter()
+        for job in jobs:
+            for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
+                reply = sides[name].ask(*job)
+                if "error" in reply:
+                    errors.setdefault(job[:3], {})[name] = reply["error"]
+                else:
+                    times[job[:3]][name].append(reply["us"])
+        print(f"round {r + 1}/{args.rounds}: {time.perf_counter() - start:.1f} s", flush=True)
+    for side in sides.values():
+        side.close()
+    report = _report(times, errors)
+    print(_table(report))
+    if args.json:
+        meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rounds": args.rounds,
+                "old": sides["old"].origin, "new": sides["new"].origin}  # fmt: skip
+        args.json.write_text(json.dumps({**meta, "rows": report}, indent=1) + "\n")
+
+
+def _report(times: dict[tuple[str, ...], dict[str, list[float]]],
+            errors: dict[tuple[str, ...], dict[str, str]]) -> list[dict[str, Any]]:  # fmt: skip
+    rows = []
+    for key, sides in times.items():
+        row: dict[str, Any] = {"kind": key[0], "backend": key[1], "row": key[2]}
+        if key in errors:
+            row["error"] = "; ".join(f"{side}: {why}" for side, why in sorted(errors[key].items()))
+        pairs = list(zip(sides["old"], sides["new"], strict=False))
+        if pairs and len(sides["old"]) == len(sides["new"]):
+            ratios = sorted(n / o for o, n in pairs)
+            row.update(old_us=statistics.median(sides["old"]), new_us=statistics.median(sides["new"]),
+                       ratio=statistics.median(ratios), ratio_low=ratios[len(ratios) // 4],
+                       ratio_high=ratios[(3 * len(ratios)) // 4])  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| kind | backend | row | old (us) | new (us) | new/old (median) | quartiles |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        if "ratio" in r:
+            lines.append(f"| {r['kind']} | {r['backend']} | {r['row']} | {r['old_us']:.1f} | {r['new_us']:.1f} | "
+                         f"{r['ratio']:.3f} | {r['ratio_low']:.3f}-{r['ratio_high']:.3f} |")  # fmt: skip
+        else:
+            lines.append(f"| {r['kind']} | {r['backend']} | {r['row']} | - | - | - | {r.get('error', '')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
