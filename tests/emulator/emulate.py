@@ -90,12 +90,15 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
     grid's size; the item list is padded to it with records that must never be read)."""
     from tactix_cuda_native import device, paged, prefill
 
+    masked = bool(getattr(problem, "custom_mask", False))
     params = (
-        prefill.default_prefill_params(problem.head_dim_qk, device.H200)
+        (prefill.default_masked_prefill_params if masked else prefill.default_prefill_params)(
+            problem.head_dim_qk, device.H200
+        )
         if tactic.is_default
         else prefill.PrefillParams.from_tactic(tactic)
     )
-    variant = prefill.prefill_variant(problem.q_dtype, problem.head_dim_qk, params, "sm_90")
+    variant = prefill.prefill_variant(problem.q_dtype, problem.head_dim_qk, params, "sm_90", masked)
     runner = "emu_prefill_sm90.cpp" if variant.source == "prefill_sm90.cu" else "emu_prefill.cpp"
     lib = _library(runner, variant.defines)
     pack = prefill.prefill_pack(problem.gqa_ratio, params.q_tile, params.pack)
@@ -120,6 +123,10 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
     grid = prefill.prefill_grid(cap, problem.num_qo_heads, pack, persistent if params.persist else 0)[0]
     args = _args([q, q.stride(0), q.stride(1), k, v, *strides, out, lse, items_t, num_items, reqs_t, indices,
                   *prefill.prefill_scalars(problem, pack)])  # fmt: skip
+    if masked:  # the bytes and per-request offsets the plan gives the kernel (`prefill.prefill_mask`)
+        mask = prefill.prefill_mask(batch, torch.device("cpu"), None, graph=False)
+        offsets = torch.tensor(batch.custom_mask.offsets[:-1] or [0], dtype=i32)
+        args += _args([mask.view(torch.uint8), offsets])
     sched = (schedule or Schedule()).args()
     err = lib.emu_prefill(ctypes.c_uint(grid), ctypes.c_int(params.threads), ctypes.c_longlong(smem), *sched, *args)
     if err:

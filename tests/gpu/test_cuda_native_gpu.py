@@ -21,7 +21,15 @@ import pytest
 import torch
 
 import tactix
-from tactix.testing import LSE_TOLERANCE, attention_reference, gemm_reference, lse_error, relative_error, tolerance_for
+from tactix.testing import (
+    LSE_TOLERANCE,
+    attention_reference,
+    cases,
+    gemm_reference,
+    lse_error,
+    relative_error,
+    tolerance_for,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -30,6 +38,21 @@ device = pytest.importorskip("tactix_cuda_native.device")
 prefill = pytest.importorskip("tactix_cuda_native.prefill")
 
 CUDA = torch.device("cuda")
+
+
+def captured(run: Any) -> torch.cuda.CUDAGraph:
+    """``run`` once on a side stream (CUDA graphs capture warmed-up work), then captured in a graph."""
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
 OUTSIDE = 1000.0  # written to every cache slot outside the batch: reading one spoils the result
 
 
@@ -348,14 +371,7 @@ def test_decode_run_does_not_sync_and_replays_in_a_cuda_graph() -> None:
         w.run(case.q, case.cache, out=out, lse=lse)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        w.run(case.q, case.cache, out=out, lse=lse)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        w.run(case.q, case.cache, out=out, lse=lse)
+    graph = captured(lambda: w.run(case.q, case.cache, out=out, lse=lse))
     for seed in (1, 2):
         gen = torch.Generator().manual_seed(seed)
         case.q.copy_(torch.randn(case.q.shape, generator=gen).to(CUDA, case.dtype))
@@ -712,14 +728,7 @@ def test_prefill_run_does_not_sync_and_replays_in_a_cuda_graph(mma: str) -> None
         w.run(case.q, case.cache, out=out, lse=lse)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        w.run(case.q, case.cache, out=out, lse=lse)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        w.run(case.q, case.cache, out=out, lse=lse)
+    graph = captured(lambda: w.run(case.q, case.cache, out=out, lse=lse))
     for seed in (1, 2):
         gen = torch.Generator().manual_seed(seed)
         case.q.copy_(torch.randn(case.q.shape, generator=gen).to(CUDA, case.dtype))
@@ -766,6 +775,59 @@ def test_prefill_run_does_not_sync_and_replays_in_a_cuda_graph(mma: str) -> None
         longer = PrefillCase([1015, 1, 1, 1], [5000, 1, 1, 1], seed=31)
         w.plan(longer.qo_indptr, longer.indptr, longer.indices, longer.last, case.hq, case.hkv, case.d, case.page,
                q_data_type=case.dtype, causal=True, return_lse=True, tactic=tactic)  # fmt: skip
+
+
+def _tree_masks(case: PrefillCase, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [cases._mask("tree", q, kv, gen) for q, kv in zip(case.q_lens, case.kv_lens, strict=True)]
+
+
+def test_prefill_custom_masks_run_eagerly_and_replan_into_a_captured_graph() -> None:
+    """Tree masks (speculative decoding's verify step over cached prefixes) on the mma.sync kernel:
+    eager, flat and bit-packed; then captured in a CUDA graph and re-planned with new masks that
+    the replays read; a mask larger than the captured buffer is refused with the reason."""
+    case = PrefillCase([5, 40, 1, 17], [60, 300, 1, 17], hq=32, hkv=8, seed=41)
+    scale = 1 / math.sqrt(case.d)
+
+    def check(out: torch.Tensor, lse: torch.Tensor, flat: torch.Tensor, what: str) -> None:
+        ref, ref_lse = attention_reference(case.q, case.k, case.v, case.qo_indptr, case.indptr, case.indices,
+                                           case.last, kv_layout=case.layout, causal=False, sm_scale=scale,
+                                           custom_mask=flat)  # fmt: skip
+        assert not torch.isnan(out).any(), f"{what}: unwritten output"
+        assert relative_error(out, ref) <= tolerance_for(case.dtype), what
+        assert lse_error(lse, ref_lse) <= LSE_TOLERANCE["bfloat16"], what
+
+    parts = _tree_masks(case, 1)
+    flat = torch.cat([m.reshape(-1) for m in parts])
+    packed = torch.cat([cases._packbits(m.reshape(-1)) for m in parts])
+    w = case.wrapper()
+    for given in ({"custom_mask": flat.to(CUDA)}, {"packed_custom_mask": packed}):
+        case.plan(w, causal=False, return_lse=True, **given)
+        assert w.backend == "cuda_native" and w.tactic.params.get("mma", "sync") == "sync", w.tactic
+        out, lse = case.run(w, lse=True)
+        assert lse is not None
+        check(out, lse, flat, f"eager, {next(iter(given))}")
+
+    g = case.wrapper(graph=True)
+    case.plan(g, causal=False, return_lse=True, custom_mask=flat)
+    rows = case.q.shape[0]
+    out = torch.empty(rows, case.hq, case.d, device=CUDA, dtype=case.dtype)
+    lse = torch.empty(rows, case.hq, device=CUDA)
+    graph = captured(lambda: g.run(case.q, case.cache, out=out, lse=lse))
+    for seed in (2, 3):  # new masks of the same batch, planned into the captured buffers
+        new = torch.cat([m.reshape(-1) for m in _tree_masks(case, seed)])
+        assert not torch.equal(new, flat)
+        case.plan(g, causal=False, return_lse=True, custom_mask=new)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, lse, new, f"graph replay after a re-plan with mask {seed}")
+    # the same buckets but more mask elements than the captured buffer holds (12,590 -> 16,384)
+    bigger = PrefillCase([40, 5, 1, 17], [300, 300, 300, 300], hq=32, hkv=8, seed=43)
+    mask = torch.ones(sum(q * kv for q, kv in zip(bigger.q_lens, bigger.kv_lens, strict=True)), dtype=torch.bool)
+    with pytest.raises(tactix.UnsupportedProblemError, match="captured buffer"):
+        g.plan(bigger.qo_indptr, bigger.indptr, bigger.indices, bigger.last, case.hq, case.hkv, case.d, case.page,
+               q_data_type=case.dtype, causal=False, return_lse=True, custom_mask=mask)  # fmt: skip
 
 
 def test_untuned_auto_prefers_cudnn_for_prefill_when_it_is_there() -> None:

@@ -1130,7 +1130,41 @@ def _prefill_variants() -> list[runtime.Variant]:
             )
         for p in prefill_op.prefill_candidates(d, H200, gqa=4):
             variants.add(prefill_op.prefill_variant("bfloat16", d, p, "sm_90"))
+        # the default for a custom mask (mma.sync, TX_MASK)
+        variants.add(prefill_op.prefill_variant("bfloat16", d, prefill_op.default_masked_prefill_params(d, H200),
+                                                "sm_90", masked=True))  # fmt: skip
     return sorted(variants, key=lambda v: v.label())
+
+
+def test_custom_masks_are_served_by_the_mma_sync_kernel_only() -> None:
+    """Prefill declares custom masks; with one, wgmma tactics are refused with the reason, the tuner
+    measures only mma.sync tactics, and the variant is the unmasked one plus TX_MASK (so unmasked
+    variants keep their cache keys)."""
+    spec = plugin.tactix_backends()[0]
+    assert spec.prefill is not None and spec.prefill.custom_mask
+    masked = prefill(custom_mask=True, causal=False)
+    wgmma = tactix.Tactic(backend="cuda_native", kernel="prefill",
+                          params={"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma"})  # fmt: skip
+    sync = tactix.Tactic(backend="cuda_native", kernel="prefill",
+                         params={"q_tile": 128, "kv_tile": 32, "warps": 4, "stages": 3})  # fmt: skip
+    assert prefill_op.MASK_NEEDS_SYNC in plugin._reasons(masked, wgmma, H200)
+    assert plugin._reasons(prefill(causal=False), wgmma, H200) == []
+    assert plugin._reasons(masked, sync, H200) == []
+    assert plugin._reasons(masked, tactix.Tactic.default("cuda_native"), H200) == []
+    tactics = prefill_op.prefill_tactics(masked, H200)
+    every = prefill_op.prefill_tactics(prefill(causal=False), H200)
+    chosen = [PrefillParams.from_tactic(t) for t in tactics]
+    assert len(chosen) >= 3 and all(p.mma == "sync" and p.m_tiles == 1 for p in chosen)
+    assert prefill_op.default_masked_prefill_params(128, H200) in chosen
+    assert set(tactics) - {prefill_op.default_masked_prefill_params(128, H200).to_tactic()} < set(every)
+    params = prefill_op.default_masked_prefill_params(128, H200)
+    plain = dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90").defines)
+    assert dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90", masked=True).defines) == {
+        **plain, "TX_MASK": "1"}  # fmt: skip
+    # the metadata: one mask offset per request, before the page indices
+    layout = prefill_op.prefill_sections(10, 4, 32, masked=True)
+    assert layout.names == ("items", "num_items", "reqs", "mask", "indices") and layout.capacities[3] == 4
+    assert "mask" not in prefill_op.prefill_sections(10, 4, 32).names
 
 
 def test_prefill_variants_compile_without_spills() -> None:

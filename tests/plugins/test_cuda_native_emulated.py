@@ -41,6 +41,8 @@ from tactix.testing import (
     relative_error,
     tolerance_for,
 )
+from tactix.testing.cases import _mask as mask_of
+from tactix.testing.cases import _packbits as packbits
 from tactix.testing.oracle import attention_lse_tolerance, attention_tolerance
 from tests.emulator import emulate
 
@@ -79,11 +81,13 @@ def prefill_case(q_lens: list[int], kv_lens: list[int], *, page: int = 16, hq: i
                  layout: str = "HND", dtype: torch.dtype = torch.bfloat16, causal: bool = True, window: int = -1,
                  cap: float = 0.0, scale: float | None = None, tactic: dict[str, Any] | None = None, seed: int = 0,
                  five_d: bool = False, q_view: bool = False, schedule: emulate.Schedule | None = None,
-                 persistent: int = 0, capacity: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                 persistent: int = 0, capacity: int = 0, mask: str = "",
+                 packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Run one batch through the emulated prefill kernel (its CTAs as ``schedule`` says: one at a
     time by default; with a ``persist`` tactic ``persistent`` CTAs, see `emulate.run_prefill`, as
-    ``capacity``) and hold it to the oracle's
-    tolerances; (out, lse)."""
+    ``capacity``) and hold it to the oracle's tolerances; (out, lse). ``mask``: a custom mask of
+    the kit's kinds ("tree", "random": with a row that attends nothing) per request, given
+    bit-packed where ``packed``."""
     gen = torch.Generator().manual_seed(seed)
     _, k, v, indptr, indices, last = _cache(kv_lens, page, hkv, d, layout, dtype, gen, five_d)
     qo = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
@@ -93,11 +97,17 @@ def prefill_case(q_lens: list[int], kv_lens: list[int], *, page: int = 16, hq: i
         fused = torch.zeros(rows, (hq + 2 * hkv) * d, dtype=dtype)
         fused[:, : hq * d] = q.reshape(rows, hq * d)
         q = fused[:, : hq * d].view(rows, hq, d)
+    parts = [mask_of(mask, ql, kl, gen) for ql, kl in zip(q_lens, kv_lens, strict=True)] if mask else []
+    flat = torch.cat([m.reshape(-1) for m in parts]) if mask else None
+    given: dict[str, torch.Tensor] = {}
+    if flat is not None:
+        given = {"packed_custom_mask": torch.cat([packbits(m.reshape(-1)) for m in parts])} if packed else {
+            "custom_mask": flat}  # fmt: skip
     problem, batch = attention_problem(
         "prefill", device=CPU, kv_layout=layout, qo_indptr=qo, paged_kv_indptr=indptr,  # type: ignore[arg-type]
         paged_kv_indices=indices, paged_kv_last_page_len=last, num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d,
         head_dim_vo=None, page_size=page, causal=causal, sm_scale=scale, window_left=window, logits_soft_cap=cap,
-        q_data_type=dtype, kv_data_type=None, o_data_type=None, return_lse=True,
+        q_data_type=dtype, kv_data_type=None, o_data_type=None, return_lse=True, **given,
     )  # fmt: skip
     problem = problem.model_copy(update={"device_type": "cuda"})
     t = Tactic.default("cuda_native") if tactic is None else Tactic(backend="cuda_native", kernel="prefill",
@@ -106,8 +116,10 @@ def prefill_case(q_lens: list[int], kv_lens: list[int], *, page: int = 16, hq: i
     out, lse, _ = emulate.run_prefill(problem, batch, t, q, k, v, return_lse=True,  # type: ignore[arg-type]
                                       schedule=schedule, persistent=persistent, capacity=capacity)  # fmt: skip
     ref, ref_lse = attention_reference(q, k, v, qo, indptr, indices, last, kv_layout=layout, causal=causal,
-                                       sm_scale=problem.sm_scale, window_left=window, logits_soft_cap=cap)  # fmt: skip
+                                       sm_scale=problem.sm_scale, window_left=window, logits_soft_cap=cap,
+                                       custom_mask=flat)  # fmt: skip
     name = (f"d{d} p{page} {layout} h{hq}/{hkv} {str(dtype)[6:]} causal={causal} window={window} cap={cap} "
+            f"mask={mask or None}{' packed' if packed else ''} "
             f"q {q_lens} kv {kv_lens} tactic {tactic}")  # fmt: skip
     bad = torch.isnan(out)
     if bad.any():
@@ -437,6 +449,33 @@ def test_emulated_prefill_edge_batches() -> None:
     # a 5-D cache (k and v strided views of one tensor) and q as a view of a fused projection
     prefill_case(Q, KV, five_d=True, q_view=True, layout="NHD", seed=6)
     prefill_case(Q, KV, five_d=True, q_view=True, layout="HND", page=1, seed=6)
+
+
+MASK_SYNC_TACTICS = [  # mma.sync shapes: one and two m16 tiles a warp, every kv tile, 2 and 8 warps
+    None,
+    {"q_tile": 64, "kv_tile": 64, "warps": 4, "stages": 3},
+    {"q_tile": 128, "kv_tile": 32, "warps": 4, "stages": 2},
+    {"q_tile": 32, "kv_tile": 32, "warps": 2, "stages": 2},
+    {"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2},
+]
+
+
+@pytest.mark.parametrize("tactic", MASK_SYNC_TACTICS, ids=lambda t: "default" if t is None else
+                         f"q{t['q_tile']}-kv{t['kv_tile']}-w{t['warps']}")  # fmt: skip
+@pytest.mark.parametrize("kind", ["tree", "random"])
+def test_emulated_prefill_custom_masks(kind: str, tactic: dict[str, Any] | None) -> None:
+    """Tree attention over cached prefixes (drafts of 1-70 tokens) and random masks with a row that
+    attends nothing (zeros, LSE -inf), flat and bit-packed, with GQA packing (8 query heads over 2)
+    and a draft longer than one q tile."""
+    q_lens, kv_lens = [3, 70, 1, 17, 0], [40, 200, 1, 17, 9]
+    prefill_case(q_lens, kv_lens, causal=False, hq=8, hkv=2, mask=kind, tactic=tactic, seed=11)
+    prefill_case(q_lens, kv_lens, causal=False, hq=4, hkv=4, mask=kind, packed=True, tactic=tactic, seed=12)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_emulated_prefill_custom_mask_with_window_softcap_and_every_head_dim(d: int) -> None:
+    prefill_case([5, 33], [60, 90], d=d, causal=False, window=24, cap=20.0, mask="tree", seed=d)
+    prefill_case([5, 33], [60, 90], d=d, causal=False, mask="random", packed=True, layout="NHD", page=1, seed=d)
 
 
 PREFILL_HEADS = (8, 2)

@@ -64,6 +64,7 @@ _PREFILL = tactix.AttentionCapabilities(
     causal=True,
     non_causal=True,
     chunked=True,
+    custom_mask=True,  # the mma.sync kernel (TX_MASK); tactics with mma 'wgmma' refuse it
     sliding_window=True,
     logits_soft_cap=True,
     lse=True,

@@ -30,7 +30,7 @@ from tactix import (
     Tactic,
     UnsupportedProblemError,
 )
-from tactix.plugin import Sections, bucket_size, raw_stream, sections
+from tactix.plugin import Piece, Sections, bucket_size, raw_stream, sections
 from tactix_cuda_native import NAME
 from tactix_cuda_native.device import WGMMA_ARCHS, DeviceInfo, cuda_device, device_index, device_info, wgmma_arch
 from tactix_cuda_native.kernel import Kernel, bf16, launcher, load_kernel
@@ -241,6 +241,14 @@ def default_prefill_params(head_dim: int, info: DeviceInfo, mma: str | None = No
     return PrefillParams(q_tile=q_tile, kv_tile=kv_tile, warps=warps, stages=stages)
 
 
+def default_masked_prefill_params(head_dim: int, info: DeviceInfo) -> PrefillParams:
+    """The default with a custom mask: the mma.sync default with one m16 tile of rows per warp. (With
+    two, the mask's row pointers push the d64 and d128 variants past 255 registers: ptxas spills
+    48 and 28 words; with one they take 174 and 204, d256 255 without spills.)"""
+    params = default_prefill_params(head_dim, info, "sync")
+    return params.replace(q_tile=16 * params.warps)
+
+
 _PREFILL_SHAPES: Final = {
     64: [(128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4)],
     128: [(128, 32, 4, 3), (128, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 3)],
@@ -427,22 +435,37 @@ def prefill_reasons(problem: PrefillProblem, tactic: Tactic, info: DeviceInfo) -
     params = PrefillParams.read(tactic)
     if isinstance(params, str):
         return [*out, params]
+    if problem.custom_mask and params.mma == "wgmma":
+        out.append(MASK_NEEDS_SYNC)
     return out + params.reasons(problem.head_dim_qk, info, problem.gqa_ratio)
 
 
+MASK_NEEDS_SYNC: Final = (
+    "custom masks are read by the mma.sync kernel only (tactic mma 'sync'); the wgmma kernel takes none"
+)
+
+
 def prefill_tactics(problem: PrefillProblem, info: DeviceInfo) -> list[Tactic]:
-    """The tactics the tuner measures for ``problem``."""
-    return [p.to_tactic() for p in prefill_candidates(problem.head_dim_qk, info, problem.gqa_ratio)]
+    """The tactics the tuner measures for ``problem``; with a custom mask the mma.sync ones with one
+    m16 tile a warp (`default_masked_prefill_params`: with two the masked variants spill)."""
+    candidates = prefill_candidates(problem.head_dim_qk, info, problem.gqa_ratio)
+    if problem.custom_mask:
+        masked = [p for p in candidates if p.mma == "sync" and p.m_tiles == 1]
+        default = default_masked_prefill_params(problem.head_dim_qk, info)
+        candidates = masked if default in masked else [default, *masked]
+    return [p.to_tactic() for p in candidates]
 
 
 # -- kernel variants -------------------------------------------------------------------------
 
 
-def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str) -> Variant:
+def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str, masked: bool = False) -> Variant:
     """``pack`` and ``sched`` are launch-time choices: every value shares one compiled variant.
     ``mma`` "wgmma" is kernels/prefill_sm90.cu, compiled for the arch-specific target (sm_90a) of
-    an sm_90 ``arch``; its warps are implied by the tiles (one consumer warpgroup per 64 rows)."""
+    an sm_90 ``arch``; its warps are implied by the tiles (one consumer warpgroup per 64 rows).
+    ``masked``: the variant that reads a custom mask (``TX_MASK``; mma.sync only)."""
     if params.mma == "wgmma":
+        assert not masked, MASK_NEEDS_SYNC
         return Variant.make(
             "prefill_sm90.cu",
             wgmma_arch(arch),
@@ -465,17 +488,21 @@ def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str)
         TX_KVTILE=params.kv_tile,
         TX_WARPS=params.warps,
         TX_STAGES=params.stages,
+        **({"TX_MASK": 1} if masked else {}),  # absent without a mask: the variants keep their keys
     )
 
 
 # -- plan ------------------------------------------------------------------------------------
 
 
-def prefill_sections(item_cap: int, batch_cap: int, page_cap: int | None) -> Sections:
+def prefill_sections(item_cap: int, batch_cap: int, page_cap: int | None, masked: bool = False) -> Sections:
     """Where a prefill plan's int32 metadata lies in its staging slot: the work items (request,
-    first token), the item count, four ints per request (`prefill_lists`) and, unless the kernel
-    reads the caller's device indices in place (``page_cap`` None), the page indices."""
+    first token), the item count, four ints per request (`prefill_lists`), with a custom mask
+    each request's first element in the mask and, unless the kernel reads the caller's device
+    indices in place (``page_cap`` None), the page indices."""
     parts = [("items", 2 * item_cap), ("num_items", 1), ("reqs", 4 * batch_cap)]
+    if masked:
+        parts.append(("mask", batch_cap))
     if page_cap is not None:
         parts.append(("indices", page_cap))
     return sections(*parts)
@@ -500,11 +527,43 @@ def prefill_scalars(problem: PrefillProblem, pack: int) -> tuple[int | float, ..
             problem.sm_scale * LOG2E, float(problem.logits_soft_cap))  # fmt: skip
 
 
-def _prefill_kernel(index: int, dtype: str, d: int, params: PrefillParams, info: DeviceInfo) -> tuple[Kernel, bool]:
+def _prefill_kernel(index: int, dtype: str, d: int, params: PrefillParams, info: DeviceInfo,
+                    masked: bool) -> tuple[Kernel, bool]:  # fmt: skip
     """The prefill kernel of ``params`` on device ``index``, and whether NVRTC compiled it now."""
-    key = ("prefill", index, dtype, d, params, info.arch)
-    return load_kernel(key, lambda: prefill_variant(dtype, d, params, info.arch), "tactix_prefill",
+    key = ("prefill", index, dtype, d, params, info.arch, masked)
+    return load_kernel(key, lambda: prefill_variant(dtype, d, params, info.arch, masked), "tactix_prefill",
                        params.smem_bytes(d), params.threads, params, index, info)  # fmt: skip
+
+
+MASK_ELEMENTS_MAX: Final = 2**31 - 1
+"""The most mask elements (sum of q_len x kv_len over the batch) the kernel's int32 offsets address."""
+
+
+def prefill_mask(batch: PagedBatch, device: torch.device, previous: object, graph: bool) -> torch.Tensor:
+    """The batch's custom mask as the kernel reads it: one byte per element on ``device``, the
+    requests' flat matrices one after another (bit-packed masks unpacked). In CUDA-graph mode the
+    buffer of the first plan (its size rounded up to a power of two) is refilled in place, so the
+    captured kernel reads the new mask."""
+    assert batch.custom_mask is not None
+    flat = batch.custom_mask.unpacked(device)
+    if flat.numel() > MASK_ELEMENTS_MAX:
+        raise ValueError(f"the custom mask has {flat.numel()} elements; the kernel addresses at most "
+                         f"{MASK_ELEMENTS_MAX}")  # fmt: skip
+    if not graph:
+        given = batch.custom_mask.flat
+        if given is not None and flat.data_ptr() == given.data_ptr():
+            flat = flat.clone()  # the caller's own tensor: the plan keeps the mask it was planned with
+        return flat.contiguous()
+    old = previous._mask if isinstance(previous, CudaNativePrefillPlan) else None
+    if old is None:
+        old = torch.zeros(bucket_size(max(flat.numel(), 1)), dtype=torch.bool, device=device)
+    elif old.numel() < flat.numel():
+        raise ValueError(
+            f"in CUDA-graph mode a re-plan's custom mask must fit the captured buffer ({old.numel()} elements; "
+            f"this one has {flat.numel()}): capture with the largest mask first, or use a new wrapper"
+        )
+    old[: flat.numel()].copy_(flat, non_blocking=True)
+    return old
 
 
 class CudaNativePrefillPlan(StagedPlan):
@@ -531,7 +590,11 @@ class CudaNativePrefillPlan(StagedPlan):
         graph = options["use_cuda_graph"]
         self._graph = bool(graph)
         previous = options["previous"]
-        params = default_prefill_params(d, info) if tactic.is_default else PrefillParams.from_tactic(tactic)
+        masked = problem.custom_mask
+        if tactic.is_default:
+            params = default_masked_prefill_params(d, info) if masked else default_prefill_params(d, info)
+        else:
+            params = PrefillParams.from_tactic(tactic)
         b, hq, hkv, gqa = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.gqa_ratio
         pack = prefill_pack(gqa, params.q_tile, params.pack)
         work = prefill_work(batch.qo_lens_list, batch.kv_lens_list, q_tile=params.q_tile, kv_tile=params.kv_tile,
@@ -543,7 +606,7 @@ class CudaNativePrefillPlan(StagedPlan):
             else:
                 params = prefill_default_persist(params, work.tiles, d, info)
         self.params = params
-        kernel, self.built = _prefill_kernel(index, problem.q_dtype, d, params, info)
+        kernel, self.built = _prefill_kernel(index, problem.q_dtype, d, params, info, masked)
         self.tactic = kernel.tactic
         self._kernel = kernel.kernel
         self.work = work
@@ -555,7 +618,7 @@ class CudaNativePrefillPlan(StagedPlan):
         else:
             b_cap, item_cap, page_cap = b, len(work.items), batch.num_page_entries
         self._scalars = prefill_scalars(problem, pack)
-        self._geometry = (b_cap, hq, hkv, d, problem.page_size, item_cap, page_cap, params, self._scalars)
+        self._geometry = (b_cap, hq, hkv, d, problem.page_size, item_cap, page_cap, params, self._scalars, masked)
         replaced = previous if graph and previous is not None else None
         if replaced is not None and (
             not isinstance(replaced, CudaNativePrefillPlan) or replaced._geometry != self._geometry
@@ -566,11 +629,21 @@ class CudaNativePrefillPlan(StagedPlan):
                 "and buffers depend on them); use one wrapper per captured shape"])  # fmt: skip
 
         items, reqs = prefill_lists(batch, work)
+        pieces: list[Piece] = [items, [len(work.items)], reqs]
+        self._mask: torch.Tensor | None = None
+        if masked:
+            try:
+                self._mask = prefill_mask(batch, self.device, replaced, graph)
+            except ValueError as exc:
+                raise UnsupportedProblemError(NAME, problem, [str(exc)]) from None
+            assert batch.custom_mask is not None
+            pieces.append(batch.custom_mask.offsets[:-1])
         layout, base, indices_ptr = self._send(problem, batch, previous, graph,
-                                               functools.partial(prefill_sections, item_cap, b_cap),
-                                               [items, [len(work.items)], reqs], page_cap)  # fmt: skip
+                                               functools.partial(prefill_sections, item_cap, b_cap, masked=masked),
+                                               pieces, page_cap)  # fmt: skip
         self._ptrs = (base + 4 * layout.offset("items"), base + 4 * layout.offset("num_items"),
                       base + 4 * layout.offset("reqs"), indices_ptr)  # fmt: skip
+        self._mask_args = (self._mask.data_ptr(), base + 4 * layout.offset("mask")) if self._mask is not None else ()
         self._launch = graph or bool(work.items)
         # persistent CTAs: as many as the GPU holds at once, each looping over the items
         persistent = prefill_persistent_ctas(info, kernel.ctas_per_sm) if params.persist else 0
@@ -598,7 +671,8 @@ class CudaNativePrefillPlan(StagedPlan):
         items, num_items, reqs, indices = self._ptrs
         cc = launcher()
         cc.launch(stream, self._cfg, self._kernel, q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr,
-                  *self._strides, out_ptr, lse_ptr, items, num_items, reqs, indices, *self._scalars)  # fmt: skip
+                  *self._strides, out_ptr, lse_ptr, items, num_items, reqs, indices, *self._scalars,
+                  *self._mask_args)  # fmt: skip
 
 
 def plan_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Tactic,

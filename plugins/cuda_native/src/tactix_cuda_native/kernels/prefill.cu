@@ -22,8 +22,14 @@
 // memory and written with 16-byte stores; LSE (natural log) per row. Every output element is
 // computed by one CTA in a fixed order: bitwise deterministic, no atomics.
 //
+// TX_MASK (1): a custom mask decides which keys each row attends, besides the window (causal is
+// off): `mask` holds one byte per (query token, key) of each request, row-major from the element
+// `mask_off[req]` on (FlashInfer's flat layout; the plan unpacks bit-packed masks), read straight
+// from global memory (L1/L2 serve the reuse across heads) for every tile, whose rows are then all
+// masked. A row that attends no key at all gets zeros and an LSE of -inf.
+//
 // Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_QTILE, TX_KVTILE, TX_WARPS,
-// TX_STAGES.
+// TX_STAGES, TX_MASK.
 #include "common.cuh"
 
 #ifndef TX_D
@@ -43,6 +49,9 @@
 #endif
 #ifndef TX_MIN_CTAS
 #define TX_MIN_CTAS 1
+#endif
+#ifndef TX_MASK
+#define TX_MASK 0
 #endif
 
 constexpr int D = TX_D;
@@ -93,7 +102,11 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh, u16* __restrict__ out, float* __restrict__ lse,
     const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ reqs,
     const int* __restrict__ kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups, i64 page_shift,
-    i64 causal, i64 window_left, double scale_log2_d, double cap_d) {
+    i64 causal, i64 window_left, double scale_log2_d, double cap_d
+#if TX_MASK
+    , const unsigned char* __restrict__ mask, const int* __restrict__ mask_off
+#endif
+) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int hgs = (int)head_groups;
   const int item = (int)blockIdx.x / hgs, hg = (int)blockIdx.x % hgs;
@@ -118,6 +131,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   const int kv_lo = max(0, lo_of(0));
   const int kv_hi = min(kv_len, hi_of(nt - 1) + 1);
   const int ntiles = (kv_hi - kv_lo + BK - 1) / BK;
+#if TX_MASK
+  const unsigned char* mask_req = mask + __ldg(mask_off + req) + (i64)t0 * kv_len;  // the tile's first row
+#endif
 
   const int wrow0 = warp * WROWS;  // this warp's first row
   const float cap = (float)cap_d;
@@ -266,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     const int lo_min_w = rowb[2 * wrow0], hi_min_w = rowb[2 * wrow0 + 1];
     const int lo_max_w = rowb[2 * (wrow0 + WROWS - 1)], hi_max_w = rowb[2 * (wrow0 + WROWS - 1) + 1];
     if (wrow0 / P < nt && kv0 <= hi_max_w && kv_last >= lo_min_w) {
-      const bool need_mask = kv0 < lo_max_w || kv_last > hi_min_w;
+      const bool need_mask = TX_MASK || kv0 < lo_max_w || kv_last > hi_min_w;
       float sc[MT][NNT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -319,12 +335,20 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
           const int r = wrow0 + mt * 16 + grp;
           const int lo0 = rowb[2 * r], hi0 = rowb[2 * r + 1];
           const int lo1 = rowb[2 * (r + 8)], hi1 = rowb[2 * (r + 8) + 1];
+#if TX_MASK
+          // the mask rows of this thread's two rows (rows past the valid tokens: the last one's)
+          const unsigned char* m0 = mask_req + (i64)min(r / P, nt - 1) * kv_len;
+          const unsigned char* m1 = mask_req + (i64)min((r + 8) / P, nt - 1) * kv_len;
+#endif
 #pragma unroll
           for (int j = 0; j < NNT; ++j) {
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
               const int key = kv0 + j * 8 + tig * 2 + (c & 1);
-              const bool ok = c < 2 ? key >= lo0 && key <= hi0 : key >= lo1 && key <= hi1;
+              bool ok = c < 2 ? key >= lo0 && key <= hi0 : key >= lo1 && key <= hi1;
+#if TX_MASK
+              ok = ok && __ldg((c < 2 ? m0 : m1) + key) != 0;  // (the bounds first: key < kv_len)
+#endif
               sc[mt][j][c] = ok ? sc[mt][j][c] : tx_neg_inf();
             }
           }
@@ -413,7 +437,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       l[mt][h] = tx_warp_sum4(l[mt][h]);
-      inv[mt][h] = 1.0f / l[mt][h];
+      inv[mt][h] = TX_MASK && l[mt][h] == 0.f ? 0.f : 1.0f / l[mt][h];  // a row the mask empties: zeros
     }
   }
   __syncwarp();  // every lane is done reading its Q rows (ldmatrix) before they are overwritten
