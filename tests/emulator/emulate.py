@@ -75,10 +75,16 @@ def _args(values: list[Any]) -> list[Any]:
     return out
 
 
+Scale = float | torch.Tensor | None  # a dequantization scale as run() takes it
+
+
 def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, *, return_lse: bool, schedule: Schedule | None = None, persistent: int = 0,
-                capacity: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
-    """The prefill kernel on the emulation: (out, lse or None, the work list).
+                capacity: int = 0, k_scale: Scale = None,
+                v_scale: Scale = None) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
+    """The prefill kernel on the emulation: (out, lse or None, the work list). ``k_scale`` and
+    ``v_scale``: as the plan's run passes them (`paged.scale_args`; a CPU tensor's address is the
+    pointer); an fp8 ``k``/``v`` selects the fp8 variant, as the plan's kv dtype does.
 
     Launched as `prefill.CudaNativePrefillPlan` launches it: ``params.threads`` threads (for mma
     "wgmma" the consumer warpgroups and the producer warpgroup) and ``params.smem_bytes`` of
@@ -92,13 +98,12 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
 
     masked = bool(getattr(problem, "custom_mask", False))
     params = (
-        (prefill.default_masked_prefill_params if masked else prefill.default_prefill_params)(
-            problem.head_dim_qk, device.H200
-        )
+        prefill.default_params_for(problem, device.H200)
         if tactic.is_default
         else prefill.PrefillParams.from_tactic(tactic)
     )
-    variant = prefill.prefill_variant(problem.q_dtype, problem.head_dim_qk, params, "sm_90", masked)
+    variant = prefill.prefill_variant(problem.q_dtype, problem.head_dim_qk, params, "sm_90", masked,
+                                      problem.kv_dtype)  # fmt: skip
     runner = "emu_prefill_sm90.cpp" if variant.source == "prefill_sm90.cu" else "emu_prefill.cpp"
     lib = _library(runner, variant.defines)
     pack = prefill.prefill_pack(problem.gqa_ratio, params.q_tile, params.pack)
@@ -117,12 +122,12 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
     rows = q.shape[0]
     out = torch.full((rows, problem.num_qo_heads, problem.head_dim_vo), float("nan"), dtype=q.dtype)
     lse = torch.full((rows, problem.num_qo_heads), float("nan"), dtype=torch.float32) if return_lse else None
-    smem = params.smem_bytes(problem.head_dim_qk)
+    smem = params.smem_bytes(problem.head_dim_qk, 1 if problem.kv_dtype in paged.FP8_KV_DTYPES else 2)
     if params.persist and not persistent:
         persistent = prefill.prefill_persistent_ctas(device.H200, device.ctas_per_sm(device.H200, smem, params.threads))
     grid = prefill.prefill_grid(cap, problem.num_qo_heads, pack, persistent if params.persist else 0)[0]
     args = _args([q, q.stride(0), q.stride(1), k, v, *strides, out, lse, items_t, num_items, reqs_t, indices,
-                  *prefill.prefill_scalars(problem, pack)])  # fmt: skip
+                  *prefill.prefill_scalars(problem, pack), *paged.scale_args(k_scale, v_scale)])  # fmt: skip
     if masked:  # the bytes and per-request offsets the plan gives the kernel (`prefill.prefill_mask`)
         mask = prefill.prefill_mask(batch, torch.device("cpu"), None, graph=False)
         offsets = torch.tensor(batch.custom_mask.offsets[:-1] or [0], dtype=i32)
@@ -252,12 +257,12 @@ class DecodePlan:
             schedule: Schedule = SCHEDULES[0], k_scale: float | torch.Tensor | None = None,
             v_scale: float | torch.Tensor | None = None) -> None:  # fmt: skip
         """`decode.CudaNativeDecodePlan.run`: the same argument list, launched on the emulation (the
-        scales as `decode.decode_scale_args` passes them: a CPU tensor's address is the pointer).
+        scales as `paged.scale_args` passes them: a CPU tensor's address is the pointer).
 
         The workspace is NaN again before each launch (on the GPU it holds the previous launch's
         partials, here identical ones): a partial read before its CTA wrote it in this launch shows.
         """
-        from tactix_cuda_native import decode, paged
+        from tactix_cuda_native import paged
 
         self.part_o.fill_(float("nan"))
         self.part_lse.fill_(float("nan"))
@@ -266,7 +271,7 @@ class DecodePlan:
         if not (q.stride(2) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0) or q.data_ptr() % 16:
             q = q.contiguous().clone()
         assert (k.data_ptr() | v.data_ptr() | out.data_ptr()) % 16 == 0
-        kf, vf, kp, vp = decode.decode_scale_args(k_scale, v_scale)
+        kf, vf, kp, vp = paged.scale_args(k_scale, v_scale)
         args = _args([q, q.stride(0), q.stride(1), k, v, *strides, out, lse, *self._buffers, *self._scalars, kf, vf])
         args += [ctypes.c_void_p(kp or None), ctypes.c_void_p(vp or None)]
         if self.params.tma:  # the plan's maps: the caches as they are ([pages][heads][tokens][D], HND)

@@ -393,6 +393,7 @@ static inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
 static inline float __int_as_float(int i) { return txe::from_bits((u32)i); }
 static inline float __uint_as_float(u32 u) { return txe::from_bits(u); }
 static inline u32 __float_as_uint(float f) { return txe::bits(f); }
+static inline int __float_as_int(float f) { return (int)txe::bits(f); }
 template <class T>
 static inline T __ldg(const T* p) {
   txe::check_aligned(p, alignof(T), "__ldg: unaligned address");

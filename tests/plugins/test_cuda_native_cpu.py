@@ -24,6 +24,7 @@ pytest.importorskip("tactix_cuda_native", reason="plugins/cuda_native is not ins
 
 from tactix_cuda_native import decode as decode_op
 from tactix_cuda_native import gemm as gemm_op
+from tactix_cuda_native import paged as paged_op
 from tactix_cuda_native import plugin, runtime
 from tactix_cuda_native import prefill as prefill_op
 from tactix_cuda_native.decode import DecodeParams
@@ -152,9 +153,8 @@ def test_fp8_kv_decode_takes_cp_async_tactics_only() -> None:
         assert "cp.async only" in plugin._reasons(problem, maps, H200)[0]
     mixed = decode(kv_dtype="float8_e4m3fn", out_dtype="float16")
     assert "takes float16 or bfloat16 q and out of the same dtype" in plugin._reasons(mixed, default, H200)[0]
-    # prefill reads 16-bit caches only
-    same = ["q, kv and out dtypes must be the same"]
-    assert plugin._reasons(prefill(kv_dtype="float8_e4m3fn"), default, H200) == same
+    # prefill reads fp8 caches too (with the mma.sync kernel: test_fp8_prefill_is_served_by_the_mma_sync_kernel_only)
+    assert plugin._reasons(prefill(kv_dtype="float8_e4m3fn"), default, H200) == []
     # the variant and its shared memory: the ring holds fp8 rows, one converted 16-bit K and V tile follows
     params = DecodeParams(tile=64, warps=4, stages=3)
     defines = dict(decode_op.decode_variant("bfloat16", 128, params, "sm_90", "float8_e5m2").defines)
@@ -170,10 +170,10 @@ def test_fp8_hardware_conversion_is_the_default_and_compiles(monkeypatch: pytest
     their defines), and they compile (the hardware conversion on sm_90, the bit arithmetic on
     sm_80, where the instruction does not exist)."""
     params = DecodeParams(tile=64, warps=4, stages=3)
-    monkeypatch.setenv(decode_op.FP8_CVT_ENV, "0")
+    monkeypatch.setenv(paged_op.FP8_CVT_ENV, "0")
     plain = decode_op.decode_variant("bfloat16", 128, params, "sm_90", "float8_e4m3fn")
     assert "TX_FP8_CVT" not in dict(plain.defines)
-    monkeypatch.delenv(decode_op.FP8_CVT_ENV)
+    monkeypatch.delenv(paged_op.FP8_CVT_ENV)
     assert "TX_FP8_CVT" not in dict(decode_op.decode_variant("bfloat16", 128, params, "sm_90").defines)
     chosen = [decode_op.decode_variant(dt, 128, params, arch, kv) for arch in ("sm_90", "sm_80")
               for dt, kv in (("bfloat16", "float8_e4m3fn"), ("float16", "float8_e5m2"))]  # fmt: skip
@@ -189,26 +189,48 @@ def test_fp8_hardware_conversion_is_the_default_and_compiles(monkeypatch: pytest
 
 
 def test_fp8_capabilities() -> None:
-    """Decode declares the fp8 KV dtypes and the k_scale / v_scale run extras; prefill keeps
-    16-bit caches and no run extras; nothing is declared untested."""
+    """Decode and prefill declare the fp8 KV dtypes and the k_scale / v_scale run extras; nothing
+    is declared untested."""
     spec = plugin.tactix_backends()[0]
     assert spec.decode is not None and spec.prefill is not None
-    assert {"float8_e4m3fn", "float8_e5m2"} <= spec.decode.kv_dtypes
-    assert spec.decode.run_extras == frozenset({"k_scale", "v_scale"})
-    assert spec.prefill.run_extras == frozenset()
-    assert spec.prefill.kv_dtypes == frozenset({"float16", "bfloat16"})
+    for caps in (spec.decode, spec.prefill):
+        assert caps.kv_dtypes == frozenset({"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+        assert caps.run_extras == frozenset({"k_scale", "v_scale"})
     assert not spec.untested
 
 
+def test_fp8_prefill_is_served_by_the_mma_sync_kernel_only() -> None:
+    """With an fp8 cache wgmma tactics are refused with the reason, the default and every tuning
+    candidate are mma.sync, and the variant is the 16-bit one plus TX_KV_FP8 and TX_FP8_CVT; fp8
+    under fp32 q is refused."""
+    fp8 = prefill(kv_dtype="float8_e4m3fn")
+    wgmma = tactix.Tactic(backend="cuda_native", kernel="prefill",
+                          params={"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma"})  # fmt: skip
+    assert prefill_op.FP8_NEEDS_SYNC in plugin._reasons(fp8, wgmma, H200)
+    assert plugin._reasons(fp8, tactix.Tactic.default("cuda_native"), H200) == []
+    assert prefill_op.default_params_for(fp8, H200) == prefill_op.default_prefill_params(128, H200, "sync")
+    assert prefill_op.default_params_for(prefill(), H200).mma == "wgmma"
+    tactics = [PrefillParams.from_tactic(t) for t in prefill_op.prefill_tactics(fp8, H200)]
+    assert len(tactics) >= 4 and all(p.mma == "sync" for p in tactics)
+    bad = prefill(kv_dtype="float8_e4m3fn", q_dtype="float32", out_dtype="float32")
+    assert any("takes float16 or bfloat16 q" in r for r in plugin._reasons(bad, tactix.Tactic.default("cuda_native"),
+                                                                           H200))  # fmt: skip
+    params = prefill_op.default_prefill_params(128, H200, "sync")
+    plain = dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90").defines)
+    e5m2 = dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90", kv_dtype="float8_e5m2").defines)
+    assert e5m2 == {**plain, "TX_KV_FP8": "2", "TX_FP8_CVT": "1"}
+    assert prefill_op.prefill_smem_bytes(128, 128, 32, 3, kv_bytes=1) < params.smem_bytes(128)
+
+
 def test_decode_scale_arguments_pass_device_scales_by_address() -> None:
-    """`decode.decode_scale_args`: floats by value, tensors by address (never read on the host)."""
+    """`paged.scale_args`: floats by value, tensors by address (never read on the host)."""
     import torch
 
-    assert decode_op.decode_scale_args(None, None) == decode_op.UNIT_SCALES == (1.0, 1.0, 0, 0)
-    assert decode_op.decode_scale_args(0.5, None) == (0.5, 1.0, 0, 0)
+    assert paged_op.scale_args(None, None) == paged_op.UNIT_SCALES == (1.0, 1.0, 0, 0)
+    assert paged_op.scale_args(0.5, None) == (0.5, 1.0, 0, 0)
     t = torch.tensor([2.0])
-    assert decode_op.decode_scale_args(0.25, t) == (0.25, 1.0, 0, t.data_ptr())
-    assert decode_op.decode_scale_args(t, 3) == (1.0, 3.0, t.data_ptr(), 0)
+    assert paged_op.scale_args(0.25, t) == (0.25, 1.0, 0, t.data_ptr())
+    assert paged_op.scale_args(t, 3) == (1.0, 3.0, t.data_ptr(), 0)
 
 
 def test_tuning_candidates_compile(cache_root: Path) -> None:
@@ -389,6 +411,7 @@ def test_cache_key_covers_every_compile_input() -> None:
     assert set(runtime.sources()) == {
         "common.cuh",
         "decode.cu",
+        "fp8.cuh",
         "gemm.cu",
         "gemm_sm90.cu",
         "prefill.cu",
@@ -1130,9 +1153,11 @@ def _prefill_variants() -> list[runtime.Variant]:
             )
         for p in prefill_op.prefill_candidates(d, H200, gqa=4):
             variants.add(prefill_op.prefill_variant("bfloat16", d, p, "sm_90"))
-        # the default for a custom mask (mma.sync, TX_MASK)
+        # the defaults for a custom mask (mma.sync, TX_MASK) and for an fp8 cache (TX_KV_FP8)
         variants.add(prefill_op.prefill_variant("bfloat16", d, prefill_op.default_masked_prefill_params(d, H200),
                                                 "sm_90", masked=True))  # fmt: skip
+        variants.add(prefill_op.prefill_variant("bfloat16", d, prefill_op.default_prefill_params(d, H200, "sync"),
+                                                "sm_90", kv_dtype="float8_e4m3fn"))  # fmt: skip
     return sorted(variants, key=lambda v: v.label())
 
 

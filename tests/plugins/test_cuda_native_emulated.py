@@ -478,6 +478,82 @@ def test_emulated_prefill_custom_mask_with_window_softcap_and_every_head_dim(d: 
     prefill_case([5, 33], [60, 90], d=d, causal=False, mask="random", packed=True, layout="NHD", page=1, seed=d)
 
 
+_WG = {"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma"}
+FP8_PREFILL_CASES = [
+    # (q lens, kv lens, options); "kv": the cache dtype, "scales": (k_scale, v_scale)
+    ([1, 70, 3, 129], [1, 130, 40, 129], {"kv": E4M3, "scales": (0.5, 2.0)}),
+    ([5, 33, 0, 17], [60, 90, 9, 17], {"kv": E5M2, "dtype": torch.float16, "causal": False, "window": 24,
+                                        "cap": 20.0, "page": 1, "layout": "NHD", "scales": (0.25, 0.5),
+                                        "tensor": True}),
+    ([40, 2], [300, 2], {"kv": E4M3, "d": 256, "hq": 8, "hkv": 8, "scales": (2.0, 0.25)}),
+    ([17, 70], [17, 200], {"kv": E4M3, "tactic": {"q_tile": 128, "kv_tile": 64, "warps": 4, "stages": 3},
+                           "scales": (0.5, 1.0), "tensor": True}),
+    ([17, 70], [17, 200], {"kv": E5M2, "d": 128, "tactic": {"q_tile": 32, "kv_tile": 32, "warps": 2, "stages": 2},
+                           "scales": (1.0, 1.0)}),
+    ([5, 40, 1], [60, 300, 1], {"kv": E4M3, "causal": False, "mask": "tree", "scales": (0.5, 2.0)}),
+    # 16-bit caches with scales: every prefill kernel applies them, the wgmma one too
+    ([1, 70, 3, 129], [1, 130, 40, 129], {"kv": torch.bfloat16, "scales": (0.5, 2.0), "tensor": True}),
+    ([1, 70, 3, 129], [1, 130, 40, 129], {"kv": torch.bfloat16, "d": 128, "scales": (0.25, 3.0), "tactic": _WG}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("q_lens", "kv_lens", "kw"), FP8_PREFILL_CASES)
+def test_emulated_fp8_kv_prefill(q_lens: list[int], kv_lens: list[int], kw: dict[str, Any]) -> None:
+    """The mma.sync prefill kernel over fp8 caches (e4m3fn, e5m2; bf16 and fp16 q) against the
+    float64 oracle with the same scales, as floats and as one-element tensors (a new value is
+    read by the next launch): causal and not, a window, the soft cap, d 64 to 256, GQA packing,
+    four tile shapes, a tree mask, 448 in the slots no request owns; and 16-bit caches with
+    scales on both kernels."""
+    gen = torch.Generator().manual_seed(7)
+    d, page, layout = kw.get("d", 64), kw.get("page", 16), kw.get("layout", "HND")
+    hq, hkv, dtype, kv = kw.get("hq", 8), kw.get("hkv", 2), kw.get("dtype", torch.bfloat16), kw["kv"]
+    causal, window, cap = kw.get("causal", True), kw.get("window", -1), kw.get("cap", 0.0)
+    _, k, v, indptr, indices, last = _cache(kv_lens, page, hkv, d, layout, torch.float32, gen, False)
+    inside = torch.zeros(k.shape[0], page, dtype=torch.bool)
+    for r, n in enumerate(kv_lens):
+        for i, pg in enumerate(indices[indptr[r] : indptr[r + 1]].tolist()):
+            inside[pg, : min(page, n - i * page)] = True
+    outside = ~inside[:, :, None, None] if layout == "NHD" else ~inside[:, None, :, None]
+    k, v = (3 * k).masked_fill(outside, 448.0).to(kv), (3 * v).masked_fill(outside, 448.0).to(kv)
+    qo = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    q = torch.randn(int(qo[-1]), hq, d, generator=gen).to(dtype)
+    parts = [mask_of(kw["mask"], ql, kl, gen) for ql, kl in zip(q_lens, kv_lens, strict=True)] if "mask" in kw else []
+    flat = torch.cat([m.reshape(-1) for m in parts]) if parts else None
+    problem, batch = attention_problem(
+        "prefill", device=CPU, kv_layout=layout, qo_indptr=qo, paged_kv_indptr=indptr,  # type: ignore[arg-type]
+        paged_kv_indices=indices, paged_kv_last_page_len=last, num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d,
+        head_dim_vo=None, page_size=page, causal=causal, sm_scale=None, window_left=window, logits_soft_cap=cap,
+        q_data_type=dtype, kv_data_type=kv, o_data_type=None, return_lse=True,
+        **({"custom_mask": flat} if flat is not None else {}),
+    )  # fmt: skip
+    problem = problem.model_copy(update={"device_type": "cuda"})
+    tactic = kw.get("tactic")
+    t = Tactic.default("cuda_native") if tactic is None else Tactic(backend="cuda_native", kernel="prefill",
+                                                                     params=tactic)  # type: ignore[arg-type]  # fmt: skip
+    assert plugin._reasons(problem, t, H200) == []  # type: ignore[arg-type]
+    tol, ltol = attention_tolerance(dtype, kv, dtype), attention_lse_tolerance(dtype, kv)
+
+    def check(ks: float, vs: float, k_scale: Any, v_scale: Any) -> None:
+        out, lse, _ = emulate.run_prefill(problem, batch, t, q, k, v, return_lse=True,  # type: ignore[arg-type]
+                                          k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        ref, ref_lse = attention_reference(q, k, v, qo, indptr, indices, last, kv_layout=layout, causal=causal,
+                                           sm_scale=problem.sm_scale, window_left=window, logits_soft_cap=cap,
+                                           k_scale=ks, v_scale=vs, custom_mask=flat)  # fmt: skip
+        assert lse is not None and not torch.isnan(out).any(), "NaN in the output"
+        err, lerr = relative_error(out, ref), lse_error(lse, ref_lse)
+        assert err <= tol, f"scales {ks}, {vs}: relative error {err:.3e}"
+        assert lerr <= ltol, f"scales {ks}, {vs}: LSE error {lerr:.3e}"
+
+    ks, vs = kw["scales"]
+    if kw.get("tensor"):
+        k_t, v_t = torch.tensor(ks, dtype=torch.float32), torch.tensor([vs], dtype=torch.float32)  # 0-d and [1]
+        check(ks, vs, k_t, v_t)
+        k_t.fill_(ks * 3), v_t.fill_(vs / 2)  # new values in the same tensors: the next launch reads them
+        check(ks * 3, vs / 2, k_t, v_t)
+    else:
+        check(ks, vs, None if ks == 1.0 else ks, None if vs == 1.0 else vs)
+
+
 PREFILL_HEADS = (8, 2)
 PREFILL_TACTICS = [
     pytest.param(d, params.to_tactic().params, id=f"d{d}-{params.to_tactic()}")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
@@ -45,10 +44,13 @@ from tactix_cuda_native.kernel import FLAG_BYTES, L2_HINTS, Kernel, TensorMaps, 
 from tactix_cuda_native.paged import (
     FP8_KV_DTYPES,
     LOG2E,
+    UNIT_SCALES,
     StagedPlan,
     attention_reasons,
     cache_strides,
+    fp8_cvt,
     log2_exact,
+    scale_args,
 )
 from tactix_cuda_native.runtime import Variant, launch_config, stream_for, tensor_map, tensor_maps_status
 from tactix_cuda_native.tactics import TacticParams
@@ -56,17 +58,6 @@ from tactix_cuda_native.tactics import TacticParams
 Q_TILE: Final = 16  # query heads of one GQA group per CTA (the mma's 16 rows)
 DECODE_ITEM_INTS: Final = 8  # ints per work item record (kernels/decode.cu)
 DECODE_BULK: Final = (0, 8, 16, 32)
-FP8_CVT_ENV: Final = "TACTIX_CUDA_NATIVE_FP8_CVT"
-
-
-def fp8_cvt() -> int:
-    """1 unless `FP8_CVT_ENV` is 0: fp8 decode variants convert their tiles with the hardware fp8
-    conversion (``TX_FP8_CVT``; the kernel keeps the bit arithmetic below sm_89, where the
-    instruction does not exist). On the H200 (benchmarks/results/h200-fp8-cvt-session13.md) the
-    kit's fp8 cases pass with it and D3-fp8 takes 423 us instead of 1185 us."""
-    return int(os.environ.get(FP8_CVT_ENV) != "0")
-
-
 # -- tactic parameters -----------------------------------------------------------------------
 
 
@@ -590,13 +581,13 @@ class CudaNativeDecodePlan(StagedPlan):
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor | None, k_scale: float | torch.Tensor | None = None,
             v_scale: float | torch.Tensor | None = None) -> None:  # fmt: skip
-        """Launch the kernel; ``k_scale`` and ``v_scale`` (run extras, `decode_scale_args`): floats,
+        """Launch the kernel; ``k_scale`` and ``v_scale`` (run extras, `paged.scale_args`): floats,
         or one-element float32 device tensors whose value the kernel reads."""
         q, k_ptr, v_ptr, out_ptr = self._operands(q, k_cache, v_cache, out)
         lse_ptr = 0 if lse is None else lse.data_ptr()
         stream = stream_for(self._index, raw_stream(self._index))
         cc = launcher()
-        scales = UNIT_SCALES if k_scale is None and v_scale is None else decode_scale_args(k_scale, v_scale)
+        scales = UNIT_SCALES if k_scale is None and v_scale is None else scale_args(k_scale, v_scale)
         args: tuple[Any, ...] = (q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr, *self._strides, out_ptr, lse_ptr,
                                  *self._ptrs, *self._scalars, *scales)  # fmt: skip
         if self._tma:
@@ -608,20 +599,6 @@ class CudaNativeDecodePlan(StagedPlan):
         ``bulk`` tokens."""
         key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
         return self._maps.get(key, lambda: tensor_map(t, (1, 1, self._bulk, 64)), f"paged_kv_cache ({name})")
-
-
-UNIT_SCALES: Final = (1.0, 1.0, 0, 0)
-"""The kernel's scale arguments without scales: k and v values 1.0, no device pointers."""
-
-
-def decode_scale_args(k_scale: float | torch.Tensor | None,
-                      v_scale: float | torch.Tensor | None) -> tuple[float, float, int, int]:  # fmt: skip
-    """The kernel's scale arguments (kernels/decode.cu): the k and v values, then the k and v
-    device addresses (0: use the value). A tensor's address is passed, never its value (no
-    host sync; a CUDA graph replays with whatever it holds)."""
-    kf, kp = (1.0, k_scale.data_ptr()) if isinstance(k_scale, torch.Tensor) else (float(k_scale or 1.0), 0)
-    vf, vp = (1.0, v_scale.data_ptr()) if isinstance(v_scale, torch.Tensor) else (float(v_scale or 1.0), 0)
-    return kf, vf, kp, vp
 
 
 def plan_decode(problem: DecodeProblem, batch: PagedBatch, tactic: Tactic,

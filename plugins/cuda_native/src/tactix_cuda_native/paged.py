@@ -5,6 +5,7 @@ reasons, the cache strides their kernels read, and their plans' metadata staging
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -24,21 +25,49 @@ from tactix.plugin import Piece, Sections, Staging, cache_axes
 from tactix_cuda_native import NAME
 
 __all__ = [
+    "FP8_CVT_ENV",
     "FP8_KV_DTYPES",
     "HEAD_DIMS",
     "LOG2E",
     "MAX_PAGE_SIZE",
+    "UNIT_SCALES",
     "StagedPlan",
     "attention_reasons",
     "cache_strides",
+    "fp8_cvt",
     "log2_exact",
+    "scale_args",
 ]
 
 HEAD_DIMS: Final = (64, 128, 256)
 MAX_PAGE_SIZE: Final = 128
 LOG2E: Final = 1.4426950408889634  # the kernels' softmax is base 2: the scale is folded with log2(e)
 FP8_KV_DTYPES: Final = {"float8_e4m3fn": 1, "float8_e5m2": 2}
-"""The fp8 KV-cache dtypes the decode kernel reads (under 16-bit q and out), by their ``TX_KV_FP8`` value."""
+"""The fp8 KV-cache dtypes the decode and mma.sync prefill kernels read (under 16-bit q and out), by
+their ``TX_KV_FP8`` value."""
+FP8_CVT_ENV: Final = "TACTIX_CUDA_NATIVE_FP8_CVT"
+
+
+def fp8_cvt() -> int:
+    """1 unless `FP8_CVT_ENV` is 0: fp8 variants (decode and prefill) convert their tiles with the hardware fp8
+    conversion (``TX_FP8_CVT``; the kernel keeps the bit arithmetic below sm_89, where the
+    instruction does not exist). On the H200 (benchmarks/results/h200-fp8-cvt-session13.md) the
+    kit's fp8 cases pass with it and D3-fp8 takes 423 us instead of 1185 us."""
+    return int(os.environ.get(FP8_CVT_ENV) != "0")
+
+
+UNIT_SCALES: Final = (1.0, 1.0, 0, 0)
+"""The kernel's scale arguments without scales: k and v values 1.0, no device pointers."""
+
+
+def scale_args(k_scale: float | torch.Tensor | None,
+               v_scale: float | torch.Tensor | None) -> tuple[float, float, int, int]:  # fmt: skip
+    """The attention kernels' scale arguments (kernels/decode.cu, prefill.cu, prefill_sm90.cu): the
+    k and v values, then the k and v device addresses (0: use the value). A tensor's address is
+    passed, never its value (no host sync; a CUDA graph replays with whatever it holds)."""
+    kf, kp = (1.0, k_scale.data_ptr()) if isinstance(k_scale, torch.Tensor) else (float(k_scale or 1.0), 0)
+    vf, vp = (1.0, v_scale.data_ptr()) if isinstance(v_scale, torch.Tensor) else (float(v_scale or 1.0), 0)
+    return kf, vf, kp, vp
 
 
 def log2_exact(n: int) -> int | None:

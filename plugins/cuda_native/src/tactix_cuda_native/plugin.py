@@ -55,7 +55,7 @@ _PREFILL = tactix.AttentionCapabilities(
     devices=frozenset({"cuda"}),
     compute_capabilities=_CCS,
     q_dtypes=DTYPES,
-    kv_dtypes=DTYPES,
+    kv_dtypes=DTYPES | frozenset(FP8_KV_DTYPES),  # fp8: the mma.sync kernel (tactics with mma 'wgmma' refuse it)
     out_dtypes=DTYPES,
     head_dims=frozenset(HEAD_DIMS),
     page_sizes=_PAGE_SIZES,
@@ -69,6 +69,7 @@ _PREFILL = tactix.AttentionCapabilities(
     logits_soft_cap=True,
     lse=True,
     cuda_graph="fixed_buffers",
+    run_extras=frozenset({"k_scale", "v_scale"}),  # dequantization scales (every prefill kernel applies them)
 )
 
 _GEMM = tactix.GemmCapabilities(

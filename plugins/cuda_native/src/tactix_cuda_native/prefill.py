@@ -34,7 +34,17 @@ from tactix.plugin import Piece, Sections, bucket_size, raw_stream, sections
 from tactix_cuda_native import NAME
 from tactix_cuda_native.device import WGMMA_ARCHS, DeviceInfo, cuda_device, device_index, device_info, wgmma_arch
 from tactix_cuda_native.kernel import Kernel, bf16, launcher, load_kernel
-from tactix_cuda_native.paged import LOG2E, StagedPlan, attention_reasons, cache_strides, log2_exact
+from tactix_cuda_native.paged import (
+    FP8_KV_DTYPES,
+    LOG2E,
+    UNIT_SCALES,
+    StagedPlan,
+    attention_reasons,
+    cache_strides,
+    fp8_cvt,
+    log2_exact,
+    scale_args,
+)
 from tactix_cuda_native.runtime import Variant, launch_config, stream_for
 from tactix_cuda_native.tactics import TacticParams
 
@@ -97,8 +107,8 @@ class PrefillParams(TacticParams):
         """Threads per CTA: the computing warps, and for wgmma the producer warpgroup."""
         return 32 * self.warps + (128 if self.mma == "wgmma" else 0)
 
-    def smem_bytes(self, head_dim: int) -> int:
-        return prefill_smem_bytes(head_dim, self.q_tile, self.kv_tile, self.stages, self.mma)
+    def smem_bytes(self, head_dim: int, kv_bytes: int = 2) -> int:
+        return prefill_smem_bytes(head_dim, self.q_tile, self.kv_tile, self.stages, self.mma, kv_bytes)
 
     def reasons(self, head_dim: int, info: DeviceInfo, gqa: int | None = None) -> list[str]:
         if self.mma not in PREFILL_MMAS:
@@ -175,14 +185,17 @@ class PrefillParams(TacticParams):
         return out
 
 
-def prefill_smem_bytes(head_dim: int, q_tile: int, kv_tile: int, stages: int, mma: str = "sync") -> int:
+def prefill_smem_bytes(head_dim: int, q_tile: int, kv_tile: int, stages: int, mma: str = "sync",
+                       kv_bytes: int = 2) -> int:  # fmt: skip
     """Dynamic shared memory of the prefill kernel (see the layouts in kernels/prefill.cu and
     kernels/prefill_sm90.cu: for wgmma, Q + stages x (K, V) tiles + a K and a V row pointer per
-    key of a tile + four mbarriers per stage)."""
+    key of a tile + four mbarriers per stage). ``kv_bytes`` 1 (an fp8 cache, mma.sync): the ring
+    holds fp8 rows and one converted 16-bit (K, V) pair follows it."""
     row = head_dim * 2
     if mma == "wgmma":
         return q_tile * row + stages * 2 * kv_tile * row + kv_tile * 16 + 4 * stages * 8
-    return q_tile * row + stages * 2 * kv_tile * row + stages * 2 * kv_tile * 8 + q_tile * 8 + 16
+    ring = stages * 2 * kv_tile * head_dim * kv_bytes + (2 * kv_tile * row if kv_bytes == 1 else 0)
+    return q_tile * row + ring + stages * 2 * kv_tile * 8 + q_tile * 8 + 32
 
 
 # -- defaults and candidates -----------------------------------------------------------------
@@ -425,7 +438,7 @@ def prefill_persistent_ctas(info: DeviceInfo, ctas_sm: int) -> int:
 
 def prefill_reasons(problem: PrefillProblem, tactic: Tactic, info: DeviceInfo) -> list[str]:
     """Why ``tactic`` cannot serve ``problem`` on a GPU like ``info`` (empty: it can)."""
-    out = attention_reasons(problem)
+    out = attention_reasons(problem, fp8_kv=True)
     if tactic.is_default:
         if tactic.params:
             out.append(f"the default tactic takes no params (got {tactic.params})")
@@ -437,35 +450,60 @@ def prefill_reasons(problem: PrefillProblem, tactic: Tactic, info: DeviceInfo) -
         return [*out, params]
     if problem.custom_mask and params.mma == "wgmma":
         out.append(MASK_NEEDS_SYNC)
+    if problem.kv_dtype in FP8_KV_DTYPES and params.mma == "wgmma":
+        out.append(FP8_NEEDS_SYNC)
     return out + params.reasons(problem.head_dim_qk, info, problem.gqa_ratio)
 
 
 MASK_NEEDS_SYNC: Final = (
     "custom masks are read by the mma.sync kernel only (tactic mma 'sync'); the wgmma kernel takes none"
 )
+FP8_NEEDS_SYNC: Final = (
+    "fp8 KV caches are read by the mma.sync kernel only (tactic mma 'sync'); the wgmma kernel reads 16-bit caches"
+)
+
+
+def sync_only(problem: PrefillProblem) -> bool:
+    """Whether only the mma.sync kernel serves ``problem`` (a custom mask, an fp8 cache)."""
+    return problem.custom_mask or problem.kv_dtype in FP8_KV_DTYPES
+
+
+def default_params_for(problem: PrefillProblem, info: DeviceInfo) -> PrefillParams:
+    """The default tactic's parameters for ``problem`` (before `prefill_default_persist` looks at
+    the batch): `default_masked_prefill_params` with a custom mask, the mma.sync default with an fp8
+    cache, else `default_prefill_params`."""
+    if problem.custom_mask:
+        return default_masked_prefill_params(problem.head_dim_qk, info)
+    return default_prefill_params(problem.head_dim_qk, info, "sync" if sync_only(problem) else None)
 
 
 def prefill_tactics(problem: PrefillProblem, info: DeviceInfo) -> list[Tactic]:
-    """The tactics the tuner measures for ``problem``; with a custom mask the mma.sync ones with one
-    m16 tile a warp (`default_masked_prefill_params`: with two the masked variants spill)."""
+    """The tactics the tuner measures for ``problem``; with an fp8 cache the mma.sync ones, with a
+    custom mask those with one m16 tile a warp (`default_masked_prefill_params`: with two the masked
+    variants spill)."""
     candidates = prefill_candidates(problem.head_dim_qk, info, problem.gqa_ratio)
     if problem.custom_mask:
         masked = [p for p in candidates if p.mma == "sync" and p.m_tiles == 1]
         default = default_masked_prefill_params(problem.head_dim_qk, info)
         candidates = masked if default in masked else [default, *masked]
+    elif sync_only(problem):
+        candidates = [p for p in candidates if p.mma == "sync"]
     return [p.to_tactic() for p in candidates]
 
 
 # -- kernel variants -------------------------------------------------------------------------
 
 
-def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str, masked: bool = False) -> Variant:
+def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str, masked: bool = False,
+                    kv_dtype: str | None = None) -> Variant:  # fmt: skip
     """``pack`` and ``sched`` are launch-time choices: every value shares one compiled variant.
     ``mma`` "wgmma" is kernels/prefill_sm90.cu, compiled for the arch-specific target (sm_90a) of
     an sm_90 ``arch``; its warps are implied by the tiles (one consumer warpgroup per 64 rows).
-    ``masked``: the variant that reads a custom mask (``TX_MASK``; mma.sync only)."""
+    ``dtype``: q's and out's (and the cache's, unless ``kv_dtype`` is an fp8 dtype: ``TX_KV_FP8``);
+    ``masked``: the variant that reads a custom mask (``TX_MASK``). Both mma.sync only."""
+    fp8 = FP8_KV_DTYPES.get(kv_dtype or dtype, 0)
     if params.mma == "wgmma":
-        assert not masked, MASK_NEEDS_SYNC
+        assert not masked and not fp8, "a custom mask or an fp8 cache needs mma 'sync'"
         return Variant.make(
             "prefill_sm90.cu",
             wgmma_arch(arch),
@@ -489,6 +527,8 @@ def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str,
         TX_WARPS=params.warps,
         TX_STAGES=params.stages,
         **({"TX_MASK": 1} if masked else {}),  # absent without a mask: the variants keep their keys
+        **({"TX_KV_FP8": fp8} if fp8 else {}),
+        **({"TX_FP8_CVT": 1} if fp8 and fp8_cvt() else {}),
     )
 
 
@@ -527,12 +567,13 @@ def prefill_scalars(problem: PrefillProblem, pack: int) -> tuple[int | float, ..
             problem.sm_scale * LOG2E, float(problem.logits_soft_cap))  # fmt: skip
 
 
-def _prefill_kernel(index: int, dtype: str, d: int, params: PrefillParams, info: DeviceInfo,
-                    masked: bool) -> tuple[Kernel, bool]:  # fmt: skip
+def _prefill_kernel(index: int, dtype: str, d: int, params: PrefillParams, info: DeviceInfo, masked: bool,
+                    kv_dtype: str) -> tuple[Kernel, bool]:  # fmt: skip
     """The prefill kernel of ``params`` on device ``index``, and whether NVRTC compiled it now."""
-    key = ("prefill", index, dtype, d, params, info.arch, masked)
-    return load_kernel(key, lambda: prefill_variant(dtype, d, params, info.arch, masked), "tactix_prefill",
-                       params.smem_bytes(d), params.threads, params, index, info)  # fmt: skip
+    fp8 = kv_dtype in FP8_KV_DTYPES
+    key = ("prefill", index, dtype, d, params, info.arch, masked, kv_dtype, fp8 and fp8_cvt())
+    return load_kernel(key, lambda: prefill_variant(dtype, d, params, info.arch, masked, kv_dtype), "tactix_prefill",
+                       params.smem_bytes(d, 1 if fp8 else 2), params.threads, params, index, info)  # fmt: skip
 
 
 MASK_ELEMENTS_MAX: Final = 2**31 - 1
@@ -591,10 +632,7 @@ class CudaNativePrefillPlan(StagedPlan):
         self._graph = bool(graph)
         previous = options["previous"]
         masked = problem.custom_mask
-        if tactic.is_default:
-            params = default_masked_prefill_params(d, info) if masked else default_prefill_params(d, info)
-        else:
-            params = PrefillParams.from_tactic(tactic)
+        params = default_params_for(problem, info) if tactic.is_default else PrefillParams.from_tactic(tactic)
         b, hq, hkv, gqa = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.gqa_ratio
         pack = prefill_pack(gqa, params.q_tile, params.pack)
         work = prefill_work(batch.qo_lens_list, batch.kv_lens_list, q_tile=params.q_tile, kv_tile=params.kv_tile,
@@ -606,7 +644,7 @@ class CudaNativePrefillPlan(StagedPlan):
             else:
                 params = prefill_default_persist(params, work.tiles, d, info)
         self.params = params
-        kernel, self.built = _prefill_kernel(index, problem.q_dtype, d, params, info, masked)
+        kernel, self.built = _prefill_kernel(index, problem.q_dtype, d, params, info, masked, problem.kv_dtype)
         self.tactic = kernel.tactic
         self._kernel = kernel.kernel
         self.work = work
@@ -662,7 +700,10 @@ class CudaNativePrefillPlan(StagedPlan):
         self._seen = (q.stride(), k.stride(), v.stride())
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-            lse: torch.Tensor | None) -> None:  # fmt: skip
+            lse: torch.Tensor | None, k_scale: float | torch.Tensor | None = None,
+            v_scale: float | torch.Tensor | None = None) -> None:  # fmt: skip
+        """Launch the kernel; ``k_scale`` and ``v_scale`` (run extras, `paged.scale_args`): floats,
+        or one-element float32 device tensors whose value the kernel reads."""
         q, k_ptr, v_ptr, out_ptr = self._operands(q, k_cache, v_cache, out)
         if not self._launch:  # no query rows at all
             return
@@ -672,6 +713,7 @@ class CudaNativePrefillPlan(StagedPlan):
         cc = launcher()
         cc.launch(stream, self._cfg, self._kernel, q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr,
                   *self._strides, out_ptr, lse_ptr, items, num_items, reqs, indices, *self._scalars,
+                  *(UNIT_SCALES if k_scale is None and v_scale is None else scale_args(k_scale, v_scale)),
                   *self._mask_args)  # fmt: skip
 
 

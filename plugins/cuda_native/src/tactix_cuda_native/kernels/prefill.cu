@@ -28,9 +28,28 @@
 // from global memory (L1/L2 serve the reuse across heads) for every tile, whose rows are then all
 // masked. A row that attends no key at all gets zeros and an LSE of -inf.
 //
+// Dequantization scales (every variant, as in prefill_sm90.cu and decode.cu): logits
+// (q . k) k_scale sm_scale (k_scale folded into the base-2 scale, so the soft cap and the LSE see
+// the scaled logits), output (sum p v) / l * v_scale; each scale a float argument or, where its
+// pointer is not null, the float32 at that address (a CUDA graph replays with whatever it holds).
+// TX_KV_FP8 (1: e4m3fn, 2: e5m2): an fp8 KV cache under 16-bit q and out. The ring holds the
+// fp8 rows as copied (16-byte chunks, unswizzled); once a tile has landed the CTA's threads
+// convert it exactly (fp8.cuh) into one pair of 16-bit K and V tiles after the ring, swizzled
+// as the 16-bit path's, and a barrier later the mma.sync code reads those, as it reads the ring
+// otherwise.
+//
 // Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_QTILE, TX_KVTILE, TX_WARPS,
-// TX_STAGES, TX_MASK.
+// TX_STAGES, TX_MASK, TX_KV_FP8, TX_FP8_CVT (see fp8.cuh).
 #include "common.cuh"
+#ifndef TX_KV_FP8
+#define TX_KV_FP8 0
+#endif
+#include "fp8.cuh"
+#if TX_KV_FP8
+typedef unsigned char kv_t;  // a cache element
+#else
+typedef u16 kv_t;
+#endif
 
 #ifndef TX_D
 #error "TX_D must be defined"
@@ -68,15 +87,22 @@ constexpr int NKS = BK / 16;           // k16 steps of P V
 constexpr int DCH = D / 8;             // 16-byte chunks per row
 constexpr int ROW_BYTES = D * 2;
 constexpr int Q_BYTES = BQ * ROW_BYTES;
-constexpr int TILE_BYTES = BK * ROW_BYTES;
-constexpr int STAGE_BYTES = 2 * TILE_BYTES;
+constexpr int TILE_BYTES = BK * ROW_BYTES;              // a 16-bit K (or V) tile: what ldmatrix reads
+constexpr bool FP8 = TX_KV_FP8 != 0;
+constexpr int KV_ROW_BYTES = FP8 ? D : ROW_BYTES;         // a cache row
+constexpr int KCH = KV_ROW_BYTES / 16;                    // 16-byte chunks per cache row
+constexpr int CH_ELEMS = 16 / (int)sizeof(kv_t);          // cache elements per chunk
+constexpr int RING_TILE_BYTES = BK * KV_ROW_BYTES;        // a K (or V) tile as copied
+constexpr int STAGE_BYTES = 2 * RING_TILE_BYTES;
+constexpr int CONV_BYTES = FP8 ? 2 * TILE_BYTES : 0;      // fp8: the converted K and V tiles, after the ring
+constexpr int KV_AREA = STAGES * STAGE_BYTES + CONV_BYTES;
 constexpr bool Q_IN_REGS = D * MT <= 128;
 constexpr int QKK = Q_IN_REGS ? D / 16 : 1;  // Q fragments held in registers
 constexpr int QMT = Q_IN_REGS ? MT : 1;
 constexpr float LN2 = 0.6931471805599453f;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr int NO_LOWER = -(1 << 30);
-constexpr int LD_STEP = NT / DCH;                      // rows between one thread's chunks of a tile
+constexpr int LD_STEP = NT / KCH;                      // rows between one thread's chunks of a tile
 constexpr int LD_ITERS = (BK + LD_STEP - 1) / LD_STEP;  // chunks per thread per K (or V) tile
 constexpr bool LD_EXACT = BK % LD_STEP == 0;
 constexpr bool LD_SAME_SWZ = LD_STEP % 8 == 0;
@@ -92,17 +118,19 @@ static_assert(BQ % (16 * WARPS) == 0 && (MT == 1 || MT == 2), "TX_QTILE must be 
 static_assert(BK == 32 || BK == 64 || BK == 128, "TX_KVTILE must be 32, 64 or 128");
 static_assert(BK <= NT, "one thread per key of a tile looks up its page");
 static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 stages");
-static_assert(NT % DCH == 0, "whole rows per pass of the K/V loads");
+static_assert(NT % KCH == 0, "whole rows per pass of the K/V loads");
+static_assert(TX_KV_FP8 >= 0 && TX_KV_FP8 <= 2, "TX_KV_FP8: 0 (16-bit cache), 1 (e4m3fn) or 2 (e5m2)");
 static_assert(MT * (D + BK) / 2 <= 192, "O and S accumulators must fit in registers");
 
-// Dynamic shared memory: [Q: BQ rows] [stages x (K tile, V tile)] [row pointers: stages x (K, V) x BK]
-// [row bounds: BQ x (lo, hi)] [4 ints for the epilogue]
+// Dynamic shared memory: [Q: BQ rows] [stages x (K tile, V tile)] [TX_KV_FP8: the converted K
+// tile, V tile] [row pointers: stages x (K, V) x BK] [row bounds: BQ x (lo, hi)] [8 ints for the epilogue]
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
-    const u16* __restrict__ q, i64 q_st, i64 q_sh, const u16* __restrict__ k, const u16* __restrict__ v, i64 k_sp,
+    const u16* __restrict__ q, i64 q_st, i64 q_sh, const kv_t* __restrict__ k, const kv_t* __restrict__ v, i64 k_sp,
     i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh, u16* __restrict__ out, float* __restrict__ lse,
     const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ reqs,
     const int* __restrict__ kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups, i64 page_shift,
-    i64 causal, i64 window_left, double scale_log2_d, double cap_d
+    i64 causal, i64 window_left, double scale_log2_d, double cap_d, double k_scale_d, double v_scale_d,
+    const float* __restrict__ k_scale_p, const float* __restrict__ v_scale_p
 #if TX_MASK
     , const unsigned char* __restrict__ mask, const int* __restrict__ mask_off
 #endif
@@ -136,20 +164,15 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 #endif
 
   const int wrow0 = warp * WROWS;  // this warp's first row
-  const float cap = (float)cap_d;
-  const float scale_log2 = (float)scale_log2_d;                                  // sm_scale * log2(e)
-  const float scale_over_cap = cap > 0.f ? scale_log2 / (cap * LOG2E) : 0.f;  // sm_scale / cap
-  const float cap_log2 = cap * LOG2E;
-  const float mul = cap > 0.f ? 1.f : scale_log2;  // logits (capped or not) -> base-2 exponent
 
-  const u16* kh = k + kvh * k_sh;
-  const u16* vh = v + kvh * v_sh;
+  const kv_t* kh = k + kvh * k_sh;
+  const kv_t* vh = v + kvh * v_sh;
   const int* pages = kv_indices + page_base;
   const int pshift = (int)page_shift, pmask = (1 << pshift) - 1;
 
   unsigned char* q_s = smem;
   // row pointers of the K and V tiles in flight: [STAGES][2][BK]
-  const u16** rows = reinterpret_cast<const u16**>(smem + Q_BYTES + STAGES * STAGE_BYTES);
+  const kv_t** rows = reinterpret_cast<const kv_t**>(smem + Q_BYTES + KV_AREA);
   // per query row: the keys [lo, hi] it attends (rows past the valid tokens are clamped to the
   // last one, so they compute harmlessly and are never written); kept in shared memory, not in
   // registers, which the accumulators need
@@ -168,6 +191,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     scal[1] = nt;
     scal[2] = P;
     scal[3] = head0;
+    scal[4] = __float_as_int(v_scale_p != nullptr ? __ldg(v_scale_p) : (float)v_scale_d);
+    scal[5] = __float_as_int(k_scale_p != nullptr ? __ldg(k_scale_p) : (float)k_scale_d);
   }
 
   // K/V row pointers of the first STAGES tiles. Keys past kv_hi read the row of key kv_hi - 1
@@ -192,33 +217,45 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   }
   tx_cp_async_commit();
   __syncthreads();
+  // k_scale (read by thread 0 into shared memory, as v_scale for the epilogue): read after this
+  // barrier, the scale takes no register through the prologue (loaded at the top, it pushed the
+  // d128 mma.sync default past 255 registers: ptxas spilled 20 words)
+  const float cap = (float)cap_d;
+  const float scale_log2 = (float)scale_log2_d * __int_as_float(scal[5]);     // k_scale * sm_scale * log2(e)
+  const float scale_over_cap = cap > 0.f ? scale_log2 / (cap * LOG2E) : 0.f;  // k_scale sm_scale / cap
+  const float cap_log2 = cap * LOG2E;
+  const float mul = cap > 0.f ? 1.f : scale_log2;  // logits (capped or not) -> base-2 exponent
 
   // A thread copies chunk `ld_ch` of rows ld_row0 + j * LD_STEP of each K and V tile; with
   // LD_STEP a multiple of 8 the swizzle of all its chunks is the same, so the destination of the
   // j-th is a base plus a constant.
-  const int ld_row0 = tid / DCH, ld_ch = tid % DCH;
-  const u32 ld_dst = tx_swz(ld_row0, ld_ch, ROW_BYTES);
+  // (fp8 rows land unswizzled, each where the conversion reads it)
+  const int ld_row0 = tid / KCH, ld_ch = tid % KCH;
+  auto ring_off = [&](int row) -> u32 {
+    return FP8 ? (u32)(row * KV_ROW_BYTES + ld_ch * 16) : tx_swz(row, ld_ch, ROW_BYTES);
+  };
+  const u32 ld_dst = ring_off(ld_row0);
   auto issue = [&](int tile) {
     if (tile < ntiles) {
       const int s = tile % STAGES;
-      const u32 kb = sbase + s * STAGE_BYTES + ld_dst, vb = kb + TILE_BYTES;
-      const u16* const* kr = rows + (s * 2) * BK + ld_row0;
-      const u16* const* vr = kr + BK;
+      const u32 kb = sbase + s * STAGE_BYTES + ld_dst, vb = kb + RING_TILE_BYTES;
+      const kv_t* const* kr = rows + (s * 2) * BK + ld_row0;
+      const kv_t* const* vr = kr + BK;
 #pragma unroll
       for (int j = 0; j < LD_ITERS; ++j) {
         if (LD_EXACT || ld_row0 + j * LD_STEP < BK) {
-          const u32 dst = LD_SAME_SWZ ? kb + j * LD_STEP * ROW_BYTES
-                                      : sbase + s * STAGE_BYTES + tx_swz(ld_row0 + j * LD_STEP, ld_ch, ROW_BYTES);
-          tx_cp_async16(dst, kr[j * LD_STEP] + ld_ch * 8, 16);
+          const u32 dst = FP8 || LD_SAME_SWZ ? kb + j * LD_STEP * KV_ROW_BYTES
+                                             : sbase + s * STAGE_BYTES + ring_off(ld_row0 + j * LD_STEP);
+          tx_cp_async16(dst, kr[j * LD_STEP] + ld_ch * CH_ELEMS, 16);
         }
       }
 #pragma unroll
       for (int j = 0; j < LD_ITERS; ++j) {
         if (LD_EXACT || ld_row0 + j * LD_STEP < BK) {
-          const u32 dst = LD_SAME_SWZ ? vb + j * LD_STEP * ROW_BYTES
-                                      : sbase + s * STAGE_BYTES + TILE_BYTES +
-                                            tx_swz(ld_row0 + j * LD_STEP, ld_ch, ROW_BYTES);
-          tx_cp_async16(dst, vr[j * LD_STEP] + ld_ch * 8, 16);
+          const u32 dst = FP8 || LD_SAME_SWZ ? vb + j * LD_STEP * KV_ROW_BYTES
+                                             : sbase + s * STAGE_BYTES + RING_TILE_BYTES +
+                                                   ring_off(ld_row0 + j * LD_STEP);
+          tx_cp_async16(dst, vr[j * LD_STEP] + ld_ch * CH_ELEMS, 16);
         }
       }
     }
@@ -274,7 +311,27 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     if (tid < BK && pt < ntiles) ppage = __ldg(pages + (ptok >> pshift));
 
     const int s = i % STAGES;
+#if TX_KV_FP8
+    // tile i has landed (every thread's copies: the barrier above): convert it into the 16-bit
+    // pair, which every warp is done reading for tile i - 1 (also that barrier)
+    for (int c = tid; c < 2 * BK * KCH; c += NT) {
+      const int half = c / (BK * KCH), rem = c % (BK * KCH), row = rem / KCH, ch = rem % KCH;
+      const tx_u4 in = *reinterpret_cast<const tx_u4*>(smem + Q_BYTES + s * STAGE_BYTES + half * RING_TILE_BYTES +
+                                                        row * KV_ROW_BYTES + ch * 16);
+      tx_u4 lo, hi;
+      tx_fp8x4_to_16<TX_KV_FP8>(in.x, lo.x, lo.y);
+      tx_fp8x4_to_16<TX_KV_FP8>(in.y, lo.z, lo.w);
+      tx_fp8x4_to_16<TX_KV_FP8>(in.z, hi.x, hi.y);
+      tx_fp8x4_to_16<TX_KV_FP8>(in.w, hi.z, hi.w);
+      unsigned char* dst = smem + Q_BYTES + STAGES * STAGE_BYTES + half * TILE_BYTES;
+      *reinterpret_cast<tx_u4*>(dst + tx_swz(row, 2 * ch, ROW_BYTES)) = lo;
+      *reinterpret_cast<tx_u4*>(dst + tx_swz(row, 2 * ch + 1, ROW_BYTES)) = hi;
+    }
+    __syncthreads();
+    const u32 kb = sbase + STAGES * STAGE_BYTES, vb = kb + TILE_BYTES;
+#else
     const u32 kb = sbase + s * STAGE_BYTES, vb = kb + TILE_BYTES;
+#endif
     const int kv0 = kv_lo + i * BK;
     const int kv_last = kv0 + BK - 1;
 
@@ -428,6 +485,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   tx_cp_async_wait<0>();
   // what the epilogue needs, read back from shared memory (registers were the accumulators')
   const int tok_base = scal[0], ntv = scal[1], Pv = scal[2], head0v = scal[3];
+  const float v_scale = __int_as_float(scal[4]);
   if (wrow0 / Pv >= ntv) return;  // no valid row in this warp; no barrier follows
 
   // ---- epilogue: O / l staged through this warp's own Q rows, then 16-byte stores ----------
@@ -437,7 +495,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       l[mt][h] = tx_warp_sum4(l[mt][h]);
-      inv[mt][h] = TX_MASK && l[mt][h] == 0.f ? 0.f : 1.0f / l[mt][h];  // a row the mask empties: zeros
+      inv[mt][h] = TX_MASK && l[mt][h] == 0.f ? 0.f : v_scale / l[mt][h];  // a row the mask empties: zeros
     }
   }
   __syncwarp();  // every lane is done reading its Q rows (ldmatrix) before they are overwritten

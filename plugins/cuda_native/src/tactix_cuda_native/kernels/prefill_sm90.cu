@@ -184,7 +184,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh, u16* __restrict__ out, float* __restrict__ lse,
     const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ reqs,
     const int* __restrict__ kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups, i64 page_shift,
-    i64 causal, i64 window_left, double scale_log2_d, double cap_d) {
+    i64 causal, i64 window_left, double scale_log2_d, double cap_d, double k_scale_d, double v_scale_d,
+    const float* __restrict__ k_scale_p, const float* __restrict__ v_scale_p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const int hgs = (int)head_groups;
   // Virtual CTAs vc = item x head group. Without TX_PERSIST one per CTA (CTAs past the work list
@@ -300,7 +301,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   const int H = (int)num_qo_heads;
 
   const float cap = (float)cap_d;
-  const float scale_log2 = (float)scale_log2_d;                               // sm_scale * log2(e)
+  const float k_scale = k_scale_p != nullptr ? __ldg(k_scale_p) : (float)k_scale_d;
+  const float scale_log2 = (float)scale_log2_d * k_scale;                     // k_scale * sm_scale * log2(e)
   const float scale_over_cap = cap > 0.f ? scale_log2 / (cap * LOG2E) : 0.f;  // sm_scale / cap
   const float cap_log2 = cap * LOG2E;
   const float mul = cap > 0.f ? 1.f : scale_log2;  // logits (capped or not) -> base-2 exponent
@@ -601,7 +603,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     // ---- epilogue: O / l staged through this warpgroup's own Q rows, then 16-byte stores ----
     l0 = tx_warp_sum4(l0);
     l1 = tx_warp_sum4(l1);
-    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+    const float v_scale = v_scale_p != nullptr ? __ldg(v_scale_p) : (float)v_scale_d;
+    const float inv0 = v_scale / l0, inv1 = v_scale / l1;
     tx_bar_sync(1 + wg, 128);  // every warp's wgmma reads of Q are complete before Q is overwritten
     tx_fence_proxy_async();
     const int lr0 = 16 * warp + grp;
