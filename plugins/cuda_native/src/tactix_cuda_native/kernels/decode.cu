@@ -51,9 +51,6 @@
 // TX_L2 (1: K/V streamed with an L2 evict_first policy, 0: no hint), TX_L2_PREFETCH_256, TX_BULK,
 // TX_TMA, TX_KV_FP8, TX_FP8_CVT (1, the plugin's default: the hardware fp8 conversion on sm_89+,
 // see tx_fp8x2_cvt; 0: the bit arithmetic).
-#ifndef TX_KV_FP8
-#define TX_KV_FP8 0
-#endif
 #ifndef TX_BULK
 #define TX_BULK 0
 #endif
@@ -68,11 +65,6 @@
 
 #ifndef TX_D
 #error "TX_D must be defined"
-#endif
-#if TX_KV_FP8
-typedef unsigned char kv_t;  // a cache element
-#else
-typedef u16 kv_t;
 #endif
 
 #ifndef TX_TILE

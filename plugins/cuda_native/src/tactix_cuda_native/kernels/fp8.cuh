@@ -1,9 +1,18 @@
-// fp8 KV caches (TX_KV_FP8 = 1: e4m3fn, 2: e5m2): the exact conversion of fp8 codes into the
-// 16-bit operands of the kernels' mma (TX_BF16: bfloat16, else float16), shared by decode.cu and
-// prefill.cu. TX_FP8_CVT = 1 (the plugin's default) uses the hardware conversion on sm_89 and
+// KV caches of fp8 (TX_KV_FP8 = 1: e4m3fn, 2: e5m2) or 16-bit elements (0): the cache element
+// type kv_t and the exact conversion of fp8 codes into the 16-bit operands of the kernels' mma
+// (TX_BF16: bfloat16, else float16), shared by decode.cu and prefill.cu. TX_FP8_CVT = 1 (the plugin's default) uses the hardware conversion on sm_89 and
 // later; the bit arithmetic serves older GPUs, TX_FP8_CVT = 0 and the CPU emulation, with the
 // same values bit for bit (tests/emulator/emu_fp8.cpp checks every code).
 #pragma once
+
+#ifndef TX_KV_FP8
+#define TX_KV_FP8 0
+#endif
+#if TX_KV_FP8
+typedef unsigned char kv_t;  // a cache element
+#else
+typedef u16 kv_t;
+#endif
 
 // fp8 -> float, exact (plain bit arithmetic, no CUDA headers: NVRTC and the emulation alike); every
 // e4m3fn and e5m2 value is a float16 and a bfloat16 too, so tx_pack2 of the result is exact.

@@ -41,15 +41,7 @@
 // Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_QTILE, TX_KVTILE, TX_WARPS,
 // TX_STAGES, TX_MASK, TX_KV_FP8, TX_FP8_CVT (see fp8.cuh).
 #include "common.cuh"
-#ifndef TX_KV_FP8
-#define TX_KV_FP8 0
-#endif
 #include "fp8.cuh"
-#if TX_KV_FP8
-typedef unsigned char kv_t;  // a cache element
-#else
-typedef u16 kv_t;
-#endif
 
 #ifndef TX_D
 #error "TX_D must be defined"
