@@ -21,7 +21,9 @@
 #                        and the bench's fp8 decode rows with and without it
 #   bench-attention      tactix bench on the attention cases (bf16, fp8, V1), FlashInfer anchors
 #   ab                   benchmarks/host_ab.py: plan() and run() host times of an older commit's
-#                        wheels (.gpu/old) and of the checkout, interleaved (run it alone). Make
+#                        wheels (.gpu/old) and of the checkout, interleaved (run it alone; AB_ROUNDS,
+#                        AB_BACKENDS, AB_RUN_BACKENDS: trtllm's first use compiles its modules for
+#                        minutes on a fresh machine, so leave it out of a short call). Make
 #                        .gpu/old here before prepare.sh (which keeps it):
 #                          git worktree add /tmp/wt-old <commit>
 #                          for d in core plugins/cudnn plugins/cuda_native plugins/trtllm; do
@@ -72,7 +74,8 @@ job() {
     bench-attention) t python -m tactix bench --cases "$ATTENTION" --json "$OUT/bench-attention-h200.json" \
       --markdown "$OUT/bench-attention-h200.md" ;;
     ab) old_site && t python3 benchmarks/host_ab.py --old /tmp/old-site --new "$PYTHONPATH" \
-      --rounds "${AB_ROUNDS:-12}" --json "$OUT/host-ab-h200.json" ;;
+      --rounds "${AB_ROUNDS:-12}" --backends "${AB_BACKENDS:-cudnn,cuda_native,trtllm}" \
+      --run-backends "${AB_RUN_BACKENDS:-cudnn,cuda_native,trtllm,torch}" --json "$OUT/host-ab-h200.json" ;;
     parity)
       t python3 benchmarks/flashinfer_parity/run.py --sample "${PARITY_SAMPLE:-60}" --seed 0 \
         --junit "$OUT/flashinfer-parity.xml" --summary "$OUT/flashinfer-parity.md" ;;
