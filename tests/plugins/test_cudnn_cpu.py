@@ -89,6 +89,19 @@ def test_every_baked_in_property_reaches_the_graph_key() -> None:
     assert dataclasses.replace(base, engine=8, knobs=(("KERNEL_CFG", 35),)) != base
 
 
+def test_prefill_takes_a_value_head_dim_of_its_own_and_decode_does_not() -> None:
+    """DeepSeek-style prefill (192/128) is declared and reaches the graph key with both dims;
+    decode's declaration refuses it (core enforces the declaration)."""
+    spec = tactix.get_registry().get("cudnn").spec
+    assert spec.prefill is not None and spec.decode is not None
+    deepseek = prefill(head_dim_qk=192, head_dim_vo=128, num_qo_heads=16, num_kv_heads=16)
+    assert spec.prefill.reasons(deepseek) == []
+    assert any("head_dim_vo" in r for r in spec.decode.reasons(DecodeProblem(**{**BASE, "head_dim_vo": 64})))
+    key = key_of(deepseek)
+    assert (key.head_dim_qk, key.head_dim_vo) == (192, 128) and key != key_of(prefill(head_dim_qk=192,
+                                                                                  head_dim_vo=192))  # fmt: skip
+
+
 def test_known_bad_plans_are_excluded_only_where_they_break_a_promise() -> None:
     gqa_lse = dataclasses.replace(key_of(prefill()), lse=True)
     assert exclusion(excluded_plans(gqa_lse), 8, (("KERNEL_CFG", 3),))  # every plan of engine 8

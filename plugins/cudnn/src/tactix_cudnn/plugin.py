@@ -91,6 +91,9 @@ _ATTENTION = tactix.AttentionCapabilities(
     lse=True,
     cuda_graph="fixed_buffers",
 )
+_PREFILL = _ATTENTION.model_copy(update={"different_vo_head_dim": True})
+"""Prefill also takes a value head dim other than the query/key one (DeepSeek's 192/128: cuDNN's
+SDPA graph has separate dims for K and V); decode keeps them equal."""
 
 
 _GEMM = tactix.GemmCapabilities(
@@ -117,7 +120,7 @@ def tactix_backends() -> list[tactix.BackendSpec]:
             name=NAME,
             version=__version__,
             description="cuDNN frontend graphs (paged SDPA); tactics are cuDNN engines and knobs",
-            prefill=_ATTENTION,
+            prefill=_PREFILL,
             decode=_ATTENTION,
             gemm=_GEMM,
             preference=10,
@@ -190,8 +193,6 @@ def _attention_reasons_now(problem: PrefillProblem | DecodeProblem) -> list[str]
         d = getattr(problem, name)
         if d % 8 or d > 256:
             out.append(f"{name} {d} must be a multiple of 8 up to 256")
-    if problem.head_dim_qk != problem.head_dim_vo:
-        out.append("head_dim_vo must equal head_dim_qk")
     if problem.page_size & (problem.page_size - 1):
         out.append(f"page size {problem.page_size} must be a power of two")
     if isinstance(problem, DecodeProblem) and problem.return_lse and problem.gqa_ratio > 1:
