@@ -106,6 +106,32 @@ def test_a_stored_tactic_that_no_longer_validates_falls_back_once(tmp_path: Path
             plan_decode(wrapper)  # the same cause is not announced twice
 
 
+def test_ragged_prefill_is_tuned_stored_under_its_op_and_replayed(tmp_path: Path) -> None:
+    """The tuner times every tactic that serves a ragged-KV problem on random packed k and v, and
+    the store files the winner under the op's folder, where replay finds it."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(9, 4, 32, generator=gen), torch.randn(12, 2, 32, generator=gen), torch.randn(12, 2, 32)
+
+    def plan(wrapper: tactix.RaggedPrefill) -> None:
+        wrapper.plan(i32(0, 7, 9), i32(0, 7, 12), 4, 2, 32, causal=True, q_data_type=torch.float32)
+
+    with tactix.autotune(mode="tune", cache_dir=tmp_path, policy=QUICK):
+        tuned = tactix.RaggedPrefill(device="cpu")
+        plan(tuned)
+    [entry] = stored_entries(tmp_path)
+    [env_dir] = TacticStore.environments(tmp_path)
+    assert (
+        entry.op == "ragged_prefill" and (env_dir / "entries" / "ragged_prefill" / f"{entry.key_hash}.json").is_file()
+    )
+    measured = {str(c.tactic) for c in entry.candidates if c.status == "ok"}
+    assert {"torch:default", "torch:sdpa(impl=math)"} <= measured  # each compared with the untuned choice
+    with tactix.autotune(mode="replay", cache_dir=tmp_path, policy=QUICK):
+        replayed = tactix.RaggedPrefill(device="cpu")
+        plan(replayed)
+    assert replayed.selection_source == "store" and replayed.tactic == entry.tactic
+    assert torch.allclose(replayed.run(q, k, v), tuned.run(q, k, v), atol=1e-5)  # type: ignore[arg-type]
+
+
 SERVE = textwrap.dedent(
     """
     import json, sys, torch, tactix
@@ -123,6 +149,9 @@ SERVE = textwrap.dedent(
         p = tactix.PagedPrefill("NHD", device="cpu")
         p.plan(i32(0, 7, 9), i32(0, 1, 2), i32(0, 1), i32(7, 8), 4, 4, 32, 8, causal=True, q_data_type=torch.bfloat16)
         chosen[str(p.problem)] = p.tactic.to_json()
+        r = tactix.RaggedPrefill(device="cpu")
+        r.plan(i32(0, 7, 9), i32(0, 7, 12), 4, 2, 32, causal=True, q_data_type=torch.bfloat16)
+        chosen[str(r.problem)] = r.tactic.to_json()
         g = tactix.Gemm(device="cpu")
         g.plan(12, 96, 64, a_dtype=torch.bfloat16)
         chosen[str(g.problem)] = g.tactic.to_json()
@@ -141,11 +170,11 @@ def test_replay_in_a_fresh_process_serves_the_same_choices_without_measuring(tmp
         return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
     tuned = serve("tune")
-    assert tuned["stats"]["tuned_problems"] == 4 and tuned["stats"]["timer_calls"] > 0
+    assert tuned["stats"]["tuned_problems"] == 5 and tuned["stats"]["timer_calls"] > 0
     replayed = serve("replay")
     assert replayed["chosen"] == tuned["chosen"]
     assert replayed["stats"]["timer_calls"] == 0 and replayed["stats"]["tuned_problems"] == 0
-    assert replayed["stats"]["store_hits"] == 4 and replayed["stats"]["store_misses"] == 0
+    assert replayed["stats"]["store_hits"] == 5 and replayed["stats"]["store_misses"] == 0
 
 
 def test_outside_a_block_serving_uses_the_default_store_and_never_measures(

@@ -14,9 +14,10 @@ import tactix
 from tactix.compat.flashinfer import (
     BatchDecodeWithPagedKVCacheWrapper,
     BatchPrefillWithPagedKVCacheWrapper,
+    BatchPrefillWithRaggedKVCacheWrapper,
     fast_decode_plan,
 )
-from tactix.testing import attention_reference, lse_error, relative_error
+from tactix.testing import attention_reference, lse_error, ragged_reference, relative_error
 
 i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
 WORKSPACE = torch.empty(128 * 1024, dtype=torch.uint8)  # FlashInfer code allocates one; tactix reads its device
@@ -453,3 +454,139 @@ def test_nvfp4_scale_factors_are_refused_at_run(batch: dict[str, torch.Tensor]) 
     scales = torch.zeros(7, 2, 2, 8, 2, dtype=torch.uint8)
     with pytest.raises(tactix.InvalidArgumentError, match=r"kv_cache_sf.*NVFP4"):
         wrapper.run(batch["q"][:3], (batch["k"], batch["v"]), kv_cache_sf=scales)
+
+
+# -- ragged KV (BatchPrefillWithRaggedKVCacheWrapper) -------------------------------------------
+
+RAGGED_QO, RAGGED_KV = i32(0, 3, 3, 9), i32(0, 5, 5, 14)  # 3 rows over 5 keys, an empty request, 6 over 9
+
+
+@pytest.fixture
+def ragged() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(8)
+    return {"q": torch.randn(9, 4, 32, generator=gen), "k": torch.randn(14, 2, 32, generator=gen),
+            "v": torch.randn(14, 2, 16, generator=gen)}  # fmt: skip
+
+
+def ragged_ref(data: dict[str, torch.Tensor], **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    kw = {"causal": True, "sm_scale": 1 / math.sqrt(32), **kw}
+    return ragged_reference(data["q"], data["k"], data["v"], RAGGED_QO, RAGGED_KV, **kw)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_ragged_wrapper_plans_and_runs_with_flashinfer_positional_arguments(
+    ragged: dict[str, torch.Tensor], layout: str
+) -> None:
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(WORKSPACE, layout)
+    # FlashInfer's positional order: indptrs, heads, head dims; HND keys are [heads, tokens, dim]
+    wrapper.plan(RAGGED_QO, RAGGED_KV, 4, 2, 32, 16, causal=True, q_data_type="float32", logits_soft_cap=20.0)
+    k, v = ragged["k"], ragged["v"]
+    if layout == "HND":
+        k, v = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+    out = wrapper.run(ragged["q"], k, v)
+    ref, _ = ragged_ref(ragged, logits_soft_cap=20.0)
+    assert isinstance(out, torch.Tensor) and out.shape == (9, 4, 16) and relative_error(out, ref) < 1e-5
+
+
+def test_ragged_lse_comes_back_in_base_2_or_as_asked(ragged: dict[str, torch.Tensor]) -> None:
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(WORKSPACE)
+    wrapper.plan(RAGGED_QO, RAGGED_KV, 4, 2, 32, 16, causal=True, q_data_type=torch.float32)
+    ref, ref_lse = ragged_ref(ragged)
+    out, lse = wrapper.run(ragged["q"], ragged["k"], ragged["v"], return_lse=True)
+    assert relative_error(out, ref) < 1e-5 and lse_error(lse, ref_lse / math.log(2)) < 1e-5
+    buffer = torch.full((9, 4), float("nan"))
+    _, again = wrapper.run_return_lse(ragged["q"], ragged["k"], ragged["v"], lse=buffer)
+    assert again is buffer and lse_error(buffer, ref_lse / math.log(2)) < 1e-5
+    _, natural = wrapper.run(ragged["q"], ragged["k"], ragged["v"], return_lse=True, lse_base="ln")
+    assert lse_error(natural, ref_lse) < 1e-5
+    with pytest.raises(tactix.InvalidArgumentError, match="lse_base"):
+        wrapper.run(ragged["q"], ragged["k"], ragged["v"], return_lse=True, lse_base="log10")
+
+
+def test_ragged_parts_merge_through_flashinfers_base_2_merge_state(ragged: dict[str, torch.Tensor]) -> None:
+    """The engine pattern: attention over two parts of each request's keys, the base-2 LSEs into
+    FlashInfer's merge_state, gives attention over all of them."""
+    from tactix.compat.flashinfer import merge_state
+
+    parts = []  # request 0's keys 0-2 and 3-4, request 2's keys 5-7 and 8-13
+    for kv_indptr, rows in ((i32(0, 3, 3, 6), [0, 1, 2, 5, 6, 7]), (i32(0, 2, 2, 8), [3, 4, *range(8, 14)])):
+        part = BatchPrefillWithRaggedKVCacheWrapper(WORKSPACE)
+        part.plan(RAGGED_QO, kv_indptr, 4, 2, 32, 16, q_data_type=torch.float32)
+        parts.append(part.run(ragged["q"], ragged["k"][rows], ragged["v"][rows], return_lse=True))
+    (out_a, lse_a), (out_b, lse_b) = parts
+    merged, _ = merge_state(out_a, lse_a, out_b, lse_b)
+    assert relative_error(merged, ragged_ref(ragged, causal=False)[0]) < 1e-5
+
+
+def test_ragged_run_time_scales_follow_flashinfer_semantics(ragged: dict[str, torch.Tensor]) -> None:
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(WORKSPACE)
+    wrapper.plan(RAGGED_QO, RAGGED_KV, 4, 2, 32, 16, causal=True, q_data_type=torch.float32)
+    out = wrapper.run(ragged["q"], ragged["k"], ragged["v"], k_scale=0.5, v_scale=2.0)
+    ref, _ = ragged_ref(ragged, k_scale=0.5, v_scale=2.0)
+    assert isinstance(out, torch.Tensor) and relative_error(out, ref) < 1e-5
+
+
+def test_ragged_forward_arguments_replace_the_planned_ones(ragged: dict[str, torch.Tensor]) -> None:
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(WORKSPACE)
+    wrapper.begin_forward(RAGGED_QO, RAGGED_KV, 4, 2, 32, 16, q_data_type=torch.float32)
+    out = wrapper.forward(ragged["q"], ragged["k"], ragged["v"], causal=True, window_left=2)
+    assert relative_error(out, ragged_ref(ragged, window_left=2)[0]) < 1e-5
+    out, lse = wrapper.forward_return_lse(ragged["q"], ragged["k"], ragged["v"])  # back to the defaults
+    ref, ref_lse = ragged_ref(ragged, causal=False)
+    assert relative_error(out, ref) < 1e-5 and lse_error(lse, ref_lse / math.log(2)) < 1e-5
+    wrapper.end_forward()
+
+
+@pytest.mark.parametrize(
+    ("argument", "plan_kwargs"),
+    [
+        ("custom_mask", {"custom_mask": torch.ones(3 * 5 + 6 * 9, dtype=torch.bool)}),
+        ("packed_custom_mask", {"packed_custom_mask": torch.ones(9, dtype=torch.uint8)}),
+        ("pos_encoding_mode", {"pos_encoding_mode": "ROPE_LLAMA"}),
+        ("use_fp16_qk_reduction", {"use_fp16_qk_reduction": True}),
+        ("prefix_len_ptr", {"prefix_len_ptr": torch.zeros(3, dtype=torch.uint32)}),
+        ("v_indptr", {"v_indptr": RAGGED_KV}),
+        ("kv_data_type", {"kv_data_type": torch.uint8}),
+        ("some_future_option", {"some_future_option": 1}),
+    ],
+)
+def test_ragged_plan_refuses_what_tactix_does_not_serve_by_name(argument: str, plan_kwargs: dict[str, Any]) -> None:
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(WORKSPACE)
+    with pytest.raises(tactix.InvalidArgumentError) as info:
+        wrapper.plan(RAGGED_QO, RAGGED_KV, 4, 2, 32, 16, q_data_type=torch.float32, **plan_kwargs)
+    assert info.value.argument == argument
+    with pytest.raises(tactix.TactixError, match="plan"):  # nothing was planned
+        wrapper.run(torch.randn(9, 4, 32), torch.randn(14, 2, 32), torch.randn(14, 2, 16))
+
+
+@pytest.mark.parametrize(
+    ("argument", "run_kwargs"),
+    [("q_scale", {"q_scale": 2.0}), ("o_scale", {"o_scale": 2.0}), ("lse_layout", {"lse_layout": "HN"}),
+     ("kv_cache_sf", {"kv_cache_sf": torch.zeros(14, 2, 2, dtype=torch.uint8)}), ("*args", {})],
+)  # fmt: skip
+def test_ragged_run_refuses_what_tactix_does_not_serve_by_name(
+    ragged: dict[str, torch.Tensor], argument: str, run_kwargs: dict[str, Any]
+) -> None:
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(WORKSPACE)
+    wrapper.plan(RAGGED_QO, RAGGED_KV, 4, 2, 32, 16, q_data_type=torch.float32)
+    extra = (1.0,) if argument == "*args" else ()
+    with pytest.raises(tactix.InvalidArgumentError) as info:
+        wrapper.run(ragged["q"], ragged["k"], ragged["v"], *extra, return_lse=True, **run_kwargs)
+    assert info.value.argument == argument
+
+
+def test_ragged_scheduling_hints_and_redundant_lengths_are_accepted(ragged: dict[str, torch.Tensor]) -> None:
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(WORKSPACE, use_cuda_graph=False, qo_indptr_buf=None)
+    wrapper.plan(RAGGED_QO, RAGGED_KV, 4, 2, 32, 16, causal=True, q_data_type=torch.float32, fixed_split_size=64,
+                 disable_split_kv=True, uniform_q_len=None, non_blocking=False, seq_lens=i32(5, 0, 9),
+                 max_sequence_kv=9, token_pos_in_items_len=0, rope_theta=1e4)  # fmt: skip
+    assert relative_error(wrapper.run(ragged["q"], ragged["k"], ragged["v"]), ragged_ref(ragged)[0]) < 1e-5
+
+
+def test_ragged_hnd_keys_must_be_three_dimensional() -> None:
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(WORKSPACE, "HND")
+    wrapper.plan(RAGGED_QO, RAGGED_KV, 4, 2, 32, 16, q_data_type=torch.float32)
+    with pytest.raises(tactix.InvalidArgumentError, match=r"'k'.*HND"):
+        wrapper.run(torch.randn(9, 4, 32), torch.randn(2, 14 * 32), torch.randn(2, 14, 16))
+    with pytest.raises(tactix.InvalidArgumentError, match="'v'"):  # v [heads, tokens, dim_vo], read as such
+        wrapper.run(torch.randn(9, 4, 32), torch.randn(2, 14, 32), torch.randn(14, 2, 16))

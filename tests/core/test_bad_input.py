@@ -1049,3 +1049,140 @@ def test_replanning_with_the_same_arguments_still_validates_and_resizes() -> Non
         wrapper.plan(i32(0, 1), i32(2), i32(2), 4, True, 16, 4, q_data_type=torch.float32)  # type: ignore[arg-type]
     with pytest.raises(tactix.InvalidArgumentError, match="paged_kv_last_page_len"):  # the batch is checked
         wrapper.plan(i32(0, 1), i32(2), i32(9), 4, 1, 16, 4, q_data_type=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ragged-KV prefill: the same rules for its indptrs, tensors and static arguments
+
+
+def ragged() -> tactix.RaggedPrefill:
+    return tactix.RaggedPrefill(backend="torch", device="cpu")
+
+
+RAGGED_QO, RAGGED_KV = (0, 3, 3, 5), (0, 3, 3, 7)  # 3 rows over 3 keys, an empty request, 2 over 4
+
+
+def planned_ragged(**kwargs: Any) -> tactix.RaggedPrefill:
+    w = ragged()
+    w.plan(i32(*RAGGED_QO), i32(*RAGGED_KV), HQ, HKV, D, **{"q_data_type": F32, "causal": True, **kwargs})
+    return w
+
+
+def ragged_data() -> dict[str, torch.Tensor]:
+    return {"q": torch.randn(5, HQ, D), "k": torch.randn(7, HKV, D), "v": torch.randn(7, HKV, D)}
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "fragments"),
+    [
+        ("q", torch.randn(4, HQ, D), ["'q'", f"(5, {HQ}, {D})", f"(4, {HQ}, {D})"]),
+        ("q", torch.randn(5, HQ, D, dtype=BF16), ["'q'", "torch.float32", "torch.bfloat16"]),
+        ("k", torch.randn(6, HKV, D), ["'k'", "num_kv_tokens = kv_indptr[-1] is 7, not 6"]),
+        ("k", torch.randn(7, HKV + 1, D), ["'k'", f"num_kv_heads is {HKV}, not {HKV + 1}"]),
+        ("v", torch.randn(7, HKV, D + 1), ["'v'", f"head_dim_vo is {D}, not {D + 1}"]),
+        ("v", torch.randn(7, HKV, D).to(BF16), ["'v'", "torch.float32", "torch.bfloat16"]),
+        ("k", torch.randn(7, HKV, D, device="meta"), ["'k'", "on cpu", "on meta"]),
+        ("v", [0.0] * 7, ["'v'", f"(7, {HKV}, {D})", "got list"]),
+        ("out", torch.empty(5, HQ, D + 1), ["'out'", f"(5, {HQ}, {D + 1})"]),
+        ("out", torch.empty(HQ, 5, D).transpose(0, 1), ["'out'", "non-contiguous"]),
+        ("out", torch.empty(5, HQ, D, device="meta"), ["'out'", "on meta"]),
+        ("lse", torch.empty(5, HQ + 1), ["'lse'", f"(5, {HQ + 1})"]),
+        ("lse", torch.empty(5, HQ, dtype=BF16), ["'lse'", "torch.bfloat16"]),
+    ],
+    ids=["q-rows", "q-dtype", "k-rows", "k-heads", "v-dim", "v-dtype", "k-device", "v-list", "out-dim",
+         "out-strided", "out-device", "lse-shape", "lse-dtype"],
+)  # fmt: skip
+def test_ragged_run_refuses_tensors_the_plan_does_not_take(
+    spy: Spy, argument: str, value: Any, fragments: list[str]
+) -> None:
+    w = planned_ragged(return_lse=True)
+    given: dict[str, Any] = ragged_data()
+    w.run(given["q"], given["k"], given["v"])  # valid as it is
+    spy.runs = 0
+    given[argument] = value
+    with raises(tactix.InvalidArgumentError, *fragments):
+        w.run(given.pop("q"), given.pop("k"), given.pop("v"), **given)
+    assert spy.runs == 0
+
+
+def test_ragged_run_before_plan_and_lse_not_planned(spy: Spy) -> None:
+    data = ragged_data()
+    with raises(tactix.TactixError, "plan()"):
+        ragged().run(data["q"], data["k"], data["v"])
+    w = planned_ragged()
+    with raises(tactix.InvalidArgumentError, "'return_lse'", "pass return_lse=True to plan()"):
+        w.run(data["q"], data["k"], data["v"], lse=torch.empty(5, HQ))
+    with raises(tactix.InvalidArgumentError, "'k_scale'", "a finite float > 0"):
+        w.run(data["q"], data["k"], data["v"], k_scale=-1.0)
+    assert spy.runs == 0
+
+
+@pytest.mark.parametrize(
+    ("qo", "kv", "kwargs", "fragments"),
+    [
+        ([0, 3, 3, 5], [0, 3, 3, 4], {}, ["'kv_indptr'", "as many keys as query rows", "request 2: 1 keys for 2"]),
+        ([0, 3, 3, 5], [0, 3, 3, 3], {"causal": False}, ["'kv_indptr'", "at least one key", "request 2: 2 query rows"]),
+        ([0, 0, 0], [0, 2, 4], {}, ["'qo_indptr'", "at least one query row", "qo_indptr[-1] = 0"]),
+        ([0, 3, 2, 5], [0, 3, 3, 7], {}, ["'qo_indptr'", "non-decreasing", "qo_indptr[1] = 3 > qo_indptr[2] = 2"]),
+        ([0, 3, 3, 5], [0, 3, 2, 7], {}, ["'kv_indptr'", "non-decreasing"]),
+        ([1, 3, 3, 5], [0, 3, 3, 7], {}, ["'qo_indptr'", "starting at 0"]),
+        ([0, 3, 5], [0, 3, 3, 7], {}, ["'qo_indptr'", "of length batch_size + 1 = 4 like kv_indptr"]),
+        ([0], [0], {}, ["'kv_indptr'", "batch_size + 1 >= 2"]),
+        ([0, 3], [0, 2**31], {"causal": False}, ["'kv_indptr'", "offsets up to 2147483647"]),
+    ],
+    ids=["causal-short", "no-key", "empty-batch", "qo-decreasing", "kv-decreasing", "qo-start", "lengths",
+         "no-request", "beyond-int32"],
+)  # fmt: skip
+def test_ragged_plan_refuses_bad_indptrs(
+    spy: Spy, qo: list[int], kv: list[int], kwargs: dict[str, Any], fragments: list[str]
+) -> None:
+    w = ragged()
+    with raises(tactix.InvalidArgumentError, *fragments):
+        w.plan(torch.tensor(qo, dtype=torch.int64), torch.tensor(kv, dtype=torch.int64), HQ, HKV, D,
+               **{"q_data_type": F32, "causal": True, **kwargs})  # fmt: skip
+    assert spy.plans == 0
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "fragment"),
+    [
+        ("qo_indptr", [0, 3, 3, 5], "torch.Tensor"),
+        ("kv_indptr", torch.tensor([0.0, 3.0, 3.0, 7.0]), "int32 or int64"),
+        ("kv_indptr", torch.zeros(2, 2, dtype=torch.int32), "1-D"),
+        ("qo_indptr", torch.tensor(RAGGED_QO, dtype=torch.int32, device="meta"), "on the CPU or on cpu"),
+    ],
+    ids=["list", "float", "2d", "meta"],
+)
+def test_ragged_plan_refuses_index_arrays_of_the_wrong_kind(spy: Spy, argument: str, value: Any, fragment: str) -> None:
+    given: dict[str, Any] = {"qo_indptr": i32(*RAGGED_QO), "kv_indptr": i32(*RAGGED_KV), argument: value}
+    with raises(tactix.InvalidArgumentError, f"'{argument}'", fragment):
+        ragged().plan(given["qo_indptr"], given["kv_indptr"], HQ, HKV, D, q_data_type=F32)
+    assert spy.plans == 0
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragments"),
+    [
+        ({"num_qo_heads": 6, "num_kv_heads": 4}, ["'num_qo_heads'", "multiple of num_kv_heads = 4"]),
+        ({"head_dim_qk": 0}, ["'head_dim_qk'", "positive int"]),
+        ({"head_dim_vo": -2}, ["'head_dim_vo'", "positive int"]),
+        ({"causal": 1}, ["'causal'", "a bool"]),
+        ({"return_lse": "yes"}, ["'return_lse'", "a bool"]),
+        ({"window_left": -2}, ["'window_left'", "-1 (no window)"]),
+        ({"logits_soft_cap": -1.0}, ["'logits_soft_cap'"]),
+        ({"sm_scale": 0.0}, ["'sm_scale'", "finite float > 0"]),
+        ({"q_data_type": "int8"}, ["'q_data_type'"]),
+        ({"backend": 3}, ["'backend'"]),
+        ({"tactic": "torch:nope"}, ["unknown kernel 'nope'"]),
+    ],
+    ids=lambda v: "-".join(map(str, v)) if isinstance(v, dict) else None,
+)
+def test_ragged_plan_refuses_bad_static_arguments(spy: Spy, changes: dict[str, Any], fragments: list[str]) -> None:
+    args = {"num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim_qk": D, "head_dim_vo": None}
+    kwargs = {"q_data_type": F32, "causal": True}
+    for name, value in changes.items():
+        (args if name in args else kwargs)[name] = value
+    error = tactix.UnsupportedProblemError if "tactic" in changes else tactix.InvalidArgumentError
+    with raises(error, *fragments):
+        ragged().plan(i32(*RAGGED_QO), i32(*RAGGED_KV), *args.values(), **kwargs)
+    assert spy.plans == 0

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import tactix
-from tactix.ops import DecodeProblem, GemmProblem, PrefillProblem
+from tactix.ops import DecodeProblem, GemmProblem, PrefillProblem, RaggedPrefillProblem
 from tactix.problems import make_problem, problem_from_key
 from tactix.tactics import SCHEMA_VERSION, Tactic, parse_tactic
 
@@ -35,6 +35,10 @@ PREFILL: dict[str, Any] = dict(
     num_qo_tokens=16384,
     max_qo_len=2048,
 )
+RAGGED: dict[str, Any] = {
+    **{k: v for k, v in PREFILL.items() if k not in ("page_size", "kv_layout")},
+    "num_kv_tokens": 20000,
+}
 GEMM: dict[str, Any] = dict(
     device_type="cuda",
     m=64,
@@ -197,7 +201,9 @@ def test_bucket_is_the_next_power_of_two(n: int) -> None:
     assert b >= n and (b == 0 or b & (b - 1) == 0) and (n == 0 or b < 2 * n)
 
 
-@pytest.mark.parametrize(("cls", "base"), [(PrefillProblem, PREFILL), (GemmProblem, GEMM)])
+@pytest.mark.parametrize(
+    ("cls", "base"), [(PrefillProblem, PREFILL), (RaggedPrefillProblem, RAGGED), (GemmProblem, GEMM)]
+)
 def test_every_static_field_reaches_the_key(cls: type, base: dict[str, Any]) -> None:
     problem = cls(**base)
     for name in base:
@@ -210,7 +216,9 @@ def test_every_static_field_reaches_the_key(cls: type, base: dict[str, Any]) -> 
         assert cls(**changed).bucket_key() != problem.bucket_key(), f"{name} does not change the bucket key"
 
 
-@pytest.mark.parametrize(("cls", "base"), [(PrefillProblem, PREFILL), (GemmProblem, GEMM)])
+@pytest.mark.parametrize(
+    ("cls", "base"), [(PrefillProblem, PREFILL), (RaggedPrefillProblem, RAGGED), (GemmProblem, GEMM)]
+)
 def test_dynamic_sizes_share_a_key_within_their_bucket_only(cls: type, base: dict[str, Any]) -> None:
     problem = cls(**base)
     for name in cls.dynamic:
@@ -230,6 +238,8 @@ def test_problem_key_round_trips() -> None:
     assert rebuilt == problem.bucketed() and rebuilt.key_hash() == problem.key_hash()
     decode = DecodeProblem(**{k: v for k, v in PREFILL.items() if k not in ("causal", "num_qo_tokens", "max_qo_len")})
     assert decode.key_hash() != problem.key_hash()  # the op is part of the key
+    ragged = RaggedPrefillProblem(**RAGGED)
+    assert problem_from_key(ragged.key()) == ragged.bucketed() and "page_size" not in ragged.key()
 
 
 def test_invalid_problem_names_the_field() -> None:
@@ -242,6 +252,7 @@ def test_invalid_problem_names_the_field() -> None:
 def test_problem_labels_read_like_test_ids() -> None:
     assert str(PrefillProblem(**PREFILL)) == "prefill[bf16-h32/8-d128-p16-HND-causal]"
     assert str(GemmProblem(**GEMM)) == "gemm[bf16->bf16-m64n4096k4096-A-kB-k]"
+    assert str(RaggedPrefillProblem(**RAGGED)) == "ragged_prefill[bf16-h32/8-d128-causal]"
 
 
 def test_all_lists_exactly_the_public_names() -> None:

@@ -49,7 +49,7 @@ def test_torch_backend_passes_the_kit(tmp_path: Path) -> None:
     got = outcomes(tmp_path / "torch.json")
     assert not got["failed"] and len(got["passed"]) > 150
     ops = {r["op"] for r in got["passed"]}
-    assert ops == {"prefill", "decode", "gemm"}
+    assert ops == {"prefill", "decode", "ragged_prefill", "gemm"}
 
 
 def test_example_plugin_passes_the_kit_and_skips_what_it_does_not_claim(tmp_path: Path) -> None:
@@ -70,7 +70,9 @@ def test_example_plugin_passes_the_kit_and_skips_what_it_does_not_claim(tmp_path
     assert "logits soft-cap not supported" in skipped["decode[bf16-h32/8-d128-p16-HND-cap30]"]
 
 
-@pytest.mark.parametrize(("backend", "ops"), [("torch", {"prefill", "decode"}), ("naive", {"decode"})])
+@pytest.mark.parametrize(
+    ("backend", "ops"), [("torch", {"prefill", "decode", "ragged_prefill"}), ("naive", {"decode"})]
+)
 def test_the_kit_checks_that_an_empty_batch_is_refused(tmp_path: Path, backend: str, ops: set[str]) -> None:
     """Every backend under test is held to the refusal of an empty batch at plan, op by op."""
     if backend == "naive":
@@ -83,6 +85,9 @@ def test_the_kit_checks_that_an_empty_batch_is_refused(tmp_path: Path, backend: 
     got = outcomes(tmp_path / "report.json")
     checked = [r for r in got["passed"] if r["test"] == "test_attention_refuses_an_empty_batch"]
     assert {r["op"] for r in checked} == ops and not got["failed"], got
+    from tactix.ops import OPS
+
+    assert json.loads((tmp_path / "report.json").read_text())["ops"] == list(OPS)  # the kit's ops, for the matrix
 
 
 @pytest.mark.parametrize(
@@ -205,3 +210,59 @@ def test_json_without_a_path_prints_only_the_report(tmp_path: Path) -> None:
     assert report["totals"]["passed"] > 0 and report["backends"][0]["name"] == "torch"
     assert " passed" in done.stderr
     assert not (tmp_path / "-").exists()
+
+
+def test_ragged_cases_ask_about_what_a_backend_does_not_declare() -> None:
+    """The kit's ragged-KV cases come from the declaration plus a standard set, so an undeclared
+    feature is a skip with its reason rather than a case never asked."""
+    import torch
+
+    from tactix.ops import RaggedPrefillCapabilities
+    from tactix.ragged import ragged_problem
+    from tactix.testing.cases import build_ragged_inputs, ragged_cases
+
+    caps = RaggedPrefillCapabilities(devices=frozenset({"cpu"}), q_dtypes=frozenset({"float16"}),
+                                     kv_dtypes=frozenset({"float16"}), out_dtypes=frozenset({"float16"}),
+                                     head_dims=frozenset({128}), causal=True, non_causal=False)  # fmt: skip
+    cases = {case.id: case for case in ragged_cases("ragged_prefill", caps)}
+    reasons = {}
+    for case_id, case in cases.items():
+        inputs = build_ragged_inputs(case, torch.device("cpu"))
+        problem, _ = ragged_problem(device=torch.device("cpu"), qo_indptr=inputs.qo_indptr,
+                                    kv_indptr=inputs.kv_indptr, sm_scale=None, **case.plan_kwargs())  # fmt: skip
+        reasons[case_id] = "; ".join(caps.reasons(problem))
+    assert reasons["ragged_prefill[f16-h8/2-d128-causal]"] == ""  # the base follows the declared dtype
+    assert reasons["ragged_prefill[f16-h8/2-d128-causal-lse]"] == "LSE output not supported"
+    assert reasons["ragged_prefill[f16-h8/2-d128-causal-win64]"] == "sliding window (window_left >= 0) not supported"
+    assert reasons["ragged_prefill[f16-h8/2-d128]"] == "non-causal prefill not supported"
+    assert "head_dim_qk 192 not in {128}" in reasons["ragged_prefill[f16-h8/2-d192x128-causal]"]
+    assert "q dtype bfloat16 not in {float16}" in reasons["ragged_prefill[bf16-h8/2-d128-causal]"]
+    assert {case.op for case in cases.values()} == {"ragged_prefill"} and len({c.seed for c in cases.values()}) == len(
+        cases
+    )
+
+
+def test_the_kit_fails_ragged_results_that_ignore_causal_or_leave_rows_unwritten() -> None:
+    import torch
+
+    from tactix import RaggedPrefill
+    from tactix.registry import get_registry
+    from tactix.testing import suite
+    from tactix.testing.cases import build_ragged_inputs, ragged_cases
+
+    caps = get_registry().get("torch").spec.capabilities("ragged_prefill")
+    assert caps is not None
+    case = next(c for c in ragged_cases("ragged_prefill", caps) if c.batch == "chunked" and c.window_left < 0)
+    inputs = build_ragged_inputs(case, torch.device("cpu"))
+    wrapper = RaggedPrefill(device="cpu")
+    wrapper.plan(*inputs.plan_args(case.op), **case.plan_kwargs())
+    wrapper.run(*inputs.run_args(), out=inputs.out, lse=inputs.lse)
+    suite._check_attention(case, inputs, case.id)  # right: passes
+    inputs.out[-1] = float("nan")
+    row = case.num_qo_heads * case.head_dim_vo
+    with pytest.raises(AssertionError, match=rf"{row} of \d+ output elements were never written"):
+        suite._check_attention(case, inputs, case.id)
+    wrapper.plan(*inputs.plan_args(case.op), **{**case.plan_kwargs(), "causal": False})
+    wrapper.run(*inputs.run_args(), out=inputs.out, lse=inputs.lse)
+    with pytest.raises(AssertionError, match=r"relative error .* above"):
+        suite._check_attention(case, inputs, case.id)

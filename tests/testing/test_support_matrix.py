@@ -53,3 +53,23 @@ def test_declared_but_untested_paths_are_listed_as_such() -> None:
         b.name for b in tactix.get_registry().active()} else None  # fmt: skip
     if spec is not None:
         assert any(label.startswith("compute capability 10") for label in spec.untested)
+
+
+def test_an_op_is_listed_for_the_reports_whose_kit_had_it() -> None:
+    """A report lists its kit's ops; one written before reports listed them (before ragged-KV
+    prefill) gets no row for an op its kit never asked about, rather than "not implemented"."""
+    result = {"backend": "demo", "test": "test_attention", "case": "ragged_prefill[x]", "op": "ragged_prefill",
+              "features": ["causal"], "outcome": "passed", "detail": ""}  # fmt: skip
+    report: dict[str, object] = {
+        "kit": "0", "device": "cpu", "device_name": "cpu (x86_64)", "torch": "2", "python": "3",
+        "ops": ["prefill", "decode", "ragged_prefill", "gemm"],
+        "backends": [{"name": "demo", "version": "1", "environment": [], "untested": {}, "capabilities": {}}],
+        "totals": {}, "results": [result],
+    }  # fmt: skip
+    rows = [line for line in render([report]).splitlines() if line.startswith("| demo |")]
+    assert [row.split(" | ")[3] for row in rows] == ["prefill", "decode", "ragged_prefill", "gemm"]
+    assert "| ragged_prefill | 1 |" in rows[2] and "not implemented" in rows[0]
+    del report["ops"]
+    report["results"] = []
+    rows = [line for line in render([report]).splitlines() if line.startswith("| demo |")]
+    assert [row.split(" | ")[3] for row in rows] == ["prefill", "decode", "gemm"]

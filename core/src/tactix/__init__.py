@@ -1,7 +1,8 @@
-"""tactix: paged prefill attention, paged decode attention and GEMM from pluggable backends.
+"""tactix: paged prefill attention, paged decode attention, ragged-KV prefill attention and GEMM
+from pluggable backends.
 
-One API (`PagedPrefill`, `PagedDecode`, `Gemm`) over backends discovered through the
-``tactix.backends`` entry-point group; see ``tactix backends`` for what is installed.
+One API (`PagedPrefill`, `PagedDecode`, `RaggedPrefill`, `Gemm`) over backends discovered through
+the ``tactix.backends`` entry-point group; see ``tactix backends`` for what is installed.
 """
 
 from tactix import autotune  # callable: `with tactix.autotune(mode="tune"): ...`
@@ -9,7 +10,7 @@ from tactix._version import __version__
 from tactix.attention import PagedDecode, PagedPrefill
 from tactix.autotune.policy import MeasurementPolicy
 from tactix.autotune.stats import reset_stats, stats
-from tactix.batch import PagedBatch
+from tactix.batch import PagedBatch, RaggedBatch
 from tactix.capabilities import BackendSpec
 from tactix.errors import (
     BackendError,
@@ -39,8 +40,12 @@ from tactix.ops import (
     GemmProblem,
     PrefillProblem,
     Problem,
+    RaggedPrefillCapabilities,
+    RaggedPrefillPlan,
+    RaggedPrefillProblem,
 )
 from tactix.problems import bucket_size
+from tactix.ragged import RaggedPrefill
 from tactix.registry import get_registry
 from tactix.tactics import SCHEMA_VERSION, Tactic
 
@@ -70,6 +75,11 @@ __all__ = [
     "PluginError",
     "PrefillProblem",
     "Problem",
+    "RaggedBatch",
+    "RaggedPrefill",
+    "RaggedPrefillCapabilities",
+    "RaggedPrefillPlan",
+    "RaggedPrefillProblem",
     "StoreError",
     "Tactic",
     "TacticError",

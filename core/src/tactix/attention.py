@@ -24,6 +24,10 @@ query row ``i`` of a request with ``q_len`` rows and ``kv_len`` keys sits at pos
 ``kv_len - q_len + i`` (bottom-right alignment: the new tokens are the end of the sequence) and
 attends keys ``j <= kv_len - q_len + i``; ``window_left = w >= 0`` further limits it to
 ``j >= kv_len - q_len + i - w``.
+
+What every attention wrapper shares (the memo of static arguments, selection, the binding
+``run()`` checks against, output, run extras and LSE) is `_Attention`, which `tactix.ragged`'s
+`RaggedPrefill` (keys and values packed per request, no pages) builds on too.
 """
 
 from __future__ import annotations
@@ -31,24 +35,24 @@ from __future__ import annotations
 import math
 import operator
 import weakref
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, Generic, TypeVar
 
 import torch
 
 from tactix.arguments import flag, positive_int
-from tactix.batch import PagedBatch
+from tactix.batch import Batch, PagedBatch
 from tactix.devices import resolve_device
 from tactix.dtypes import parse_dtype, to_torch_dtype
 from tactix.errors import InvalidArgumentError, TactixError
 from tactix.hookspecs import PlanOptions
 from tactix.layouts import KVLayout, page_shape
-from tactix.ops import DecodeProblem, PrefillProblem, definition
+from tactix.ops import AttentionProblemBase, DecodeProblem, PrefillProblem, definition
 from tactix.problems import make_problem
 from tactix.registry import get_registry
 from tactix.selection import Planned, Selection, replan_selection, select_and_plan
 from tactix.tactics import Tactic, parse_tactic
 
-__all__ = ["PagedDecode", "PagedPrefill", "attention_problem"]
+__all__ = ["PagedDecode", "PagedPrefill", "attention_fields", "attention_problem"]
 
 _LAYOUTS = ("NHD", "HND")
 
@@ -58,9 +62,9 @@ backend's masks, a backend's page tables), so a page far larger than any sequenc
 memory (3 GiB for one 3-token request at 2**28), and beyond this bound no engine uses one."""
 
 
-def _with_sizes(template: PrefillProblem | DecodeProblem, sizes: dict[str, Any]) -> Any:
+def _with_sizes(template: AttentionProblemBase, sizes: dict[str, Any]) -> Any:
     """``template.model_copy(update=sizes)`` at half the cost: a validated problem whose batch
-    sizes (validated by `PagedBatch.build`) are replaced; nothing else is derived from them."""
+    sizes (validated by the batch's ``build``) are replaced; nothing else is derived from them."""
     cls = type(template)
     new = cls.__new__(cls)
     fields = dict(template.__dict__)
@@ -72,12 +76,10 @@ def _with_sizes(template: PrefillProblem | DecodeProblem, sizes: dict[str, Any])
     return new
 
 
-def _sized(template: PrefillProblem | DecodeProblem, batch: PagedBatch) -> Any:
-    """The problem of ``batch``: ``template`` (validated, same static arguments) with its sizes."""
-    if not template.ragged_queries:
-        return _with_sizes(template, {"batch_size": batch.batch_size, "max_kv_len": batch.max_kv_len})
-    return _with_sizes(template, {"batch_size": batch.batch_size, "max_kv_len": batch.max_kv_len,
-                                  "num_qo_tokens": batch.num_qo_tokens, "max_qo_len": batch.max_qo_len})  # fmt: skip
+def _sized(template: AttentionProblemBase, batch: Batch) -> Any:
+    """The problem of ``batch``: ``template`` (validated, same static arguments) with its sizes
+    (the problem's dynamic fields, which the batch has under the same names)."""
+    return _with_sizes(template, {name: getattr(batch, name) for name in template.dynamic})
 
 
 def _build_batch(
@@ -117,10 +119,65 @@ def _static_arguments(arguments: tuple[Any, ...]) -> dict[str, Any]:
     return named
 
 
-def _static_key(device_type: str, kv_layout: str, arguments: tuple[Any, ...]) -> tuple[Any, ...]:
+def _static_key(device_type: str, form: str, arguments: tuple[Any, ...]) -> tuple[Any, ...]:
     """The memo key of a set of static plan arguments: their values and their types too (1 == 1.0
     == True, but each validates, or fails, differently)."""
-    return (device_type, kv_layout, arguments, tuple(map(type, arguments)))
+    return (device_type, form, arguments, tuple(map(type, arguments)))
+
+
+def attention_fields(
+    device: torch.device,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim_qk: int,
+    head_dim_vo: int | None,
+    sm_scale: float | None,
+    window_left: int,
+    logits_soft_cap: float | None,
+    q_data_type: torch.dtype | str,
+    kv_data_type: torch.dtype | str | None,
+    o_data_type: torch.dtype | str | None,
+    return_lse: bool,
+    deterministic: bool,
+) -> dict[str, Any]:
+    """The problem fields every attention op shares (`tactix.ops.AttentionProblemBase`), from plan
+    arguments validated one by one (each failure an `InvalidArgumentError` naming the argument),
+    with the defaults filled in: ``head_dim_vo`` and the dtypes from the q side, ``sm_scale``
+    ``1 / sqrt(head_dim_qk)``, no soft-cap for None."""
+    head_dim_qk = positive_int(head_dim_qk, "head_dim_qk")
+    head_dim_vo = head_dim_qk if head_dim_vo is None else positive_int(head_dim_vo, "head_dim_vo")
+    num_qo_heads = positive_int(num_qo_heads, "num_qo_heads")
+    num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
+    return_lse = flag(return_lse, "return_lse")
+    deterministic = flag(deterministic, "deterministic")
+    if num_qo_heads % num_kv_heads:
+        raise InvalidArgumentError("num_qo_heads", f"a multiple of num_kv_heads = {num_kv_heads}", num_qo_heads)
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+        raise InvalidArgumentError("window_left", "-1 (no window) or an int >= 0", repr(window_left))
+    q_dtype = parse_dtype(q_data_type, "q_data_type")
+    kv_dtype = q_dtype if kv_data_type is None else parse_dtype(kv_data_type, "kv_data_type")
+    out_dtype = q_dtype if o_data_type is None else parse_dtype(o_data_type, "o_data_type")
+    scale = 1.0 / math.sqrt(head_dim_qk) if sm_scale is None else float(sm_scale)
+    if not scale > 0 or not math.isfinite(scale):
+        raise InvalidArgumentError("sm_scale", "a finite float > 0", sm_scale)
+    cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
+    if not cap >= 0 or not math.isfinite(cap):
+        raise InvalidArgumentError("logits_soft_cap", "None, 0 or a finite float > 0", logits_soft_cap)
+    return {
+        "device_type": device.type,
+        "num_qo_heads": num_qo_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim_qk": head_dim_qk,
+        "head_dim_vo": head_dim_vo,
+        "q_dtype": q_dtype,
+        "kv_dtype": kv_dtype,
+        "out_dtype": out_dtype,
+        "sm_scale": scale,
+        "window_left": window_left,
+        "logits_soft_cap": cap,
+        "return_lse": return_lse,
+        "deterministic": deterministic,
+    }
 
 
 def attention_problem(
@@ -162,27 +219,10 @@ def attention_problem(
             f"an int between 1 and {MAX_PAGE_SIZE} (tokens per KV-cache page; plans size buffers by whole pages)",
             repr(page_size),
         )
-    head_dim_qk = positive_int(head_dim_qk, "head_dim_qk")
-    head_dim_vo = head_dim_qk if head_dim_vo is None else positive_int(head_dim_vo, "head_dim_vo")
-    num_qo_heads = positive_int(num_qo_heads, "num_qo_heads")
-    num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
+    fields = attention_fields(device, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, sm_scale,
+                              window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, return_lse,
+                              deterministic)  # fmt: skip
     causal = flag(causal, "causal")
-    return_lse = flag(return_lse, "return_lse")
-    deterministic = flag(deterministic, "deterministic")
-    if num_qo_heads % num_kv_heads:
-        raise InvalidArgumentError("num_qo_heads", f"a multiple of num_kv_heads = {num_kv_heads}", num_qo_heads)
-    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
-        raise InvalidArgumentError("window_left", "-1 (no window) or an int >= 0", repr(window_left))
-    q_dtype = parse_dtype(q_data_type, "q_data_type")
-    kv_dtype = q_dtype if kv_data_type is None else parse_dtype(kv_data_type, "kv_data_type")
-    out_dtype = q_dtype if o_data_type is None else parse_dtype(o_data_type, "o_data_type")
-    scale = 1.0 / math.sqrt(head_dim_qk) if sm_scale is None else float(sm_scale)
-    if not scale > 0 or not math.isfinite(scale):
-        raise InvalidArgumentError("sm_scale", "a finite float > 0", sm_scale)
-    cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
-    if not cap >= 0 or not math.isfinite(cap):
-        raise InvalidArgumentError("logits_soft_cap", "None, 0 or a finite float > 0", logits_soft_cap)
-
     ragged = definition(op).problem.ragged_queries  # type: ignore[attr-defined]
     q_len_per_req = positive_int(q_len_per_req, "q_len_per_req")
     if ragged and q_len_per_req != 1:
@@ -198,25 +238,7 @@ def attention_problem(
                          causal, q_len_per_req)  # fmt: skip
     if masked:
         batch = batch.with_custom_mask(custom_mask, packed_custom_mask, device)
-    fields: dict[str, Any] = {
-        "device_type": device.type,
-        "num_qo_heads": num_qo_heads,
-        "num_kv_heads": num_kv_heads,
-        "head_dim_qk": head_dim_qk,
-        "head_dim_vo": head_dim_vo,
-        "page_size": page_size,
-        "kv_layout": kv_layout,
-        "q_dtype": q_dtype,
-        "kv_dtype": kv_dtype,
-        "out_dtype": out_dtype,
-        "sm_scale": scale,
-        "window_left": window_left,
-        "logits_soft_cap": cap,
-        "return_lse": return_lse,
-        "deterministic": deterministic,
-        "batch_size": batch.batch_size,
-        "max_kv_len": batch.max_kv_len,
-    }
+    fields.update(page_size=page_size, kv_layout=kv_layout, batch_size=batch.batch_size, max_kv_len=batch.max_kv_len)
     if ragged:
         fields.update(causal=causal, num_qo_tokens=batch.num_qo_tokens, max_qo_len=batch.max_qo_len)
         if masked:
@@ -228,21 +250,24 @@ def attention_problem(
     return problem, batch
 
 
-class _Static:
+_P = TypeVar("_P", bound=AttentionProblemBase)
+
+
+class _Static(Generic[_P]):
     """What a wrapper derives from one set of static plan arguments (the problem of their first
-    batch, the dtypes and cache shapes run() checks), kept for re-plans with the same ones."""
+    batch, the dtypes and the key and value shapes run() checks), kept for re-plans with the same
+    ones. ``k_tail`` / ``v_tail``: the shapes of k and v past their first axis (pages, or rows)."""
 
     __slots__ = ("k_tail", "kv_dtype", "out_dtype", "problem", "q_dtype", "return_lse", "shapes", "v_tail")
 
-    def __init__(self, problem: PrefillProblem | DecodeProblem) -> None:
+    def __init__(self, problem: _P, k_tail: torch.Size, v_tail: torch.Size) -> None:
         self.problem = problem
         self.q_dtype = to_torch_dtype(problem.q_dtype)
         self.kv_dtype = to_torch_dtype(problem.kv_dtype)
         self.out_dtype = to_torch_dtype(problem.out_dtype)
         self.return_lse = problem.return_lse
-        layout, heads, page = problem.kv_layout, problem.num_kv_heads, problem.page_size
-        self.k_tail = torch.Size(page_shape(layout, page, heads, problem.head_dim_qk))
-        self.v_tail = torch.Size(page_shape(layout, page, heads, problem.head_dim_vo))
+        self.k_tail = k_tail
+        self.v_tail = v_tail
         self.shapes: dict[int, tuple[torch.Size, torch.Size, torch.Size]] = {}
 
     def shapes_for(self, rows: int) -> tuple[torch.Size, torch.Size, torch.Size]:
@@ -264,7 +289,9 @@ class _LastStatic:
 
     __slots__ = ("arguments", "device", "key", "state")
 
-    def __init__(self, device: torch.device, arguments: tuple[Any, ...], key: tuple[Any, ...], state: _Static) -> None:
+    def __init__(
+        self, device: torch.device, arguments: tuple[Any, ...], key: tuple[Any, ...], state: _Static[Any]
+    ) -> None:
         self.device = device
         self.arguments = arguments
         self.key = key
@@ -278,12 +305,15 @@ def _run_extras(backend: Any, op: str) -> frozenset[str]:
 
 class _Bound:
     """What ``run()`` checks a call against and what it calls: bound by ``plan()`` to one plan
-    object and one batch shape (a fast re-plan that keeps both keeps it too)."""
+    object and one batch shape (a fast re-plan that keeps both keeps it too). ``kv_rows``: the rows
+    of packed k and v (ragged-KV prefill; None for a paged cache, whose page count is free)."""
 
-    __slots__ = ("device", "extras", "extras_by", "k_tail", "kv_dtype", "lse_shape", "out_dtype", "out_shape",
-                 "plan", "q_dtype", "q_shape", "return_lse", "rows", "run", "state", "v_tail")  # fmt: skip
+    __slots__ = ("device", "extras", "extras_by", "k_shape", "k_tail", "kv_dtype", "kv_rows", "lse_shape",
+                 "out_dtype", "out_shape", "plan", "q_dtype", "q_shape", "return_lse", "rows", "run", "state",
+                 "v_shape", "v_tail")  # fmt: skip
 
-    def __init__(self, selection: Selection, state: _Static, device: torch.device, rows: int) -> None:
+    def __init__(self, selection: Selection, state: _Static[Any], device: torch.device, rows: int,
+                 kv_rows: int | None = None) -> None:  # fmt: skip
         plan = selection.plan
         self.plan = plan
         self.run = plan.run
@@ -296,6 +326,9 @@ class _Bound:
         self.out_dtype = state.out_dtype
         self.k_tail = state.k_tail
         self.v_tail = state.v_tail
+        self.kv_rows = kv_rows
+        self.k_shape = None if kv_rows is None else torch.Size((kv_rows, *state.k_tail))
+        self.v_shape = None if kv_rows is None else torch.Size((kv_rows, *state.v_tail))
         self.return_lse = state.return_lse
         # the op whose plan this is (multi-token decode may be a prefill plan: `Backend.served`)
         caps = selection.backend.spec.implements.get(selection.backend.served(state.problem).op)
@@ -303,187 +336,124 @@ class _Bound:
         """The run extras the plan's backend takes."""
         self.extras_by = selection.backend.name
 
-    def same(self, plan: Any, state: _Static, device: torch.device, rows: int) -> bool:
-        """Whether this binding is the one of ``plan`` for this state, device and row count."""
-        return plan is self.plan and state is self.state and device is self.device and rows == self.rows
+    def same(self, plan: Any, state: _Static[Any], device: torch.device, rows: int, kv_rows: int | None = None) -> bool:
+        """Whether this binding is the one of ``plan`` for this state, device and row counts."""
+        return (plan is self.plan and state is self.state and device is self.device and rows == self.rows
+                and kv_rows == self.kv_rows)  # fmt: skip
 
 
-class _PagedAttention(Planned):
+class _Attention(Planned):
+    """What every attention wrapper shares: the backend, device and CUDA-graph arguments, the memo
+    of static plan arguments, the selection and the binding ``run()`` checks against, and the
+    end of ``run()`` (output, run extras, LSE). Subclasses add their batch metadata and keys."""
+
     _op: ClassVar[str]
-    _rows_name: ClassVar[str]
 
-    def __init__(
-        self,
-        kv_layout: KVLayout = "NHD",
-        *,
-        backend: str = "auto",
-        device: torch.device | str | None = None,
-        use_cuda_graph: bool = False,
-    ) -> None:
-        if kv_layout not in _LAYOUTS:
-            raise InvalidArgumentError("kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+    def __init__(self, *, backend: str, device: torch.device | str | None, use_cuda_graph: bool) -> None:
         if not isinstance(backend, str):
             raise InvalidArgumentError("backend", "'auto' or a backend name", repr(backend))
         if backend != "auto":
             get_registry().get(backend)  # unknown or unavailable names fail here, listing choices
-        self.kv_layout: KVLayout = kv_layout
         self._backend = backend
         self._device = torch.device(device) if device is not None else None
         self._use_cuda_graph = flag(use_cuda_graph, "use_cuda_graph")
         self._selection: Selection | None = None
-        self._batch: PagedBatch | None = None
+        self._batch: Any = None
         self._bound: _Bound | None = None  # what run() compares against and calls, bound at plan
-        # caches run() has validated for the current plan, by id(k): (weakref k, weakref v)
-        self._accepted: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
-        self._splits: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, torch.Tensor]] = {}
-        self._statics: dict[tuple[Any, ...], _Static] = {}  # by the static plan arguments (see _plan)
+        self._statics: dict[tuple[Any, ...], _Static[Any]] = {}  # by the static plan arguments (see _remembered)
         self._replan_key: tuple[Any, ...] | None = None  # the last plan's static key and backend argument
         self._last_static: _LastStatic | None = None  # the static arguments of the last plan
 
     # -- plan -----------------------------------------------------------------------------
 
-    def _plan(
-        self,
-        qo_indptr: torch.Tensor | None,
-        paged_kv_indptr: torch.Tensor,
-        paged_kv_indices: torch.Tensor,
-        paged_kv_last_page_len: torch.Tensor,
-        arguments: tuple[Any, ...],
-        backend: str | None,
-        tactic: Tactic | dict[str, Any] | str | None,
-        mask: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
-    ) -> None:
-        """``arguments``: ``op`` and the static plan arguments, in `_ARGUMENT_NAMES` order;
-        ``mask``: ``(custom_mask, packed_custom_mask)`` when ``arguments`` say ``masked``."""
+    def _choices(self, backend: str | None, tactic: Tactic | dict[str, Any] | str | None,
+                 *tensors: object) -> tuple[torch.device, str, Tactic | None]:  # fmt: skip
+        """The plan's device (the wrapper's, else the first GPU tensor's among ``tensors``, else the
+        current GPU, else the CPU), its backend argument and its explicit tactic."""
         explicit = self._device
         if explicit is not None and (explicit.index is not None or explicit.type == "cpu"):
             device = explicit  # what resolve_device gives back for a concrete device
         else:
-            device = resolve_device(explicit, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+            device = resolve_device(explicit, *tensors)
         chosen_backend = self._backend if backend is None else backend
         if not isinstance(chosen_backend, str):
             raise InvalidArgumentError("backend", "'auto' or a backend name", repr(chosen_backend))
-        chosen_tactic = None if tactic is None else parse_tactic(tactic)
-        # a re-plan with the static arguments of an earlier plan validates only the batch
+        return device, chosen_backend, None if tactic is None else parse_tactic(tactic)
+
+    def _remembered(
+        self, device: torch.device, form: str, arguments: tuple[Any, ...]
+    ) -> tuple[tuple[Any, ...] | None, _Static[Any] | None]:
+        """The memo key of the static ``arguments`` (None: one is unhashable) and what an earlier plan
+        derived from them (None: nothing yet). ``form``: what else the problem depends on (the
+        paged wrappers' layout)."""
         last = self._last_static
-        key: tuple[Any, ...] | None
-        state: _Static | None
         if last is not None and last.device is device and all(map(operator.is_, arguments, last.arguments)):
-            key, state = last.key, last.state  # the very same argument objects as the last plan's
-        else:
-            key = _static_key(device.type, self.kv_layout, arguments)
-            try:
-                state = self._statics.get(key)
-            except TypeError:  # an unhashable argument: attention_problem names it
-                state, key = None, None
-        if state is not None:
-            batch = _build_batch(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                                 state.problem.page_size, device, state.problem.causal,
-                                 1 if qo_indptr is not None else state.problem.max_qo_len)  # fmt: skip
-            if mask is not None:
-                batch = batch.with_custom_mask(*mask, device)
-            problem = _sized(state.problem, batch)
-        else:
-            problem, batch = attention_problem(
-                arguments[0],
-                device=device,
-                kv_layout=self.kv_layout,
-                qo_indptr=qo_indptr,
-                paged_kv_indptr=paged_kv_indptr,
-                paged_kv_indices=paged_kv_indices,
-                paged_kv_last_page_len=paged_kv_last_page_len,
-                **_static_arguments(arguments),
-                custom_mask=None if mask is None else mask[0],
-                packed_custom_mask=None if mask is None else mask[1],
-            )
-            state = _Static(problem)
-            if key is not None:
-                if len(self._statics) >= 16:
-                    self._statics.clear()
-                self._statics[key] = state
+            return last.key, last.state  # the very same argument objects as the last plan's
+        key = _static_key(device.type, form, arguments)
+        try:
+            return key, self._statics.get(key)
+        except TypeError:  # an unhashable argument: validating the arguments names it
+            return None, None
+
+    def _remember(self, key: tuple[Any, ...] | None, state: _Static[Any]) -> None:
+        if key is not None:
+            if len(self._statics) >= 16:
+                self._statics.clear()
+            self._statics[key] = state
+
+    def _select(self, problem: Any, batch: Batch, device: torch.device, arguments: tuple[Any, ...],
+                key: tuple[Any, ...] | None, state: _Static[Any], backend: str, tactic: Tactic | None,
+                kv_rows: int | None = None) -> None:  # fmt: skip
+        """Choose and plan the backend and tactic of ``problem`` on ``batch``, by the fast re-plan
+        where it applies, and bind ``run()`` to the plan."""
         self._last_static = _LastStatic(device, arguments, key, state) if key is not None else None
         previous = self._selection
         options: PlanOptions = {"device": device, "use_cuda_graph": self._use_cuda_graph,
                                  "previous": None if previous is None else previous.plan}  # fmt: skip
         selection = None
-        if previous is not None and chosen_tactic is None and self._replan_key == (key, chosen_backend):
-            selection = replan_selection(previous, problem, batch, chosen_backend, options)
+        if previous is not None and tactic is None and self._replan_key == (key, backend):
+            selection = replan_selection(previous, problem, batch, backend, options)
         if selection is None:
             selection = select_and_plan(
                 problem,
                 batch,
-                backend=chosen_backend,
-                tactic=chosen_tactic,
+                backend=backend,
+                tactic=tactic,
                 options=options,
                 previous=previous,  # eager plans may reuse its buffers too (same backend only)
             )
         # a later plan with the same static arguments, backend and no explicit tactic may take
         # this plan's fast re-plan (`replan_selection`)
-        self._replan_key = None if key is None or chosen_tactic is not None else (key, chosen_backend)
+        self._replan_key = None if key is None or tactic is not None else (key, backend)
 
         self._selection = selection
         self._batch = batch
-        self._accepted.clear()  # page bounds are per batch: caches are checked again
         bound = self._bound
-        if bound is not None and bound.same(selection.plan, state, device, batch.num_qo_tokens):
+        if bound is not None and bound.same(selection.plan, state, device, batch.num_qo_tokens, kv_rows):
             return  # a fast re-plan that kept its plan object: what run() checks is unchanged
-        self._bound = _Bound(selection, state, device, batch.num_qo_tokens)
+        self._bound = _Bound(selection, state, device, batch.num_qo_tokens, kv_rows)
 
     # -- run ------------------------------------------------------------------------------
 
-    def run(
-        self,
-        q: torch.Tensor,
-        paged_kv_cache: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
-        *,
-        out: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None,
-        return_lse: bool | None = None,
-        k_scale: float | torch.Tensor | None = None,
-        v_scale: float | torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Attention for the planned batch. Returns ``out``, or ``(out, lse)`` with the LSE.
-
-        Every tensor must be on the plan's device (``q``, the cache, ``out``, ``lse``);
-        ``return_lse`` is None (as planned) or a bool.
-
-        ``k_scale`` and ``v_scale`` dequantize the cache: logits are ``(q . k) * k_scale *
-        sm_scale`` and the output attends ``v * v_scale``. Each is None (1.0), a finite float
-        > 0, or a float32 tensor of one element on the plan's device (read by the kernel, so a
-        captured graph replays with the value it holds then). A backend takes them only if it
-        declares them (``run_extras``); a scale other than 1.0 for one that does not is refused.
-        """
+    def _bound_or_raise(self) -> _Bound:
         b = self._bound
         if b is None:
             raise TactixError(f"{type(self).__name__}: call plan() before run()")
-        device = b.device
-        # Plain attribute comparisons only (about 1 us in all); whatever fails them goes to a
-        # slow path that raises an error saying what was expected. Devices are compared whole:
-        # get_device() is -1 for the CPU and for meta tensors alike, which would pass a meta q.
-        try:
-            if q.shape != b.q_shape or q.dtype != b.q_dtype or q.device != device:
-                self._reject("q", q, b.q_shape, b.q_dtype)
-            if type(paged_kv_cache) is tuple:
-                k, v = paged_kv_cache
-            else:
-                split = self._splits.get(id(paged_kv_cache))
-                if split is not None and split[0]() is paged_kv_cache:
-                    k, v = split[1], split[2]
-                else:
-                    k, v = self._split(paged_kv_cache)
-            seen = self._accepted.get(id(k))
-            if seen is None or seen[0]() is not k or seen[1]() is not v:
-                self._accept_cache(k, v)
-            if out is None:
-                out = torch.empty(b.out_shape, dtype=b.out_dtype, device=device)
-            elif (out.shape != b.out_shape or out.dtype != b.out_dtype or out.device != device
-                  or not out.is_contiguous()):  # fmt: skip
-                self._reject("out", out, b.out_shape, b.out_dtype, contiguous=True)
-        except TactixError:
-            raise
-        except (AttributeError, TypeError, ValueError):
-            self._diagnose(q, paged_kv_cache, out)
-            raise
+        return b
+
+    def _out(self, b: _Bound, out: torch.Tensor | None) -> torch.Tensor:
+        """``out`` if it is what the plan writes, a new one if None; an error naming it otherwise."""
+        if out is None:
+            return torch.empty(b.out_shape, dtype=b.out_dtype, device=b.device)
+        if (out.shape != b.out_shape or out.dtype != b.out_dtype or out.device != b.device
+                or not out.is_contiguous()):  # fmt: skip
+            self._reject("out", out, b.out_shape, b.out_dtype, contiguous=True)
+        return out
+
+    def _call(self, b: _Bound, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor | None, return_lse: bool | None, k_scale: float | torch.Tensor | None,
+              v_scale: float | torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Run the plan on checked tensors: with the run extras given and the LSE as asked."""
         if k_scale is not None or v_scale is not None:
             return self._run_with_extras(b, q, k, v, out, lse, return_lse, {"k_scale": k_scale, "v_scale": v_scale})
         if return_lse is not None or b.return_lse or lse is not None:  # (return_lse checked there)
@@ -561,6 +531,137 @@ class _PagedAttention(Planned):
         b.run(q, k, v, out, lse, **extras)
         return (out, lse) if want else out
 
+    def _bound_device(self) -> torch.device | None:
+        return None if self._bound is None else self._bound.device
+
+    def _reject(self, name: str, t: object, shape: torch.Size, dtype: torch.dtype, contiguous: bool = False) -> None:
+        expected = f"a contiguous {dtype} tensor" if contiguous else f"a {dtype} tensor"
+        expected += f" of shape {tuple(shape)} on {self._bound_device()}"
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(name, expected, type(t).__name__)
+        got = f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+        if contiguous and not t.is_contiguous():
+            got = "non-contiguous " + got
+        raise InvalidArgumentError(name, expected, got)
+
+
+class _PagedAttention(_Attention):
+    _rows_name: ClassVar[str]
+
+    def __init__(
+        self,
+        kv_layout: KVLayout = "NHD",
+        *,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        use_cuda_graph: bool = False,
+    ) -> None:
+        if kv_layout not in _LAYOUTS:
+            raise InvalidArgumentError("kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+        super().__init__(backend=backend, device=device, use_cuda_graph=use_cuda_graph)
+        self.kv_layout: KVLayout = kv_layout
+        self._batch: PagedBatch | None = None
+        # caches run() has validated for the current plan, by id(k): (weakref k, weakref v)
+        self._accepted: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
+        self._splits: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, torch.Tensor]] = {}
+
+    # -- plan -----------------------------------------------------------------------------
+
+    def _plan(
+        self,
+        qo_indptr: torch.Tensor | None,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        arguments: tuple[Any, ...],
+        backend: str | None,
+        tactic: Tactic | dict[str, Any] | str | None,
+        mask: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+    ) -> None:
+        """``arguments``: ``op`` and the static plan arguments, in `_ARGUMENT_NAMES` order;
+        ``mask``: ``(custom_mask, packed_custom_mask)`` when ``arguments`` say ``masked``."""
+        device, chosen_backend, chosen_tactic = self._choices(backend, tactic, qo_indptr, paged_kv_indptr,
+                                                              paged_kv_indices, paged_kv_last_page_len)  # fmt: skip
+        # a re-plan with the static arguments of an earlier plan validates only the batch
+        key, state = self._remembered(device, self.kv_layout, arguments)
+        if state is not None:
+            batch = _build_batch(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                                 state.problem.page_size, device, state.problem.causal,
+                                 1 if qo_indptr is not None else state.problem.max_qo_len)  # fmt: skip
+            if mask is not None:
+                batch = batch.with_custom_mask(*mask, device)
+            problem = _sized(state.problem, batch)
+        else:
+            problem, batch = attention_problem(
+                arguments[0],
+                device=device,
+                kv_layout=self.kv_layout,
+                qo_indptr=qo_indptr,
+                paged_kv_indptr=paged_kv_indptr,
+                paged_kv_indices=paged_kv_indices,
+                paged_kv_last_page_len=paged_kv_last_page_len,
+                **_static_arguments(arguments),
+                custom_mask=None if mask is None else mask[0],
+                packed_custom_mask=None if mask is None else mask[1],
+            )
+            layout, heads, page = problem.kv_layout, problem.num_kv_heads, problem.page_size
+            state = _Static(problem, torch.Size(page_shape(layout, page, heads, problem.head_dim_qk)),
+                            torch.Size(page_shape(layout, page, heads, problem.head_dim_vo)))  # fmt: skip
+            self._remember(key, state)
+        self._select(problem, batch, device, arguments, key, state, chosen_backend, chosen_tactic)
+        self._accepted.clear()  # page bounds are per batch: caches are checked again
+
+    # -- run ------------------------------------------------------------------------------
+
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        return_lse: bool | None = None,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention for the planned batch. Returns ``out``, or ``(out, lse)`` with the LSE.
+
+        Every tensor must be on the plan's device (``q``, the cache, ``out``, ``lse``);
+        ``return_lse`` is None (as planned) or a bool.
+
+        ``k_scale`` and ``v_scale`` dequantize the cache: logits are ``(q . k) * k_scale *
+        sm_scale`` and the output attends ``v * v_scale``. Each is None (1.0), a finite float
+        > 0, or a float32 tensor of one element on the plan's device (read by the kernel, so a
+        captured graph replays with the value it holds then). A backend takes them only if it
+        declares them (``run_extras``); a scale other than 1.0 for one that does not is refused.
+        """
+        b = self._bound_or_raise()
+        device = b.device
+        # Plain attribute comparisons only (about 1 us in all); whatever fails them goes to a
+        # slow path that raises an error saying what was expected. Devices are compared whole:
+        # get_device() is -1 for the CPU and for meta tensors alike, which would pass a meta q.
+        try:
+            if q.shape != b.q_shape or q.dtype != b.q_dtype or q.device != device:
+                self._reject("q", q, b.q_shape, b.q_dtype)
+            if type(paged_kv_cache) is tuple:
+                k, v = paged_kv_cache
+            else:
+                split = self._splits.get(id(paged_kv_cache))
+                if split is not None and split[0]() is paged_kv_cache:
+                    k, v = split[1], split[2]
+                else:
+                    k, v = self._split(paged_kv_cache)
+            seen = self._accepted.get(id(k))
+            if seen is None or seen[0]() is not k or seen[1]() is not v:
+                self._accept_cache(k, v)
+            out = self._out(b, out)
+        except TactixError:
+            raise
+        except (AttributeError, TypeError, ValueError):
+            self._diagnose(q, paged_kv_cache, out)
+            raise
+        return self._call(b, q, k, v, out, lse, return_lse, k_scale, v_scale)
+
     def _diagnose(self, q: object, cache: object, out: object) -> None:
         """Name the argument that is not a tensor (or a well-formed cache); called on a type error."""
         b = self._bound
@@ -604,21 +705,8 @@ class _PagedAttention(Planned):
         splits[key] = (weakref.ref(cache, forget), k, v)
         return k, v
 
-    def _bound_device(self) -> torch.device | None:
-        return None if self._bound is None else self._bound.device
-
     def _layout_names(self) -> tuple[str, str, str]:
         return page_shape(self.kv_layout, "page_size", "num_kv_heads", "head_dim")  # type: ignore[arg-type, return-value]
-
-    def _reject(self, name: str, t: object, shape: torch.Size, dtype: torch.dtype, contiguous: bool = False) -> None:
-        expected = f"a contiguous {dtype} tensor" if contiguous else f"a {dtype} tensor"
-        expected += f" of shape {tuple(shape)} on {self._bound_device()}"
-        if not isinstance(t, torch.Tensor):
-            raise InvalidArgumentError(name, expected, type(t).__name__)
-        got = f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
-        if contiguous and not t.is_contiguous():
-            got = "non-contiguous " + got
-        raise InvalidArgumentError(name, expected, got)
 
     def _reject_cache(self, name: str, t: object, tail: torch.Size) -> None:
         if not isinstance(t, torch.Tensor):

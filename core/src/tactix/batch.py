@@ -1,4 +1,4 @@
-"""Validated metadata of a paged-KV batch, shared by every backend's plan.
+"""Validated metadata of an attention batch, shared by every backend's plan.
 
 The engine describes a batch with FlashInfer's CSR arrays: ``qo_indptr`` (query rows of each
 request), ``paged_kv_indptr`` / ``paged_kv_indices`` (each request's pages) and
@@ -8,6 +8,10 @@ is checked completely on the host with no device sync. For device-resident index
 page-range check is enqueued on the device (`check_page_bounds`), so no host sync is needed and
 an out-of-range page is never read: the device assertion stops the stream before any attention
 kernel that follows it.
+
+Ragged-KV prefill has no pages: ``kv_indptr`` gives each request's rows of packed keys and
+values (`RaggedBatch`). What both kinds of batch hold, the query rows and key count of each
+request, is `Batch`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 
 from tactix.errors import InvalidArgumentError
 
-__all__ = ["CustomMask", "DeviceBatch", "PagedBatch"]
+__all__ = ["Batch", "CustomMask", "DeviceBatch", "PagedBatch", "RaggedBatch", "RaggedDeviceBatch"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = 2**31 - 1
@@ -62,6 +66,55 @@ def _check_offsets(name: str, indptr: list[int], steps: list[int], fewest: int) 
         raise InvalidArgumentError(
             name, "non-decreasing", f"{name}[{i}] = {indptr[i]} > {name}[{i + 1}] = {indptr[i + 1]}"
         )
+
+
+def _host_lists(arrays: list[torch.Tensor], device: torch.device) -> list[list[int]]:
+    """The values of small index arrays as Python lists; device-resident ones come to the host in
+    one transfer (their values decide shapes)."""
+    if not all(t.is_cpu for t in arrays):
+        sizes = [t.numel() for t in arrays]
+        host = torch.cat([t.to(device, torch.int64) for t in arrays]).cpu()
+        arrays = list(torch.split(host, sizes))
+    return [t.tolist() for t in arrays]
+
+
+def _check_qo_length(qo_list: list[int], batch_size: int, kv_indptr_name: str) -> None:
+    if len(qo_list) != batch_size + 1:
+        raise InvalidArgumentError(
+            "qo_indptr",
+            f"of length batch_size + 1 = {batch_size + 1} like {kv_indptr_name}",
+            f"length {len(qo_list)}",
+        )
+
+
+def _query_rows(qo_list: list[int], batch_size: int) -> tuple[list[int], int]:
+    """Each request's query rows from ``qo_indptr`` (as a list, of the batch's length) and the most
+    of them; an error for a ``qo_indptr`` that is not a CSR offset array, goes beyond int32, or
+    gives an empty batch."""
+    qo_lens_list = list(map(operator.sub, qo_list[1:], qo_list))
+    _check_offsets("qo_indptr", qo_list, qo_lens_list, min(qo_lens_list))
+    max_qo_len = max(qo_lens_list)
+    if max_qo_len == 0:
+        # Refused here, for every backend: an empty batch leaves nothing to compute, and
+        # kernels that size their grid or gathers by the rows fail on zero of them.
+        raise InvalidArgumentError(
+            "qo_indptr",
+            "the offsets of at least one query row (an empty batch has nothing to compute: skip the call)",
+            f"qo_indptr[-1] = 0 for {batch_size} requests",
+        )
+    if qo_list[-1] > _INT32_MAX:
+        raise InvalidArgumentError("qo_indptr", f"offsets up to {_INT32_MAX} (kernels index query "
+                                   "rows with int32)", f"qo_indptr[-1] = {qo_list[-1]}")  # fmt: skip
+    return qo_lens_list, max_qo_len
+
+
+def _on_device(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host int32 tensors on ``device``: themselves on the CPU, else one pinned, non-blocking copy."""
+    if device.type == "cpu":
+        return host
+    sizes = [t.numel() for t in host]
+    packed = torch.cat(host).pin_memory().to(device, non_blocking=True)
+    return list(torch.split(packed, sizes))
 
 
 @dataclass(frozen=True)
@@ -151,44 +204,25 @@ def _mask_tensor(value: object, argument: str, dtype: torch.dtype, numel: int, w
 
 
 @dataclass(frozen=True, eq=False)
-class PagedBatch:
-    """A validated paged batch. Lengths are per request.
+class Batch:
+    """What every attention batch holds: the query rows and keys of each request.
 
     The small arrays are kept as Python lists (``*_list``) and turned into int32 CPU tensors
     only when a backend asks for them (``qo_indptr``, ``kv_lens``, ...): a backend that packs its
     own metadata from the lists pays for no tensor it does not use.
     """
 
-    page_size: int
     qo_indptr_list: list[int]
-    kv_indptr_list: list[int]
-    kv_indices: torch.Tensor
-    """The page indices as given (int32), on the CPU or on the device."""
-    kv_last_page_len_list: list[int]
     qo_lens_list: list[int]
     kv_lens_list: list[int]
     batch_size: int
     num_qo_tokens: int
     max_qo_len: int
     max_kv_len: int
-    num_page_entries: int
-    max_page_index: int | None
-    """Largest page index used, when the indices are on the host; None for device indices."""
-    custom_mask: CustomMask | None = None
-    """Prefill: the custom attention mask given at plan (`with_custom_mask`), else None."""
-    _device_copies: dict[torch.device, DeviceBatch] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
     def qo_indptr(self) -> torch.Tensor:
         return torch.tensor(self.qo_indptr_list, dtype=torch.int32)
-
-    @functools.cached_property
-    def kv_indptr(self) -> torch.Tensor:
-        return torch.tensor(self.kv_indptr_list, dtype=torch.int32)
-
-    @functools.cached_property
-    def kv_last_page_len(self) -> torch.Tensor:
-        return torch.tensor(self.kv_last_page_len_list, dtype=torch.int32)
 
     @functools.cached_property
     def qo_lens(self) -> torch.Tensor:
@@ -197,6 +231,31 @@ class PagedBatch:
     @functools.cached_property
     def kv_lens(self) -> torch.Tensor:
         return torch.tensor(self.kv_lens_list, dtype=torch.int32)
+
+
+@dataclass(frozen=True, eq=False)
+class PagedBatch(Batch):
+    """A validated paged batch. Lengths are per request; ``kv_indptr`` counts pages."""
+
+    page_size: int
+    kv_indptr_list: list[int]
+    kv_indices: torch.Tensor
+    """The page indices as given (int32), on the CPU or on the device."""
+    kv_last_page_len_list: list[int]
+    num_page_entries: int
+    max_page_index: int | None
+    """Largest page index used, when the indices are on the host; None for device indices."""
+    custom_mask: CustomMask | None = None
+    """Prefill: the custom attention mask given at plan (`with_custom_mask`), else None."""
+    _device_copies: dict[torch.device, DeviceBatch] = field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def kv_indptr(self) -> torch.Tensor:
+        return torch.tensor(self.kv_indptr_list, dtype=torch.int32)
+
+    @functools.cached_property
+    def kv_last_page_len(self) -> torch.Tensor:
+        return torch.tensor(self.kv_last_page_len_list, dtype=torch.int32)
 
     @property
     def indices_on_host(self) -> bool:
@@ -227,29 +286,18 @@ class PagedBatch:
         last_t = _index_array(kv_last_page_len, last_page_len_name, device)
         qo_t = None if decode else _index_array(qo_indptr, "qo_indptr", device)
 
-        # One transfer brings device-resident indptrs to the host (their values decide shapes).
-        small = [kv_indptr_t, last_t] if qo_t is None else [kv_indptr_t, last_t, qo_t]
-        if not (kv_indptr_t.is_cpu and last_t.is_cpu and (qo_t is None or qo_t.is_cpu)):
-            sizes = [t.numel() for t in small]
-            host = torch.cat([t.to(device, torch.int64) for t in small]).cpu()
-            small = list(torch.split(host, sizes))
         # The small arrays are checked as Python lists: a few microseconds for hundreds of
         # requests, where a chain of small torch ops costs tens.
-        kv_list: list[int] = small[0].tolist()
-        last_list: list[int] = small[1].tolist()
+        small = _host_lists([kv_indptr_t, last_t] if qo_t is None else [kv_indptr_t, last_t, qo_t], device)
+        kv_list, last_list = small[0], small[1]
         batch_size = len(kv_list) - 1
         if batch_size < 1:
             raise InvalidArgumentError(kv_indptr_name, "of length batch_size + 1 >= 2", f"length {len(kv_list)}")
         if decode:
             qo_list = list(range(0, (batch_size + 1) * q_len_per_req, q_len_per_req))
         else:
-            qo_list = small[2].tolist()
-            if len(qo_list) != batch_size + 1:
-                raise InvalidArgumentError(
-                    "qo_indptr",
-                    f"of length batch_size + 1 = {batch_size + 1} like {kv_indptr_name}",
-                    f"length {len(qo_list)}",
-                )
+            qo_list = small[2]
+            _check_qo_length(qo_list, batch_size, kv_indptr_name)
         if len(last_list) != batch_size:
             raise InvalidArgumentError(
                 last_page_len_name, f"of length batch_size = {batch_size}", f"length {len(last_list)}"
@@ -263,20 +311,7 @@ class PagedBatch:
             qo_lens_list = [q_len_per_req] * batch_size
             max_qo_len = q_len_per_req
         else:
-            qo_lens_list = list(map(operator.sub, qo_list[1:], qo_list))
-            _check_offsets("qo_indptr", qo_list, qo_lens_list, min(qo_lens_list))
-            max_qo_len = max(qo_lens_list)
-            if max_qo_len == 0:
-                # Refused here, for every backend: an empty batch leaves nothing to compute, and
-                # kernels that size their grid or gathers by the rows fail on zero of them.
-                raise InvalidArgumentError(
-                    "qo_indptr",
-                    "the offsets of at least one query row (an empty batch has nothing to compute: skip the call)",
-                    f"qo_indptr[-1] = 0 for {batch_size} requests",
-                )
-            if qo_list[-1] > _INT32_MAX:
-                raise InvalidArgumentError("qo_indptr", f"offsets up to {_INT32_MAX} (kernels index query "
-                                           "rows with int32)", f"qo_indptr[-1] = {qo_list[-1]}")  # fmt: skip
+            qo_lens_list, max_qo_len = _query_rows(qo_list, batch_size)
         if fewest_pages < 1:
             i = num_pages.index(fewest_pages)
             raise InvalidArgumentError(
@@ -389,23 +424,90 @@ class PagedBatch:
         """The metadata on ``device`` (copied once per device, without a device sync)."""
         got = self._device_copies.get(device)
         if got is None:
-            if device.type == "cpu":
-                got = DeviceBatch(
-                    self.qo_indptr,
-                    self.kv_indptr,
-                    self.kv_indices,
-                    self.kv_last_page_len,
-                    self.qo_lens,
-                    self.kv_lens,
-                )
-            else:
-                host = [self.qo_indptr, self.kv_indptr, self.kv_last_page_len, self.qo_lens, self.kv_lens]
-                sizes = [t.numel() for t in host]
-                packed = torch.cat(host).pin_memory().to(device, non_blocking=True)
-                qo, kv, last, qo_lens, kv_lens = torch.split(packed, sizes)
-                indices = self.kv_indices
-                if indices.device != device:
-                    indices = indices.pin_memory().to(device, non_blocking=True)
-                got = DeviceBatch(qo, kv, indices, last, qo_lens, kv_lens)
-            self._device_copies[device] = got
+            host = [self.qo_indptr, self.kv_indptr, self.kv_last_page_len, self.qo_lens, self.kv_lens]
+            qo, kv, last, qo_lens, kv_lens = _on_device(host, device)
+            indices = self.kv_indices
+            if indices.device != device:
+                indices = indices.pin_memory().to(device, non_blocking=True)
+            got = self._device_copies[device] = DeviceBatch(qo, kv, indices, last, qo_lens, kv_lens)
+        return got
+
+
+@dataclass(frozen=True)
+class RaggedDeviceBatch:
+    """Device copies of a ragged batch's metadata (int32)."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    qo_lens: torch.Tensor
+    kv_lens: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class RaggedBatch(Batch):
+    """A validated ragged-KV batch: request ``b``'s keys and values are rows
+    ``kv_indptr[b]:kv_indptr[b + 1]`` of packed ``[num_kv_tokens, num_kv_heads, head_dim]`` tensors,
+    its query rows ``qo_indptr[b]:qo_indptr[b + 1]`` of ``q``. A request may have no query row
+    (and then no key); one with query rows has at least one key."""
+
+    kv_indptr_list: list[int]
+    num_kv_tokens: int
+    _device_copies: dict[torch.device, RaggedDeviceBatch] = field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def kv_indptr(self) -> torch.Tensor:
+        return torch.tensor(self.kv_indptr_list, dtype=torch.int32)
+
+    @classmethod
+    def build(cls, *, qo_indptr: object, kv_indptr: object, device: torch.device, causal: bool) -> RaggedBatch:
+        """Check the two CSR arrays of a batch (``causal``: each request must then have at least as
+        many keys as query rows, which sit at the end of its keys)."""
+        qo_t = _index_array(qo_indptr, "qo_indptr", device)
+        kv_t = _index_array(kv_indptr, "kv_indptr", device)
+        qo_list, kv_list = _host_lists([qo_t, kv_t], device)
+        batch_size = len(kv_list) - 1
+        if batch_size < 1:
+            raise InvalidArgumentError("kv_indptr", "of length batch_size + 1 >= 2", f"length {len(kv_list)}")
+        _check_qo_length(qo_list, batch_size, "kv_indptr")
+        qo_lens_list, max_qo_len = _query_rows(qo_list, batch_size)
+        kv_lens_list = list(map(operator.sub, kv_list[1:], kv_list))
+        _check_offsets("kv_indptr", kv_list, kv_lens_list, min(kv_lens_list))
+        if kv_list[-1] > _INT32_MAX:
+            raise InvalidArgumentError("kv_indptr", f"offsets up to {_INT32_MAX} (kernels index keys with int32)",
+                                       f"kv_indptr[-1] = {kv_list[-1]}")  # fmt: skip
+        # one C-level pass each; the loop that names the request runs only when a check fails
+        fewest = min(map(operator.sub, kv_lens_list, qo_lens_list)) if causal else 0
+        if fewest < 0 or 0 in kv_lens_list:
+            for i, (q, kv) in enumerate(zip(qo_lens_list, kv_lens_list, strict=True)):
+                if q and not kv:
+                    raise InvalidArgumentError("kv_indptr", "to give every request with query rows at least one "
+                                               "key", f"request {i}: {q} query rows, no key")  # fmt: skip
+                if causal and kv < q:
+                    raise InvalidArgumentError(
+                        "kv_indptr",
+                        "to give each request at least as many keys as query rows (causal attention aligns the "
+                        "queries with the last keys)",
+                        f"request {i}: {kv} keys for {q} query rows",
+                    )
+        batch = cls.__new__(cls)  # as in PagedBatch.build: the fields set straight into the instance
+        batch.__dict__.update(
+            qo_indptr_list=qo_list,
+            qo_lens_list=qo_lens_list,
+            kv_lens_list=kv_lens_list,
+            batch_size=batch_size,
+            num_qo_tokens=qo_list[-1],
+            max_qo_len=max_qo_len,
+            max_kv_len=max(kv_lens_list),
+            kv_indptr_list=kv_list,
+            num_kv_tokens=kv_list[-1],
+            _device_copies={},
+        )
+        return batch
+
+    def on(self, device: torch.device) -> RaggedDeviceBatch:
+        """The metadata on ``device`` (copied once per device, without a device sync)."""
+        got = self._device_copies.get(device)
+        if got is None:
+            qo, kv, qo_lens, kv_lens = _on_device([self.qo_indptr, self.kv_indptr, self.qo_lens, self.kv_lens], device)
+            got = self._device_copies[device] = RaggedDeviceBatch(qo, kv, qo_lens, kv_lens)
         return got

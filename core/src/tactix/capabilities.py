@@ -1,9 +1,9 @@
 """What a backend declares it can do: a `BackendSpec` with one capabilities model per op.
 
 Each op defines its capabilities model (`tactix.ops`: ``AttentionCapabilities`` for prefill
-and decode, ``GemmCapabilities``) on `CapabilitiesBase`; ``reasons(problem)`` turns a
-declaration into the reasons a problem falls outside it, so every backend's ``check`` starts
-from the same wording. The conformance kit generates its cases from these models and the
+and decode, ``RaggedPrefillCapabilities``, ``GemmCapabilities``) on `CapabilitiesBase`;
+``reasons(problem)`` turns a declaration into the reasons a problem falls outside it, so every
+backend's ``check`` starts from the same wording. The conformance kit generates its cases from these models and the
 support matrix is generated from them; ``auto`` selection skips backends whose capabilities
 exclude a problem.
 
@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tactix.devices import compute_capability
 
 if TYPE_CHECKING:
-    from tactix.ops import Capabilities, Problem
+    from tactix.ops import AnyProblem, Capabilities
     from tactix.problems import ProblemBase
 
 __all__ = ["BackendSpec", "CapabilitiesBase", "CudaGraphSupport", "format_set"]
@@ -160,7 +160,7 @@ class BackendSpec(BaseModel):
         found = self.implements.get(op)
         return found  # type: ignore[return-value]  # validated as the op's own model
 
-    def reasons(self, problem: Problem) -> list[str]:
+    def reasons(self, problem: AnyProblem) -> list[str]:
         """Static reasons from the declared capabilities (a backend's ``check`` adds its own)."""
         caps = self.implements.get(problem.op)
         if caps is None:

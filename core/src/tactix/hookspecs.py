@@ -3,10 +3,11 @@
 A backend plugin is a module or object, named by an entry point in the ``tactix.backends``
 group, that implements some of these hooks with ``@tactix.hookimpl``, and the plan hook of
 each op it serves (each op's module in `tactix.ops` holds that hookspec and the op's plan
-protocol: ``tactix_plan_prefill``, ``tactix_plan_decode``, ``tactix_plan_gemm``). A backend's
-hooks are only ever called for that backend (the registry resolves them per plugin), so an
-implementation need not compare the ``backend`` argument with its own name. Specs only ever grow
-by adding arguments, and an implementation may accept fewer arguments than its spec (``backend``
+protocol: ``tactix_plan_prefill``, ``tactix_plan_decode``, ``tactix_plan_ragged_prefill``,
+``tactix_plan_gemm``). A backend's hooks are only ever called for that backend (the registry
+resolves them per plugin), so an implementation need not compare the ``backend`` argument with
+its own name, and is only asked about problems of the ops it implements. Specs only ever grow by
+adding arguments, and an implementation may accept fewer arguments than its spec (``backend``
 included), so plugins written against an older spec keep working.
 
 Plan hooks return plan objects whose ``run`` is the per-layer call. ``run`` is never reached
@@ -23,9 +24,9 @@ import pluggy
 import torch
 
 if TYPE_CHECKING:
-    from tactix.batch import PagedBatch
+    from tactix.batch import Batch
     from tactix.capabilities import BackendSpec
-    from tactix.ops import Problem
+    from tactix.ops import AnyProblem
     from tactix.tactics import Tactic
 
 __all__ = ["PlanOptions", "ReferenceCall", "hookimpl", "hookspec"]
@@ -69,13 +70,13 @@ def tactix_known_failures(backend: str) -> dict[str, str] | None:  # type: ignor
 
 
 @hookspec(firstresult=True)
-def tactix_tactics(backend: str, problem: Problem) -> list[Tactic] | None:  # type: ignore[empty-body]
+def tactix_tactics(backend: str, problem: AnyProblem) -> list[Tactic] | None:  # type: ignore[empty-body]
     """The tactic space of ``backend`` for ``problem`` (the default tactic need not be listed)."""
 
 
 @hookspec(firstresult=True)
 def tactix_check(  # type: ignore[empty-body]
-    backend: str, problem: Problem, tactic: Tactic, batch: PagedBatch | None
+    backend: str, problem: AnyProblem, tactic: Tactic, batch: Batch | None
 ) -> list[str] | None:
     """Reasons ``tactic`` cannot serve ``problem`` beyond the declared capabilities ([] = ok).
 

@@ -2,9 +2,9 @@
 
 A problem is a frozen pydantic model of everything about a call that changes which kernel is
 valid or fastest. Each op defines its own (`tactix.ops`: ``PrefillProblem``, ``DecodeProblem``,
-``GemmProblem``) on `ProblemBase`. A problem holds the *real* sizes of the batch it was made
-from (so a backend's ``check`` can look at them), and :meth:`ProblemBase.bucketed` turns it
-into the key under which tuned tactics are stored.
+``RaggedPrefillProblem``, ``GemmProblem``) on `ProblemBase`. A problem holds the *real* sizes
+of the batch it was made from (so a backend's ``check`` can look at them), and
+:meth:`ProblemBase.bucketed` turns it into the key under which tuned tactics are stored.
 
 Bucketing
 ---------
@@ -29,7 +29,7 @@ from tactix.errors import InvalidArgumentError
 from tactix.layouts import KVLayout
 
 if TYPE_CHECKING:
-    from tactix.ops import Problem
+    from tactix.ops import AnyProblem
 
 __all__ = ["KVLayout", "ProblemBase", "bucket_size", "key_hash", "make_problem", "problem_from_key"]
 
@@ -116,7 +116,7 @@ class ProblemBase(BaseModel):
         return key_hash(self.key())
 
 
-def make_problem(op: str, **fields: Any) -> Problem:
+def make_problem(op: str, **fields: Any) -> AnyProblem:
     """Build ``op``'s problem, turning pydantic's validation error into an `InvalidArgumentError`."""
     from tactix.ops import definition
 
@@ -132,7 +132,7 @@ def make_problem(op: str, **fields: Any) -> Problem:
         raise InvalidArgumentError(name, err["msg"].removeprefix("Value error, "), given) from None
 
 
-def problem_from_key(key: Any) -> Problem:
+def problem_from_key(key: Any) -> AnyProblem:
     """Rebuild a problem from :meth:`ProblemBase.key` output (used when reading stored entries).
 
     A key is file content, not a caller's argument: a defect raises `ValueError` (pydantic's

@@ -30,7 +30,7 @@ from tactix.errors import (
     DuplicateBackendError,
     PluginError,
 )
-from tactix.ops import OPS, Problem
+from tactix.ops import OPS, AnyProblem
 from tactix.tactics import Tactic
 
 __all__ = [
@@ -138,7 +138,7 @@ class Backend:
             raise PluginError(f"plugin '{self.name}' must return dict[str, str] from tactix_known_failures")
         return dict(declared)
 
-    def served(self, problem: Problem) -> Problem:
+    def served(self, problem: AnyProblem) -> AnyProblem:
         """The problem this backend's hooks are asked about: ``problem``, or the problem of another
         op that computes the same on the same batch where this backend's capabilities of
         ``problem.op`` do not take it but those of the other op may (the op's ``served_through``:
@@ -149,10 +149,10 @@ class Backend:
         other, convert = through
         if self.spec.capabilities(other) is None:
             return problem
-        converted: Problem | None = convert(problem, self.spec.capabilities(problem.op))
+        converted: AnyProblem | None = convert(problem, self.spec.capabilities(problem.op))
         return problem if converted is None else converted
 
-    def tactics(self, problem: Problem) -> list[Tactic]:
+    def tactics(self, problem: AnyProblem) -> list[Tactic]:
         """The backend's tactic space for ``problem``, default first, without duplicates."""
         problem = self.served(problem)
         listed = self._call("tactix_tactics", problem=problem) or []
@@ -167,7 +167,7 @@ class Backend:
                 out.append(tactic)
         return out
 
-    def static_reasons(self, problem: Problem) -> Sequence[str]:
+    def static_reasons(self, problem: AnyProblem) -> Sequence[str]:
         """Why this backend cannot serve ``problem`` whatever the tactic and the batch: the
         environment and the declared capabilities. Remembered per static problem (attention)."""
         problem = self.served(problem)
@@ -183,7 +183,7 @@ class Backend:
             found = self._static_reasons[key] = tuple(self.environment() + self.spec.reasons(problem))
         return found
 
-    def check(self, problem: Problem, tactic: Tactic, batch: Any = None) -> list[str]:
+    def check(self, problem: AnyProblem, tactic: Tactic, batch: Any = None) -> list[str]:
         """Reasons ``tactic`` cannot serve ``problem`` here: environment, capabilities, plugin.
 
         The plugin's ``tactix_check`` is asked every time (its answer may depend on the sizes and
@@ -205,7 +205,7 @@ class Backend:
         """Direct calls of the library this backend wraps, for benchmarks (see the hookspec)."""
         return list(self._call("tactix_references", op=op, inputs=inputs) or [])
 
-    def plan(self, problem: Problem, tactic: Tactic, options: hookspecs.PlanOptions, batch: Any = None) -> Any:
+    def plan(self, problem: AnyProblem, tactic: Tactic, options: hookspecs.PlanOptions, batch: Any = None) -> Any:
         """Call this backend's plan hook for ``problem.op`` (or for the op that serves it, see
         `served`). Exceptions propagate."""
         problem = self.served(problem)

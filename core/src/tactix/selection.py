@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from tactix.autotune.stats import bump, stored_epoch, stored_tactics_changed
-from tactix.batch import PagedBatch
+from tactix.batch import Batch
 from tactix.errors import (
     BackendError,
     FallbackWarning,
@@ -33,14 +33,14 @@ from tactix.errors import (
     UnsupportedProblemError,
 )
 from tactix.hookspecs import PlanOptions
-from tactix.ops import Problem
+from tactix.ops import AnyProblem
 from tactix.problems import bucket_size
 from tactix.registry import Backend, Registry, get_registry
 from tactix.tactics import Tactic
 
 __all__ = ["Planned", "Selection", "replan_selection", "select_and_plan", "set_tactic_source"]
 
-TacticSource = Callable[[Problem], Tactic | None]
+TacticSource = Callable[[AnyProblem], Tactic | None]
 """Given a problem, the stored tactic for its bucket, or None (the autotuner installs one)."""
 
 _source: TacticSource | None = None
@@ -105,7 +105,7 @@ class Selection:
 
     __slots__ = ("backend", "plan", "problem", "replan_token", "requested", "source")
 
-    def __init__(self, backend: Backend, plan: Any, source: str, problem: Problem | None = None,
+    def __init__(self, backend: Backend, plan: Any, source: str, problem: AnyProblem | None = None,
                  requested: Tactic | None = None) -> None:  # fmt: skip
         self.backend = backend
         self.plan = plan
@@ -156,7 +156,7 @@ class Planned:
         return self._selection
 
 
-def warn_fallback(problem: Problem, tactic: Tactic, cause: str, instead: str) -> None:
+def warn_fallback(problem: AnyProblem, tactic: Tactic, cause: str, instead: str) -> None:
     bump("fallbacks")
     key = (problem.key_json(), tactic.to_json(), cause)
     with _warned_lock:
@@ -170,8 +170,8 @@ def warn_fallback(problem: Problem, tactic: Tactic, cause: str, instead: str) ->
 
 
 def select_and_plan(
-    problem: Problem,
-    batch: PagedBatch | None,
+    problem: AnyProblem,
+    batch: Batch | None,
     *,
     backend: str,
     tactic: Tactic | None,
@@ -240,7 +240,7 @@ def select_and_plan(
     raise UnsupportedProblemError(backend, problem, unsupported or ["no backend is active"])
 
 
-def replan_selection(previous: Selection, problem: Problem, batch: PagedBatch, backend: str,
+def replan_selection(previous: Selection, problem: AnyProblem, batch: Batch, backend: str,
                      options: PlanOptions) -> Selection | None:  # fmt: skip
     """The fast re-plan of a wrapper whose static plan arguments are unchanged (same problem but
     for its sizes, same ``backend`` argument, no explicit tactic), or None for the full path.
@@ -296,7 +296,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _candidates(registry: Registry, problem: Problem, batch: PagedBatch | None, backend: str) -> tuple[Candidate, ...]:
+def _candidates(registry: Registry, problem: AnyProblem, batch: Batch | None, backend: str) -> tuple[Candidate, ...]:
     """(backend, tactic, source) to try in order: the stored tactic first, then defaults.
 
     Remembered per backend and problem bucket while the epoch and the registry stay the same,
@@ -332,7 +332,7 @@ def _candidates(registry: Registry, problem: Problem, batch: PagedBatch | None, 
     return chosen
 
 
-def _stored(problem: Problem, batch: PagedBatch | None, backend: str) -> tuple[Tactic | None, str | None, bool]:
+def _stored(problem: AnyProblem, batch: Batch | None, backend: str) -> tuple[Tactic | None, str | None, bool]:
     """The stored tactic, the stats counter its lookup bumped, and whether the answer may be
     remembered until the epoch changes."""
     if _source is not None:
@@ -342,14 +342,14 @@ def _stored(problem: Problem, batch: PagedBatch | None, backend: str) -> tuple[T
     return current().lookup(problem, batch, backend)
 
 
-def _require(b: Backend, problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> None:
+def _require(b: Backend, problem: AnyProblem, tactic: Tactic, batch: Batch | None) -> None:
     reasons = b.check(problem, tactic, batch)
     if reasons:
         raise UnsupportedProblemError(b.name, problem, reasons)
 
 
 def _plan_or_raise(
-    b: Backend, t: Tactic, problem: Problem, batch: PagedBatch | None, plan: Callable[[Backend, Tactic], Any]
+    b: Backend, t: Tactic, problem: AnyProblem, batch: Batch | None, plan: Callable[[Backend, Tactic], Any]
 ) -> Any:
     try:
         return plan(b, t)

@@ -29,9 +29,9 @@ from tactix.autotune.policy import MeasurementPolicy
 from tactix.autotune.stats import bump, stored_tactics_changed
 from tactix.autotune.store import StoreEntry, TacticStore, default_root
 from tactix.autotune.tuner import tune
-from tactix.batch import PagedBatch
+from tactix.batch import Batch
 from tactix.errors import DistributedError, InvalidArgumentError, UnsupportedProblemError
-from tactix.ops import Problem
+from tactix.ops import AnyProblem
 from tactix.registry import Registry, get_registry
 from tactix.tactics import Tactic
 
@@ -63,13 +63,11 @@ class Autotuner:
         self.registry = registry or get_registry()
         self._lock = threading.RLock()
 
-    def tactic_for(self, problem: Problem, batch: PagedBatch | None, backend: str) -> Tactic | None:
+    def tactic_for(self, problem: AnyProblem, batch: Batch | None, backend: str) -> Tactic | None:
         """The stored tactic for ``problem`` (tuning it first in tune mode), or None."""
         return self.lookup(problem, batch, backend)[0]
 
-    def lookup(
-        self, problem: Problem, batch: PagedBatch | None, backend: str
-    ) -> tuple[Tactic | None, str | None, bool]:
+    def lookup(self, problem: AnyProblem, batch: Batch | None, backend: str) -> tuple[Tactic | None, str | None, bool]:
         """`tactic_for`, with what a memo of its answer needs: the stats counter it bumped, and
         whether the answer holds until the store is written or the tuning state changes (a
         miss of a store that looks for other processes' entries on disk does not)."""
@@ -92,7 +90,7 @@ class Autotuner:
                      f"{entry.speedup():.2f}x" if entry.speedup() else "no timing")  # fmt: skip
             return entry.tactic, None, False  # the next plan finds the entry: a hit
 
-    def _tune(self, problem: Problem, batch: PagedBatch | None) -> StoreEntry:
+    def _tune(self, problem: AnyProblem, batch: Batch | None) -> StoreEntry:
         assert self.store is not None
         device = _problem_device(problem, batch)
 
@@ -123,7 +121,7 @@ class Autotuner:
         return StoreEntry.model_validate(agreed)
 
 
-def _problem_device(problem: Problem, batch: PagedBatch | None) -> torch.device:
+def _problem_device(problem: AnyProblem, batch: Batch | None) -> torch.device:
     if problem.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(problem.device_type)
@@ -150,7 +148,7 @@ def current() -> Autotuner:
     return found
 
 
-def stored_tactic(problem: Problem, batch: PagedBatch | None, backend: str) -> Tactic | None:
+def stored_tactic(problem: AnyProblem, batch: Batch | None, backend: str) -> Tactic | None:
     return current().tactic_for(problem, batch, backend)
 
 

@@ -39,7 +39,7 @@ from tactix.autotune.environment import environment_hash
 from tactix.autotune.stats import stored_tactics_changed
 from tactix.errors import StoreError, TactixWarning
 from tactix.ops import OPS as _REGISTRY
-from tactix.ops import Op, Problem
+from tactix.ops import AnyProblem, Op
 from tactix.problems import key_hash as problem_key_hash
 from tactix.problems import problem_from_key
 from tactix.tactics import SCHEMA_VERSION, Tactic
@@ -215,7 +215,7 @@ def read_entry_file(path: Path, limit: int = MAX_ENTRY_BYTES) -> bytes:
         os.close(fd)
 
 
-def parse_entry(raw: bytes) -> tuple[StoreEntry, Problem]:
+def parse_entry(raw: bytes) -> tuple[StoreEntry, AnyProblem]:
     """An entry and its problem from a file's bytes; `_Defect` says what is wrong with them."""
     try:
         entry = StoreEntry.model_validate_json(raw)  # one pass, JSON only
@@ -263,7 +263,7 @@ class TacticStore:
         self.env_hash = environment_hash(env)
         self.path = self.root / f"v{SCHEMA_VERSION}" / self.env_hash
         self.manifest_defect: str | None = None  # set by `open` when the manifest cannot be used
-        self._entries: dict[tuple[Any, ...], StoreEntry] = {}  # by Problem.bucket_key()
+        self._entries: dict[tuple[Any, ...], StoreEntry] = {}  # by ProblemBase.bucket_key()
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self.writable = True
@@ -420,7 +420,7 @@ class TacticStore:
         self._warned.add(what)
         warnings.warn(StoreWarning(f"tactic store: ignoring {what}: {why}"), stacklevel=3)
 
-    def _parse(self, path: Path, op: str, key_hash: str) -> tuple[StoreEntry, Problem]:
+    def _parse(self, path: Path, op: str, key_hash: str) -> tuple[StoreEntry, AnyProblem]:
         entry, problem = parse_entry(read_entry_file(path))
         if entry.op != op or entry.key_hash != key_hash:
             raise _Defect("its key does not match its name (a stale or hand-edited entry)")
@@ -428,7 +428,7 @@ class TacticStore:
             raise _Defect(f"it was tuned in environment {entry.env_hash}, not {self.env_hash}")
         return entry, problem
 
-    def _read(self, path: Path, op: str, key_hash: str) -> tuple[StoreEntry, Problem] | None:
+    def _read(self, path: Path, op: str, key_hash: str) -> tuple[StoreEntry, AnyProblem] | None:
         """Parse and validate one entry file; any defect is a miss with one warning."""
         try:
             return self._parse(path, op, key_hash)
@@ -440,7 +440,7 @@ class TacticStore:
             self._warn(str(path), f"unreadable ({type(exc).__name__}: {exc})")
         return None
 
-    def lookup(self, problem: Problem) -> StoreEntry | None:
+    def lookup(self, problem: AnyProblem) -> StoreEntry | None:
         """The entry for ``problem``'s bucket, or None. Checks the disk for entries other
         processes wrote since this store was attached."""
         index = problem.bucket_key()

@@ -24,10 +24,10 @@ from tactix.autotune.policy import MeasurementPolicy
 from tactix.autotune.stats import bump
 from tactix.autotune.store import CandidateResult, StoreEntry
 from tactix.autotune.timing import measure_with_policy
-from tactix.batch import PagedBatch
+from tactix.batch import Batch
 from tactix.errors import FallbackWarning, UnsupportedProblemError
 from tactix.hookspecs import PlanOptions
-from tactix.ops import Problem, definition
+from tactix.ops import AnyProblem, definition
 from tactix.ops.definition import TunerInputs
 from tactix.registry import Backend, Registry
 from tactix.tactics import Tactic
@@ -36,7 +36,7 @@ from tactix.testing.oracle import relative_error
 __all__ = ["tune"]
 
 
-def _tolerance(problem: Problem) -> float:
+def _tolerance(problem: AnyProblem) -> float:
     return problem.tolerance()
 
 
@@ -51,7 +51,7 @@ class _Progress:
     QUIET_S: Final = 2.0  # quick problems print nothing
     LOG_INTERVAL_S: Final = 30.0
 
-    def __init__(self, problem: Problem, total: int) -> None:
+    def __init__(self, problem: AnyProblem, total: int) -> None:
         self.problem, self.total, self.start = problem, total, time.monotonic()
         self.last: float | None = None  # when a line was last written
         isatty = getattr(sys.stderr, "isatty", None)
@@ -77,8 +77,8 @@ class _Progress:
 
 
 def tune(
-    problem: Problem,
-    batch: PagedBatch | None,
+    problem: AnyProblem,
+    batch: Batch | None,
     *,
     registry: Registry,
     backend: str,
@@ -170,7 +170,7 @@ class _Outcome:
 def _measure_one(
     b: Backend,
     tactic: Tactic,
-    problem: Problem,
+    problem: AnyProblem,
     inputs: TunerInputs,
     device: torch.device,
     policy: MeasurementPolicy,

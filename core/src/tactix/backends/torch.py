@@ -1,7 +1,9 @@
-"""The built-in ``torch`` backend: paged attention and GEMM from plain PyTorch ops, CPU and GPU.
+"""The built-in ``torch`` backend: paged and ragged-KV attention and GEMM from plain PyTorch ops,
+CPU and GPU.
 
-Attention gathers each request's pages into a padded ``[batch, heads, kv_len, dim]`` view
-(index tensors computed once in plan), then runs one of:
+Attention gathers each request's pages (ragged-KV prefill: its rows of the packed keys and values)
+into a padded ``[batch, heads, kv_len, dim]`` view (index tensors computed once in plan), then
+runs one of:
 
 * ``explicit``: masked softmax attention computed in float32 by matmuls; serves every feature
   (GQA, bottom-right causal, window, soft-cap, LSE) on every device. The CPU default.
@@ -21,25 +23,27 @@ rewrites those buffers in place, so a captured graph replays the new batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 import torch
 import torch.nn.functional as F
 
 import tactix
-from tactix.batch import PagedBatch
+from tactix.batch import Batch, CustomMask, PagedBatch, RaggedBatch
 from tactix.capabilities import BackendSpec
 from tactix.dtypes import to_torch_dtype
 from tactix.errors import UnsupportedProblemError
 from tactix.hookspecs import PlanOptions, hookimpl
 from tactix.ops import (
+    AnyProblem,
     AttentionCapabilities,
     DecodeProblem,
     GemmCapabilities,
     GemmDTypes,
     GemmProblem,
     PrefillProblem,
-    Problem,
+    RaggedPrefillCapabilities,
+    RaggedPrefillProblem,
 )
 from tactix.problems import bucket_size
 from tactix.tactics import Tactic
@@ -51,15 +55,13 @@ _FP8_TYPES: Final = frozenset({"float8_e4m3fn", "float8_e5m2"})
 _SDPA_IMPLS: Final = ("math", "flash", "efficient", "cudnn")
 _SDPA_CPU: Final = frozenset({"math", "flash"})
 
-_ATTENTION = AttentionCapabilities(
+_RAGGED = RaggedPrefillCapabilities(
     devices=frozenset({"cpu", "cuda"}),
     q_dtypes=_FLOAT_TYPES,
     kv_dtypes=_FLOAT_TYPES | _FP8_TYPES,
     out_dtypes=_FLOAT_TYPES,
     head_dims=None,
     different_vo_head_dim=True,
-    page_sizes=None,
-    kv_layouts=frozenset({"NHD", "HND"}),
     causal=True,
     non_causal=True,
     chunked=True,
@@ -68,6 +70,12 @@ _ATTENTION = AttentionCapabilities(
     lse=True,
     cuda_graph="fixed_buffers",
     run_extras=frozenset({"k_scale", "v_scale"}),
+)
+
+_ATTENTION = AttentionCapabilities(
+    **_RAGGED.model_dump(),
+    page_sizes=None,
+    kv_layouts=frozenset({"NHD", "HND"}),
     max_q_len_per_req=None,  # decode: any rows per request (the prefill path's masks)
     custom_mask=True,  # prefill: the explicit kernel
 )
@@ -98,6 +106,7 @@ def tactix_backends() -> list[BackendSpec]:
             description="PyTorch ops (SDPA, matmul, _scaled_mm); runs wherever torch runs",
             prefill=_ATTENTION,
             decode=_ATTENTION,
+            ragged_prefill=_RAGGED,
             gemm=_GEMM,
             preference=-100,  # the fallback: every other backend is tried first
         )
@@ -110,7 +119,7 @@ def tactix_environment() -> list[str] | None:
 
 
 @hookimpl
-def tactix_tactics(problem: Problem) -> list[Tactic] | None:
+def tactix_tactics(problem: AnyProblem) -> list[Tactic] | None:
     if isinstance(problem, GemmProblem):
         kernels = ["matmul"] if problem.scale_mode == "none" else ["scaled_mm", "dequant"]
         candidates = [Tactic(backend=NAME, kernel=k) for k in kernels]
@@ -122,21 +131,23 @@ def tactix_tactics(problem: Problem) -> list[Tactic] | None:
 
 
 @hookimpl
-def tactix_check(problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> list[str] | None:
+def tactix_check(problem: AnyProblem, tactic: Tactic, batch: Batch | None) -> list[str] | None:
     return _reasons(problem, tactic, batch)
 
 
 # --------------------------------------------------------------------------------------------
 # Support rules
 
+_Attention = PrefillProblem | DecodeProblem | RaggedPrefillProblem
 
-def _reasons(problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> list[str]:
+
+def _reasons(problem: AnyProblem, tactic: Tactic, batch: Batch | None) -> list[str]:
     if isinstance(problem, GemmProblem):
         return _gemm_reasons(problem, tactic)
     return _attention_reasons(problem, tactic, batch)
 
 
-def _attention_reasons(problem: PrefillProblem | DecodeProblem, tactic: Tactic, batch: PagedBatch | None) -> list[str]:
+def _attention_reasons(problem: _Attention, tactic: Tactic, batch: Batch | None) -> list[str]:
     out: list[str] = []
     if problem.kv_dtype != problem.q_dtype and problem.kv_dtype not in _FP8_TYPES:
         out.append(f"kv dtype {problem.kv_dtype} must equal q dtype {problem.q_dtype} (or be fp8)")
@@ -201,7 +212,7 @@ def _gemm_reasons(problem: GemmProblem, tactic: Tactic) -> list[str]:
     return [f"unknown kernel '{tactic.kernel}' (known: default, matmul, scaled_mm, dequant)"]
 
 
-def _needs_mask(problem: PrefillProblem | DecodeProblem, batch: PagedBatch) -> bool:
+def _needs_mask(problem: _Attention, batch: Batch) -> bool:
     """Whether the padded batch needs an explicit mask (ragged lengths, window, chunked causal)."""
     if problem.window_left >= 0 or (
         batch.batch_size > 1
@@ -213,7 +224,7 @@ def _needs_mask(problem: PrefillProblem | DecodeProblem, batch: PagedBatch) -> b
     return causal and batch.max_qo_len != batch.max_kv_len
 
 
-def _concrete(problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> Tactic:
+def _concrete(problem: AnyProblem, tactic: Tactic, batch: Batch | None) -> Tactic:
     """Resolve the default tactic to the kernel it stands for on this problem."""
     if not tactic.is_default:
         return tactic
@@ -241,7 +252,8 @@ class _Geometry:
     batch_size: int
     tokens: int
     q_len: int  # padded query rows per request
-    pages: int  # padded pages per request
+    keys: int  # padded key slots per request (paged: whole pages)
+    kv_tokens: int = 0  # rows of the packed k and v (ragged-KV prefill)
 
     def compatible(self, other: _Geometry) -> bool:
         return self == other
@@ -261,16 +273,18 @@ def _sdpa_backend(impl: str) -> Any:
 class _AttentionPlan:
     """Padded-gather attention over the paged cache. All index tensors live on the device."""
 
+    BUFFERS: ClassVar[tuple[str, ...]] = ("page_table", "q_index", "out_index", "mask", "key_valid")
+    """The index tensors ``run`` reads: kept at their addresses by a CUDA-graph re-plan."""
     page_table: torch.Tensor  # [batch, pages] page of each request's slot
     q_index: torch.Tensor  # [batch * q_len] q row gathered into each padded row
     out_index: torch.Tensor  # [tokens] padded row that holds each output row
-    mask: torch.Tensor  # [batch, 1, q_len, pages * page_size] keys each padded row attends
-    key_valid: torch.Tensor  # [batch, 1, pages * page_size, 1] slots holding a key of the request
+    mask: torch.Tensor  # [batch, 1, q_len, keys] keys each padded row attends
+    key_valid: torch.Tensor  # [batch, 1, keys, 1] slots holding a key of the request
 
     def __init__(
         self,
-        problem: PrefillProblem | DecodeProblem,
-        batch: PagedBatch,
+        problem: _Attention,
+        batch: Any,
         tactic: Tactic,
         options: PlanOptions,
     ) -> None:
@@ -280,15 +294,12 @@ class _AttentionPlan:
         self.device = options["device"]
         self._compute_dtype = to_torch_dtype(problem.q_dtype)  # an fp8 cache is read in the query dtype
         causal = problem.causal
-        page = problem.page_size
         if options["use_cuda_graph"]:
             # shapes depend on the bucket only, so re-plans of the bucket keep them.
-            q_len = bucket_size(batch.max_qo_len)
-            pages = -(-bucket_size(batch.max_kv_len) // page)
+            q_len, kv_len = bucket_size(batch.max_qo_len), bucket_size(batch.max_kv_len)
         else:
-            q_len = batch.max_qo_len
-            pages = -(-batch.max_kv_len // page)
-        self.geometry = _Geometry(batch.batch_size, batch.num_qo_tokens, max(q_len, 1), pages)
+            q_len, kv_len = batch.max_qo_len, batch.max_kv_len
+        self.geometry = self._geometry(batch, max(q_len, 1), kv_len)
         self._custom = bool(getattr(problem, "custom_mask", False))
         self.mask_needed = options["use_cuda_graph"] or self._custom or _needs_mask(problem, batch)
         self.is_causal = causal and not self.mask_needed
@@ -297,10 +308,10 @@ class _AttentionPlan:
             self._sdpa = _sdpa_backend(str(tactic.params["impl"]))
             self._gqa_native = tactic.params["impl"] in ("math", "flash")
 
-        page_table, q_index, out_index, mask, key_valid = self._indices(batch, causal)
+        buffers = self._indices(batch, causal)
         previous = options["previous"]
         if options["use_cuda_graph"] and previous is not None:
-            if not isinstance(previous, _AttentionPlan) or not previous.geometry.compatible(self.geometry):
+            if type(previous) is not type(self) or not previous.geometry.compatible(self.geometry):
                 old = previous.geometry if isinstance(previous, _AttentionPlan) else previous
                 raise UnsupportedProblemError(
                     NAME,
@@ -312,43 +323,44 @@ class _AttentionPlan:
                     ],
                 )
             # rewrite the captured buffers in place: same addresses, new batch.
-            previous.page_table.copy_(page_table)
-            previous.q_index.copy_(q_index)
-            previous.out_index.copy_(out_index)
-            previous.mask.copy_(mask)
-            previous.key_valid.copy_(key_valid)
-            page_table, q_index, out_index, mask, key_valid = (
-                previous.page_table,
-                previous.q_index,
-                previous.out_index,
-                previous.mask,
-                previous.key_valid,
-            )
-        self.page_table, self.q_index, self.out_index = page_table, q_index, out_index
-        self.mask, self.key_valid = mask, key_valid
-        self._attn_mask = mask if self.mask_needed else None
+            for name in self.BUFFERS:
+                kept = getattr(previous, name)
+                kept.copy_(buffers[name])
+                buffers[name] = kept
+        for name in self.BUFFERS:
+            setattr(self, name, buffers[name])
+        self._attn_mask = self.mask if self.mask_needed else None
         self._kv_len = batch.max_kv_len  # without a mask, keys past the longest request are cut
 
-    def _indices(
-        self, batch: PagedBatch, causal: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _geometry(self, batch: PagedBatch, q_len: int, kv_len: int) -> _Geometry:
+        page = self.problem.page_size  # type: ignore[union-attr]
+        return _Geometry(batch.batch_size, batch.num_qo_tokens, q_len, -(-kv_len // page) * page)
+
+    def _indices(self, batch: PagedBatch, causal: bool) -> dict[str, torch.Tensor]:
         """Gather/scatter indices, the mask and the valid keys, built on the device with no host sync."""
         g = self.geometry
         dev = batch.on(self.device)
-        device = self.device
-        problem = self.problem
-        page = problem.page_size
-        rows = torch.arange(g.batch_size, device=device)
+        out = self._rows_and_mask(dev.qo_indptr, dev.qo_lens, dev.kv_lens, causal, batch.custom_mask)
+        rows = torch.arange(g.batch_size, device=self.device)
         num_pages = (dev.kv_indptr[1:] - dev.kv_indptr[:-1]).long()
         nnz = batch.num_page_entries
         req = torch.repeat_interleave(rows, num_pages, output_size=nnz)
-        slot = torch.arange(nnz, device=device) - dev.kv_indptr[:-1].long()[req]
-        page_table = torch.zeros(g.batch_size, g.pages, dtype=torch.long, device=device)
+        slot = torch.arange(nnz, device=self.device) - dev.kv_indptr[:-1].long()[req]
+        page_table = torch.zeros(g.batch_size, g.keys // self.problem.page_size, dtype=torch.long,  # type: ignore[union-attr]
+                                 device=self.device)  # fmt: skip
         page_table[req, slot] = dev.kv_indices.long()
+        out["page_table"] = page_table
+        return out
 
-        q_lens = dev.qo_lens.long()
-        kv_lens = dev.kv_lens.long()
-        starts = dev.qo_indptr[:-1].long()
+    def _rows_and_mask(self, qo_indptr: torch.Tensor, qo_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool,
+                       custom: CustomMask | None) -> dict[str, torch.Tensor]:  # fmt: skip
+        """The indices of the padded query rows and of the output rows, the mask and the valid keys."""
+        g = self.geometry
+        device = self.device
+        problem = self.problem
+        rows = torch.arange(g.batch_size, device=device)
+        q_lens, kv_lens = qo_lens.long(), kv_lens.long()
+        starts = qo_indptr[:-1].long()
         i = torch.arange(g.q_len, device=device)
         last_row = (q_lens - 1).clamp(min=0)
         q_index = starts[:, None] + torch.minimum(i[None, :], last_row[:, None])
@@ -358,7 +370,7 @@ class _AttentionPlan:
         tok_pos = torch.arange(g.tokens, device=device) - starts[tok_req]
         out_index = tok_req * g.q_len + tok_pos
 
-        j = torch.arange(g.pages * page, device=device)
+        j = torch.arange(g.keys, device=device)
         offset = (kv_lens - q_lens)[:, None, None]  # bottom-right alignment of q within kv
         qpos = i[None, :, None] + offset
         mask = j[None, None, :] < kv_lens[:, None, None]
@@ -366,36 +378,35 @@ class _AttentionPlan:
             mask = mask & (j[None, None, :] <= qpos)
         if problem.window_left >= 0:
             mask = mask & (j[None, None, :] >= qpos - problem.window_left)
-        if batch.custom_mask is not None:
-            mask = mask & batch.custom_mask.dense(device, g.q_len, g.pages * page, q_lens, kv_lens)
+        if custom is not None:
+            mask = mask & custom.dense(device, g.q_len, g.keys, q_lens, kv_lens)
         padded_row = (i[None, :] >= q_lens[:, None])[:, :, None]
         # padding rows attend key 0 only, so no row is empty (their output is discarded).
         mask = torch.where(padded_row, j[None, None, :] == 0, mask)
         key_valid = (j[None, :] < kv_lens[:, None])[:, None, :, None]
-        return page_table, q_index, out_index, mask[:, None], key_valid
+        return {"q_index": q_index, "out_index": out_index, "mask": mask[:, None], "key_valid": key_valid}
+
+    def _padded(self, cache: torch.Tensor) -> torch.Tensor:
+        """Pages of every request as ``[batch, kv_heads, pages * page_size, dim]``."""
+        g = self.geometry
+        pages = cache.index_select(0, self.page_table.view(-1))
+        if self.problem.kv_layout == "NHD":  # type: ignore[union-attr]  # [B*P, S, H, D]
+            s, h, d = pages.shape[1:]
+            return pages.view(g.batch_size, g.keys, h, d).transpose(1, 2)
+        h, s, d = pages.shape[1:]  # HND: [B*P, H, S, D]
+        return pages.view(g.batch_size, g.keys // s, h, s, d).permute(0, 2, 1, 3, 4).reshape(g.batch_size, h, g.keys, d)
 
     def _gather(self, cache: torch.Tensor) -> torch.Tensor:
-        """Pages of every request as ``[batch, kv_heads, pages * page_size, dim]``.
+        """The keys (or values) of every request as ``[batch, kv_heads, keys, dim]``.
 
         Slots that hold no key of the request (padding pages, the tail of the last page) are
         zeroed when a mask is in use: masking gives them probability 0, but 0 times a NaN left
         in unused cache memory would still be NaN. An fp8 cache is converted to the query dtype
         (exact: every fp8 value is a 16-bit one); the scales are applied by the caller.
         """
-        g = self.geometry
-        pages = cache.index_select(0, self.page_table.view(-1))
-        if pages.dtype != self._compute_dtype:
-            pages = pages.to(self._compute_dtype)
-        if self.problem.kv_layout == "NHD":  # [B*P, S, H, D]
-            s, h, d = pages.shape[1:]
-            out = pages.view(g.batch_size, g.pages * s, h, d).transpose(1, 2)
-        else:
-            h, s, d = pages.shape[1:]  # HND: [B*P, H, S, D]
-            out = (
-                pages.view(g.batch_size, g.pages, h, s, d)
-                .permute(0, 2, 1, 3, 4)
-                .reshape(g.batch_size, h, g.pages * s, d)
-            )
+        out = self._padded(cache)
+        if out.dtype != self._compute_dtype:
+            out = out.to(self._compute_dtype)
         if self._attn_mask is None and self._sdpa is not None:
             return out  # uniform lengths: keys past kv_len are cut, there is no padding page
         return out.masked_fill(~self.key_valid, 0)
@@ -487,17 +498,43 @@ class _AttentionPlan:
             )
 
 
+class _RaggedPlan(_AttentionPlan):
+    """Padded-gather attention over keys and values packed per request (ragged-KV prefill)."""
+
+    BUFFERS: ClassVar[tuple[str, ...]] = ("kv_index", "q_index", "out_index", "mask", "key_valid")
+    kv_index: torch.Tensor  # [batch * keys] row of k and v gathered into each padded key slot
+
+    def _geometry(self, batch: RaggedBatch, q_len: int, kv_len: int) -> _Geometry:  # type: ignore[override]
+        return _Geometry(batch.batch_size, batch.num_qo_tokens, q_len, kv_len, batch.num_kv_tokens)
+
+    def _indices(self, batch: RaggedBatch, causal: bool) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        g = self.geometry
+        dev = batch.on(self.device)
+        out = self._rows_and_mask(dev.qo_indptr, dev.qo_lens, dev.kv_lens, causal, None)
+        j = torch.arange(g.keys, device=self.device)
+        last_key = (dev.kv_lens.long() - 1).clamp(min=0)
+        kv_index = dev.kv_indptr[:-1].long()[:, None] + torch.minimum(j[None, :], last_key[:, None])
+        out["kv_index"] = kv_index.clamp(0, max(g.kv_tokens - 1, 0)).reshape(-1)
+        return out
+
+    def _padded(self, rows: torch.Tensor) -> torch.Tensor:
+        g = self.geometry
+        keys = rows.index_select(0, self.kv_index)  # [B*K, H, D]
+        return keys.view(g.batch_size, g.keys, *keys.shape[1:]).transpose(1, 2)
+
+
 def _plan_attention(
-    problem: PrefillProblem | DecodeProblem,
-    batch: PagedBatch,
+    problem: _Attention,
+    batch: Batch,
     tactic: Tactic,
     options: PlanOptions,
-) -> _AttentionPlan | None:
+    plan: type[_AttentionPlan] = _AttentionPlan,
+) -> _AttentionPlan:
     concrete = _concrete(problem, tactic, batch)
     reasons = _attention_reasons(problem, concrete, batch)
     if reasons:
         raise UnsupportedProblemError(NAME, problem, reasons)
-    return _AttentionPlan(problem, batch, concrete, options)
+    return plan(problem, batch, concrete, options)
 
 
 @hookimpl
@@ -512,6 +549,13 @@ def tactix_plan_decode(
     problem: DecodeProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions
 ) -> _AttentionPlan | None:
     return _plan_attention(problem, batch, tactic, options)
+
+
+@hookimpl
+def tactix_plan_ragged_prefill(
+    problem: RaggedPrefillProblem, batch: RaggedBatch, tactic: Tactic, options: PlanOptions
+) -> _AttentionPlan | None:
+    return _plan_attention(problem, batch, tactic, options, _RaggedPlan)
 
 
 # --------------------------------------------------------------------------------------------

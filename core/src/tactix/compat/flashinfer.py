@@ -1,7 +1,9 @@
-"""FlashInfer's paged-attention wrappers on top of tactix: switch by changing an import.
+"""FlashInfer's attention wrappers on top of tactix: switch by changing an import.
 
     # from flashinfer import BatchPrefillWithPagedKVCacheWrapper, BatchDecodeWithPagedKVCacheWrapper
     from tactix.compat.flashinfer import BatchPrefillWithPagedKVCacheWrapper, BatchDecodeWithPagedKVCacheWrapper
+    # from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
+    from tactix.compat.flashinfer import BatchPrefillWithRaggedKVCacheWrapper   # tactix.RaggedPrefill
 
 Constructor, ``plan`` and ``run`` take FlashInfer's signatures, and the wrappers have the rest of
 FlashInfer's documented members: ``begin_forward`` (another name of ``plan``), ``run_return_lse``
@@ -56,10 +58,14 @@ Differences, all explicit:
   own page-table arguments (``block_tables``, ``seq_lens``).
 * Decode's ``q_len_per_req`` (multi-token decode) is tactix's: ``q`` holds that many rows per
   request, causal among them (`tactix.PagedDecode.plan`).
+* The ragged wrapper (keys and values packed per request, `tactix.RaggedPrefill`) refuses custom
+  masks, multi-item scoring, cuDNN's own ``v_indptr`` / ``o_indptr``, ``o_scale`` and
+  ``lse_layout="HN"``; its ``run`` takes ``lse_base="ln"`` for a natural-log LSE.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import TYPE_CHECKING, Any, Final, get_args
@@ -72,11 +78,13 @@ from tactix.attention import PagedDecode, PagedPrefill
 from tactix.dtypes import DTypeName
 from tactix.errors import InvalidArgumentError, TactixError
 from tactix.problems import KVLayout
+from tactix.ragged import RaggedPrefill
 from tactix.registry import get_registry
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
     "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper",
     "fast_decode_plan",
     "merge_state",
     "merge_state_in_place",
@@ -125,6 +133,13 @@ def _tactix_backend(backend: object) -> str:
 def _unsupported(argument: str, value: object, default: object = None) -> None:
     if value is not default and value != default:
         raise InvalidArgumentError(argument, f"{default!r} (tactix does not implement it)", repr(value))
+
+
+def _refuse_jit(jit_args: object, jit_kwargs: object, variant_owns_mask: object) -> None:
+    """Refuse FlashInfer's custom attention variants (JIT modules of the caller's own kernels)."""
+    _unsupported("jit_args", jit_args)
+    _unsupported("jit_kwargs", jit_kwargs)
+    _unsupported("variant_owns_mask", variant_owns_mask, False)
 
 
 def _unsupported_extras(extras: dict[str, Any]) -> None:
@@ -180,10 +195,10 @@ class _Wrapper:
         self._use_cuda_graph = flag(use_cuda_graph, "use_cuda_graph")
         self._backend = _tactix_backend(backend)
         self._plain = self._make()
-        self._with_lse: PagedPrefill | PagedDecode | None = None
+        self._with_lse: PagedPrefill | PagedDecode | RaggedPrefill | None = None
         self._lse_planned = False  # whether _with_lse holds the last plan's batch
 
-    def _make(self) -> PagedPrefill | PagedDecode:
+    def _make(self) -> PagedPrefill | PagedDecode | RaggedPrefill:
         return self._impl_type(self._kv_layout, backend=self._backend, device=self._device,
                                use_cuda_graph=self._use_cuda_graph)  # fmt: skip
 
@@ -213,7 +228,7 @@ class _Wrapper:
             self._with_lse.plan(**args, return_lse=True)
             self._lse_planned = True
 
-    def _lse_wrapper(self) -> PagedPrefill | PagedDecode:
+    def _lse_wrapper(self) -> PagedPrefill | PagedDecode | RaggedPrefill:
         if not self._args:
             raise TactixError(f"{type(self).__name__}: call plan() before run()")
         if self._with_lse is None:
@@ -236,7 +251,7 @@ class _Wrapper:
     def _run(
         self,
         q: torch.Tensor,
-        paged_kv_cache: Any,
+        kv: tuple[Any, ...],
         args: tuple[Any, ...],
         q_scale: Any,
         k_scale: Any,
@@ -248,7 +263,9 @@ class _Wrapper:
         window_left: int | None,
         sinks: Any,
         kv_cache_sf: Any,
+        lse_base: str = "log2",
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``kv``: what the tactix wrapper's ``run`` takes after ``q`` (the paged cache, or k and v)."""
         flag(return_lse, "return_lse")
         if enable_pdl is not None:
             flag(enable_pdl, "enable_pdl")  # a launch hint each tactix backend decides for itself
@@ -264,21 +281,21 @@ class _Wrapper:
         planned_window = self._args.get("window_left", -1)
         if window_left is not None and window_left != planned_window:
             raise InvalidArgumentError("window_left", f"None or the planned {planned_window}", window_left)
+        if lse_base not in ("log2", "ln"):
+            raise InvalidArgumentError("lse_base", "'log2' (FlashInfer's default) or 'ln'", repr(lse_base))
         if not (return_lse or lse is not None):
-            return self._plain.run(q, paged_kv_cache, out=out, k_scale=k_scale, v_scale=v_scale)
-        result = self._lse_wrapper().run(q, paged_kv_cache, out=out, lse=lse, return_lse=True, k_scale=k_scale,
+            return self._plain.run(q, *kv, out=out, k_scale=k_scale, v_scale=v_scale)
+        result = self._lse_wrapper().run(q, *kv, out=out, lse=lse, return_lse=True, k_scale=k_scale,
                                          v_scale=v_scale)  # fmt: skip
         assert isinstance(result, tuple)
         o, natural = result
-        natural.mul_(_LOG2E)  # FlashInfer's LSE is base 2
+        if lse_base == "log2":
+            natural.mul_(_LOG2E)  # FlashInfer's LSE is base 2 unless asked for in natural log
         return o, natural
 
-    def run_return_lse(
-        self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *args: Any,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def run_return_lse(self, q: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``run(..., return_lse=True)``: the output and its base-2 LSE."""
-        result = self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)  # type: ignore[attr-defined]
+        result = self.run(q, *args, return_lse=True, **kwargs)  # type: ignore[attr-defined]
         assert isinstance(result, tuple)
         return result
 
@@ -319,9 +336,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         variant_owns_mask: bool = False,
     ) -> None:
         del custom_mask_buf, mask_indptr_buf  # CUDA-graph buffers: tactix plans keep their own
-        _unsupported("jit_args", jit_args)
-        _unsupported("jit_kwargs", jit_kwargs)
-        _unsupported("variant_owns_mask", variant_owns_mask, False)
+        _refuse_jit(jit_args, jit_kwargs, variant_owns_mask)
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
 
     def plan(
@@ -396,7 +411,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         sinks: torch.Tensor | None = None,
         kv_cache_sf: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return self._run(q, paged_kv_cache, args, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
+        return self._run(q, (paged_kv_cache,), args, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
                          window_left, sinks, kv_cache_sf)  # fmt: skip
 
     def forward(
@@ -460,7 +475,180 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         _unsupported("use_fp16_qk_reduction", use_fp16_qk_reduction, False)
         self._replan_for(causal=flag(causal, "causal"), sm_scale=sm_scale, window_left=window_left,
                          logits_soft_cap=logits_soft_cap)  # fmt: skip
-        return self._run(q, paged_kv_cache, (), None, k_scale, v_scale, None, None, return_lse, None, None, None, None)
+        return self._run(q, (paged_kv_cache,), (), None, k_scale, v_scale, None, None, return_lse, None, None, None,
+                         None)  # fmt: skip
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
+    """FlashInfer's ``BatchPrefillWithRaggedKVCacheWrapper`` served by tactix's `RaggedPrefill` (see
+    the module docs). ``k`` and ``v`` are ``[kv_indptr[-1], num_kv_heads, head_dim]`` (``NHD``) or
+    ``[num_kv_heads, kv_indptr[-1], head_dim]`` (``HND``, handed to tactix as a transposed view)."""
+
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        qo_indptr_buf: torch.Tensor | None = None,
+        kv_indptr_buf: torch.Tensor | None = None,
+        custom_mask_buf: torch.Tensor | None = None,
+        mask_indptr_buf: torch.Tensor | None = None,
+        backend: str = "auto",
+        jit_args: list[Any] | None = None,
+        jit_kwargs: dict[str, Any] | None = None,
+        variant_owns_mask: bool = False,
+    ) -> None:
+        del qo_indptr_buf, kv_indptr_buf, custom_mask_buf, mask_indptr_buf  # CUDA-graph buffers: plans keep their own
+        _refuse_jit(jit_args, jit_kwargs, variant_owns_mask)
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
+
+    def _make(self) -> RaggedPrefill:
+        return RaggedPrefill(backend=self._backend, device=self._device, use_cuda_graph=self._use_cuda_graph)
+
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        head_dim_vo: int | None = None,
+        custom_mask: torch.Tensor | None = None,
+        packed_custom_mask: torch.Tensor | None = None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        q_data_type: torch.dtype | str = "float16",
+        kv_data_type: torch.dtype | str | None = None,
+        o_data_type: torch.dtype | str | None = None,
+        non_blocking: bool = True,
+        prefix_len_ptr: torch.Tensor | None = None,
+        token_pos_in_items_ptr: torch.Tensor | None = None,
+        token_pos_in_items_len: int = 0,
+        max_item_len_ptr: torch.Tensor | None = None,
+        fixed_split_size: int | None = None,
+        disable_split_kv: bool = False,
+        seq_lens: torch.Tensor | None = None,
+        seq_lens_q: torch.Tensor | None = None,
+        max_token_per_sequence: int | None = None,
+        max_sequence_kv: int | None = None,
+        v_indptr: torch.Tensor | None = None,
+        o_indptr: torch.Tensor | None = None,
+        uniform_q_len: int | None = None,
+        **unsupported: Any,
+    ) -> None:
+        """FlashInfer's ``plan``. Refused by name: custom masks (tactix's ragged prefill has none:
+        `tactix.PagedPrefill` serves them), rotary embedding and fp16 QK reduction inside the kernel,
+        multi-item scoring (``prefix_len_ptr``, ``token_pos_in_items_ptr``, ``max_item_len_ptr``),
+        and cuDNN's separate ``v_indptr`` / ``o_indptr``. Accepted and not needed: the scheduling
+        hints (``fixed_split_size``, ``disable_split_kv``, ``uniform_q_len``, ``non_blocking``) and
+        the lengths FlashInfer's cuDNN path takes besides the indptrs (``seq_lens``, ``seq_lens_q``,
+        ``max_token_per_sequence``, ``max_sequence_kv``), which tactix derives from the indptrs.
+        ``rope_scale`` and ``rope_theta``, which only rotary embedding reads, are unused."""
+        for name, mask in (("custom_mask", custom_mask), ("packed_custom_mask", packed_custom_mask)):
+            if mask is not None:
+                raise InvalidArgumentError(name, "None: tactix's ragged-KV prefill takes no custom mask (its paged "
+                                           "prefill does: BatchPrefillWithPagedKVCacheWrapper)", "a mask")  # fmt: skip
+        _unsupported("pos_encoding_mode", pos_encoding_mode, "NONE")
+        _unsupported("use_fp16_qk_reduction", use_fp16_qk_reduction, False)
+        for name, value in (
+            ("prefix_len_ptr", prefix_len_ptr),
+            ("token_pos_in_items_ptr", token_pos_in_items_ptr),
+            ("max_item_len_ptr", max_item_len_ptr),
+            ("v_indptr", v_indptr),
+            ("o_indptr", o_indptr),
+        ):
+            _unsupported(name, value)  # fmt: skip
+        _unsupported("token_pos_in_items_len", token_pos_in_items_len, 0)
+        flag(non_blocking, "non_blocking")  # a copy hint: tactix plans make their own metadata copies
+        flag(disable_split_kv, "disable_split_kv")  # a scheduling hint, as fixed_split_size is
+        _unsupported_extras(unsupported)
+        _refuse_nvfp4("kv_data_type", kv_data_type)
+        self._plan(
+            qo_indptr=qo_indptr,
+            kv_indptr=kv_indptr,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim_qk=head_dim_qk,
+            head_dim_vo=head_dim_vo,
+            causal=causal,
+            sm_scale=sm_scale,
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            q_data_type=q_data_type,
+            kv_data_type=kv_data_type,
+            o_data_type=o_data_type,
+        )
+
+    begin_forward = plan
+
+    def _kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, ...]:
+        """``k`` and ``v`` as tactix reads them: ``[tokens, heads, dim]`` (an HND pair transposed)."""
+        if self._kv_layout == "NHD":
+            return k, v
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                given = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise InvalidArgumentError(name, "a 3-D tensor [num_kv_heads, kv_indptr[-1], head_dim] (HND)", given)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *args: Any,
+        q_scale: float | None = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        o_scale: float | None = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        return_lse: bool = False,
+        lse_base: str = "log2",
+        lse_layout: str = "NH",
+        enable_pdl: bool | None = None,
+        kv_cache_sf: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """FlashInfer's ``run``: the output, or ``(out, lse)`` with the LSE in base 2 (``lse_base="ln"``:
+        natural log) as ``[qo_indptr[-1], num_qo_heads]`` (``lse_layout="NH"``; ``"HN"`` is refused:
+        transpose the result). ``k_scale`` and ``v_scale`` as in FlashInfer: logits ``(q . k) * k_scale *
+        sm_scale``, the output from ``v * v_scale``; ``q_scale`` and ``o_scale`` are refused."""
+        _unsupported("o_scale", o_scale)
+        _unsupported("lse_layout", lse_layout, "NH")
+        return self._run(q, self._kv(k, v), args, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
+                         None, None, kv_cache_sf, lse_base)  # fmt: skip
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        *,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Deprecated in FlashInfer (use `run`): attention with these arguments replacing the planned
+        ones (``forward_return_lse``: with the base-2 LSE)."""
+        _unsupported("pos_encoding_mode", pos_encoding_mode, "NONE")
+        _unsupported("use_fp16_qk_reduction", use_fp16_qk_reduction, False)
+        self._replan_for(causal=flag(causal, "causal"), sm_scale=sm_scale, window_left=window_left,
+                         logits_soft_cap=logits_soft_cap)  # fmt: skip
+        return self._run(q, self._kv(k, v), (), None, None, None, None, None, return_lse, None, None, None, None)
+
+    forward_return_lse = functools.partialmethod(forward, return_lse=True)
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
@@ -599,7 +787,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         if q_len_per_req is not None and q_len_per_req != planned:
             raise InvalidArgumentError("q_len_per_req", f"None or the planned {planned} (rows per request are "
                                        "fixed at plan)", repr(q_len_per_req))  # fmt: skip
-        return self._run(q, paged_kv_cache, args, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
+        return self._run(q, (paged_kv_cache,), args, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
                          window_left, sinks, kv_cache_sf)  # fmt: skip
 
     def forward(
@@ -658,7 +846,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         _unsupported("pos_encoding_mode", pos_encoding_mode, "NONE")
         self._replan_for(sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap)
-        return self._run(q, paged_kv_cache, (), q_scale, k_scale, v_scale, None, None, return_lse, None, None, None,
+        return self._run(q, (paged_kv_cache,), (), q_scale, k_scale, v_scale, None, None, return_lse, None, None, None,
                          None)  # fmt: skip
 
 

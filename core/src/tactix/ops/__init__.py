@@ -5,13 +5,14 @@ everything in core that depends on the set of ops iterates it. Adding an op is a
 (its problem, capabilities, plan protocol and plan hookspec, and its ``DEFINITION``), a line
 below, and the op's user-facing wrapper; backends then implement its plan hook.
 
-==========  =====================================  ================================
-op          problem                                capabilities
-==========  =====================================  ================================
-prefill     `PrefillProblem` (ops/prefill.py)      `AttentionCapabilities`
-decode      `DecodeProblem` (ops/decode.py)        `AttentionCapabilities`
-gemm        `GemmProblem` (ops/gemm.py)            `GemmCapabilities`
-==========  =====================================  ================================
+==============  ===============================================  ============================
+op              problem                                          capabilities
+==============  ===============================================  ============================
+prefill         `PrefillProblem` (ops/prefill.py)                `AttentionCapabilities`
+decode          `DecodeProblem` (ops/decode.py)                  `AttentionCapabilities`
+ragged_prefill  `RaggedPrefillProblem` (ops/ragged_prefill.py)   `RaggedPrefillCapabilities`
+gemm            `GemmProblem` (ops/gemm.py)                      `GemmCapabilities`
+==============  ===============================================  ============================
 """
 
 from __future__ import annotations
@@ -19,18 +20,28 @@ from __future__ import annotations
 from typing import Final, Literal
 
 from tactix.errors import InvalidArgumentError
-from tactix.ops import decode, gemm, prefill
-from tactix.ops.attention import AttentionCapabilities, AttentionPlan, AttentionProblem
+from tactix.ops import decode, gemm, prefill, ragged_prefill
+from tactix.ops.attention import (
+    AttentionCapabilities,
+    AttentionCapabilitiesBase,
+    AttentionPlan,
+    AttentionProblem,
+    AttentionProblemBase,
+)
 from tactix.ops.decode import DecodeProblem
 from tactix.ops.definition import OpDefinition
 from tactix.ops.gemm import GemmCapabilities, GemmDTypes, GemmPlan, GemmProblem
 from tactix.ops.prefill import PrefillProblem
+from tactix.ops.ragged_prefill import RaggedPrefillCapabilities, RaggedPrefillPlan, RaggedPrefillProblem
 
 __all__ = [
     "OPS",
+    "AnyProblem",
     "AttentionCapabilities",
+    "AttentionCapabilitiesBase",
     "AttentionPlan",
     "AttentionProblem",
+    "AttentionProblemBase",
     "Capabilities",
     "DecodeProblem",
     "GemmCapabilities",
@@ -41,16 +52,26 @@ __all__ = [
     "OpDefinition",
     "PrefillProblem",
     "Problem",
+    "RaggedPrefillCapabilities",
+    "RaggedPrefillPlan",
+    "RaggedPrefillProblem",
     "definition",
 ]
 
-OPS: Final[dict[str, OpDefinition]] = {m.DEFINITION.name: m.DEFINITION for m in (prefill, decode, gemm)}
+OPS: Final[dict[str, OpDefinition]] = {m.DEFINITION.name: m.DEFINITION for m in (prefill, decode, ragged_prefill, gemm)}
 """Every op, by name, in the order listings show them."""
 
-Op = Literal["prefill", "decode", "gemm"]
+Op = Literal["prefill", "decode", "ragged_prefill", "gemm"]
 """An op's name (for type checkers; `OPS` is the registry)."""
 Problem = PrefillProblem | DecodeProblem | GemmProblem
-Capabilities = AttentionCapabilities | GemmCapabilities
+"""The problem of a paged-attention or GEMM op: what a backend that implements only those ops
+receives in its shared hooks (``tactix_check``, ``tactix_tactics``), and how the shipped plugins
+annotate them. It does not grow with the registry: a wider union would fail the type checks of
+every plugin that tells its problems apart with ``isinstance`` and none of which serves the new
+op, where a new op must cost only the plugins that serve it."""
+AnyProblem = Problem | RaggedPrefillProblem
+"""The problem of any op of the registry (what the core's annotations take)."""
+Capabilities = AttentionCapabilities | RaggedPrefillCapabilities | GemmCapabilities
 
 assert tuple(OPS) == Op.__args__, "Op must list the registry's ops"  # type: ignore[attr-defined]
 

@@ -1,5 +1,11 @@
-"""What the two paged-attention ops (prefill and decode) share: the problem fields, the
-capabilities a backend declares for them, and the plan protocol their ``run`` follows."""
+"""What the attention ops share: the problem fields, the capabilities a backend declares for them,
+and the plan protocol their ``run`` follows.
+
+`AttentionProblemBase` and `AttentionCapabilitiesBase` hold what every attention op has (heads,
+head dims, dtypes, masking, window, soft-cap, LSE); `AttentionProblem` and `AttentionCapabilities`
+add the paged KV cache of prefill and decode (page size, layout, custom masks, rows per decode
+request). Ragged-KV prefill (`tactix.ops.ragged_prefill`) builds on the bases alone.
+"""
 
 from __future__ import annotations
 
@@ -21,23 +27,25 @@ from tactix.tactics import Tactic
 __all__ = [
     "ATTENTION_EXTRAS",
     "AttentionCapabilities",
+    "AttentionCapabilitiesBase",
     "AttentionPlan",
     "AttentionProblem",
+    "AttentionProblemBase",
     "attention_tuner_inputs",
+    "query_tensors",
     "scale_value",
 ]
 
 
-class AttentionProblem(ProblemBase):
-    """The fields of a paged-attention problem (`PrefillProblem` and `DecodeProblem` add theirs)."""
+class AttentionProblemBase(ProblemBase):
+    """The fields of every attention problem (the paged ops' `AttentionProblem` and ragged-KV
+    prefill's `RaggedPrefillProblem` add theirs)."""
 
     device_type: str = Field(description="torch device type of the tensors: 'cpu', 'cuda', ...")
     num_qo_heads: int = Field(ge=1)
     num_kv_heads: int = Field(ge=1)
     head_dim_qk: int = Field(ge=1)
     head_dim_vo: int = Field(ge=1)
-    page_size: int = Field(ge=1)
-    kv_layout: KVLayout
     q_dtype: DTypeName
     kv_dtype: DTypeName
     out_dtype: DTypeName
@@ -74,9 +82,14 @@ class AttentionProblem(ProblemBase):
     """Whether requests have any number of query rows (prefill: ``qo_indptr``) or exactly one
     (decode)."""
 
-    def masking_reasons(self, caps: AttentionCapabilities) -> list[str]:
-        """Why ``caps`` cannot mask this problem as it asks (prefill: causal or not)."""
+    def masking_reasons(self, caps: Any) -> list[str]:
+        """Why ``caps`` (the op's capabilities model) cannot mask this problem as it asks (prefill:
+        causal or not, a custom mask; decode: its rows per request)."""
         del caps
+        return []
+
+    def _layout_label(self) -> list[str]:
+        """The label parts of where the keys live (paged: page size and layout)."""
         return []
 
     def _label(self) -> str:
@@ -88,13 +101,7 @@ class AttentionProblem(ProblemBase):
         dtype = SHORT_NAMES[self.q_dtype]
         if self.kv_dtype != self.q_dtype:
             dtype += f"/{SHORT_NAMES[self.kv_dtype]}"
-        parts = [
-            dtype,
-            f"h{self.num_qo_heads}/{self.num_kv_heads}",
-            dims,
-            f"p{self.page_size}",
-            self.kv_layout,
-        ]
+        parts = [dtype, f"h{self.num_qo_heads}/{self.num_kv_heads}", dims, *self._layout_label()]
         if self.ragged_queries and getattr(self, "causal", False):  # decode's rows: its own label part
             parts.append("causal")
         if getattr(self, "custom_mask", False):
@@ -115,34 +122,38 @@ class AttentionProblem(ProblemBase):
         return f"{self.op}[{self._label()}]"
 
 
-class AttentionCapabilities(CapabilitiesBase):
-    """Declared support of a paged prefill or decode implementation."""
+class AttentionProblem(AttentionProblemBase):
+    """The fields of a paged-attention problem (`PrefillProblem` and `DecodeProblem` add theirs)."""
+
+    page_size: int = Field(ge=1)
+    kv_layout: KVLayout
+
+    def _layout_label(self) -> list[str]:
+        return [f"p{self.page_size}", self.kv_layout]
+
+
+class AttentionCapabilitiesBase(CapabilitiesBase):
+    """Declared support of an attention implementation: what every attention op declares."""
 
     q_dtypes: frozenset[DTypeName]
     kv_dtypes: frozenset[DTypeName]
     out_dtypes: frozenset[DTypeName]
     head_dims: frozenset[int] | None = Field(description="supported head dims; None: any")
     different_vo_head_dim: bool = Field(default=False, description="head_dim_vo may differ from head_dim_qk")
-    page_sizes: frozenset[int] | None = Field(description="supported page sizes; None: any")
-    kv_layouts: frozenset[KVLayout]
     max_gqa_ratio: int | None = Field(default=None, description="None: any ratio")
     causal: bool = True
     non_causal: bool = True
     chunked: bool = Field(default=True, description="prefill with kv longer than q (bottom-right causal alignment)")
-    custom_mask: bool = Field(
-        default=False, description="prefill: a custom mask per batch (FlashInfer's custom_mask / packed_custom_mask)"
-    )
-    max_q_len_per_req: int | None = Field(
-        default=1,
-        ge=1,
-        description="decode: the most query rows per request (multi-token decode, causal among them; "
-        "None: any). Beyond it the core plans the backend's prefill, if it has one",
-    )
     sliding_window: bool = False
     logits_soft_cap: bool = False
     lse: bool = False
 
-    def reasons(self, problem: AttentionProblem) -> list[str]:  # type: ignore[override]
+    def _layout_reasons(self, problem: Any) -> list[str]:
+        """Why the keys' storage falls outside these capabilities (paged: page size and layout)."""
+        del problem
+        return []
+
+    def reasons(self, problem: AttentionProblemBase) -> list[str]:  # type: ignore[override]
         """Why ``problem`` falls outside these capabilities (empty list: it does not)."""
         out = self.device_reasons(problem)
         if problem.q_dtype not in self.q_dtypes:
@@ -158,10 +169,7 @@ class AttentionCapabilities(CapabilitiesBase):
                     out.append(f"{name} {value} not in {format_set(self.head_dims)}")
         if not self.different_vo_head_dim and problem.head_dim_qk != problem.head_dim_vo:
             out.append("head_dim_vo must equal head_dim_qk")
-        if self.page_sizes is not None and problem.page_size not in self.page_sizes:
-            out.append(f"page size {problem.page_size} not in {format_set(self.page_sizes)}")
-        if problem.kv_layout not in self.kv_layouts:
-            out.append(f"kv layout {problem.kv_layout} not in {format_set(self.kv_layouts)}")
+        out += self._layout_reasons(problem)
         if self.max_gqa_ratio is not None and problem.gqa_ratio > self.max_gqa_ratio:
             out.append(f"GQA ratio {problem.gqa_ratio} above {self.max_gqa_ratio}")
         out += problem.masking_reasons(self)
@@ -172,6 +180,42 @@ class AttentionCapabilities(CapabilitiesBase):
         if problem.return_lse and not self.lse:
             out.append("LSE output not supported")
         return out
+
+
+class AttentionCapabilities(AttentionCapabilitiesBase):
+    """Declared support of a paged prefill or decode implementation."""
+
+    page_sizes: frozenset[int] | None = Field(description="supported page sizes; None: any")
+    kv_layouts: frozenset[KVLayout]
+    custom_mask: bool = Field(
+        default=False, description="prefill: a custom mask per batch (FlashInfer's custom_mask / packed_custom_mask)"
+    )
+    max_q_len_per_req: int | None = Field(
+        default=1,
+        ge=1,
+        description="decode: the most query rows per request (multi-token decode, causal among them; "
+        "None: any). Beyond it the core plans the backend's prefill, if it has one",
+    )
+
+    def _layout_reasons(self, problem: AttentionProblem) -> list[str]:
+        out = []
+        if self.page_sizes is not None and problem.page_size not in self.page_sizes:
+            out.append(f"page size {problem.page_size} not in {format_set(self.page_sizes)}")
+        if problem.kv_layout not in self.kv_layouts:
+            out.append(f"kv layout {problem.kv_layout} not in {format_set(self.kv_layouts)}")
+        return out
+
+
+def query_tensors(
+    problem: AttentionProblemBase, rows: int, device: torch.device, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Random ``q`` of ``rows`` query rows, and the ``out`` (and ``lse``, if the problem returns it)
+    they fill: what the autotuner times an attention plan with, besides its keys and values."""
+    q = random_tensor((rows, problem.num_qo_heads, problem.head_dim_qk), to_torch_dtype(problem.q_dtype), device, gen)
+    out = torch.empty(rows, problem.num_qo_heads, problem.head_dim_vo, dtype=to_torch_dtype(problem.out_dtype),
+                      device=device)  # fmt: skip
+    lse = torch.empty(rows, problem.num_qo_heads, dtype=torch.float32, device=device) if problem.return_lse else None
+    return q, out, lse
 
 
 def attention_tuner_inputs(
@@ -195,12 +239,8 @@ def attention_tuner_inputs(
     k_shape = (n, *page_shape(problem.kv_layout, s, hkv, problem.head_dim_qk))
     v_shape = (n, *page_shape(problem.kv_layout, s, hkv, problem.head_dim_vo))
     kv_dtype = to_torch_dtype(problem.kv_dtype)
-    rows = batch.num_qo_tokens
-    q = random_tensor((rows, problem.num_qo_heads, problem.head_dim_qk), to_torch_dtype(problem.q_dtype), device, gen)
+    q, out, lse = query_tensors(problem, batch.num_qo_tokens, device, gen)
     k, v = random_tensor(k_shape, kv_dtype, device, gen), random_tensor(v_shape, kv_dtype, device, gen)
-    out = torch.empty(rows, problem.num_qo_heads, problem.head_dim_vo, dtype=to_torch_dtype(problem.out_dtype),
-                      device=device)  # fmt: skip
-    lse = torch.empty(rows, problem.num_qo_heads, dtype=torch.float32, device=device) if problem.return_lse else None
     return TunerInputs(small, (q, k, v, out, lse), out)
 
 

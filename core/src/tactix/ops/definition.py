@@ -15,7 +15,7 @@ from tactix.problems import ProblemBase
 if TYPE_CHECKING:
     import torch
 
-    from tactix.batch import PagedBatch
+    from tactix.batch import Batch
 
 __all__ = ["OpDefinition", "RunExtra", "TunerInputs", "random_tensor"]
 
@@ -24,7 +24,7 @@ __all__ = ["OpDefinition", "RunExtra", "TunerInputs", "random_tensor"]
 class TunerInputs:
     """What the autotuner times a candidate plan on: random data of the problem's shapes."""
 
-    batch: PagedBatch | None
+    batch: Batch | None
     """The batch the plan is made for (None: an op without batch metadata, like GEMM)."""
     args: tuple[Any, ...]
     """What the plan's ``run`` takes, outputs included."""

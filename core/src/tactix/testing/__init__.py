@@ -6,6 +6,7 @@ from tactix.testing.oracle import (
     attention_reference,
     gemm_reference,
     lse_error,
+    ragged_reference,
     relative_error,
     tolerance_for,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "attention_reference",
     "gemm_reference",
     "lse_error",
+    "ragged_reference",
     "relative_error",
     "tolerance_for",
 ]

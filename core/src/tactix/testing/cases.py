@@ -22,21 +22,33 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 
 from tactix.dtypes import SHORT_NAMES, to_torch_dtype
 from tactix.layouts import page_shape
-from tactix.ops import OPS, AttentionCapabilities, AttentionProblem, GemmCapabilities, GemmDTypes, GemmProblem
+from tactix.ops import (
+    OPS,
+    AttentionCapabilities,
+    AttentionCapabilitiesBase,
+    AttentionProblem,
+    GemmCapabilities,
+    GemmDTypes,
+    GemmProblem,
+)
 
 __all__ = [
     "AttentionCase",
     "AttentionInputs",
     "GemmCase",
     "GemmInputs",
+    "RaggedCase",
+    "RaggedInputs",
     "attention_cases",
+    "build_ragged_inputs",
     "gemm_cases",
+    "ragged_cases",
 ]
 
 _STANDARD_DTYPES = ("bfloat16", "float16", "float32")
@@ -46,14 +58,16 @@ _STANDARD_PAGE_SIZES = (1, 16, 64)
 OUTSIDE = 1000.0
 """Magnitude written to every cache slot that belongs to no request of the batch."""
 Stale = Literal["large", "nan", "inf"]
+_C = TypeVar("_C", "AttentionCase", "RaggedCase", "GemmCase")
 """What the cache slots no request owns hold: ``OUTSIDE``-sized values, NaN, or infinities."""
 
 
 @dataclass(frozen=True)
-class AttentionCase:
-    """One prefill or decode conformance case."""
+class _Case:
+    """What the conformance cases of every attention op share (`AttentionCase` for the paged ops,
+    `RaggedCase` for ragged-KV prefill): dtypes, heads, masking, the batch's lengths, run extras."""
 
-    op: str  # a paged-attention op of the registry (tactix.ops.OPS)
+    op: str  # an attention op of the registry (tactix.ops.OPS)
     q_dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
     out_dtype: str = "bfloat16"
@@ -61,8 +75,6 @@ class AttentionCase:
     num_kv_heads: int = 8
     head_dim_qk: int = 128
     head_dim_vo: int = 128
-    page_size: int = 16
-    kv_layout: Literal["NHD", "HND"] = "HND"
     causal: bool = False
     window_left: int = -1
     logits_soft_cap: float = 0.0
@@ -70,14 +82,11 @@ class AttentionCase:
     batch: str = "ragged"
     kv_lens: tuple[int, ...] = (37, 100, 16, 300)
     q_lens: tuple[int, ...] = (1, 1, 1, 1)
-    cache_form: Literal["tuple", "tensor"] = "tuple"
-    q_form: Literal["contiguous", "strided"] = "contiguous"  # strided: q is a view of a fused QKV output
+    q_form: Literal["contiguous", "strided"] = "contiguous"  # strided: views of a fused QKV output
     stale: Stale = "large"
     k_scale: float = 1.0  # run extras: dequantization scales (1.0: not passed)
     v_scale: float = 1.0
     scale_form: Literal["float", "tensor"] = "float"  # tensor: one-element float32 tensors on the device
-    mask: Literal["", "tree", "random"] = ""  # prefill: a custom mask (tree attention, or random with empty rows)
-    mask_form: Literal["bool", "packed"] = "bool"  # packed: bit-packed (packed_custom_mask)
     seed: int = 0
 
     @property
@@ -106,6 +115,25 @@ class AttentionCase:
         return self.causal if self.ragged else self.q_len_per_req > 1
 
     @property
+    def layout_args(self) -> tuple[Any, ...]:
+        """The positional arguments of the op's wrapper (the paged ones: the cache layout)."""
+        return ()
+
+    def _keys(self) -> list[tuple[str, str]]:
+        """(id part, feature tag) of where the keys are (paged: page size and layout)."""
+        return []
+
+    def _rows(self) -> list[tuple[str, str]]:
+        """(id part, feature tag) of which keys each row attends beyond causal (decode's rows, a
+        custom mask)."""
+        return []
+
+    def _forms(self) -> list[tuple[str, str]]:
+        """(id part, feature tag) of how the tensors are handed over (a 5-D cache, views of a fused
+        projection)."""
+        return []
+
+    @property
     def id(self) -> str:
         dtype = SHORT_NAMES[self.q_dtype]
         if self.kv_dtype != self.q_dtype:
@@ -117,23 +145,17 @@ class AttentionCase:
             if self.head_dim_qk == self.head_dim_vo
             else f"d{self.head_dim_qk}x{self.head_dim_vo}"
         )
-        parts = [dtype, f"h{self.num_qo_heads}/{self.num_kv_heads}", dims, f"p{self.page_size}", self.kv_layout]
+        parts = [dtype, f"h{self.num_qo_heads}/{self.num_kv_heads}", dims, *(p for p, _ in self._keys())]
         if self.causal:
             parts.append("causal")
-        if self.q_len_per_req > 1:
-            parts.append(f"q{self.q_len_per_req}")
-        if self.mask:
-            parts.append(f"mask-{self.mask}" + ("-packed" if self.mask_form == "packed" else ""))
+        parts += [p for p, _ in self._rows()]
         if self.window_left >= 0:
             parts.append(f"win{self.window_left}")
         if self.logits_soft_cap > 0:
             parts.append(f"cap{self.logits_soft_cap:g}")
         if self.return_lse:
             parts.append("lse")
-        if self.cache_form == "tensor":
-            parts.append("5d")
-        if self.q_form == "strided":
-            parts.append("qview")
+        parts += [p for p, _ in self._forms()]
         if self.batch != "ragged":
             parts.append(self.batch)
         if self.stale != "large":
@@ -150,8 +172,7 @@ class AttentionCase:
             f"dtype {SHORT_NAMES[self.q_dtype]}"
             + (f"/{SHORT_NAMES[self.kv_dtype]}" if self.kv_dtype != self.q_dtype else ""),
             f"head dim {self.head_dim_qk}" + (f"x{self.head_dim_vo}" if self.head_dim_vo != self.head_dim_qk else ""),
-            f"page size {self.page_size}",
-            f"layout {self.kv_layout}",
+            *(tag for _, tag in self._keys()),
             f"GQA {self.num_qo_heads // self.num_kv_heads}",
             f"batch {self.batch}",
         ]
@@ -159,20 +180,14 @@ class AttentionCase:
             tags.append("causal" if self.causal else "non-causal")
             if self.chunked:
                 tags.append("chunked prefill")
-        elif self.q_len_per_req > 1:
-            tags.append("multi-token decode")
-        if self.mask:
-            tags.append("custom mask" + (" (bit-packed)" if self.mask_form == "packed" else ""))
+        tags += [tag for _, tag in self._rows()]
         if self.window_left >= 0:
             tags.append("sliding window")
         if self.logits_soft_cap > 0:
             tags.append("soft-cap")
         if self.return_lse:
             tags.append("LSE")
-        if self.cache_form == "tensor":
-            tags.append("5-D cache tensor")
-        if self.q_form == "strided":
-            tags.append("strided q (QKV view)")
+        tags += [tag for _, tag in self._forms()]
         if self.stale != "large":
             tags.append(f"{'NaN' if self.stale == 'nan' else 'Inf'} in slots no request owns")
         if self.run_extras:
@@ -185,7 +200,6 @@ class AttentionCase:
             num_kv_heads=self.num_kv_heads,
             head_dim_qk=self.head_dim_qk,
             head_dim_vo=self.head_dim_vo,
-            page_size=self.page_size,
             window_left=self.window_left,
             logits_soft_cap=self.logits_soft_cap or None,
             q_data_type=to_torch_dtype(self.q_dtype),
@@ -202,6 +216,74 @@ class AttentionCase:
     @property
     def sm_scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim_qk)
+
+
+@dataclass(frozen=True)
+class AttentionCase(_Case):
+    """One prefill or decode conformance case."""
+
+    page_size: int = 16
+    kv_layout: Literal["NHD", "HND"] = "HND"
+    cache_form: Literal["tuple", "tensor"] = "tuple"
+    mask: Literal["", "tree", "random"] = ""  # prefill: a custom mask (tree attention, or random with empty rows)
+    mask_form: Literal["bool", "packed"] = "bool"  # packed: bit-packed (packed_custom_mask)
+
+    @property
+    def layout_args(self) -> tuple[Any, ...]:
+        return (self.kv_layout,)
+
+    def _keys(self) -> list[tuple[str, str]]:
+        return [(f"p{self.page_size}", f"page size {self.page_size}"), (self.kv_layout, f"layout {self.kv_layout}")]
+
+    def _rows(self) -> list[tuple[str, str]]:
+        rows = [(f"q{self.q_len_per_req}", "multi-token decode")] if self.q_len_per_req > 1 else []
+        if self.mask:
+            packed = self.mask_form == "packed"
+            rows.append((f"mask-{self.mask}" + ("-packed" if packed else ""),
+                         "custom mask" + (" (bit-packed)" if packed else "")))  # fmt: skip
+        return rows
+
+    def _forms(self) -> list[tuple[str, str]]:
+        return ([("5d", "5-D cache tensor")] if self.cache_form == "tensor" else []) + (
+            [("qview", "strided q (QKV view)")] if self.q_form == "strided" else []
+        )
+
+    def plan_kwargs(self) -> dict[str, Any]:
+        return {**super().plan_kwargs(), "page_size": self.page_size}
+
+
+@dataclass(frozen=True)
+class RaggedCase(_Case):
+    """One ragged-KV prefill conformance case: request ``b``'s ``q_lens[b]`` query rows over its
+    ``kv_lens[b]`` rows of packed keys and values."""
+
+    @property
+    def ragged(self) -> bool:
+        return True
+
+    def _forms(self) -> list[tuple[str, str]]:
+        return [("qkvview", "strided q, k, v (views of fused projections)")] if self.q_form == "strided" else []
+
+
+def _run_extra_values(case: _Case, device: torch.device) -> dict[str, Any]:
+    """The run extras ``run()`` receives: floats, or one-element float32 tensors on ``device``."""
+    extras: dict[str, Any] = {}
+    for name in sorted(case.run_extras):
+        value = getattr(case, name)
+        extras[name] = torch.tensor(value, dtype=torch.float32, device=device) if case.scale_form == "tensor" else value
+    return extras
+
+
+def _outputs(case: _Case, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``out`` (and ``lse``, if the case asks for it) filled with NaN, so unwritten elements show."""
+    out = torch.full((rows, case.num_qo_heads, case.head_dim_vo), float("nan"), device=device,
+                     dtype=to_torch_dtype(case.out_dtype))  # fmt: skip
+    lse = (
+        torch.full((rows, case.num_qo_heads), float("nan"), device=device, dtype=torch.float32)
+        if case.return_lse
+        else None
+    )
+    return out, lse
 
 
 @dataclass
@@ -234,6 +316,17 @@ class AttentionInputs:
             return (torch.zeros_like(self.qo_indptr), self.kv_indptr, self.kv_indices, self.kv_last_page_len)
         return (self.kv_indptr[:1], self.kv_indices[:0], self.kv_last_page_len[:0])
 
+    def run_args(self) -> tuple[Any, ...]:
+        """What ``run()`` receives before its keywords."""
+        return (self.q, self.cache)
+
+    def out_of_bounds(self) -> tuple[AttentionInputs, str]:
+        """These inputs with a page one past the cache (another request's memory, or none), which
+        ``run()`` must refuse before reading it, and the argument its error names."""
+        bad = replace(self, kv_indices=self.kv_indices.clone())
+        bad.kv_indices[-1] = self.k_cache.shape[0]
+        return bad, "paged_kv_indices"
+
     def refill(self, case: AttentionCase, generator: torch.Generator) -> None:
         """New random q and cache contents (same metadata), poisoned outputs again."""
         dtype_q, dtype_kv = to_torch_dtype(case.q_dtype), to_torch_dtype(case.kv_dtype)
@@ -242,6 +335,49 @@ class AttentionInputs:
             fresh = _randn(cache.shape, generator)
             fresh = _poison_outside(fresh, self.outside, case.kv_layout, case.stale, dtype_kv)
             cache.copy_(fresh.to(cache.device, dtype_kv))
+        self.poison()
+
+    def poison(self) -> None:
+        self.out.fill_(float("nan"))
+        if self.lse is not None:
+            self.lse.fill_(float("nan"))
+
+
+@dataclass
+class RaggedInputs:
+    """Metadata (host), packed q, k and v (on the device) and the poisoned outputs of a ragged case."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    extras: dict[str, Any] = field(default_factory=dict)
+    mask_kwargs: dict[str, Any] = field(default_factory=dict)  # none: ragged-KV prefill has no custom mask
+
+    def plan_args(self, op: str) -> tuple[torch.Tensor, ...]:
+        del op
+        return (self.qo_indptr, self.kv_indptr)
+
+    def empty_plan_args(self, op: str) -> tuple[torch.Tensor, ...]:
+        """`plan_args` of an empty batch: the same requests and keys with no query row."""
+        del op
+        return (torch.zeros_like(self.qo_indptr), self.kv_indptr)
+
+    def run_args(self) -> tuple[Any, ...]:
+        return (self.q, self.k, self.v)
+
+    def out_of_bounds(self) -> tuple[RaggedInputs, str]:
+        """These inputs with a ``k`` one row short of ``kv_indptr[-1]`` (a kernel would read past
+        its end), which ``run()`` must refuse, and the argument its error names."""
+        return replace(self, k=self.k[:-1]), "'k'"
+
+    def refill(self, case: RaggedCase, generator: torch.Generator) -> None:
+        """New random q, k and v (same metadata), poisoned outputs again."""
+        for t, dtype in ((self.q, case.q_dtype), (self.k, case.kv_dtype), (self.v, case.kv_dtype)):
+            t.copy_(_randn(t.shape, generator).to(t.device, to_torch_dtype(dtype)))
         self.poison()
 
     def poison(self) -> None:
@@ -291,8 +427,7 @@ def build_attention_inputs(case: AttentionCase, device: torch.device) -> Attenti
     hkv = case.num_kv_heads
     shape_k = (total, *page_shape(case.kv_layout, page, hkv, case.head_dim_qk))
     shape_v = (total, *page_shape(case.kv_layout, page, hkv, case.head_dim_vo))
-    dtype_q, dtype_kv, dtype_out = (to_torch_dtype(case.q_dtype), to_torch_dtype(case.kv_dtype),
-                                    to_torch_dtype(case.out_dtype))  # fmt: skip
+    dtype_q, dtype_kv = to_torch_dtype(case.q_dtype), to_torch_dtype(case.kv_dtype)
     k = _poison_outside(_randn(shape_k, gen), outside, case.kv_layout, case.stale, dtype_kv).to(device, dtype_kv)
     v = _poison_outside(_randn(shape_v, gen), outside, case.kv_layout, case.stale, dtype_kv).to(device, dtype_kv)
     if case.cache_form == "tensor":
@@ -303,20 +438,9 @@ def build_attention_inputs(case: AttentionCase, device: torch.device) -> Attenti
     rows = qo[-1]
     q = _randn((rows, case.num_qo_heads, case.head_dim_qk), gen).to(device, dtype_q)
     if case.q_form == "strided":  # q as a slice of a fused [rows, (hq + 2 hkv) * d] projection
-        fused = torch.zeros(rows, (case.num_qo_heads + 2 * hkv) * case.head_dim_qk, device=device, dtype=dtype_q)
-        view = fused[:, : case.num_qo_heads * case.head_dim_qk].view(rows, case.num_qo_heads, case.head_dim_qk)
-        view.copy_(q)
-        q = view
-    out = torch.full((rows, case.num_qo_heads, case.head_dim_vo), float("nan"), device=device, dtype=dtype_out)
-    lse = (
-        torch.full((rows, case.num_qo_heads), float("nan"), device=device, dtype=torch.float32)
-        if case.return_lse
-        else None
-    )
-    extras: dict[str, Any] = {}
-    for name in sorted(case.run_extras):
-        value = getattr(case, name)
-        extras[name] = torch.tensor(value, dtype=torch.float32, device=device) if case.scale_form == "tensor" else value
+        q = _view_of_fused(q, (case.num_qo_heads + 2 * hkv) * case.head_dim_qk)
+    out, lse = _outputs(case, rows, device)
+    extras = _run_extra_values(case, device)
     mask, mask_kwargs = None, {}
     if case.mask:
         parts = [_mask(case.mask, q_len, kv_len, gen) for q_len, kv_len in zip(case.q_lens, case.kv_lens, strict=True)]
@@ -327,6 +451,37 @@ def build_attention_inputs(case: AttentionCase, device: torch.device) -> Attenti
             mask_kwargs = {"custom_mask": mask.to(device)}
     return AttentionInputs(_i32(qo), _i32(indptr), _i32(indices), _i32(last), q, k, v, cache, out, lse, outside,
                            extras, mask, mask_kwargs)  # fmt: skip
+
+
+def _view_of_fused(t: torch.Tensor, width: int, offset: int = 0) -> torch.Tensor:
+    """A copy of ``t`` ``[rows, heads, dim]`` that is a strided view: columns ``offset:`` of a
+    ``[rows, width]`` buffer (a fused projection's output, the rest of which is zeros)."""
+    rows, heads, dim = t.shape
+    fused = torch.zeros(rows, width, device=t.device, dtype=t.dtype)
+    view = fused[:, offset : offset + heads * dim].view(rows, heads, dim)
+    view.copy_(t)
+    return view
+
+
+def build_ragged_inputs(case: RaggedCase, device: torch.device) -> RaggedInputs:
+    """Packed q, k and v of a ragged case (with ``q_form="strided"``: each a strided view into a
+    wider buffer, as the outputs of fused projections are), NaN-filled outputs."""
+    gen = torch.Generator().manual_seed(case.seed)
+    qo, kv = [0], [0]
+    for q_len, kv_len in zip(case.q_lens, case.kv_lens, strict=True):
+        qo.append(qo[-1] + q_len)
+        kv.append(kv[-1] + kv_len)
+    hq, hkv, dqk, dvo = case.num_qo_heads, case.num_kv_heads, case.head_dim_qk, case.head_dim_vo
+    dtype_q, dtype_kv = to_torch_dtype(case.q_dtype), to_torch_dtype(case.kv_dtype)
+    q = _randn((qo[-1], hq, dqk), gen).to(device, dtype_q)
+    k = _randn((kv[-1], hkv, dqk), gen).to(device, dtype_kv)
+    v = _randn((kv[-1], hkv, dvo), gen).to(device, dtype_kv)
+    if case.q_form == "strided":
+        q = _view_of_fused(q, (hq + 2 * hkv) * dqk)
+        k = _view_of_fused(k, hkv * (dqk + dvo))
+        v = _view_of_fused(v, hkv * (dqk + dvo), offset=hkv * dqk)
+    out, lse = _outputs(case, qo[-1], device)
+    return RaggedInputs(_i32(qo), _i32(kv), q, k, v, out, lse, _run_extra_values(case, device))
 
 
 def _mask(kind: str, q_len: int, kv_len: int, gen: torch.Generator) -> torch.Tensor:
@@ -355,6 +510,18 @@ def _packbits(bits: torch.Tensor) -> torch.Tensor:
     padded[: bits.numel()] = bits.to(torch.uint8)
     weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
     return (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+
+
+def _unique(cases: list[_C], first_seed: int) -> list[_C]:
+    """``cases`` without repeated ids, each seeded by its place in the list (so adding a case at the
+    end leaves the others' inputs as they were)."""
+    seen: set[str] = set()
+    unique = []
+    for index, case in enumerate(cases):
+        if case.id not in seen:
+            seen.add(case.id)
+            unique.append(replace(case, seed=first_seed + index))
+    return unique
 
 
 def _i32(values: list[int]) -> torch.Tensor:
@@ -506,13 +673,62 @@ def attention_cases(op: str, caps: AttentionCapabilities) -> list[AttentionCase]
             add(kv_dtype=kv_dtype, stale="nan")
             if _ragged(op):
                 add(kv_dtype=kv_dtype, batch="chunked", kv_lens=(1061, 530, 48), q_lens=(37, 530, 17))
-    seen: set[str] = set()
-    unique = []
-    for index, case in enumerate(cases):
-        if case.id not in seen:
-            seen.add(case.id)
-            unique.append(replace(case, seed=1000 * _ragged(op) + index))
-    return unique
+    return _unique(cases, first_seed=1000 * _ragged(op))
+
+
+def _ragged_base(op: str, caps: AttentionCapabilitiesBase) -> RaggedCase:
+    dtype = "bfloat16" if "bfloat16" in caps.q_dtypes else sorted(caps.q_dtypes)[0]
+    kv = dtype if dtype in caps.kv_dtypes else sorted(caps.kv_dtypes)[0]
+    out = dtype if dtype in caps.out_dtypes else sorted(caps.out_dtypes)[0]
+    head = 128 if caps.head_dims is None or 128 in caps.head_dims else sorted(caps.head_dims)[0]
+    # a chunk's new tokens attending themselves: as many keys as query rows, causal; GQA 4 with
+    # fewer heads than the paged base, so that the whole family costs CPUs a few seconds
+    lens = (37, 100, 16, 130)
+    return RaggedCase(op, dtype, kv, out, num_qo_heads=8, num_kv_heads=2, head_dim_qk=head,
+                      head_dim_vo=head, causal=True, kv_lens=lens, q_lens=lens)  # fmt: skip
+
+
+def ragged_cases(op: str, caps: AttentionCapabilitiesBase) -> list[RaggedCase]:
+    """The cases of ragged-KV prefill: one factor at a time from a causal bf16 base of a chunk's new
+    tokens, kept small (the kit runs them on CPUs too), over the declared and the standard values."""
+    base = _ragged_base(op, caps)
+    cases: list[RaggedCase] = [base]
+
+    def add(**changes: Any) -> None:
+        cases.append(replace(base, **changes))
+
+    for dtype in _values(caps.q_dtypes, _STANDARD_DTYPES):
+        if dtype != base.q_dtype and not dtype.startswith("float8"):
+            add(q_dtype=dtype, kv_dtype=dtype, out_dtype=dtype)
+    for head in _values(caps.head_dims, (64, 128)):
+        if head != base.head_dim_qk:
+            add(head_dim_qk=head, head_dim_vo=head)
+    add(head_dim_qk=192, head_dim_vo=128)  # MLA's expanded prefill
+    for qo_heads, kv_heads in ((4, 4), (16, 2)):
+        add(num_qo_heads=qo_heads, num_kv_heads=kv_heads)
+    add(causal=False)
+    add(causal=False, batch="q-longer", kv_lens=(40, 8), q_lens=(64, 16))
+    # chunked prefill (MLA: the whole prefix expanded), requests with no query row (one with keys,
+    # one with none), edges of the lengths, many short requests, a long prefix
+    chunked_kv, chunked_q = (301, 130, 48), (37, 130, 17)
+    add(batch="chunked", kv_lens=chunked_kv, q_lens=chunked_q)
+    add(batch="empty-requests", kv_lens=(37, 0, 16, 5), q_lens=(37, 0, 16, 0))
+    add(batch="edge", kv_lens=(1, 2, 15, 16, 17, 33), q_lens=(1, 1, 15, 3, 17, 1))
+    add(batch="many", kv_lens=tuple(16 + 9 * i for i in range(32)), q_lens=tuple(1 + i % 4 for i in range(32)))
+    add(batch="long", kv_lens=(8192,), q_lens=(64,), num_kv_heads=1)
+    add(window_left=64)
+    add(batch="chunked", kv_lens=chunked_kv, q_lens=chunked_q, window_left=100)
+    add(causal=False, window_left=64)
+    add(logits_soft_cap=30.0)
+    add(return_lse=True)
+    add(return_lse=True, logits_soft_cap=30.0, batch="chunked", kv_lens=chunked_kv, q_lens=chunked_q)
+    add(q_form="strided")
+    add(q_form="strided", head_dim_qk=192, head_dim_vo=128, batch="chunked", kv_lens=chunked_kv, q_lens=chunked_q)
+    # dequantization scales, as floats and as device tensors, and an fp8 k and v they dequantize
+    add(k_scale=0.5, v_scale=2.0, return_lse=True)
+    add(k_scale=0.25, v_scale=0.5, scale_form="tensor")
+    add(kv_dtype=_STANDARD_FP8_KV[0], k_scale=0.5, v_scale=2.0)
+    return _unique(cases, first_seed=3000)
 
 
 # --------------------------------------------------------------------------------------------
@@ -654,10 +870,4 @@ def gemm_cases(op: str, caps: GemmCapabilities) -> list[GemmCase]:
             cases.append(replace(base, m=5, n=33, k=17, label="odd", stale=True))
             cases.append(replace(base, m=127, stale=True))
             cases.append(replace(base, a_k_major=False, b_k_major=False, m=1, stale=True))
-    seen: set[str] = set()
-    unique = []
-    for index, case in enumerate(cases):
-        if case.id not in seen:
-            seen.add(case.id)
-            unique.append(replace(case, seed=2000 + index))
-    return unique
+    return _unique(cases, first_seed=2000)

@@ -9,7 +9,7 @@ import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from tactix.errors import InvalidArgumentError
 from tactix.ops import OPS
@@ -21,6 +21,11 @@ REGENERATE = "tactix support-matrix benchmarks/results/conformance-*.json -o doc
 
 
 _REPORT_KEYS = frozenset({"kit", "device", "torch", "python", "backends", "results"})
+
+OPS_OF_UNLISTED_REPORTS: Final = ("prefill", "decode", "gemm")
+"""The ops of a report that does not list its kit's (``"ops"``): reports written before the kit
+listed them, when it had these three. A row of an op the report's kit did not have would say
+"not implemented" of a backend that was never asked."""
 
 
 def load_reports(paths: Iterable[str | Path], argument: str = "reports") -> list[dict[str, Any]]:
@@ -80,7 +85,8 @@ def render(reports: list[dict[str, Any]]) -> str:
             by_op: dict[str, list[dict[str, Any]]] = defaultdict(list)
             for r in results:
                 by_op[r["op"]].append(r)
-            for op in OPS:
+            known = report.get("ops", OPS_OF_UNLISTED_REPORTS)
+            for op in (op for op in OPS if op in known):
                 counts = Counter(r["outcome"] for r in by_op.get(op, []))
                 if not by_op.get(op):
                     lines.append(f"| {name} | {backend['version']} | {device} | {op} | not implemented | | | |")

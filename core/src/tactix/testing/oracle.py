@@ -1,4 +1,4 @@
-"""A float64 oracle for paged attention and GEMM, and the tolerances results are held to.
+"""A float64 oracle for paged and ragged-KV attention and GEMM, and the tolerances results are held to.
 
 Written plainly on purpose: a loop over requests, pages concatenated one by one, masks built
 from explicit positions, float64 throughout. It shares no code with any backend (the built-in
@@ -24,6 +24,7 @@ __all__ = [
     "attention_tolerance",
     "gemm_reference",
     "lse_error",
+    "ragged_reference",
     "relative_error",
     "tolerance_for",
 ]
@@ -163,45 +164,100 @@ def attention_reference(
     indices = [int(x) for x in kv_indices.tolist()]
     last = [int(x) for x in kv_last_page_len.tolist()]
     sizes = cache_axes(k_cache.shape, kv_layout)
-    page_size, kv_heads = sizes.token, sizes.head
-    rows, qo_heads, _ = q.shape
-    group = qo_heads // kv_heads
-    dim_vo = v_cache.shape[-1]
-    out = torch.zeros(rows, qo_heads, dim_vo, dtype=torch.float64, device=q.device)
-    lse = torch.zeros(rows, qo_heads, dtype=torch.float64, device=q.device)
-
+    page_size = sizes.token
+    out, lse = _empty_outputs(q, v_cache.shape[-1])
     mask_start = 0
     for r in range(len(last)):
         pages = indices[kv[r] : kv[r + 1]]
         kv_len = (len(pages) - 1) * page_size + last[r]
         k = _request_pages(k_cache, pages, kv_layout)[:kv_len]  # [kv_len, kv_heads, d]
         v = _request_pages(v_cache, pages, kv_layout)[:kv_len]
-        head_map = torch.arange(qo_heads, device=q.device) // group
-        k = k[:, head_map]  # one K/V head per query head
-        v = v[:, head_map]
-        q_rows = q[qo[r] : qo[r + 1]].to(torch.float64)  # [q_len, qo_heads, d]
-        q_len = q_rows.shape[0]
-        if q_len == 0:
-            continue
-        logits = torch.einsum("qhd,khd->hqk", q_rows, k) * (k_scale * sm_scale)
-        if logits_soft_cap > 0:
-            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
-        position = torch.arange(q_len, device=q.device) + (kv_len - q_len)  # bottom-right
-        key = torch.arange(kv_len, device=q.device)
-        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
-        if causal:
-            allowed &= key[None, :] <= position[:, None]
-        if window_left >= 0:
-            allowed &= key[None, :] >= position[:, None] - window_left
+        q_len = qo[r + 1] - qo[r]
+        mask = None
         if custom_mask is not None:
-            allowed &= custom_mask[mask_start : mask_start + q_len * kv_len].to(q.device).view(q_len, kv_len)
+            mask = custom_mask[mask_start : mask_start + q_len * kv_len].to(q.device).view(q_len, kv_len)
             mask_start += q_len * kv_len
-        logits = logits.masked_fill(~allowed, -math.inf)
-        row_lse = torch.logsumexp(logits, dim=-1)  # [heads, q_len]
-        probs = torch.exp(logits - row_lse[..., None]).masked_fill(~allowed, 0.0)  # a row with no key: zeros
-        out[qo[r] : qo[r + 1]] = torch.einsum("hqk,khd->qhd", probs, v.to(torch.float64)) * v_scale
-        lse[qo[r] : qo[r + 1]] = row_lse.transpose(0, 1)
+        out[qo[r] : qo[r + 1]], lse[qo[r] : qo[r + 1]] = _attend(
+            q[qo[r] : qo[r + 1]], k, v, causal=causal, sm_scale=sm_scale, window_left=window_left,
+            logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, mask=mask,
+        )  # fmt: skip
     return out, lse
+
+
+def ragged_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    *,
+    causal: bool,
+    sm_scale: float,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged-KV attention in float64: request ``r``'s query rows ``qo_indptr[r]:qo_indptr[r + 1]``
+    attend its rows ``kv_indptr[r]:kv_indptr[r + 1]`` of ``k`` ``[kv_tokens, kv_heads, dim_qk]`` and
+    ``v`` ``[kv_tokens, kv_heads, dim_vo]``. Returns ``out [rows, qo_heads, dim_vo]`` and ``lse
+    [rows, qo_heads]``, masked and scaled as `attention_reference`."""
+    qo = [int(x) for x in qo_indptr.tolist()]
+    kv = [int(x) for x in kv_indptr.tolist()]
+    out, lse = _empty_outputs(q, v.shape[-1])
+    for r in range(len(qo) - 1):
+        out[qo[r] : qo[r + 1]], lse[qo[r] : qo[r + 1]] = _attend(
+            q[qo[r] : qo[r + 1]], k[kv[r] : kv[r + 1]].to(torch.float64), v[kv[r] : kv[r + 1]].to(torch.float64),
+            causal=causal, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
+            k_scale=k_scale, v_scale=v_scale, mask=None,
+        )  # fmt: skip
+    return out, lse
+
+
+def _empty_outputs(q: torch.Tensor, dim_vo: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, qo_heads, _ = q.shape
+    out = torch.zeros(rows, qo_heads, dim_vo, dtype=torch.float64, device=q.device)
+    lse = torch.zeros(rows, qo_heads, dtype=torch.float64, device=q.device)
+    return out, lse
+
+
+def _attend(
+    q_rows: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    sm_scale: float,
+    window_left: int,
+    logits_soft_cap: float,
+    k_scale: float,
+    v_scale: float,
+    mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request: its query rows ``[q_len, qo_heads, d]`` over its keys and values ``[kv_len,
+    kv_heads, d]`` (float64), the query rows being the last ``q_len`` positions (bottom-right)."""
+    qo_heads, kv_heads = q_rows.shape[1], k.shape[1]
+    head_map = torch.arange(qo_heads, device=q_rows.device) // (qo_heads // kv_heads)
+    k, v = k[:, head_map], v[:, head_map]  # one K/V head per query head
+    q_rows = q_rows.to(torch.float64)
+    q_len, kv_len = q_rows.shape[0], k.shape[0]
+    logits = torch.einsum("qhd,khd->hqk", q_rows, k) * (k_scale * sm_scale)
+    if logits_soft_cap > 0:
+        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+    position = torch.arange(q_len, device=q_rows.device) + (kv_len - q_len)  # bottom-right
+    key = torch.arange(kv_len, device=q_rows.device)
+    allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=q_rows.device)
+    if causal:
+        allowed &= key[None, :] <= position[:, None]
+    if window_left >= 0:
+        allowed &= key[None, :] >= position[:, None] - window_left
+    if mask is not None:
+        allowed &= mask
+    logits = logits.masked_fill(~allowed, -math.inf)
+    row_lse = torch.logsumexp(logits, dim=-1)  # [heads, q_len]
+    probs = torch.exp(logits - row_lse[..., None]).masked_fill(~allowed, 0.0)  # a row with no key: zeros
+    out = torch.einsum("hqk,khd->qhd", probs, v.to(torch.float64)) * v_scale
+    return out, row_lse.transpose(0, 1)
 
 
 def gemm_reference(

@@ -32,7 +32,7 @@ from tactix.devices import named_device
 from tactix.errors import BackendNotFoundError, InvalidArgumentError, TactixError
 from tactix.ops import OPS, GemmDTypes
 from tactix.registry import Backend, get_registry
-from tactix.testing.cases import AttentionCase, GemmCase
+from tactix.testing.cases import AttentionCase, GemmCase, RaggedCase
 
 _RESULTS = pytest.StashKey[dict[str, dict[str, Any]]]()
 _BACKENDS = pytest.StashKey[list[Backend]]()
@@ -144,7 +144,7 @@ def _known_failure(backend: Backend, case_id: str) -> str | None:
     return None
 
 
-def _param(backend: Backend, case: AttentionCase | GemmCase, many: bool) -> Any:
+def _param(backend: Backend, case: AttentionCase | RaggedCase | GemmCase, many: bool) -> Any:
     marks = []
     reason = _known_failure(backend, case.id)
     if reason is not None:
@@ -313,6 +313,7 @@ def _write_report(config: pytest.Config, results: list[dict[str, Any]], path: st
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "ops": list(OPS),  # the ops this kit has: a backend's missing one is "not implemented", not "not tested"
         "backends": [
             {
                 "name": b.name,

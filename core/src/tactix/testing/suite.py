@@ -7,7 +7,7 @@ oracle. A case the backend does not claim (its capabilities or its ``check`` ref
 skipped with that reason; a claimed case must pass: run on the claimed path (a fallback warning
 fails it), write every output element (outputs are poisoned with NaN first), stay within the
 tolerance, give bit-identical output when repeated, stay right with new data under the same
-plan, refuse bad input (out-of-range pages, mistyped tensors, an empty batch) with a
+plan, refuse bad input (out-of-range pages or keys, mistyped tensors, an empty batch) with a
 `TactixError`, and on a GPU make no host sync in ``run()`` and replay inside a CUDA graph.
 """
 
@@ -24,10 +24,11 @@ import pytest
 import torch
 
 from tactix.attention import attention_problem
-from tactix.batch import PagedBatch
+from tactix.batch import Batch
 from tactix.errors import FallbackWarning, InvalidArgumentError, TactixError
 from tactix.gemm import Gemm, gemm_problem
-from tactix.ops import OPS, DecodeProblem, GemmProblem, PrefillProblem
+from tactix.ops import OPS, AnyProblem, GemmProblem
+from tactix.ragged import ragged_problem
 from tactix.registry import Backend
 from tactix.tactics import Tactic
 from tactix.testing.cases import (
@@ -35,8 +36,11 @@ from tactix.testing.cases import (
     AttentionInputs,
     GemmCase,
     GemmInputs,
+    RaggedCase,
+    RaggedInputs,
     build_attention_inputs,
     build_gemm_inputs,
+    build_ragged_inputs,
 )
 from tactix.testing.oracle import (
     attention_lse_tolerance,
@@ -44,6 +48,7 @@ from tactix.testing.oracle import (
     attention_tolerance,
     gemm_reference,
     lse_error,
+    ragged_reference,
     relative_error,
     tolerance_for,
 )
@@ -77,12 +82,24 @@ def _require(backend: Backend | None) -> Backend:
 
 
 # -- attention -------------------------------------------------------------------------------
+#
+# Every attention op's cases (paged prefill and decode: `AttentionCase`; ragged-KV prefill:
+# `RaggedCase`) go through the same tests; what differs (the inputs, the problem, the oracle) is
+# told apart here and in the inputs' own methods.
+
+Case = AttentionCase | RaggedCase
+Inputs = AttentionInputs | RaggedInputs
 
 
-def _problem(
-    case: AttentionCase, inputs: AttentionInputs, device: torch.device
-) -> tuple[PrefillProblem | DecodeProblem, PagedBatch]:
+def _inputs(case: Case, device: torch.device) -> Any:
+    return build_ragged_inputs(case, device) if isinstance(case, RaggedCase) else build_attention_inputs(case, device)
+
+
+def _problem(case: Any, inputs: Any, device: torch.device) -> tuple[AnyProblem, Batch]:
     kwargs = case.plan_kwargs()
+    if isinstance(case, RaggedCase):
+        return ragged_problem(device=device, qo_indptr=inputs.qo_indptr, kv_indptr=inputs.kv_indptr, sm_scale=None,
+                              **kwargs)  # fmt: skip
     return attention_problem(
         case.op,
         device=device,
@@ -101,7 +118,7 @@ def _problem(
 def _skip_unless_claimed(
     backend: Backend,
     problem: Any,
-    batch: PagedBatch | None,
+    batch: Batch | None,
     tactic: Tactic | None = None,
     extras: frozenset[str] = frozenset(),
 ) -> None:
@@ -113,23 +130,29 @@ def _skip_unless_claimed(
         pytest.skip("not claimed: " + "; ".join(reasons))
 
 
-def _wrapper(case: AttentionCase, backend: Backend, device: torch.device, graph: bool = False) -> Any:
+def _wrapper(case: Case, backend: Backend, device: torch.device, graph: bool = False) -> Any:
     cls = OPS[case.op].wrapper()
-    return cls(case.kv_layout, backend=backend.name, device=device, use_cuda_graph=graph)
+    return cls(*case.layout_args, backend=backend.name, device=device, use_cuda_graph=graph)
 
 
-def _plan(wrapper: Any, case: AttentionCase, inputs: AttentionInputs, tactic: Tactic | None = None) -> None:
+def _plan(wrapper: Any, case: Case, inputs: Inputs, tactic: Tactic | None = None) -> None:
     with claimed_path():
         wrapper.plan(*inputs.plan_args(case.op), **case.plan_kwargs(), **inputs.mask_kwargs, tactic=tactic)
 
 
-def _run(wrapper: Any, case: AttentionCase, inputs: AttentionInputs) -> None:
-    result = wrapper.run(inputs.q, inputs.cache, out=inputs.out, lse=inputs.lse, **inputs.extras)
+def _run(wrapper: Any, case: Case, inputs: Inputs) -> None:
+    result = wrapper.run(*inputs.run_args(), out=inputs.out, lse=inputs.lse, **inputs.extras)
     out = result[0] if case.return_lse else result
     assert out is inputs.out, "run(out=...) must return the given out tensor"
 
 
-def _reference(case: AttentionCase, inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference(case: Any, inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(inputs, RaggedInputs):
+        return ragged_reference(
+            inputs.q, inputs.k, inputs.v, inputs.qo_indptr, inputs.kv_indptr, causal=case.causal,
+            sm_scale=case.sm_scale, window_left=case.window_left, logits_soft_cap=case.logits_soft_cap,
+            k_scale=case.k_scale, v_scale=case.v_scale,
+        )  # fmt: skip
     rows, step = inputs.q.shape[0], case.q_len_per_req
     qo = inputs.qo_indptr if case.ragged else torch.arange(0, rows + 1, step, dtype=torch.int32)
     return attention_reference(
@@ -140,14 +163,14 @@ def _reference(case: AttentionCase, inputs: AttentionInputs) -> tuple[torch.Tens
     )  # fmt: skip
 
 
-def _nan_cause(case: AttentionCase) -> str:
+def _nan_cause(case: Case) -> str:
     if case.stale == "large":
         return "were never written"
     value = "NaN" if case.stale == "nan" else "Inf"
     return f"are NaN: never written, or the {value} in cache slots no request owns reached the output"
 
 
-def _check_attention(case: AttentionCase, inputs: AttentionInputs, what: str) -> None:
+def _check_attention(case: Case, inputs: Inputs, what: str) -> None:
     ref, ref_lse = _reference(case, inputs)
     unwritten = int(torch.isnan(inputs.out).sum())
     assert unwritten == 0, f"{what}: {unwritten} of {inputs.out.numel()} output elements {_nan_cause(case)}"
@@ -163,15 +186,15 @@ def _check_attention(case: AttentionCase, inputs: AttentionInputs, what: str) ->
         assert lse_err <= lse_tol, f"{what}: LSE error {lse_err:.3e} above {lse_tol:.0e} (natural log expected)"
 
 
-def _snapshot(inputs: AttentionInputs) -> list[torch.Tensor]:
+def _snapshot(inputs: Inputs) -> list[torch.Tensor]:
     return [inputs.out.clone()] + ([inputs.lse.clone()] if inputs.lse is not None else [])
 
 
-def test_attention(backend: Backend | None, attention_case: AttentionCase, device: torch.device) -> None:
+def test_attention(backend: Backend | None, attention_case: Case, device: torch.device) -> None:
     """Numerics, full writes, determinism and plan reuse for one case, on the claimed path."""
     backend = _require(backend)
     case = attention_case
-    inputs = build_attention_inputs(case, device)
+    inputs = _inputs(case, device)
     problem, batch = _problem(case, inputs, device)
     _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
 
@@ -202,13 +225,11 @@ def test_attention(backend: Backend | None, attention_case: AttentionCase, devic
     _check_attention(case, inputs, f"{what}, same plan with new q and cache data")
 
 
-def test_attention_tactics(
-    backend: Backend | None, tactic_case: AttentionCase, device: torch.device, all_tactics: bool
-) -> None:
+def test_attention_tactics(backend: Backend | None, tactic_case: Case, device: torch.device, all_tactics: bool) -> None:
     """Every tactic the backend enumerates and accepts for the case computes the right thing."""
     backend = _require(backend)
     case = tactic_case
-    inputs = build_attention_inputs(case, device)
+    inputs = _inputs(case, device)
     problem, batch = _problem(case, inputs, device)
     _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
     tactics = [t for t in backend.tactics(problem) if not t.is_default and not backend.check(problem, t, batch)]
@@ -230,7 +251,7 @@ def test_attention_tactics(
     assert not failures, "\n".join(failures)
 
 
-def test_attention_replan(backend: Backend | None, graph_case: AttentionCase, device: torch.device) -> None:
+def test_attention_replan(backend: Backend | None, graph_case: Case, device: torch.device) -> None:
     """One wrapper re-planned for a different batch, then for the first batch again."""
     backend = _require(backend)
     first = graph_case
@@ -240,7 +261,7 @@ def test_attention_replan(backend: Backend | None, graph_case: AttentionCase, de
     second = replace(first, kv_lens=tuple(max(n, rows) for n in kv_lens), q_lens=q_lens, seed=first.seed + 77)
     wrapper = _wrapper(first, backend, device)
     for case in (first, second, first):
-        inputs = build_attention_inputs(case, device)
+        inputs = _inputs(case, device)
         problem, batch = _problem(case, inputs, device)
         _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
         _plan(wrapper, case, inputs)
@@ -248,36 +269,33 @@ def test_attention_replan(backend: Backend | None, graph_case: AttentionCase, de
         _check_attention(case, inputs, f"{case.id} re-planned on a used wrapper (batch {case.kv_lens})")
 
 
-def test_attention_rejects_bad_input(backend: Backend | None, graph_case: AttentionCase, device: torch.device) -> None:
-    """Out-of-range pages and mistyped tensors raise TactixError before the backend reads anything."""
+def test_attention_rejects_bad_input(backend: Backend | None, graph_case: Case, device: torch.device) -> None:
+    """Keys out of bounds (a page past the cache; ragged: k shorter than its indptr says) and
+    mistyped tensors raise TactixError before the backend reads anything."""
     backend = _require(backend)
     case = graph_case
-    inputs = build_attention_inputs(case, device)
+    inputs = _inputs(case, device)
     problem, batch = _problem(case, inputs, device)
     _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
-    num_pages = inputs.k_cache.shape[0]
-    bad = replace(inputs, kv_indices=inputs.kv_indices.clone())
-    bad.kv_indices[-1] = num_pages  # one past the cache: another request's memory, or none
+    bad, argument = inputs.out_of_bounds()
     wrapper = _wrapper(case, backend, device)
     _plan(wrapper, case, bad)
     inputs.poison()
-    with pytest.raises(InvalidArgumentError, match="paged_kv_indices"):
+    with pytest.raises(InvalidArgumentError, match=argument):
         _run(wrapper, case, bad)
-    assert bool(torch.isnan(inputs.out).all()), "an out-of-range page was refused only after output was written"
+    assert bool(torch.isnan(inputs.out).all()), f"keys out of bounds ({argument}) refused only after output was written"
     _plan(wrapper, case, inputs)
     wrong = inputs.q.to(torch.float32 if inputs.q.dtype != torch.float32 else torch.float16)
     with pytest.raises(TactixError, match="'q'"):
-        wrapper.run(wrong, inputs.cache, out=inputs.out, lse=inputs.lse)
+        wrapper.run(wrong, *inputs.run_args()[1:], out=inputs.out, lse=inputs.lse)
 
 
-def test_attention_refuses_an_empty_batch(
-    backend: Backend | None, graph_case: AttentionCase, device: torch.device
-) -> None:
+def test_attention_refuses_an_empty_batch(backend: Backend | None, graph_case: Case, device: torch.device) -> None:
     """A batch with no query rows is refused at plan, naming the argument, and the wrapper still
     serves the next batch (an engine must skip the call, not get a crash or garbage)."""
     backend = _require(backend)
     case = graph_case
-    inputs = build_attention_inputs(case, device)
+    inputs = _inputs(case, device)
     problem, batch = _problem(case, inputs, device)
     _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
     wrapper = _wrapper(case, backend, device)
@@ -289,14 +307,14 @@ def test_attention_refuses_an_empty_batch(
     _check_attention(case, inputs, f"{case.id} planned after an empty batch was refused")
 
 
-def test_attention_cuda_graph(backend: Backend | None, graph_case: AttentionCase, device: torch.device) -> None:
+def test_attention_cuda_graph(backend: Backend | None, graph_case: Case, device: torch.device) -> None:
     """run() captures in a CUDA graph and the graph replays fresh data correctly (and, where the
     scales are device tensors, the scales they hold at each replay)."""
     backend = _require(backend)
     case = graph_case
     if device.type != "cuda":
         pytest.skip("CUDA graphs need a CUDA device")
-    inputs = build_attention_inputs(case, device)
+    inputs = _inputs(case, device)
     problem, batch = _problem(case, inputs, device)
     served = backend.served(problem).op  # multi-token decode may be served by the prefill plans
     caps = backend.spec.capabilities(served)
