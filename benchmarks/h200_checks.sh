@@ -74,7 +74,7 @@ job() {
     bench-attention) t python -m tactix bench --cases "$ATTENTION" --json "$OUT/bench-attention-h200.json" \
       --markdown "$OUT/bench-attention-h200.md" ;;
     ab) old_site && t python3 benchmarks/host_ab.py --old /tmp/old-site --new "$PYTHONPATH" \
-      --rounds "${AB_ROUNDS:-12}" --backends "${AB_BACKENDS:-cudnn,cuda_native,trtllm}" \
+      --rounds "${AB_ROUNDS:-20}" --backends "${AB_BACKENDS:-cudnn,cuda_native,trtllm}" \
       --run-backends "${AB_RUN_BACKENDS:-cudnn,cuda_native,trtllm,torch}" --json "$OUT/host-ab-h200.json" ;;
     parity)
       t python3 benchmarks/flashinfer_parity/run.py --sample "${PARITY_SAMPLE:-60}" --seed 0 \

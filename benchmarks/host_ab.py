@@ -1,6 +1,6 @@
 """Interleaved same-host A/B of plan() and run() host times: two tactix installs, measured in turn.
 
-    python benchmarks/host_ab.py --old /tmp/old-site --new "$PYTHONPATH" [--rounds 8] [--json PATH]
+    python benchmarks/host_ab.py --old /tmp/old-site --new "$PYTHONPATH" [--rounds 20] [--json PATH]
 
 Why not two whole runs one after the other (what this repository did before session 13): the lent H200 hosts
 drift by up to 2x within minutes, so a whole old run and a whole new run a few minutes apart
@@ -9,7 +9,11 @@ compare two hosts. Here two worker processes stay up side by side, one importing
 the harness is the same on both sides: only the package differs). The driver asks them in turn
 for one measurement at a time, a few hundred milliseconds each, old first in even rounds and new
 first in odd ones (ABBA: a linear drift cancels). Only one worker measures at any moment; the
-other waits on its pipe.
+other waits on its pipe. Each worker runs on a core of its own (where the OS lets it pin) with the
+garbage collector off while it measures.
+
+Session 13's H200 run (6 rounds, results/h200-host-ab-session13.json) still spread the per-round
+ratios of a plan row over 0.7-1.8: use 20 rounds or more before judging a 3 % difference.
 
 Measurements (the shapes of ``plan_time.py`` and ``run_time.py``; bf16, 32/8 heads, d128, page 16):
 ``plan`` of a decode batch of 64 requests of 4-8k tokens and of 8 of 1k, and of a ragged prefill
@@ -28,6 +32,8 @@ backend (a check of the harness, not a host-cost result).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import statistics
@@ -111,15 +117,20 @@ class Worker:
         return timed
 
 
-def worker_main(device: str) -> None:
+def worker_main(device: str, core: int | None) -> None:
+    if core is not None and hasattr(os, "sched_setaffinity"):
+        with contextlib.suppress(OSError):  # not allowed here: unpinned
+            os.sched_setaffinity(0, {core})
     worker = Worker(device)
     print(PREFIX + json.dumps({"ready": worker.tactix.__file__}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
+        gc.disable()
         try:
             reply: dict[str, Any] = {"us": worker.measure(cmd["kind"], cmd["backend"], cmd["row"], cmd["count"])}
         except Exception as exc:  # a row this install cannot measure: the report says why
             reply = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"}
+        gc.enable()
         print(PREFIX + json.dumps(reply), flush=True)
 
 
@@ -127,12 +138,13 @@ def worker_main(device: str) -> None:
 
 
 class Side:
-    def __init__(self, name: str, path: str, device: str) -> None:
+    def __init__(self, name: str, path: str, device: str, core: int | None) -> None:
         env = {**os.environ, "PYTHONPATH": path}
         here = str(Path(__file__).resolve().parent)
         self.name = name
+        pin = [] if core is None else ["--core", str(core)]
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--worker", "--device", device],
+            [sys.executable, str(Path(__file__).resolve()), "--worker", "--device", device, *pin],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=here,
         )  # fmt: skip
         self.origin = self._reply()["ready"]
@@ -164,14 +176,15 @@ def main() -> None:
     parser.add_argument("--new", help="PYTHONPATH of the new install")
     parser.add_argument("--backends", default="cudnn,cuda_native,trtllm")
     parser.add_argument("--run-backends", default="cudnn,cuda_native,trtllm,torch")
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--plans", type=int, default=60)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--device", default=None, help="cuda (default where CUDA is) or cpu")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--core", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker_main(args.device or "cuda")
+        worker_main(args.device or "cuda", args.core)
         return
     if args.old is None or args.new is None:
         parser.error("--old and --new are required")
@@ -182,7 +195,9 @@ def main() -> None:
     jobs = [("plan", b, f"{op} b{n}", args.plans) for b in plan_backends for op, n, _, _ in PLAN_ROWS]
     if device == "cuda":
         jobs += [("run", b, row, args.calls) for b in args.run_backends.split(",") for row in RUN_ROWS]
-    sides = {"old": Side("old", args.old, device), "new": Side("new", args.new, device)}
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pins = (cores[-1], cores[-2]) if len(cores) >= 3 else (None, None)  # the driver keeps the others
+    sides = {"old": Side("old", args.old, device, pins[0]), "new": Side("new", args.new, device, pins[1])}
     print(f"old: {sides['old'].origin}\nnew: {sides['new'].origin}\n{args.rounds} rounds, {device}", flush=True)
     times: dict[tuple[str, ...], dict[str, list[float]]] = {j[:3]: {"old": [], "new": []} for j in jobs}
     errors: dict[tuple[str, ...], dict[str, str]] = {}
