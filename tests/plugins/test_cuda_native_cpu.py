@@ -1153,11 +1153,12 @@ def _prefill_variants() -> list[runtime.Variant]:
             )
         for p in prefill_op.prefill_candidates(d, H200, gqa=4):
             variants.add(prefill_op.prefill_variant("bfloat16", d, p, "sm_90"))
-        # the defaults for a custom mask (mma.sync, TX_MASK) and for an fp8 cache (TX_KV_FP8)
-        variants.add(prefill_op.prefill_variant("bfloat16", d, prefill_op.default_masked_prefill_params(d, H200),
-                                                "sm_90", masked=True))  # fmt: skip
-        variants.add(prefill_op.prefill_variant("bfloat16", d, prefill_op.default_prefill_params(d, H200, "sync"),
-                                                "sm_90", kv_dtype="float8_e4m3fn"))  # fmt: skip
+    # the defaults for a custom mask (mma.sync, TX_MASK) and for an fp8 cache (TX_KV_FP8) at d128, the
+    # head dim at the register edge (d64 and d256 measured without spills in session 13)
+    variants.add(prefill_op.prefill_variant("bfloat16", 128, prefill_op.default_masked_prefill_params(128, H200),
+                                            "sm_90", masked=True))  # fmt: skip
+    variants.add(prefill_op.prefill_variant("bfloat16", 128, prefill_op.default_prefill_params(128, H200, "sync"),
+                                            "sm_90", kv_dtype="float8_e4m3fn"))  # fmt: skip
     return sorted(variants, key=lambda v: v.label())
 
 
