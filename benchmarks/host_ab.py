@@ -9,8 +9,11 @@ compare two hosts. Here two worker processes stay up side by side, one importing
 the harness is the same on both sides: only the package differs). The driver asks them in turn
 for one measurement at a time, a few hundred milliseconds each, old first in even rounds and new
 first in odd ones (ABBA: a linear drift cancels). Only one worker measures at any moment; the
-other waits on its pipe. Each worker runs on a core of its own (where the OS lets it pin) with the
-garbage collector off while it measures.
+other waits on its pipe. Each worker runs on a core of its own (where the OS lets it pin; the
+cores rotate between the sides every round, since one core of a host can be slower than another)
+with the garbage collector off while it measures. ``--control`` adds a third worker of the old
+install: its control/old ratio is what the harness reads when nothing changed (an A/A), so a
+new/old ratio is judged against it.
 
 Session 13's H200 run (6 rounds, results/h200-host-ab-session13.json) still spread the per-round
 ratios of a plan row over 0.7-1.8: use 20 rounds or more before judging a 3 % difference.
@@ -117,10 +120,7 @@ class Worker:
         return timed
 
 
-def worker_main(device: str, core: int | None) -> None:
-    if core is not None and hasattr(os, "sched_setaffinity"):
-        with contextlib.suppress(OSError):  # not allowed here: unpinned
-            os.sched_setaffinity(0, {core})
+def worker_main(device: str) -> None:
     worker = Worker(device)
     print(PREFIX + json.dumps({"ready": worker.tactix.__file__}), flush=True)
     for line in sys.stdin:
@@ -138,13 +138,12 @@ def worker_main(device: str, core: int | None) -> None:
 
 
 class Side:
-    def __init__(self, name: str, path: str, device: str, core: int | None) -> None:
+    def __init__(self, name: str, path: str, device: str) -> None:
         env = {**os.environ, "PYTHONPATH": path}
         here = str(Path(__file__).resolve().parent)
         self.name = name
-        pin = [] if core is None else ["--core", str(core)]
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--worker", "--device", device, *pin],
+            [sys.executable, str(Path(__file__).resolve()), "--worker", "--device", device],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=here,
         )  # fmt: skip
         self.origin = self._reply()["ready"]
@@ -157,6 +156,14 @@ class Side:
             sys.stderr.write(f"[{self.name}] {line}")
         raise SystemExit(f"host_ab.py: the {self.name} worker exited (rc {self.proc.wait()})")
 
+    def pin(self, core: int) -> None:
+        """Move every thread of the worker (the CUDA driver's too) to ``core``; where the OS does
+        not allow it, the worker stays where it is."""
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        for tid in [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [self.proc.pid]:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, {core})
+
     def ask(self, kind: str, backend: str, row: str, count: int) -> dict[str, Any]:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"kind": kind, "backend": backend, "row": row, "count": count}) + "\n")
@@ -164,8 +171,9 @@ class Side:
         return self._reply()
 
     def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
+        with contextlib.suppress(OSError):  # a worker an interrupt already ended
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
         self.proc.wait(timeout=60)
 
 
@@ -181,10 +189,20 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--device", default=None, help="cuda (default where CUDA is) or cpu")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--core", type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no round that would end after this many seconds (the report keeps the rounds done)",
+    )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="a third worker of the old install: its ratio to old is the harness's own bias and noise",
+    )
     args = parser.parse_args()
     if args.worker:
-        worker_main(args.device or "cuda", args.core)
+        worker_main(args.device or "cuda")
         return
     if args.old is None or args.new is None:
         parser.error("--old and --new are required")
@@ -196,27 +214,50 @@ def main() -> None:
     if device == "cuda":
         jobs += [("run", b, row, args.calls) for b in args.run_backends.split(",") for row in RUN_ROWS]
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    pins = (cores[-1], cores[-2]) if len(cores) >= 3 else (None, None)  # the driver keeps the others
-    sides = {"old": Side("old", args.old, device, pins[0]), "new": Side("new", args.new, device, pins[1])}
-    print(f"old: {sides['old'].origin}\nnew: {sides['new'].origin}\n{args.rounds} rounds, {device}", flush=True)
-    times: dict[tuple[str, ...], dict[str, list[float]]] = {j[:3]: {"old": [], "new": []} for j in jobs}
+    names = ["old", "new"] + (["control"] if args.control else [])
+    pins = cores[-len(names) :] if len(cores) > len(names) else []  # the driver keeps the others
+    paths = {"old": args.old, "new": args.new, "control": args.old}
+    sides = {name: Side(name, paths[name], device) for name in names}
+    print("\n".join(f"{n}: {s.origin}" for n, s in sides.items()) + f"\n{args.rounds} rounds, {device}", flush=True)
+    times: dict[tuple[str, ...], dict[str, list[float]]] = {j[:3]: {n: [] for n in names} for j in jobs}
     errors: dict[tuple[str, ...], dict[str, str]] = {}
-    for r in range(args.rounds):
-        start = time.perf_counter()
-        for job in jobs:
-            for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
-                reply = sides[name].ask(*job)
-                if "error" in reply:
-                    errors.setdefault(job[:3], {})[name] = reply["error"]
-                else:
-                    times[job[:3]][name].append(reply["us"])
-        print(f"round {r + 1}/{args.rounds}: {time.perf_counter() - start:.1f} s", flush=True)
+    began, rounds_done, last = time.perf_counter(), 0, 0.0
+    try:
+        for r in range(args.rounds):
+            if args.budget_s is not None and time.perf_counter() - began + last > args.budget_s:
+                print(f"stopping after {rounds_done} rounds: the next would pass --budget-s", flush=True)
+                break
+            start = time.perf_counter()
+            # each round rotates both the order of asking and the cores: a side that always went
+            # first, or always ran on one core (one that takes the interrupts, say), would bias it
+            order = names[r % len(names) :] + names[: r % len(names)]
+            if (r // len(names)) % 2:  # and every other cycle backwards (ABBA for two sides)
+                order.reverse()
+            if pins:
+                for i, name in enumerate(names):
+                    sides[name].pin(pins[(i + r) % len(pins)])
+            done: dict[tuple[str, ...], dict[str, float]] = {}
+            for job in jobs:
+                for name in order:
+                    reply = sides[name].ask(*job)
+                    if "error" in reply:
+                        errors.setdefault(job[:3], {})[name] = reply["error"]
+                    else:
+                        done.setdefault(job[:3], {})[name] = reply["us"]
+            for key, measured in done.items():  # a round counts whole or not at all (an interrupt drops it)
+                for name, us in measured.items():
+                    times[key][name].append(us)
+            rounds_done += 1
+            last = time.perf_counter() - start  # round 1 carries the set-up (a JIT build): judge by the latest
+            print(f"round {r + 1}/{args.rounds}: {last:.1f} s", flush=True)
+    except KeyboardInterrupt:
+        print(f"interrupted after {rounds_done} rounds: reporting those", flush=True)
     for side in sides.values():
         side.close()
     report = _report(times, errors)
     print(_table(report))
     if args.json:
-        meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rounds": args.rounds,
+        meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rounds": rounds_done,
                 "old": sides["old"].origin, "new": sides["new"].origin}  # fmt: skip
         args.json.write_text(json.dumps({**meta, "rows": report}, indent=1) + "\n")
 
@@ -228,23 +269,30 @@ def _report(times: dict[tuple[str, ...], dict[str, list[float]]],
         row: dict[str, Any] = {"kind": key[0], "backend": key[1], "row": key[2]}
         if key in errors:
             row["error"] = "; ".join(f"{side}: {why}" for side, why in sorted(errors[key].items()))
-        pairs = list(zip(sides["old"], sides["new"], strict=False))
-        if pairs and len(sides["old"]) == len(sides["new"]):
-            ratios = sorted(n / o for o, n in pairs)
-            row.update(old_us=statistics.median(sides["old"]), new_us=statistics.median(sides["new"]),
-                       ratio=statistics.median(ratios), ratio_low=ratios[len(ratios) // 4],
-                       ratio_high=ratios[(3 * len(ratios)) // 4])  # fmt: skip
+        for name, prefix in (("new", ""), ("control", "control_")):
+            if name not in sides or not sides["old"] or len(sides["old"]) != len(sides[name]):
+                continue
+            ratios = sorted(n / o for o, n in zip(sides["old"], sides[name], strict=True))
+            row.update({f"{name}_us": statistics.median(sides[name]), f"{prefix}ratio": statistics.median(ratios),
+                        f"{prefix}ratio_low": ratios[len(ratios) // 4],
+                        f"{prefix}ratio_high": ratios[(3 * len(ratios)) // 4]})  # fmt: skip
+            row["old_us"] = statistics.median(sides["old"])
         rows.append(row)
     return rows
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| kind | backend | row | old (us) | new (us) | new/old (median) | quartiles |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    control = any("control_ratio" in r for r in rows)
+    extra = (" control/old (median) | control quartiles |", "---|---|") if control else ("", "")
+    lines = [f"| kind | backend | row | old (us) | new (us) | new/old (median) | quartiles |{extra[0]}",
+             f"|---|---|---|---|---|---|---|{extra[1]}"]  # fmt: skip
     for r in rows:
         if "ratio" in r:
-            lines.append(f"| {r['kind']} | {r['backend']} | {r['row']} | {r['old_us']:.1f} | {r['new_us']:.1f} | "
-                         f"{r['ratio']:.3f} | {r['ratio_low']:.3f}-{r['ratio_high']:.3f} |")  # fmt: skip
+            line = (f"| {r['kind']} | {r['backend']} | {r['row']} | {r['old_us']:.1f} | {r['new_us']:.1f} | "
+                    f"{r['ratio']:.3f} | {r['ratio_low']:.3f}-{r['ratio_high']:.3f} |")  # fmt: skip
+            if "control_ratio" in r:
+                line += f" {r['control_ratio']:.3f} | {r['control_ratio_low']:.3f}-{r['control_ratio_high']:.3f} |"
+            lines.append(line)
         else:
             lines.append(f"| {r['kind']} | {r['backend']} | {r['row']} | - | - | - | {r.get('error', '')} |")
     return "\n".join(lines)

@@ -13,9 +13,9 @@ import tactix
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "host_ab.py"
 
 
-def _run(old: str, new: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def _run(old: str, new: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, str(SCRIPT), "--old", old, "--new", new, "--device", "cpu", "--rounds", "3",
-           "--plans", "4", "--json", str(tmp_path / "ab.json")]  # fmt: skip
+           "--plans", "4", "--json", str(tmp_path / "ab.json"), *extra]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
@@ -50,3 +50,14 @@ def test_a_side_that_cannot_import_tactix_stops_the_run_with_a_reason(tmp_path: 
     done = _run(str(broken.parent), "", tmp_path)
     assert done.returncode != 0
     assert "the old worker exited" in done.stderr and "a broken install" in done.stderr
+
+
+def test_a_control_worker_reports_its_own_ratio_and_a_budget_stops_starting_rounds(tmp_path: Path) -> None:
+    done = _run("", "", tmp_path, "--control", "--rounds", "50", "--budget-s", "3")
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "ab.json").read_text())
+    assert 1 <= report["rounds"] < 50  # a CPU plan round takes well over 0.06 s
+    assert "stopping after" in done.stdout
+    for r in report["rows"]:
+        assert r["control_ratio_low"] <= r["control_ratio"] <= r["control_ratio_high"]
+    assert "control/old (median)" in done.stdout
