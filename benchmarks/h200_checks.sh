@@ -30,8 +30,6 @@
 #                            python -m pip wheel -q --no-deps --no-build-isolation -w .gpu/old /tmp/wt-old/$d; done
 #                          git worktree remove --force /tmp/wt-old
 #                        AB_CONTROL=1 adds a third worker of the old wheels (an A/A: the harness's bias)
-#   launch-cost          benchmarks/launch_cost.py: cuda_native run() through the driver directly
-#                        and through cuda.core.launch, one process (run it alone)
 #   parity               benchmarks/flashinfer_parity/run.py on a sample, ours and FlashInfer's own
 # Nothing here is a result until its JSON or log is committed under benchmarks/results/.
 set -uo pipefail
@@ -79,7 +77,6 @@ job() {
     ab) old_site && t python3 benchmarks/host_ab.py --old /tmp/old-site --new "$PYTHONPATH" \
       --rounds "${AB_ROUNDS:-20}" --budget-s $((LIMIT - 60)) ${AB_CONTROL:+--control} --backends "${AB_BACKENDS:-cudnn,cuda_native,trtllm}" \
       --run-backends "${AB_RUN_BACKENDS:-cudnn,cuda_native,trtllm,torch}" --json "$OUT/host-ab-h200.json" ;;
-    launch-cost) t python3 benchmarks/launch_cost.py --json "$OUT/launch-cost-h200.json" ;;
     parity)
       t python3 benchmarks/flashinfer_parity/run.py --sample "${PARITY_SAMPLE:-60}" --seed 0 \
         --junit "$OUT/flashinfer-parity.xml" --summary "$OUT/flashinfer-parity.md" ;;

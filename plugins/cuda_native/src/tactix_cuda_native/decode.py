@@ -40,8 +40,7 @@ from tactix import (
 from tactix.plugin import Sections, bucket_size, raw_stream, sections
 from tactix_cuda_native import NAME
 from tactix_cuda_native.device import DeviceInfo, arch_at_least, cuda_device, device_index, device_info
-from tactix_cuda_native.kernel import FLAG_BYTES, L2_HINTS, Kernel, TensorMaps, bf16, load_kernel
-from tactix_cuda_native.launch import Launch
+from tactix_cuda_native.kernel import FLAG_BYTES, L2_HINTS, Kernel, TensorMaps, bf16, launcher, load_kernel
 from tactix_cuda_native.paged import (
     FP8_KV_DTYPES,
     LOG2E,
@@ -53,7 +52,7 @@ from tactix_cuda_native.paged import (
     log2_exact,
     scale_args,
 )
-from tactix_cuda_native.runtime import Variant, launch_config, tensor_map, tensor_maps_status
+from tactix_cuda_native.runtime import Variant, launch_config, stream_for, tensor_map, tensor_maps_status
 from tactix_cuda_native.tactics import TacticParams
 
 Q_TILE: Final = 16  # query heads of one GQA group per CTA (the mma's 16 rows)
@@ -558,9 +557,7 @@ class CudaNativeDecodePlan(StagedPlan):
         shift = log2_exact(problem.page_size)
         assert shift is not None  # check() refused other page sizes
         self._scalars = (hq, gqa, q_tiles(gqa), shift, problem.sm_scale * LOG2E, float(problem.logits_soft_cap))
-        grid = decode_grid(item_cap, hkv, gqa)
-        self._launcher = Launch(kernel.kernel, grid, kernel.threads, kernel.smem,
-                                launch_config(grid, kernel.threads, kernel.smem), index)  # fmt: skip
+        self._cfg = launch_config(decode_grid(item_cap, hkv, gqa), kernel.threads, kernel.smem)
         self._index = index
         self._seen: tuple[Any, ...] | None = None
         self._strides: tuple[int, ...] = ()
@@ -588,12 +585,14 @@ class CudaNativeDecodePlan(StagedPlan):
         or one-element float32 device tensors whose value the kernel reads."""
         q, k_ptr, v_ptr, out_ptr = self._operands(q, k_cache, v_cache, out)
         lse_ptr = 0 if lse is None else lse.data_ptr()
+        stream = stream_for(self._index, raw_stream(self._index))
+        cc = launcher()
         scales = UNIT_SCALES if k_scale is None and v_scale is None else scale_args(k_scale, v_scale)
         args: tuple[Any, ...] = (q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr, *self._strides, out_ptr, lse_ptr,
                                  *self._ptrs, *self._scalars, *scales)  # fmt: skip
         if self._tma:
             args = (self._cache_map(k_cache, "k"), self._cache_map(v_cache, "v"), *args)
-        self._launcher(raw_stream(self._index), *args)
+        cc.launch(stream, self._cfg, self._kernel, *args)
 
     def _cache_map(self, t: torch.Tensor, name: str) -> Any:
         """The tensor map of a K or V cache ([pages][heads][tokens][D], HND), boxes of 64 of D x

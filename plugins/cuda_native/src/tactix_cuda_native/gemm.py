@@ -26,13 +26,13 @@ from tactix import GemmProblem, InvalidArgumentError, PlanOptions, Tactic, Unsup
 from tactix.plugin import raw_stream
 from tactix_cuda_native import NAME
 from tactix_cuda_native.device import WGMMA_ARCHS, DeviceInfo, ctas_per_sm, device_index, device_info, wgmma_arch
-from tactix_cuda_native.kernel import FLAG_BYTES, L2_HINTS, TensorMaps, bf16
-from tactix_cuda_native.launch import Launch
+from tactix_cuda_native.kernel import FLAG_BYTES, L2_HINTS, TensorMaps, bf16, launcher
 from tactix_cuda_native.runtime import (
     Variant,
     launch_config,
     load,
     resident_ctas,
+    stream_for,
     tensor_map,
     tensor_maps_status,
 )
@@ -412,7 +412,7 @@ class CudaNativeGemmPlan:
             self._counters: torch.Tensor | None = torch.zeros(grid[0] * batch, dtype=torch.int32, device=self.device)
         else:
             self._ws = self._counters = None
-        self._launcher = Launch(self._kernel, grid, threads, smem, launch_config(grid, threads, smem), index)
+        self._cfg = launch_config(grid, threads, smem)
         self._index = index
         self._maps: TensorMaps = TensorMaps(16)
 
@@ -439,6 +439,8 @@ class CudaNativeGemmPlan:
             raise InvalidArgumentError("a", "a and b 16-byte aligned with row and batch strides that are multiples "
                                        "of 8 elements", f"a at {a_ptr:#x} strides {a.stride()}, b at {b_ptr:#x} "
                                        f"strides {b.stride()}")  # fmt: skip
+        stream = stream_for(self._index, raw_stream(self._index))
+        cc = launcher()
         ws = 0 if self._ws is None else self._ws.data_ptr()
         counters = 0 if self._counters is None else self._counters.data_ptr()
         args: tuple[Any, ...] = (a_ptr, lda, a_sb, b_ptr, ldb, b_sb, out_ptr, p.m * p.n, bias_ptr, ws, counters, p.m,
@@ -447,7 +449,7 @@ class CudaNativeGemmPlan:
             wmap = self._tensor_map(b, "b", p.n, ldb, b_sb, self._tma_bw)
             amap = self._tensor_map(a, "a", p.m, lda, a_sb, 64) if self._tma == 2 else wmap  # (tma 1: not read)
             args = (wmap, amap, *args)
-        self._launcher(raw_stream(self._index), *args)
+        cc.launch(stream, self._cfg, self._kernel, *args)
 
 
 def plan_gemm(problem: GemmProblem, tactic: Tactic, options: PlanOptions) -> CudaNativeGemmPlan:

@@ -33,8 +33,7 @@ from tactix import (
 from tactix.plugin import Piece, Sections, bucket_size, raw_stream, sections
 from tactix_cuda_native import NAME
 from tactix_cuda_native.device import WGMMA_ARCHS, DeviceInfo, cuda_device, device_index, device_info, wgmma_arch
-from tactix_cuda_native.kernel import Kernel, bf16, load_kernel
-from tactix_cuda_native.launch import Launch
+from tactix_cuda_native.kernel import Kernel, bf16, launcher, load_kernel
 from tactix_cuda_native.paged import (
     FP8_KV_DTYPES,
     LOG2E,
@@ -46,7 +45,7 @@ from tactix_cuda_native.paged import (
     log2_exact,
     scale_args,
 )
-from tactix_cuda_native.runtime import Variant, launch_config
+from tactix_cuda_native.runtime import Variant, launch_config, stream_for
 from tactix_cuda_native.tactics import TacticParams
 
 PREFILL_SCHEDULES: Final = ("requests_by_work", "in_order", "longest_first")
@@ -687,8 +686,7 @@ class CudaNativePrefillPlan(StagedPlan):
         # persistent CTAs: as many as the GPU holds at once, each looping over the items
         persistent = prefill_persistent_ctas(info, kernel.ctas_per_sm) if params.persist else 0
         self.grid = prefill_grid(item_cap, hq, pack, persistent)
-        self._launcher = Launch(kernel.kernel, self.grid, kernel.threads, kernel.smem,
-                                launch_config(self.grid, kernel.threads, kernel.smem), index)  # fmt: skip
+        self._cfg = launch_config(self.grid, kernel.threads, kernel.smem)
         self._index = index
         self._seen: tuple[Any, ...] | None = None
         self._strides: tuple[int, ...] = ()
@@ -710,11 +708,13 @@ class CudaNativePrefillPlan(StagedPlan):
         if not self._launch:  # no query rows at all
             return
         lse_ptr = 0 if lse is None else lse.data_ptr()
+        stream = stream_for(self._index, raw_stream(self._index))
         items, num_items, reqs, indices = self._ptrs
-        self._launcher(raw_stream(self._index), q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr,
-                       *self._strides, out_ptr, lse_ptr, items, num_items, reqs, indices, *self._scalars,
-                       *(UNIT_SCALES if k_scale is None and v_scale is None else scale_args(k_scale, v_scale)),
-                       *self._mask_args)  # fmt: skip
+        cc = launcher()
+        cc.launch(stream, self._cfg, self._kernel, q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr,
+                  *self._strides, out_ptr, lse_ptr, items, num_items, reqs, indices, *self._scalars,
+                  *(UNIT_SCALES if k_scale is None and v_scale is None else scale_args(k_scale, v_scale)),
+                  *self._mask_args)  # fmt: skip
 
 
 def plan_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Tactic,
