@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import os
 import pstats
 import statistics
 import tempfile
@@ -41,7 +42,6 @@ from plan_time import batch
 
 import tactix
 from tactix.autotune import StoreEntry, autotune
-from tactix.backends import torch as torch_backend
 from tactix.registry import get_registry
 from tactix.tactics import Tactic
 
@@ -95,38 +95,39 @@ _STUB = [_stub_hook]  # --replan: _fast_stub_hook
 
 
 class _HookTimer:
-    """Times the torch backend's plan hooks per call (stubbed unless ``real``): a plugin
-    registered first on the torch backend's plugin manager (pluggy's ``tryfirst``) answers its
-    plan hooks with the timed real hook or the stub. What pluggy's dispatch costs is the core's."""
+    """Times the torch backend's plan hooks per call (stubbed unless ``real``): inside the block, the
+    function of each plan hook's implementation on the torch backend's plugin manager is swapped
+    for a timed one (the real hook or the stub), so the hook keeps its one implementation and the
+    core calls it as it calls any backend's. What the dispatch costs is the core's."""
 
     def __init__(self, real: bool) -> None:
         self.spent = 0.0
         self.real = real
-        self._manager = get_registry().get("torch").manager
+        manager = get_registry().get("torch").manager
+        self._impls = [impl for name in ("tactix_plan_decode", "tactix_plan_prefill")
+                       for impl in getattr(manager.hook, name).get_hookimpls()]  # fmt: skip
+        self._functions = [impl.function for impl in self._impls]
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         timer = self
 
-        def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
-            def call(self: object, problem: Any, batch: Any, tactic: Any, options: Any) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return (fn if timer.real else _STUB[0])(problem, batch, tactic, options)
-                finally:
-                    timer.spent += time.perf_counter() - t0
+        def call(problem: Any, batch: Any, tactic: Any, options: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return (fn if timer.real else _STUB[0])(problem, batch, tactic, options)
+            finally:
+                timer.spent += time.perf_counter() - t0
 
-            return tactix.hookimpl(tryfirst=True)(call)
-
-        class Timing:
-            tactix_plan_decode = timed(torch_backend.tactix_plan_decode)
-            tactix_plan_prefill = timed(torch_backend.tactix_plan_prefill)
-
-        self._plugin = Timing()
+        return call
 
     def __enter__(self) -> _HookTimer:
-        self._manager.register(self._plugin)
+        for impl, fn in zip(self._impls, self._functions, strict=True):
+            impl.function = self._timed(fn)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._manager.unregister(self._plugin)
+        for impl, fn in zip(self._impls, self._functions, strict=True):
+            impl.function = fn
 
 
 Case = tuple[tactix.PagedDecode | tactix.PagedPrefill, tuple[Callable[[], None], ...]]
@@ -203,7 +204,7 @@ def profile(calls: tuple[Callable[[], None], ...], plans: int, real: bool) -> No
         for i in range(plans):
             calls[i % len(calls)]()
         prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    pstats.Stats(prof).sort_stats(os.environ.get("PROFILE_SORT", "tottime")).print_stats(30)
 
 
 def main() -> None:

@@ -251,3 +251,34 @@ def test_each_backend_is_answered_by_its_own_plugin_only(tmp_path: Path) -> None
             )
             [tactic] = [t for t in get_registry().get(name).tactics(problem) if not t.is_default]
             assert tactic.backend == name
+
+
+def test_a_plugin_registered_later_on_a_backends_manager_is_asked_and_forgotten_when_removed() -> None:
+    """The core calls a hook's one implementation directly (pluggy's dispatch costs microseconds a
+    plan); what is registered on the manager afterwards must still take part, as pluggy would have
+    it, and stop taking part once it is removed."""
+    asked: list[int] = []
+
+    class Watcher:
+        @tactix.hookimpl(tryfirst=True)
+        def tactix_plan_decode(self, problem: object) -> None:
+            asked.append(1)  # returns None: pluggy goes on to the backend's own implementation
+
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    wrapper = tactix.PagedDecode("HND", backend="torch", device="cpu")
+
+    def plan() -> None:
+        wrapper.plan(i32(0, 1, 3), i32(5, 0, 2), i32(5, 8), 4, 4, 32, 8, q_data_type=torch.float32)
+
+    plan()  # the direct call is set up
+    manager = get_registry().get("torch").manager
+    watcher = Watcher()
+    manager.register(watcher)
+    try:
+        plan()
+        out = wrapper.run(torch.randn(2, 4, 32), (torch.randn(6, 4, 8, 32), torch.randn(6, 4, 8, 32)))
+        assert asked == [1] and out.shape == (2, 4, 32)
+    finally:
+        manager.unregister(watcher)
+    plan()
+    assert asked == [1]

@@ -336,11 +336,6 @@ class _Bound:
         """The run extras the plan's backend takes."""
         self.extras_by = selection.backend.name
 
-    def same(self, plan: Any, state: _Static[Any], device: torch.device, rows: int, kv_rows: int | None = None) -> bool:
-        """Whether this binding is the one of ``plan`` for this state, device and row counts."""
-        return (plan is self.plan and state is self.state and device is self.device and rows == self.rows
-                and kv_rows == self.kv_rows)  # fmt: skip
-
 
 class _Attention(Planned):
     """What every attention wrapper shares: the backend, device and CUDA-graph arguments, the memo
@@ -406,7 +401,13 @@ class _Attention(Planned):
                 kv_rows: int | None = None) -> None:  # fmt: skip
         """Choose and plan the backend and tactic of ``problem`` on ``batch``, by the fast re-plan
         where it applies, and bind ``run()`` to the plan."""
-        self._last_static = _LastStatic(device, arguments, key, state) if key is not None else None
+        last = self._last_static
+        if key is None:
+            self._last_static = None
+        elif last is not None and last.key is key and last.device is device:
+            last.arguments = arguments  # (the same static plan as the last: no new record)
+        else:
+            self._last_static = _LastStatic(device, arguments, key, state)
         previous = self._selection
         options: PlanOptions = {"device": device, "use_cuda_graph": self._use_cuda_graph,
                                  "previous": None if previous is None else previous.plan}  # fmt: skip
@@ -429,8 +430,15 @@ class _Attention(Planned):
         self._selection = selection
         self._batch = batch
         bound = self._bound
-        if bound is not None and bound.same(selection.plan, state, device, batch.num_qo_tokens, kv_rows):
-            return  # a fast re-plan that kept its plan object: what run() checks is unchanged
+        if (bound is not None and bound.state is state and bound.device is device
+                and bound.rows == batch.num_qo_tokens and bound.kv_rows == kv_rows
+                and bound.extras_by == selection.backend.name):  # fmt: skip
+            # what run() checks is unchanged (the same static problem, device, row counts and
+            # backend, whose run extras the binding holds); a new plan object is all there is
+            plan = selection.plan
+            if bound.plan is not plan:
+                bound.plan, bound.run = plan, plan.run
+            return
         self._bound = _Bound(selection, state, device, batch.num_qo_tokens, kv_rows)
 
     # -- run ------------------------------------------------------------------------------

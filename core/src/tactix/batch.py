@@ -71,11 +71,14 @@ def _check_offsets(name: str, indptr: list[int], steps: list[int], fewest: int) 
 def _host_lists(arrays: list[torch.Tensor], device: torch.device) -> list[list[int]]:
     """The values of small index arrays as Python lists; device-resident ones come to the host in
     one transfer (their values decide shapes)."""
-    if not all(t.is_cpu for t in arrays):
-        sizes = [t.numel() for t in arrays]
-        host = torch.cat([t.to(device, torch.int64) for t in arrays]).cpu()
-        arrays = list(torch.split(host, sizes))
-    return [t.tolist() for t in arrays]
+    for t in arrays:  # (a loop: a generator in all() costs a third of a microsecond more)
+        if not t.is_cpu:
+            break
+    else:
+        return [t.tolist() for t in arrays]
+    sizes = [t.numel() for t in arrays]  # some on the device
+    host = torch.cat([t.to(device, torch.int64) for t in arrays]).cpu()
+    return [t.tolist() for t in torch.split(host, sizes)]
 
 
 def _check_qo_length(qo_list: list[int], batch_size: int, kv_indptr_name: str) -> None:

@@ -74,13 +74,50 @@ class BackendRecord:
         }
 
 
-def plugin_manager() -> pluggy.PluginManager:
+class PluginManager(pluggy.PluginManager):
+    """pluggy's manager, counting its registrations (``generation``) so that a `Backend` can keep
+    what it looked up about a hook's implementations until a plugin is registered or removed."""
+
+    generation = 0
+
+    def register(self, plugin: Any, name: str | None = None) -> str | None:
+        self.generation += 1
+        return super().register(plugin, name)
+
+    def unregister(self, plugin: Any | None = None, name: str | None = None) -> Any | None:
+        self.generation += 1
+        return super().unregister(plugin, name)
+
+    def add_hookspecs(self, module_or_class: Any) -> None:
+        self.generation += 1
+        super().add_hookspecs(module_or_class)
+
+
+def plugin_manager() -> PluginManager:
     """A plugin manager that knows every hookspec: the shared ones and each op's plan hook."""
-    manager = pluggy.PluginManager(hookspecs.PROJECT)
+    manager = PluginManager(hookspecs.PROJECT)
     manager.add_hookspecs(hookspecs)
     for op in OPS.values():
         manager.add_hookspecs(op.hookspecs)
     return manager
+
+
+_UNSET: Final = object()
+_SIZED_OPS: Final = frozenset(name for name, op in OPS.items() if op.sized_capabilities)
+
+
+def _several_gpus() -> bool:
+    """Whether this process sees more than one GPU (remembered once it sees CUDA at all): only
+    then may two plans' devices differ in compute capability."""
+    global _gpus
+    if _gpus is None:
+        if not cuda_available():
+            return False
+        _gpus = torch.cuda.device_count()
+    return _gpus > 1
+
+
+_gpus: int | None = None
 
 
 @dataclass
@@ -95,11 +132,16 @@ class Backend:
 
     record: BackendRecord
     spec: BackendSpec
-    manager: pluggy.PluginManager = field(repr=False)
+    manager: pluggy.PluginManager = field(repr=False)  # (a `PluginManager` where discovery made it)
     _environment: list[str] | None = field(default=None, repr=False)
     # reasons from the environment and the declared capabilities, by problem.static_key(): both
     # are fixed for a backend, and attention capabilities read no dynamic size
     _static_reasons: dict[tuple[Any, ...], tuple[str, ...]] = field(default_factory=dict, repr=False)
+    # per op: None where `served` returns the problem as it is, else (conversion, capabilities of the op)
+    _routes: dict[str, Any] = field(default_factory=dict, repr=False)
+    _last_served: tuple[Any, Any] = field(default=(None, None), repr=False)
+    # per hook: (the manager's generation, the hook caller, its one plain implementation or None)
+    _hooks: dict[str, tuple[Any, Any, Any]] = field(default_factory=dict, repr=False)
 
     @property
     def name(self) -> str:
@@ -107,7 +149,32 @@ class Backend:
 
     def _call(self, hook: str, **kwargs: Any) -> Any:
         """This plugin's answer to ``hook`` (a firstresult hook: None when it implements none)."""
-        return getattr(self.manager.hook, hook)(backend=self.name, **kwargs)
+        return self._hook(hook, {"backend": self.name, **kwargs})
+
+    def _hook(self, hook: str, kwargs: dict[str, Any]) -> Any:
+        """Call ``hook`` on this backend's manager with ``kwargs``, as pluggy does, but where the
+        hook has one plain implementation (every hook of a plugin alone on its manager) call its
+        function directly, with the arguments it declares: pluggy's general dispatch (its
+        multicall loop, result list and argument checks) cost about 2 us per call, twice per
+        ``plan()``. Anything else (two implementations, a wrapper, an argument the
+        implementation wants and the call lacks) goes through pluggy, which then says what is
+        wrong. What was found is kept until the manager's ``generation`` changes (`PluginManager`
+        counts registrations), so a plugin registered later on the manager is honoured."""
+        generation = getattr(self.manager, "generation", None)  # None: a plain pluggy manager
+        found = self._hooks.get(hook)
+        if found is None or generation is None or found[0] != generation:
+            caller = getattr(self.manager.hook, hook)
+            impls = caller.get_hookimpls()
+            plain = len(impls) == 1 and not (impls[0].hookwrapper or impls[0].wrapper)
+            found = self._hooks[hook] = (generation, caller, impls[0] if plain else None)
+        _, caller, impl = found
+        if impl is None:
+            return caller(**kwargs)
+        try:
+            args = [kwargs[name] for name in impl.argnames]
+        except KeyError:
+            return caller(**kwargs)
+        return impl.function(*args)
 
     def implements(self, hook: str) -> bool:
         return bool(getattr(self.manager.hook, hook).get_hookimpls())
@@ -143,14 +210,24 @@ class Backend:
         op that computes the same on the same batch where this backend's capabilities of
         ``problem.op`` do not take it but those of the other op may (the op's ``served_through``:
         multi-token decode through prefill)."""
-        through = OPS[problem.op].served_through
-        if through is None:
+        last = self._last_served  # check, static_reasons and plan of one plan() ask about one object
+        if last[0] is problem:
+            found: AnyProblem = last[1]
+            return found
+        route = self._routes.get(problem.op, _UNSET)
+        if route is _UNSET:  # per op, once: the conversion and this backend's capabilities of the op
+            through = OPS[problem.op].served_through
+            route = None
+            if through is not None and self.spec.capabilities(through[0]) is not None:
+                route = (through[1], self.spec.capabilities(problem.op))
+            self._routes[problem.op] = route
+        if route is None:
             return problem
-        other, convert = through
-        if self.spec.capabilities(other) is None:
-            return problem
-        converted: AnyProblem | None = convert(problem, self.spec.capabilities(problem.op))
-        return problem if converted is None else converted
+        convert, caps = route
+        converted: AnyProblem | None = convert(problem, caps)
+        served = problem if converted is None else converted
+        self._last_served = (problem, served)  # (one tuple: a thread reading it sees a matching pair)
+        return served
 
     def tactics(self, problem: AnyProblem) -> list[Tactic]:
         """The backend's tactic space for ``problem``, default first, without duplicates."""
@@ -171,10 +248,11 @@ class Backend:
         """Why this backend cannot serve ``problem`` whatever the tactic and the batch: the
         environment and the declared capabilities. Remembered per static problem (attention)."""
         problem = self.served(problem)
-        if OPS[problem.op].sized_capabilities:  # e.g. GEMM's max_m: not a static answer
+        op = problem.op
+        if op in _SIZED_OPS:  # e.g. GEMM's max_m: not a static answer
             return self.environment() + self.spec.reasons(problem)
         key = problem.static_key()
-        if problem.device_type == "cuda" and cuda_available():  # compute capabilities differ by GPU
+        if problem.device_type == "cuda" and _several_gpus():  # compute capabilities differ by GPU
             key = (*key, torch.cuda.current_device())
         found = self._static_reasons.get(key)
         if found is None:
@@ -196,7 +274,7 @@ class Backend:
             return list(static)
         problem = self.served(problem)
         try:
-            extra = self.manager.hook.tactix_check(backend=name, problem=problem, tactic=tactic, batch=batch)
+            extra = self._hook("tactix_check", {"backend": name, "problem": problem, "tactic": tactic, "batch": batch})
         except Exception as exc:
             return [f"tactix_check raised {type(exc).__name__}: {exc}"]
         return list(extra or [])
@@ -213,7 +291,7 @@ class Backend:
         kwargs: dict[str, Any] = {"backend": self.spec.name, "problem": problem, "tactic": tactic, "options": options}
         if "batch" in OPS[problem.op].plan_arguments:
             kwargs["batch"] = batch
-        plan = getattr(self.manager.hook, name)(**kwargs)
+        plan = self._hook(name, kwargs)
         if plan is None:
             raise PluginError(f"backend '{self.name}' returned no plan from {name} for {problem}")
         return plan
