@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import logging
+import operator
 import os
 import threading
 import traceback
@@ -104,6 +105,15 @@ def plugin_manager() -> PluginManager:
 
 _UNSET: Final = object()
 _SIZED_OPS: Final = frozenset(name for name, op in OPS.items() if op.sized_capabilities)
+_CHECK_ARGUMENTS: Final = ("backend", "problem", "tactic", "batch")
+_PLAN_CALLS: Final = {
+    name: (
+        op.plan_hook,
+        ("backend", "problem", "tactic", "options", *(("batch",) if "batch" in op.plan_arguments else ())),
+    )
+    for name, op in OPS.items()
+}
+"""Per op: its plan hook and the arguments the core passes it, in this order."""
 
 
 def _several_gpus() -> bool:
@@ -140,8 +150,8 @@ class Backend:
     # per op: None where `served` returns the problem as it is, else (conversion, capabilities of the op)
     _routes: dict[str, Any] = field(default_factory=dict, repr=False)
     _last_served: tuple[Any, Any] = field(default=(None, None), repr=False)
-    # per hook: (the manager's generation, the hook caller, its one plain implementation or None)
-    _hooks: dict[str, tuple[Any, Any, Any]] = field(default_factory=dict, repr=False)
+    # per hook: what `_hook` found (`_direct`)
+    _hooks: dict[str, tuple[Any, ...]] = field(default_factory=dict, repr=False)
 
     @property
     def name(self) -> str:
@@ -149,32 +159,44 @@ class Backend:
 
     def _call(self, hook: str, **kwargs: Any) -> Any:
         """This plugin's answer to ``hook`` (a firstresult hook: None when it implements none)."""
-        return self._hook(hook, {"backend": self.name, **kwargs})
+        return self._hook(hook, ("backend", *kwargs), (self.name, *kwargs.values()))
 
-    def _hook(self, hook: str, kwargs: dict[str, Any]) -> Any:
-        """Call ``hook`` on this backend's manager with ``kwargs``, as pluggy does, but where the
-        hook has one plain implementation (every hook of a plugin alone on its manager) call its
-        function directly, with the arguments it declares: pluggy's general dispatch (its
-        multicall loop, result list and argument checks) cost about 2 us per call, twice per
-        ``plan()``. Anything else (two implementations, a wrapper, an argument the
-        implementation wants and the call lacks) goes through pluggy, which then says what is
-        wrong. What was found is kept until the manager's ``generation`` changes (`PluginManager`
-        counts registrations), so a plugin registered later on the manager is honoured."""
+    def _hook(self, hook: str, names: tuple[str, ...], values: tuple[Any, ...]) -> Any:
+        """Call ``hook`` on this backend's manager with the arguments ``names`` = ``values``, as
+        pluggy does, but where the hook has one plain implementation (every hook of a plugin alone
+        on its manager) call its function directly with the arguments it declares, picked by
+        position: pluggy's general dispatch (its multicall loop, result list and argument checks)
+        costs about 2 us a call, twice per ``plan()``. Anything else (two implementations, a
+        wrapper, an argument the implementation wants and the call lacks) goes through pluggy,
+        which then says what is wrong. What was found is kept until the manager's
+        ``generation`` changes (`PluginManager` counts registrations), so a plugin registered
+        later on the manager is honoured."""
         generation = getattr(self.manager, "generation", None)  # None: a plain pluggy manager
         found = self._hooks.get(hook)
-        if found is None or generation is None or found[0] != generation:
-            caller = getattr(self.manager.hook, hook)
-            impls = caller.get_hookimpls()
-            plain = len(impls) == 1 and not (impls[0].hookwrapper or impls[0].wrapper)
-            found = self._hooks[hook] = (generation, caller, impls[0] if plain else None)
-        _, caller, impl = found
-        if impl is None:
-            return caller(**kwargs)
-        try:
-            args = [kwargs[name] for name in impl.argnames]
-        except KeyError:
-            return caller(**kwargs)
-        return impl.function(*args)
+        if found is None or generation is None or found[0] != generation or found[1] != names:
+            found = self._hooks[hook] = self._direct(hook, names, generation)
+        _, _, caller, fn, pick = found
+        if fn is None:
+            return caller(**dict(zip(names, values, strict=True)))
+        return fn(*pick(values))
+
+    def _direct(self, hook: str, names: tuple[str, ...], generation: int | None) -> tuple[Any, ...]:
+        """`_hook`'s record: (generation, names, the hook caller, the one plain implementation's
+        function or None, what picks its arguments out of the values)."""
+        caller = getattr(self.manager.hook, hook)
+        impls = caller.get_hookimpls()
+        if len(impls) != 1 or impls[0].hookwrapper or impls[0].wrapper:
+            return generation, names, caller, None, None
+        impl = impls[0]
+        if not set(impl.argnames) <= set(names):
+            return generation, names, caller, None, None
+        index = [names.index(name) for name in impl.argnames]
+        pick: Callable[[tuple[Any, ...]], tuple[Any, ...]]
+        if len(index) > 1:
+            pick = operator.itemgetter(*index)
+        else:  # itemgetter of one index gives the item itself, not a tuple
+            pick = (lambda values: (values[index[0]],)) if index else (lambda values: ())
+        return generation, names, caller, impl.function, pick
 
     def implements(self, hook: str) -> bool:
         return bool(getattr(self.manager.hook, hook).get_hookimpls())
@@ -274,7 +296,7 @@ class Backend:
             return list(static)
         problem = self.served(problem)
         try:
-            extra = self._hook("tactix_check", {"backend": name, "problem": problem, "tactic": tactic, "batch": batch})
+            extra = self._hook("tactix_check", _CHECK_ARGUMENTS, (name, problem, tactic, batch))
         except Exception as exc:
             return [f"tactix_check raised {type(exc).__name__}: {exc}"]
         return list(extra or [])
@@ -287,11 +309,9 @@ class Backend:
         """Call this backend's plan hook for ``problem.op`` (or for the op that serves it, see
         `served`). Exceptions propagate."""
         problem = self.served(problem)
-        name = OPS[problem.op].plan_hook
-        kwargs: dict[str, Any] = {"backend": self.spec.name, "problem": problem, "tactic": tactic, "options": options}
-        if "batch" in OPS[problem.op].plan_arguments:
-            kwargs["batch"] = batch
-        plan = self._hook(name, kwargs)
+        name, names = _PLAN_CALLS[problem.op]
+        values = (self.spec.name, problem, tactic, options, batch)
+        plan = self._hook(name, names, values if len(names) == 5 else values[:4])
         if plan is None:
             raise PluginError(f"backend '{self.name}' returned no plan from {name} for {problem}")
         return plan
