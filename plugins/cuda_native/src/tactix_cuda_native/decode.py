@@ -558,6 +558,8 @@ class CudaNativeDecodePlan(StagedPlan):
         assert shift is not None  # check() refused other page sizes
         self._scalars = (hq, gqa, q_tiles(gqa), shift, problem.sm_scale * LOG2E, float(problem.logits_soft_cap))
         self._cfg = launch_config(decode_grid(item_cap, hkv, gqa), kernel.threads, kernel.smem)
+        self._launch_fn = launcher().launch  # (looked up once: run() is on every layer's path)
+        self._tail = (*self._ptrs, *self._scalars, *UNIT_SCALES)  # the arguments after lse without scales
         self._index = index
         self._seen: tuple[Any, ...] | None = None
         self._strides: tuple[int, ...] = ()
@@ -586,13 +588,13 @@ class CudaNativeDecodePlan(StagedPlan):
         q, k_ptr, v_ptr, out_ptr = self._operands(q, k_cache, v_cache, out)
         lse_ptr = 0 if lse is None else lse.data_ptr()
         stream = stream_for(self._index, raw_stream(self._index))
-        cc = launcher()
-        scales = UNIT_SCALES if k_scale is None and v_scale is None else scale_args(k_scale, v_scale)
+        tail = self._tail if k_scale is None and v_scale is None else (
+            *self._ptrs, *self._scalars, *scale_args(k_scale, v_scale))  # fmt: skip
         args: tuple[Any, ...] = (q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr, *self._strides, out_ptr, lse_ptr,
-                                 *self._ptrs, *self._scalars, *scales)  # fmt: skip
+                                 *tail)  # fmt: skip
         if self._tma:
             args = (self._cache_map(k_cache, "k"), self._cache_map(v_cache, "v"), *args)
-        cc.launch(stream, self._cfg, self._kernel, *args)
+        self._launch_fn(stream, self._cfg, self._kernel, *args)
 
     def _cache_map(self, t: torch.Tensor, name: str) -> Any:
         """The tensor map of a K or V cache ([pages][heads][tokens][D], HND), boxes of 64 of D x

@@ -413,6 +413,7 @@ class CudaNativeGemmPlan:
         else:
             self._ws = self._counters = None
         self._cfg = launch_config(grid, threads, smem)
+        self._launch_fn = launcher().launch  # (looked up once: run() is on every layer's path)
         self._index = index
         self._maps: TensorMaps = TensorMaps(16)
 
@@ -440,7 +441,6 @@ class CudaNativeGemmPlan:
                                        "of 8 elements", f"a at {a_ptr:#x} strides {a.stride()}, b at {b_ptr:#x} "
                                        f"strides {b.stride()}")  # fmt: skip
         stream = stream_for(self._index, raw_stream(self._index))
-        cc = launcher()
         ws = 0 if self._ws is None else self._ws.data_ptr()
         counters = 0 if self._counters is None else self._counters.data_ptr()
         args: tuple[Any, ...] = (a_ptr, lda, a_sb, b_ptr, ldb, b_sb, out_ptr, p.m * p.n, bias_ptr, ws, counters, p.m,
@@ -449,7 +449,7 @@ class CudaNativeGemmPlan:
             wmap = self._tensor_map(b, "b", p.n, ldb, b_sb, self._tma_bw)
             amap = self._tensor_map(a, "a", p.m, lda, a_sb, 64) if self._tma == 2 else wmap  # (tma 1: not read)
             args = (wmap, amap, *args)
-        cc.launch(stream, self._cfg, self._kernel, *args)
+        self._launch_fn(stream, self._cfg, self._kernel, *args)
 
 
 def plan_gemm(problem: GemmProblem, tactic: Tactic, options: PlanOptions) -> CudaNativeGemmPlan:

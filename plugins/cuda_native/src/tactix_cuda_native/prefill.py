@@ -687,6 +687,7 @@ class CudaNativePrefillPlan(StagedPlan):
         persistent = prefill_persistent_ctas(info, kernel.ctas_per_sm) if params.persist else 0
         self.grid = prefill_grid(item_cap, hq, pack, persistent)
         self._cfg = launch_config(self.grid, kernel.threads, kernel.smem)
+        self._launch_fn = launcher().launch  # (looked up once: run() is on every layer's path)
         self._index = index
         self._seen: tuple[Any, ...] | None = None
         self._strides: tuple[int, ...] = ()
@@ -710,8 +711,7 @@ class CudaNativePrefillPlan(StagedPlan):
         lse_ptr = 0 if lse is None else lse.data_ptr()
         stream = stream_for(self._index, raw_stream(self._index))
         items, num_items, reqs, indices = self._ptrs
-        cc = launcher()
-        cc.launch(stream, self._cfg, self._kernel, q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr,
+        self._launch_fn(stream, self._cfg, self._kernel, q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr,
                   *self._strides, out_ptr, lse_ptr, items, num_items, reqs, indices, *self._scalars,
                   *(UNIT_SCALES if k_scale is None and v_scale is None else scale_args(k_scale, v_scale)),
                   *self._mask_args)  # fmt: skip
