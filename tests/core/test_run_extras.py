@@ -126,5 +126,6 @@ def test_a_declaration_naming_an_unknown_extra_is_refused() -> None:
     from tactix.backends import torch as torch_backend
 
     decode = torch_backend.tactix_backends()[0].decode
-    with pytest.raises(ValueError, match="run_extras names sinks, not a run extra of decode"):
-        tactix.BackendSpec(name="x", version="1", decode=decode.model_copy(update={"run_extras": frozenset({"sinks"})}))
+    unknown = frozenset({"alibi_slopes"})
+    with pytest.raises(ValueError, match="run_extras names alibi_slopes, not a run extra of decode"):
+        tactix.BackendSpec(name="x", version="1", decode=decode.model_copy(update={"run_extras": unknown}))

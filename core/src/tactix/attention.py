@@ -460,10 +460,12 @@ class _Attention(Planned):
 
     def _call(self, b: _Bound, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor | None, return_lse: bool | None, k_scale: float | torch.Tensor | None,
-              v_scale: float | torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+              v_scale: float | torch.Tensor | None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Run the plan on checked tensors: with the run extras given and the LSE as asked."""
-        if k_scale is not None or v_scale is not None:
-            return self._run_with_extras(b, q, k, v, out, lse, return_lse, {"k_scale": k_scale, "v_scale": v_scale})
+        if k_scale is not None or v_scale is not None or sinks is not None:
+            return self._run_with_extras(b, q, k, v, out, lse, return_lse,
+                                         {"k_scale": k_scale, "v_scale": v_scale, "sinks": sinks})  # fmt: skip
         if return_lse is not None or b.return_lse or lse is not None:  # (return_lse checked there)
             return self._run_with_lse(b, q, k, v, out, lse, return_lse, {})
         b.run(q, k, v, out, None)
@@ -488,7 +490,7 @@ class _Attention(Planned):
             if value is None:
                 continue
             extra = known[name]
-            value = extra.validate(value, name, b.device)
+            value = extra.validate(value, name, b.device, b.state.problem)
             if extra.neutral(value):
                 continue
             if name not in b.extras:
@@ -497,7 +499,7 @@ class _Attention(Planned):
                          if name in _run_extras(x, self._op) and not x.static_reasons(problem)]  # fmt: skip
                 raise InvalidArgumentError(
                     name,
-                    f"None or 1.0: backend '{b.extras_by}' does not take {name} ({extra.summary}); backends that "
+                    f"{extra.without}: backend '{b.extras_by}' does not take {name} ({extra.summary}); backends that "
                     f"take it and can serve this problem: {', '.join(takes) or 'none here'} (plan with "
                     "backend=... to use one)",
                     value if not isinstance(value, torch.Tensor) else "a tensor",
@@ -631,11 +633,19 @@ class _PagedAttention(_Attention):
         return_lse: bool | None = None,
         k_scale: float | torch.Tensor | None = None,
         v_scale: float | torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention for the planned batch. Returns ``out``, or ``(out, lse)`` with the LSE.
 
         Every tensor must be on the plan's device (``q``, the cache, ``out``, ``lse``);
         ``return_lse`` is None (as planned) or a bool.
+
+        ``sinks`` (gpt-oss, StreamingLLM): a float32 tensor ``[num_qo_heads]`` of logits, one per
+        query head, in the units of the scaled (and soft-capped) logits; each joins its head's
+        softmax denominator as a key with no value: ``out = sum_j exp(s_j) v_j / (sum_j exp(s_j) +
+        exp(sink))``. The LSE then includes it, ``log(sum_j exp(s_j) + exp(sink))``, so a part
+        computed with the sinks merges exactly (`tactix.merge_state`) with parts computed
+        without. A backend takes it only if it declares it (``run_extras``).
 
         ``k_scale`` and ``v_scale`` dequantize the cache: logits are ``(q . k) * k_scale *
         sm_scale`` and the output attends ``v * v_scale``. Each is None (1.0), a finite float
@@ -674,10 +684,11 @@ class _PagedAttention(_Attention):
         except (AttributeError, TypeError, ValueError):
             self._diagnose(q, paged_kv_cache, out)
             raise
-        if k_scale is None and v_scale is None and lse is None and return_lse is None and not b.return_lse:
+        if (k_scale is None and v_scale is None and sinks is None and lse is None and return_lse is None
+                and not b.return_lse):  # fmt: skip
             b.run(q, k, v, out, None)  # the common call, without a frame more (`_call` does the rest)
             return out
-        return self._call(b, q, k, v, out, lse, return_lse, k_scale, v_scale)
+        return self._call(b, q, k, v, out, lse, return_lse, k_scale, v_scale, sinks)
 
     def _diagnose(self, q: object, cache: object, out: object) -> None:
         """Name the argument that is not a tensor (or a well-formed cache); called on a type error."""

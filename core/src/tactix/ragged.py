@@ -171,13 +171,14 @@ class RaggedPrefill(_Attention):
         return_lse: bool | None = None,
         k_scale: float | torch.Tensor | None = None,
         v_scale: float | torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention for the planned batch. Returns ``out``, or ``(out, lse)`` with the LSE.
 
         Every tensor must be on the plan's device; ``q``, ``k`` and ``v`` have the shapes of the
         module docstring (any strides), ``out`` and ``lse`` are contiguous. ``return_lse``,
-        ``k_scale`` and ``v_scale`` mean what they mean for `tactix.PagedPrefill.run` (the scales
-        dequantize ``k`` and ``v``).
+        ``k_scale``, ``v_scale`` and ``sinks`` mean what they mean for `tactix.PagedPrefill.run`
+        (the scales dequantize ``k`` and ``v``).
         """
         b = self._bound_or_raise()
         device = b.device
@@ -200,7 +201,7 @@ class RaggedPrefill(_Attention):
             if out is not None and not isinstance(out, torch.Tensor):
                 self._reject("out", out, b.out_shape, b.out_dtype, contiguous=True)
             raise
-        return self._call(b, q, k, v, out, lse, return_lse, k_scale, v_scale)
+        return self._call(b, q, k, v, out, lse, return_lse, k_scale, v_scale, sinks)
 
     def _reject_kv(self, name: str, t: object, b: Any) -> None:
         """Refuse ``k`` or ``v``, naming the dimension that is off."""

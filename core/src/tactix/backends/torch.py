@@ -69,7 +69,7 @@ _RAGGED = RaggedPrefillCapabilities(
     logits_soft_cap=True,
     lse=True,
     cuda_graph="fixed_buffers",
-    run_extras=frozenset({"k_scale", "v_scale"}),
+    run_extras=frozenset({"k_scale", "v_scale", "sinks"}),
 )
 
 _ATTENTION = AttentionCapabilities(
@@ -396,7 +396,7 @@ class _AttentionPlan:
         h, s, d = pages.shape[1:]  # HND: [B*P, H, S, D]
         return pages.view(g.batch_size, g.keys // s, h, s, d).permute(0, 2, 1, 3, 4).reshape(g.batch_size, h, g.keys, d)
 
-    def _gather(self, cache: torch.Tensor) -> torch.Tensor:
+    def _gather(self, cache: torch.Tensor, explicit: bool = False) -> torch.Tensor:
         """The keys (or values) of every request as ``[batch, kv_heads, keys, dim]``.
 
         Slots that hold no key of the request (padding pages, the tail of the last page) are
@@ -407,7 +407,7 @@ class _AttentionPlan:
         out = self._padded(cache)
         if out.dtype != self._compute_dtype:
             out = out.to(self._compute_dtype)
-        if self._attn_mask is None and self._sdpa is not None:
+        if self._attn_mask is None and self._sdpa is not None and not explicit:
             return out  # uniform lengths: keys past kv_len are cut, there is no padding page
         return out.masked_fill(~self.key_valid, 0)
 
@@ -420,15 +420,17 @@ class _AttentionPlan:
         lse: torch.Tensor | None,
         k_scale: float | torch.Tensor | None = None,
         v_scale: float | torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         g = self.geometry
         p = self.problem
         hq = p.num_qo_heads
         qp = q.index_select(0, self.q_index).view(g.batch_size, g.q_len, hq, p.head_dim_qk).transpose(1, 2)
-        kp = self._gather(k_cache)
-        vp = self._gather(v_cache)
-        if self._sdpa is None:
-            o, row_lse = self._explicit(qp, kp, vp, lse is not None, k_scale, v_scale)
+        explicit = self._sdpa is None or sinks is not None  # (SDPA has no sink term: sinks take the explicit path)
+        kp = self._gather(k_cache, explicit)
+        vp = self._gather(v_cache, explicit)
+        if explicit:
+            o, row_lse = self._explicit(qp, kp, vp, lse is not None, k_scale, v_scale, sinks)
         else:
             # dequantized in the cache dtype: sdpa's own scale is a Python float, a device scale is not
             if k_scale is not None:
@@ -451,6 +453,7 @@ class _AttentionPlan:
         want_lse: bool,
         k_scale: float | torch.Tensor | None = None,
         v_scale: float | torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         g = self.geometry
         p = self.problem
@@ -466,8 +469,13 @@ class _AttentionPlan:
             scores = torch.tanh(scores / p.logits_soft_cap) * p.logits_soft_cap
         scores = scores.view(g.batch_size, hkv, group, g.q_len, -1)
         scores = scores.masked_fill(~self.mask[:, :, None], float("-inf"))
+        if sinks is not None:  # one more key per head, with no value: a column joining the softmax
+            sink = sinks.view(1, hkv, group, 1, 1).expand(g.batch_size, hkv, group, g.q_len, 1)
+            scores = torch.cat([scores, sink], dim=-1)
         row_lse = torch.logsumexp(scores, dim=-1) if want_lse else None
         probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            probs = probs[..., :-1]
         if self._custom:  # a row its mask leaves no key: zeros (softmax over no key is NaN), LSE -inf
             probs = probs.masked_fill(~self.mask[:, :, None].any(-1, keepdim=True), 0.0)
         probs = probs.view(g.batch_size, hkv, group * g.q_len, -1)

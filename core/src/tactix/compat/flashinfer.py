@@ -52,8 +52,10 @@ Differences, all explicit:
   ``enable_pdl``) are accepted: each tactix backend schedules for itself.
 * ``custom_mask`` / ``packed_custom_mask`` are served (tactix's `PagedPrefill.plan`), replacing
   ``causal`` as in FlashInfer, by the backends that declare custom masks.
+* ``run(..., sinks=...)`` (a float32 ``[num_qo_heads]`` of sink logits) is tactix's run extra of
+  that name, served by the backends that declare it; the base-2 LSE then includes the sinks.
 * Features tactix does not implement raise `InvalidArgumentError` naming the argument: rotary
-  embedding inside the kernel, fp16 QK reduction, a q scale, attention sinks,
+  embedding inside the kernel, fp16 QK reduction, a q scale,
   NVFP4 KV caches (``kv_data_type=torch.uint8`` at plan, ``kv_cache_sf`` at run), FlashInfer's
   own page-table arguments (``block_tables``, ``seq_lens``).
 * Decode's ``q_len_per_req`` (multi-token decode) is tactix's: ``q`` holds that many rows per
@@ -277,16 +279,15 @@ class _Wrapper:
             raise InvalidArgumentError("kv_cache_sf", "None: NVFP4 KV caches are not supported by tactix",
                                        f"a {type(kv_cache_sf).__name__}")  # fmt: skip
         _unsupported("q_scale", q_scale)
-        _unsupported("sinks", sinks)
         planned_window = self._args.get("window_left", -1)
         if window_left is not None and window_left != planned_window:
             raise InvalidArgumentError("window_left", f"None or the planned {planned_window}", window_left)
         if lse_base not in ("log2", "ln"):
             raise InvalidArgumentError("lse_base", "'log2' (FlashInfer's default) or 'ln'", repr(lse_base))
         if not (return_lse or lse is not None):
-            return self._plain.run(q, *kv, out=out, k_scale=k_scale, v_scale=v_scale)
+            return self._plain.run(q, *kv, out=out, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
         result = self._lse_wrapper().run(q, *kv, out=out, lse=lse, return_lse=True, k_scale=k_scale,
-                                         v_scale=v_scale)  # fmt: skip
+                                         v_scale=v_scale, sinks=sinks)  # fmt: skip
         assert isinstance(result, tuple)
         o, natural = result
         if lse_base == "log2":

@@ -244,7 +244,7 @@ def attention_tuner_inputs(
     return TunerInputs(small, (q, k, v, out, lse), out)
 
 
-def scale_value(value: Any, argument: str, device: torch.device) -> float | torch.Tensor:
+def scale_value(value: Any, argument: str, device: torch.device, problem: Any = None) -> float | torch.Tensor:
     """A dequantization scale as a plan receives it: a finite float > 0, or a float32 tensor of one
     element on the plan's device (its value is read by the kernel, so a CUDA graph replays with
     whatever it holds; it is not checked, which would wait for the device)."""
@@ -268,12 +268,33 @@ def _unit(value: Any) -> bool:
     return not isinstance(value, torch.Tensor) and value == 1.0
 
 
+def sinks_value(value: Any, argument: str, device: torch.device, problem: Any = None) -> torch.Tensor:
+    """Attention sinks as a plan receives them: a float32 tensor ``[num_qo_heads]`` on the plan's
+    device (its values are read by the kernel, never checked on the host: that would wait for the
+    device, and a captured graph replays with whatever the tensor then holds)."""
+    heads = getattr(problem, "num_qo_heads", None)
+    expected = f"a float32 tensor [num_qo_heads{f' = {heads}' if heads is not None else ''}] on {device}"
+    if not isinstance(value, torch.Tensor):
+        raise InvalidArgumentError(argument, expected, type(value).__name__)
+    if (value.dtype != torch.float32 or value.dim() != 1 or (heads is not None and value.shape[0] != heads)
+            or value.device != device):  # fmt: skip
+        given = f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+        raise InvalidArgumentError(argument, expected, given)
+    if value.stride(0) != 1:
+        raise InvalidArgumentError(argument, expected + ", contiguous", f"stride {value.stride(0)}")
+    return value
+
+
 ATTENTION_EXTRAS: Final = (
     RunExtra("k_scale", "dequantization scale of the K cache: logits are (q . k) * k_scale * sm_scale",
-             scale_value, _unit),
-    RunExtra("v_scale", "dequantization scale of the V cache: the output attends v * v_scale", scale_value, _unit),
+             scale_value, _unit, "None or 1.0"),
+    RunExtra("v_scale", "dequantization scale of the V cache: the output attends v * v_scale", scale_value, _unit,
+             "None or 1.0"),
+    RunExtra("sinks", "attention sinks: a logit per query head (float32 [num_qo_heads], after sm_scale and the "
+             "soft-cap) that joins each row's softmax denominator with no value; the LSE includes it",
+             sinks_value),
 )  # fmt: skip
-"""The run extras of the paged-attention ops."""
+"""The run extras of the attention ops (paged prefill and decode, ragged prefill)."""
 
 
 @runtime_checkable

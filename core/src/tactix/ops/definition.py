@@ -55,12 +55,15 @@ class RunExtra:
     """The keyword of the wrapper's ``run()`` and of a plan's ``run``."""
     summary: str
     """What it means, for listings and errors."""
-    validate: Callable[[Any, str, Any], Any]
-    """``validate(value, argument, device)``: the value a plan receives, or an
-    `InvalidArgumentError` naming ``argument``."""
+    validate: Callable[[Any, str, Any, Any], Any]
+    """``validate(value, argument, device, problem)``: the value a plan receives, or an
+    `InvalidArgumentError` naming ``argument`` (``problem``: the plan's static problem, for the
+    shapes an extra must have)."""
     neutral: Callable[[Any], bool] = lambda value: False
     """Whether a validated value changes nothing (``k_scale=1.0``): dropped, so a backend that
     does not take the extra serves the call anyway."""
+    without: str = "None"
+    """What a backend that does not take the extra accepts, for errors (``"None or 1.0"``)."""
 
 
 @dataclass(frozen=True)

@@ -87,12 +87,14 @@ class _Case:
     k_scale: float = 1.0  # run extras: dequantization scales (1.0: not passed)
     v_scale: float = 1.0
     scale_form: Literal["float", "tensor"] = "float"  # tensor: one-element float32 tensors on the device
+    sinks: bool = False  # run extra: a sink logit per query head (`_sinks`)
     seed: int = 0
 
     @property
     def run_extras(self) -> frozenset[str]:
         """The run extras this case passes (a backend that does not take them skips it)."""
-        return frozenset(name for name in ("k_scale", "v_scale") if getattr(self, name) != 1.0)
+        scales = frozenset(name for name in ("k_scale", "v_scale") if getattr(self, name) != 1.0)
+        return scales | {"sinks"} if self.sinks else scales
 
     @property
     def ragged(self) -> bool:
@@ -160,10 +162,12 @@ class _Case:
             parts.append(self.batch)
         if self.stale != "large":
             parts.append(f"stale-{self.stale}")
-        if self.run_extras:
+        if self.run_extras - {"sinks"}:
             parts.append(f"kscale{self.k_scale:g}-vscale{self.v_scale:g}")
             if self.scale_form == "tensor":
                 parts.append("devscale")
+        if self.sinks:
+            parts.append("sinks")
         return f"{self.op}[{'-'.join(parts)}]"
 
     def features(self) -> list[str]:
@@ -190,8 +194,10 @@ class _Case:
         tags += [tag for _, tag in self._forms()]
         if self.stale != "large":
             tags.append(f"{'NaN' if self.stale == 'nan' else 'Inf'} in slots no request owns")
-        if self.run_extras:
+        if self.run_extras - {"sinks"}:
             tags.append("k/v scales" + (" (device tensors)" if self.scale_form == "tensor" else ""))
+        if self.sinks:
+            tags.append("attention sinks")
         return tags
 
     def plan_kwargs(self) -> dict[str, Any]:
@@ -268,10 +274,20 @@ class RaggedCase(_Case):
 def _run_extra_values(case: _Case, device: torch.device) -> dict[str, Any]:
     """The run extras ``run()`` receives: floats, or one-element float32 tensors on ``device``."""
     extras: dict[str, Any] = {}
-    for name in sorted(case.run_extras):
+    for name in sorted(case.run_extras - {"sinks"}):
         value = getattr(case, name)
         extras[name] = torch.tensor(value, dtype=torch.float32, device=device) if case.scale_form == "tensor" else value
+    if case.sinks:
+        extras["sinks"] = _sinks(case, device)
     return extras
+
+
+def _sinks(case: _Case, device: torch.device) -> torch.Tensor:
+    """A case's sink logits, float32 ``[num_qo_heads]``: spread over [-1, 6], from below to above
+    the log-sum-exp of a row's logits over its keys (about log(kv_len) for these inputs), so the
+    sinks take from a negligible to most of each row's probability."""
+    generator = torch.Generator().manual_seed(case.seed + 7919)
+    return (torch.rand(case.num_qo_heads, generator=generator) * 7 - 1).to(device)
 
 
 def _outputs(case: _Case, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -658,6 +674,16 @@ def attention_cases(op: str, caps: AttentionCapabilities) -> list[AttentionCase]
     # k_scale changes and v_scale does not)
     add(k_scale=0.5, v_scale=2.0)
     add(k_scale=0.25, v_scale=0.5, scale_form="tensor", return_lse=True)
+    # attention sinks (a logit per head joining the softmax; the LSE includes it), with a window,
+    # a soft-cap, NaN in unowned slots, and (prefill) rows a custom mask leaves no key
+    add(sinks=True)
+    add(sinks=True, return_lse=True, window_left=64, kv_layout=other_layout)
+    add(sinks=True, logits_soft_cap=30.0, stale="nan")
+    if _ragged(op):
+        add(sinks=True, causal=False, mask="random", return_lse=True)
+        add(sinks=True, batch="chunked", kv_lens=(1061, 530, 48), q_lens=(37, 530, 17))
+    else:
+        add(sinks=True, q_lens=(2,) * len(base.kv_lens), return_lse=True)
     # quantized caches under 16-bit queries (fp8: the standard two and any other declared kv dtype),
     # with the scales that dequantize them; the large values in unowned slots stay finite (448 is
     # e4m3's largest)
@@ -728,6 +754,8 @@ def ragged_cases(op: str, caps: AttentionCapabilitiesBase) -> list[RaggedCase]:
     add(k_scale=0.5, v_scale=2.0, return_lse=True)
     add(k_scale=0.25, v_scale=0.5, scale_form="tensor")
     add(kv_dtype=_STANDARD_FP8_KV[0], k_scale=0.5, v_scale=2.0)
+    add(sinks=True, return_lse=True)
+    add(sinks=True, batch="chunked", kv_lens=chunked_kv, q_lens=chunked_q, window_left=100)
     return _unique(cases, first_seed=3000)
 
 

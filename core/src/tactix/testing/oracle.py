@@ -148,6 +148,7 @@ def attention_reference(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     custom_mask: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged attention in float64: returns ``out [rows, qo_heads, dim_vo]`` and ``lse [rows, qo_heads]``.
 
@@ -158,6 +159,8 @@ def attention_reference(
     Decode is the case ``qo_indptr = [0, 1, ..., batch]`` with ``causal=False``. The LSE is the
     natural-log log-sum-exp of the scaled, soft-capped logits over the attended keys. ``k_scale``
     and ``v_scale`` dequantize the cache: logits are ``(q . k) * k_scale * sm_scale``, values ``v * v_scale``.
+    ``sinks`` (``[qo_heads]``): one more logit per head in every row's softmax, with no value; the
+    LSE includes it.
     """
     qo = [int(x) for x in qo_indptr.tolist()]
     kv = [int(x) for x in kv_indptr.tolist()]
@@ -179,7 +182,7 @@ def attention_reference(
             mask_start += q_len * kv_len
         out[qo[r] : qo[r + 1]], lse[qo[r] : qo[r + 1]] = _attend(
             q[qo[r] : qo[r + 1]], k, v, causal=causal, sm_scale=sm_scale, window_left=window_left,
-            logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, mask=mask,
+            logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, mask=mask, sinks=sinks,
         )  # fmt: skip
     return out, lse
 
@@ -197,6 +200,7 @@ def ragged_reference(
     logits_soft_cap: float = 0.0,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged-KV attention in float64: request ``r``'s query rows ``qo_indptr[r]:qo_indptr[r + 1]``
     attend its rows ``kv_indptr[r]:kv_indptr[r + 1]`` of ``k`` ``[kv_tokens, kv_heads, dim_qk]`` and
@@ -209,7 +213,7 @@ def ragged_reference(
         out[qo[r] : qo[r + 1]], lse[qo[r] : qo[r + 1]] = _attend(
             q[qo[r] : qo[r + 1]], k[kv[r] : kv[r + 1]].to(torch.float64), v[kv[r] : kv[r + 1]].to(torch.float64),
             causal=causal, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
-            k_scale=k_scale, v_scale=v_scale, mask=None,
+            k_scale=k_scale, v_scale=v_scale, mask=None, sinks=sinks,
         )  # fmt: skip
     return out, lse
 
@@ -233,6 +237,7 @@ def _attend(
     k_scale: float,
     v_scale: float,
     mask: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One request: its query rows ``[q_len, qo_heads, d]`` over its keys and values ``[kv_len,
     kv_heads, d]`` (float64), the query rows being the last ``q_len`` positions (bottom-right)."""
@@ -255,6 +260,8 @@ def _attend(
         allowed &= mask
     logits = logits.masked_fill(~allowed, -math.inf)
     row_lse = torch.logsumexp(logits, dim=-1)  # [heads, q_len]
+    if sinks is not None:  # the sink joins the denominator: log(exp(lse) + exp(sink))
+        row_lse = torch.logaddexp(row_lse, sinks.to(device=q_rows.device, dtype=torch.float64)[:, None])
     probs = torch.exp(logits - row_lse[..., None]).masked_fill(~allowed, 0.0)  # a row with no key: zeros
     out = torch.einsum("hqk,khd->qhd", probs, v.to(torch.float64)) * v_scale
     return out, row_lse.transpose(0, 1)

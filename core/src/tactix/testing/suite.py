@@ -151,7 +151,7 @@ def _reference(case: Any, inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return ragged_reference(
             inputs.q, inputs.k, inputs.v, inputs.qo_indptr, inputs.kv_indptr, causal=case.causal,
             sm_scale=case.sm_scale, window_left=case.window_left, logits_soft_cap=case.logits_soft_cap,
-            k_scale=case.k_scale, v_scale=case.v_scale,
+            k_scale=case.k_scale, v_scale=case.v_scale, sinks=inputs.extras.get("sinks"),
         )  # fmt: skip
     rows, step = inputs.q.shape[0], case.q_len_per_req
     qo = inputs.qo_indptr if case.ragged else torch.arange(0, rows + 1, step, dtype=torch.int32)
@@ -159,7 +159,7 @@ def _reference(case: Any, inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         inputs.q, inputs.k_cache, inputs.v_cache, qo, inputs.kv_indptr, inputs.kv_indices, inputs.kv_last_page_len,
         kv_layout=case.kv_layout, causal=case.masked_causally, sm_scale=case.sm_scale, window_left=case.window_left,
         logits_soft_cap=case.logits_soft_cap, k_scale=case.k_scale, v_scale=case.v_scale,
-        custom_mask=inputs.custom_mask,
+        custom_mask=inputs.custom_mask, sinks=inputs.extras.get("sinks"),
     )  # fmt: skip
 
 
