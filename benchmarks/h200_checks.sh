@@ -20,6 +20,7 @@
 #   fp8-cvt              the cuda_native fp8 decode kit cases with TACTIX_CUDA_NATIVE_FP8_CVT=1,
 #                        and the bench's fp8 decode rows with and without it
 #   bench-attention      tactix bench on the attention cases (bf16, fp8, V1), FlashInfer anchors
+#   bench-open-models    tactix bench on R1-R3 (ragged, DeepSeek 192/128) and O1 (gpt-oss sinks), anchors
 #   ab                   benchmarks/host_ab.py: plan() and run() host times of an older commit's
 #                        wheels (.gpu/old) and of the checkout, interleaved (run it alone; AB_ROUNDS,
 #                        AB_BACKENDS, AB_RUN_BACKENDS: trtllm's first use compiles its modules for
@@ -38,6 +39,7 @@ mkdir -p "$LOGS" "$OUT"
 export TACTIX_CACHE_DIR=${TACTIX_CACHE_DIR:-/tmp/txcache}
 LIMIT=${H200_LIMIT:-550}
 ATTENTION=D1,D2,D3,D1-fp8,D2-fp8,D3-fp8,P1,P1-fp8,P3,P3-fp8,V1
+OPEN_MODELS=R1,R2,R3,O1,O1-w128  # issue 24: DeepSeek ragged prefill, a ragged chunk, gpt-oss decode with sinks
 
 t() { timeout -s INT -k 30 "$LIMIT" "$@"; }  # SIGINT: pytest still writes the kit's JSON (KILL 30 s later)
 
@@ -74,6 +76,8 @@ job() {
           --no-tune --no-flashinfer --json "$OUT/bench-fp8-cvt.json" ;;
     bench-attention) t python -m tactix bench --cases "$ATTENTION" --json "$OUT/bench-attention-h200.json" \
       --markdown "$OUT/bench-attention-h200.md" ;;
+    bench-open-models) t python -m tactix bench --cases "$OPEN_MODELS" --json "$OUT/bench-open-models-h200.json" \
+      --markdown "$OUT/bench-open-models-h200.md" ;;
     ab) old_site && t python3 benchmarks/host_ab.py --old /tmp/old-site --new "$PYTHONPATH" \
       --rounds "${AB_ROUNDS:-20}" --budget-s $((LIMIT - 60)) ${AB_CONTROL:+--control} --backends "${AB_BACKENDS:-cudnn,cuda_native,trtllm}" \
       --run-backends "${AB_RUN_BACKENDS:-cudnn,cuda_native,trtllm,torch}" --json "$OUT/host-ab-h200.json" ;;

@@ -20,7 +20,7 @@ def test_cpu_suite_reports_checked_rows_for_every_backend_and_tuned_auto(
     report = json.loads(out.read_text())
     rows = report["rows"]
     cases = {r["case"] for r in rows}
-    assert cases == {"d1", "d2", "p1", "p4", "d1-fp8", "v1", "g1", "g2"}
+    assert cases == {"d1", "d2", "p1", "p4", "d1-fp8", "v1", "r1", "o1", "g1", "g2"}
     for case in cases:
         mine = [r for r in rows if r["case"] == case]
         assert {"torch", "auto (tuned)"} <= {r["implementation"] for r in mine}
@@ -35,6 +35,9 @@ def test_cpu_suite_reports_checked_rows_for_every_backend_and_tuned_auto(
     # of the float32 case's over the same batch
     moved = {r["case"]: r["rate"] * r["time_us"] for r in rows if r["implementation"] == "torch"}
     assert 0.2 < moved["d1-fp8"] / moved["d1"] < 0.3
+    # a backend that cannot take the sinks (or the window) says so in its row, not as a failure
+    sinks = {r["implementation"]: r for r in rows if r["case"] == "o1"}
+    assert sinks["torch"]["status"] == "ok" and sinks["naive"]["status"] == "unsupported"
     decode = [r for r in rows if r["case"] == "d1"]
     assert {r["implementation"] for r in decode} >= {"naive"}  # a third-party backend is benchmarked too
     # FlashInfer's wrappers are anchors only where they can run (a GPU with flashinfer installed)
@@ -69,7 +72,7 @@ def test_unknown_case_ids_are_an_error_listing_the_valid_ones(capsys: pytest.Cap
     assert main(["bench", "--suite", "cpu", "--device", "cpu", "--cases", "d1,zz"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""  # refused before anything ran: no empty table
-    valid = "d1, d2, p1, p4, d1-fp8, v1, g1, g2"
+    valid = "d1, d2, p1, p4, d1-fp8, v1, r1, o1, g1, g2"
     assert captured.err == f"tactix: error: '--cases' must be ids of the cpu suite: {valid} (got 'zz')\n"
 
 

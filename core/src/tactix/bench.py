@@ -38,11 +38,13 @@ from tactix.autotune.timing import measure_with_policy
 from tactix.dtypes import to_torch_dtype
 from tactix.errors import TactixError
 from tactix.gemm import Gemm
+from tactix.ragged import RaggedPrefill
 from tactix.registry import get_registry
 from tactix.testing.oracle import (
     attention_reference,
     attention_tolerance,
     gemm_reference,
+    ragged_reference,
     relative_error,
     tolerance_for,
 )
@@ -55,7 +57,7 @@ SUITES = ("gpu", "cpu")
 @dataclass(frozen=True)
 class BenchCase:
     id: str
-    op: str  # prefill | decode | gemm
+    op: str  # prefill | decode | ragged_prefill | gemm
     description: str
     kv_lens: tuple[int, ...] = ()
     q_lens: tuple[int, ...] = ()
@@ -67,6 +69,13 @@ class BenchCase:
     head_dim: int = 128
     page_size: int = 16
     kv_dtype: str = ""  # attention: the cache's dtype when not the query's (an fp8 cache, with scales)
+    head_dim_vo: int = 0  # attention: the values' head dim when not head_dim (DeepSeek's 192/128)
+    window_left: int = -1  # attention: a sliding window (gpt-oss's alternate layers: 128)
+    sinks: bool = False  # attention: a sink logit per query head (gpt-oss), passed to run()
+
+    @property
+    def dim_vo(self) -> int:
+        return self.head_dim_vo or self.head_dim
 
     @property
     def q_len_per_req(self) -> int:
@@ -189,6 +198,26 @@ def suite(name: str) -> list[BenchCase]:
                 heads=(8, 2),
                 head_dim=64,
             ),
+            BenchCase(
+                "r1",
+                "ragged_prefill",
+                "ragged 4x64 over 128, 192/128 causal",
+                kv_lens=(192,) * 4,
+                q_lens=(64,) * 4,
+                heads=(4, 4),
+                head_dim=192,
+                head_dim_vo=128,
+            ),
+            BenchCase(
+                "o1",
+                "decode",
+                "decode b8, kv 64-512, sinks, window 32",
+                kv_lens=_randint(64, 512, 8, 0),
+                heads=(8, 2),
+                head_dim=64,
+                sinks=True,
+                window_left=32,
+            ),
             BenchCase("g1", "gemm", "gemm f32 256^3", m=256, n=256, k=256),
             BenchCase("g2", "gemm", "gemm f32 m=1, n=k=1024", m=1, n=1024, k=1024),
         ]
@@ -210,6 +239,49 @@ def suite(name: str) -> list[BenchCase]:
         BenchCase(
             "V1", "decode", "verify b64 x 4 rows, kv 1k-8k", kv_lens=_randint(1024, 8192, 64, 0), q_lens=(4,) * 64
         ),  # speculative decoding's verify step (multi-token decode)
+        # DeepSeek-style prefill (MLA's expanded prefill: head_dim_qk 192, head_dim_vo 128, 16 heads),
+        # keys and values packed per request; a chunked prefill's new tokens over their prefix
+        BenchCase(
+            "R1",
+            "ragged_prefill",
+            "DeepSeek ragged 4x1024, 192/128, 16 heads",
+            kv_lens=(1024,) * 4,
+            q_lens=(1024,) * 4,
+            heads=(16, 16),
+            head_dim=192,
+            head_dim_vo=128,
+        ),
+        BenchCase(
+            "R2",
+            "ragged_prefill",
+            "DeepSeek ragged 1x8192, 192/128, 16 heads",
+            kv_lens=(8192,),
+            q_lens=(8192,),
+            heads=(16, 16),
+            head_dim=192,
+            head_dim_vo=128,
+        ),
+        BenchCase("R3", "ragged_prefill", "ragged chunk 8x512 over 4096", kv_lens=(4608,) * 8, q_lens=(512,) * 8),
+        # gpt-oss decode: 64/8 heads, d64, attention sinks; a window of 128 on alternate layers
+        BenchCase(
+            "O1",
+            "decode",
+            "gpt-oss decode b64, kv 1k-8k, sinks",
+            kv_lens=_randint(1024, 8192, 64, 0),
+            heads=(64, 8),
+            head_dim=64,
+            sinks=True,
+        ),
+        BenchCase(
+            "O1-w128",
+            "decode",
+            "gpt-oss decode b64, kv 1k-8k, sinks, window 128",
+            kv_lens=_randint(1024, 8192, 64, 0),
+            heads=(64, 8),
+            head_dim=64,
+            sinks=True,
+            window_left=128,
+        ),
         BenchCase("G1", "gemm", "gemm bf16 8192^3", m=8192, n=8192, k=8192),
         *[BenchCase(f"G2-m{m}", "gemm", f"gemm bf16 m={m}, n=k=4096", m=m, n=4096, k=4096) for m in (1, 16, 64, 256)],
         BenchCase("G3-n14336", "gemm", "gemm bf16 4096x14336x4096", m=4096, n=14336, k=4096),
@@ -228,13 +300,14 @@ class _Attention:
     k: torch.Tensor
     v: torch.Tensor
     out: torch.Tensor
-    scales: dict[str, torch.Tensor] = field(default_factory=dict)  # fp8 caches: k_scale, v_scale on the device
+    # the run extras run() receives, on the device: k_scale and v_scale (fp8 caches), sinks
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def scale_values(self) -> tuple[float, float]:
         """``(k_scale, v_scale)`` as floats (1.0 without scales)."""
-        if not self.scales:
+        if "k_scale" not in self.extras:
             return 1.0, 1.0
-        return float(self.scales["k_scale"]), float(self.scales["v_scale"])
+        return float(self.extras["k_scale"]), float(self.extras["v_scale"])
 
 
 def select_cases(suite_name: str, ids: list[str] | None, argument: str = "cases") -> list[BenchCase]:
@@ -291,24 +364,33 @@ def _attention_inputs(case: BenchCase, device: torch.device, dtype: torch.dtype)
         indices += [order.pop() for _ in range(n)]
         indptr.append(len(indices))
     last = [(n - 1) % page + 1 for n in case.kv_lens]
+    if case.op == "ragged_prefill":  # keys packed per request: kv_indptr counts rows, not pages
+        indptr = [0]
+        for n in case.kv_lens:
+            indptr.append(indptr[-1] + n)
     q_lens = case.q_lens or (1,) * len(case.kv_lens)
     qo = [0]
     for n in q_lens:
         qo.append(qo[-1] + n)
     hq, hkv = case.heads
-    shape = (sum(pages), hkv, page, case.head_dim)  # HND
-    scales: dict[str, torch.Tensor] = {}
+    # HND pages; a ragged case packs its keys and values per request instead, [kv_tokens, heads, d]
+    ragged = case.op == "ragged_prefill"
+    shape = (sum(case.kv_lens), hkv, case.head_dim) if ragged else (sum(pages), hkv, page, case.head_dim)
+    v_shape = (*shape[:-1], case.dim_vo)
+    extras: dict[str, torch.Tensor] = {}
     if case.kv_dtype:
         kv_dtype = to_torch_dtype(case.kv_dtype)
         k_scale, v_scale = FP8_KV_SCALES
         k = (torch.randn(shape, device=device) / k_scale).to(kv_dtype)
-        v = (torch.randn(shape, device=device) / v_scale).to(kv_dtype)
-        scales = {"k_scale": torch.tensor(k_scale, device=device), "v_scale": torch.tensor(v_scale, device=device)}
+        v = (torch.randn(v_shape, device=device) / v_scale).to(kv_dtype)
+        extras = {"k_scale": torch.tensor(k_scale, device=device), "v_scale": torch.tensor(v_scale, device=device)}
     else:
         k = torch.randn(shape, device=device, dtype=dtype)
-        v = torch.randn(shape, device=device, dtype=dtype)
+        v = torch.randn(v_shape, device=device, dtype=dtype)
+    if case.sinks:  # about the log-sum-exp of a row's logits: the sinks take a real share
+        extras["sinks"] = (torch.rand(hq, generator=gen) * 4 + 4).to(device)
     q = torch.randn(qo[-1], hq, case.head_dim, device=device, dtype=dtype)
-    out = torch.empty_like(q)
+    out = torch.empty(qo[-1], hq, case.dim_vo, device=device, dtype=dtype)
     i32 = torch.int32
     return _Attention(
         torch.tensor(qo, dtype=i32),
@@ -319,7 +401,7 @@ def _attention_inputs(case: BenchCase, device: torch.device, dtype: torch.dtype)
         k,
         v,
         out,
-        scales,
+        extras,
     )
 
 
@@ -332,7 +414,7 @@ def _attention_work(case: BenchCase, dtype: torch.dtype) -> tuple[float, str]:
         kv_bytes = 2 * sum(case.kv_lens) * hkv * d * kv_size
         return kv_bytes + 2 * len(case.kv_lens) * case.q_len_per_req * hq * d * size, "TB/s"
     pairs = sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in zip(case.q_lens, case.kv_lens, strict=True))
-    return 4.0 * hq * d * pairs, "TFLOP/s"
+    return 2.0 * hq * (d + case.dim_vo) * pairs, "TFLOP/s"  # q.k and p.v: 2 flops per element each
 
 
 def _measure_attention(
@@ -346,40 +428,56 @@ def _measure_attention(
     deterministic: bool,
 ) -> BenchRow:
     name = "auto (tuned)" if backend == "auto" else backend
-    wrapper: Any = (
-        PagedPrefill("HND", backend=backend, device=device)
-        if case.op == "prefill"
-        else PagedDecode("HND", backend=backend, device=device)
-    )
-    meta = (inputs.kv_indptr, inputs.kv_indices, inputs.last)
-    args = (inputs.qo_indptr, *meta) if case.op == "prefill" else meta
     hq, hkv = case.heads
     kw: dict[str, Any] = {"q_data_type": dtype, "deterministic": deterministic,
-                          **({"causal": True} if case.op == "prefill" else {})}  # fmt: skip
+                          **({"causal": True} if case.op != "decode" else {})}  # fmt: skip
     if case.q_len_per_req > 1:
         kw["q_len_per_req"] = case.q_len_per_req
     if case.kv_dtype:
         kw["kv_data_type"] = to_torch_dtype(case.kv_dtype)
+    if case.head_dim_vo:
+        kw["head_dim_vo"] = case.head_dim_vo
+    if case.window_left >= 0:
+        kw["window_left"] = case.window_left
+    wrapper: Any
+    if case.op == "ragged_prefill":
+        wrapper = RaggedPrefill(backend=backend, device=device)
+        ragged_indptr = inputs.kv_indptr  # the keys' row offsets
+
+        def plan(last: torch.Tensor) -> None:  # (a ragged batch has no pages: re-planned as it is)
+            wrapper.plan(inputs.qo_indptr, ragged_indptr, hq, hkv, case.head_dim, **kw)
+
+        operands: tuple[Any, ...] = (inputs.q, inputs.k, inputs.v)
+    else:
+        wrapper = (PagedPrefill if case.op == "prefill" else PagedDecode)("HND", backend=backend, device=device)
+        meta = (inputs.kv_indptr, inputs.kv_indices)
+        args = (inputs.qo_indptr, *meta) if case.op == "prefill" else meta
+
+        def plan(last: torch.Tensor) -> None:
+            wrapper.plan(*args, last, hq, hkv, case.head_dim, case.page_size, **kw)
+
+        operands = (inputs.q, (inputs.k, inputs.v))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", tactix.FallbackWarning)
-            wrapper.plan(*args, hq, hkv, case.head_dim, case.page_size, **kw)
+            plan(inputs.last)
     except TactixError as exc:
         return _unsupported(case, name, exc)
-    cache = (inputs.k, inputs.v)
     inputs.out.fill_(float("nan"))
     try:
-        wrapper.run(inputs.q, cache, out=inputs.out, **inputs.scales)
-    except TactixError as exc:  # a backend that does not take the scales
+        wrapper.run(*operands, out=inputs.out, **inputs.extras)
+    except tactix.InvalidArgumentError as exc:  # a backend that does not take a run extra (scales, sinks)
+        return BenchRow(case.id, case.description, name, str(wrapper.tactic), "unsupported", detail=str(exc),
+                        reasons=[str(exc)])  # fmt: skip
+    except TactixError as exc:
         return _unsupported(case, name, exc)
     err = relative_error(inputs.out, reference)
     tactic = str(wrapper.tactic)
     if not err <= attention_tolerance(dtype, case.kv_dtype or dtype, dtype):
         return BenchRow(case.id, case.description, name, tactic, "wrong", error=err, detail="wrong result")
-    timing = measure_with_policy(lambda: wrapper.run(inputs.q, cache, out=inputs.out, **inputs.scales), device, policy)
-    plan_host = _plan_host_us(lambda last: wrapper.plan(*args[:-1], last, hq, hkv, case.head_dim, case.page_size, **kw),
-                              inputs.last, _other_lengths(case, inputs.last), device)  # fmt: skip
-    run_host = host_us(lambda: wrapper.run(inputs.q, cache, out=inputs.out, **inputs.scales), device)
+    timing = measure_with_policy(lambda: wrapper.run(*operands, out=inputs.out, **inputs.extras), device, policy)
+    plan_host = _plan_host_us(plan, inputs.last, _other_lengths(case, inputs.last), device)
+    run_host = host_us(lambda: wrapper.run(*operands, out=inputs.out, **inputs.extras), device)
     return _ok_row(case, name, tactic, timing, _attention_work(case, dtype), err, plan_host_us=plan_host,
                    run_host_us=run_host)  # fmt: skip
 
@@ -577,20 +675,20 @@ def run_bench(
             inputs_a = _attention_inputs(case, device, dtype)
             qo = inputs_a.qo_indptr
             k_scale, v_scale = inputs_a.scale_values()
-            ref, _ = attention_reference(
-                inputs_a.q,
-                inputs_a.k,
-                inputs_a.v,
-                qo,
-                inputs_a.kv_indptr,
-                inputs_a.kv_indices,
-                inputs_a.last,
-                kv_layout="HND",
-                causal=case.op == "prefill" or case.q_len_per_req > 1,
-                sm_scale=1 / math.sqrt(case.head_dim),
-                k_scale=k_scale,
-                v_scale=v_scale,
-            )
+            masking: dict[str, Any] = {
+                "causal": case.op != "decode" or case.q_len_per_req > 1,
+                "sm_scale": 1 / math.sqrt(case.head_dim),
+                "window_left": case.window_left,
+                "k_scale": k_scale,
+                "v_scale": v_scale,
+                "sinks": inputs_a.extras.get("sinks"),
+            }
+            a = inputs_a
+            if case.op == "ragged_prefill":
+                ref, _ = ragged_reference(a.q, a.k, a.v, qo, a.kv_indptr, **masking)
+            else:
+                ref, _ = attention_reference(a.q, a.k, a.v, qo, a.kv_indptr, a.kv_indices, a.last, kv_layout="HND",
+                                             **masking)  # fmt: skip
 
             def measure_one(
                 backend: str, inputs: Any = inputs_a, ref: torch.Tensor = ref, c: BenchCase = case
@@ -605,11 +703,12 @@ def run_bench(
                 "kv_indptr": inputs_a.kv_indptr,
                 "kv_indices": inputs_a.kv_indices,
                 "kv_last_page_len": inputs_a.last,
-                "causal": case.op == "prefill" or case.q_len_per_req > 1,
+                "causal": case.op != "decode" or case.q_len_per_req > 1,
                 "q_len_per_req": case.q_len_per_req,
                 "sm_scale": 1 / math.sqrt(case.head_dim),
+                "window_left": case.window_left,
                 "out": inputs_a.out,
-                **inputs_a.scales,
+                **inputs_a.extras,
             }
             tolerance = attention_tolerance(dtype, case.kv_dtype or dtype, dtype)
             work = _attention_work(case, dtype)

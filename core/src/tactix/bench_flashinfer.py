@@ -7,7 +7,12 @@ against the same float64 oracle and timed by the same timer:
 - decode: ``BatchDecodeWithPagedKVCacheWrapper`` without tensor cores (``flashinfer fa2``) and
   with them (``flashinfer tc``); multi-token decode (``q_len_per_req`` above 1) only with them, as
   FlashInfer documents, so the ``fa2`` row of such a case says it is not served (`NotServed`);
-- prefill: ``BatchPrefillWithPagedKVCacheWrapper`` with ``backend="fa2"`` and ``"fa3"``.
+- prefill: ``BatchPrefillWithPagedKVCacheWrapper`` with ``backend="fa2"`` and ``"fa3"``;
+- ragged prefill: ``BatchPrefillWithRaggedKVCacheWrapper`` (keys and values packed per request,
+  NHD rows) with ``backend="fa2"`` and ``"fa3"``.
+
+A case's window goes to ``plan(window_left=...)`` and its sinks to ``run(sinks=...)``, as
+FlashInfer takes them.
 
 flashinfer is never a dependency of tactix: without it (or without a GPU) there are no rows, and
 `version` says why. Scales go to FlashInfer as Python floats, the form its ``run`` takes.
@@ -71,13 +76,19 @@ def calls(op: str, inputs: dict[str, Any]) -> list[Anchor | tuple[str, Exception
     flashinfer = importlib.import_module("flashinfer")
     q, k, v, out = inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["out"]
     device = q.device
-    _, hkv, page, dim = k.shape
+    hkv, dim, dim_vo = k.shape[1], k.shape[-1], v.shape[-1]  # (paged HND and packed rows alike)
+    page = 0 if op == "ragged_prefill" else k.shape[2]
     hq = q.shape[1]
-    scales = {name: float(inputs[name]) for name in ("k_scale", "v_scale") if inputs.get(name) is not None}
+    extras: dict[str, Any] = {name: float(inputs[name]) for name in ("k_scale", "v_scale")
+                              if inputs.get(name) is not None}  # fmt: skip
+    if inputs.get("sinks") is not None:
+        extras["sinks"] = inputs["sinks"]
     indptr = inputs["kv_indptr"].to(device=device, dtype=torch.int32)
     indices = inputs["kv_indices"].to(device=device, dtype=torch.int32)
     last = inputs["kv_last_page_len"].to(device=device, dtype=torch.int32)
-    common = {"q_data_type": q.dtype, "kv_data_type": k.dtype, "sm_scale": inputs["sm_scale"]}
+    common: dict[str, Any] = {"q_data_type": q.dtype, "kv_data_type": k.dtype, "sm_scale": inputs["sm_scale"]}
+    if int(inputs.get("window_left", -1)) >= 0:
+        common["window_left"] = int(inputs["window_left"])
     rows = int(inputs.get("q_len_per_req", 1))
     found: list[Anchor | tuple[str, Exception]] = []
     variants = _DECODE if op == "decode" else _PREFILL
@@ -87,6 +98,17 @@ def calls(op: str, inputs: dict[str, Any]) -> list[Anchor | tuple[str, Exception
             found.append((name, NotServed("multi-token decode (q_len_per_req > 1) needs use_tensor_cores=True")))
             continue
         try:
+            if op == "ragged_prefill":
+                wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", **options)
+                qo_r = inputs["qo_indptr"].to(device=device, dtype=torch.int32)
+
+                def plan_ragged(lengths: torch.Tensor, w: Any = wrapper, qo: torch.Tensor = qo_r) -> None:
+                    w.plan(qo, indptr, hq, hkv, dim, head_dim_vo=dim_vo, causal=inputs["causal"], **common)
+
+                plan: Callable[[torch.Tensor], None] = plan_ragged
+                plan(last)
+                found.append(Anchor(name, _ragged_runner(wrapper, q, k, v, out, extras), plan))
+                continue
             if op == "decode":
                 wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", **options)
                 multi = {"q_len_per_req": rows} if rows > 1 else {}  # multi-token decode (tensor cores only)
@@ -94,7 +116,7 @@ def calls(op: str, inputs: dict[str, Any]) -> list[Anchor | tuple[str, Exception
                 def plan_decode(lengths: torch.Tensor, w: Any = wrapper, extra: dict[str, Any] = multi) -> None:
                     w.plan(indptr, indices, lengths, hq, hkv, dim, page, **common, **extra)
 
-                plan: Callable[[torch.Tensor], None] = plan_decode
+                plan = plan_decode
             else:
                 wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", **options)
                 qo = inputs["qo_indptr"].to(device=device, dtype=torch.int32)
@@ -108,13 +130,21 @@ def calls(op: str, inputs: dict[str, Any]) -> list[Anchor | tuple[str, Exception
         except Exception as exc:  # this FlashInfer build refuses the problem: a row that says so
             found.append((name, exc))
             continue
-        found.append(Anchor(name, _runner(wrapper, q, (k, v), out, scales), plan))
+        found.append(Anchor(name, _runner(wrapper, q, (k, v), out, extras), plan))
     return found
 
 
 def _runner(wrapper: Any, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor,
-            scales: dict[str, float]) -> Call:  # fmt: skip
+            extras: dict[str, Any]) -> Call:  # fmt: skip
     def call() -> object:
-        return wrapper.run(q, cache, out=out, **scales)
+        return wrapper.run(q, cache, out=out, **extras)
+
+    return call
+
+
+def _ragged_runner(wrapper: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   extras: dict[str, Any]) -> Call:  # fmt: skip
+    def call() -> object:
+        return wrapper.run(q, k, v, out=out, **extras)
 
     return call
