@@ -114,7 +114,7 @@ def test_a_backend_that_does_not_declare_an_extra_is_never_handed_one(plain_back
     message = str(info.value)
     # only the backends that take it and can serve this problem here (a GPU-only one cannot)
     assert "'plain' does not take k_scale" in message
-    assert "backends that take it and can serve this problem: torch (plan with" in message
+    assert "backends that take it and can serve this problem: torch (make the wrapper with run_extras=" in message
     assert plain_backend.CALLS == ["run"]  # refused before the plan ran
     # the backends that take it serve it when asked for
     wrapper.plan(*meta, 4, 2, 32, 8, q_data_type=torch.float32, backend="torch")

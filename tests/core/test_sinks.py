@@ -158,3 +158,29 @@ def test_flashinfer_compat_passes_sinks_and_returns_a_base_2_lse_with_them() -> 
                                        sm_scale=SCALE, sinks=sinks)  # fmt: skip
     assert relative_error(out, ref) < 1e-5
     assert float((lse2 - ref_lse / math.log(2)).abs().max()) < 1e-4
+
+
+def test_a_wrapper_made_for_sinks_plans_only_backends_that_take_them(tmp_path: Path) -> None:
+    """``run_extras=("sinks",)`` at construction: auto passes over a backend whose run() would
+    refuse the sinks (here one that auto would otherwise prefer), and a named one that cannot take
+    them is refused at plan time, with the reason."""
+    write_distribution(tmp_path, "tactix-plain", "1.0", {"plain": "tx_plain"}, {"tx_plain": NO_EXTRAS})
+    meta, cache = _paged((13, 3))
+    sinks = _sinks(6)
+    with plugins_on_path(tmp_path):
+        wrapper = tactix.PagedDecode("HND", device="cpu", run_extras=("sinks",))
+        wrapper.plan(*meta, HQ, HKV, D, PAGE, q_data_type=torch.float32)
+        assert wrapper.backend == "torch"
+        q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(9))
+        ref, _ = attention_reference(q, *cache, i32(0, 1, 2), *meta, kv_layout="HND", causal=False, sm_scale=SCALE,
+                                     sinks=sinks)  # fmt: skip
+        assert relative_error(wrapper.run(q, cache, sinks=sinks), ref) < 1e-5
+        named = tactix.PagedDecode("HND", backend="plain", device="cpu", run_extras=["sinks"])
+        with pytest.raises(tactix.UnsupportedProblemError, match="does not take the run extra sinks"):
+            named.plan(*meta, HQ, HKV, D, PAGE, q_data_type=torch.float32)
+
+
+@pytest.mark.parametrize("value", ["sinks", ("sinks", "alibi"), (3,)], ids=["a-string", "unknown", "not-a-name"])
+def test_run_extras_that_are_not_the_ops_extras_are_refused(value: object) -> None:
+    with pytest.raises(tactix.InvalidArgumentError, match=r"'run_extras' must be names of decode's run extras"):
+        tactix.PagedDecode("HND", device="cpu", run_extras=value)  # type: ignore[arg-type]

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import operator
 import weakref
+from collections.abc import Iterable
 from typing import Any, ClassVar, Final, Generic, TypeVar
 
 import torch
@@ -344,9 +345,15 @@ class _Attention(Planned):
 
     _op: ClassVar[str]
 
-    def __init__(self, *, backend: str, device: torch.device | str | None, use_cuda_graph: bool) -> None:
+    def __init__(self, *, backend: str, device: torch.device | str | None, use_cuda_graph: bool,
+                 run_extras: Iterable[str] = ()) -> None:  # fmt: skip
         if not isinstance(backend, str):
             raise InvalidArgumentError("backend", "'auto' or a backend name", repr(backend))
+        known = definition(self._op).extras
+        if isinstance(run_extras, str) or not all(isinstance(x, str) and x in known for x in run_extras):
+            raise InvalidArgumentError("run_extras", f"names of {self._op}'s run extras ({', '.join(known)})",
+                                       repr(run_extras))  # fmt: skip
+        self._run_extras = frozenset(run_extras)  # what every run() will pass: plan only backends that take it
         if backend != "auto":
             get_registry().get(backend)  # unknown or unavailable names fail here, listing choices
         self._backend = backend
@@ -422,6 +429,7 @@ class _Attention(Planned):
                 tactic=tactic,
                 options=options,
                 previous=previous,  # eager plans may reuse its buffers too (same backend only)
+                run_extras=self._run_extras,
             )
         # a later plan with the same static arguments, backend and no explicit tactic may take
         # this plan's fast re-plan (`replan_selection`)
@@ -500,8 +508,8 @@ class _Attention(Planned):
                 raise InvalidArgumentError(
                     name,
                     f"{extra.without}: backend '{b.extras_by}' does not take {name} ({extra.summary}); backends that "
-                    f"take it and can serve this problem: {', '.join(takes) or 'none here'} (plan with "
-                    "backend=... to use one)",
+                    f"take it and can serve this problem: {', '.join(takes) or 'none here'} (make the wrapper "
+                    f"with run_extras=('{name}',), or backend=..., to plan with one)",
                     value if not isinstance(value, torch.Tensor) else "a tensor",
                 )
             extras[name] = value
@@ -565,10 +573,15 @@ class _PagedAttention(_Attention):
         backend: str = "auto",
         device: torch.device | str | None = None,
         use_cuda_graph: bool = False,
+        run_extras: Iterable[str] = (),
     ) -> None:
+        """``run_extras``: the run extras every ``run()`` of this wrapper will pass (``("sinks",)``
+        for a gpt-oss layer): plans then go only to backends that take them, so ``auto`` never
+        picks one whose ``run()`` would refuse them (an extra not named here is still passed to
+        a backend that takes it, and refused by one that does not)."""
         if kv_layout not in _LAYOUTS:
             raise InvalidArgumentError("kv_layout", "'NHD' or 'HND'", repr(kv_layout))
-        super().__init__(backend=backend, device=device, use_cuda_graph=use_cuda_graph)
+        super().__init__(backend=backend, device=device, use_cuda_graph=use_cuda_graph, run_extras=run_extras)
         self.kv_layout: KVLayout = kv_layout
         self._batch: PagedBatch | None = None
         # caches run() has validated for the current plan, by id(k): (weakref k, weakref v)

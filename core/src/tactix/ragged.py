@@ -24,6 +24,7 @@ q_len + i``; ``window_left = w >= 0`` further limits it to ``j >= kv_len - q_len
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -92,9 +93,15 @@ class RaggedPrefill(_Attention):
     _op: ClassVar[str] = "ragged_prefill"
 
     def __init__(
-        self, *, backend: str = "auto", device: torch.device | str | None = None, use_cuda_graph: bool = False
+        self,
+        *,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        use_cuda_graph: bool = False,
+        run_extras: Iterable[str] = (),
     ) -> None:
-        super().__init__(backend=backend, device=device, use_cuda_graph=use_cuda_graph)
+        """``run_extras`` as for `tactix.PagedPrefill`: the run extras every ``run()`` will pass."""
+        super().__init__(backend=backend, device=device, use_cuda_graph=use_cuda_graph, run_extras=run_extras)
         self._batch: RaggedBatch | None = None
 
     def plan(

@@ -177,7 +177,11 @@ def select_and_plan(
     tactic: Tactic | None,
     options: PlanOptions,
     previous: Selection | None = None,
+    run_extras: frozenset[str] = frozenset(),
 ) -> Selection:
+    """Choose and plan: the stored tactic, then each candidate's default, the first whose check
+    passes and whose plan succeeds. ``run_extras``: the run extras the caller's runs will pass; a
+    backend that does not take them all is passed over with that reason."""
     registry = get_registry()
 
     def plan(b: Backend, t: Tactic) -> Any:
@@ -215,6 +219,8 @@ def select_and_plan(
     failure: tuple[Tactic, BaseException] | None = None
     for index, (b, t, source) in enumerate(candidates):
         reasons = b.check(problem, t, batch)
+        if run_extras and not reasons:
+            reasons = _extras_reasons(b, problem, run_extras)
         if reasons:
             if source == "store":
                 warn_fallback(problem, t, "; ".join(reasons), f"{b.name}'s default")
@@ -238,6 +244,13 @@ def select_and_plan(
     if failure is not None:
         raise BackendError(failure[0].backend, f"plan {problem} with {failure[0]}", failure[1]) from failure[1]
     raise UnsupportedProblemError(backend, problem, unsupported or ["no backend is active"])
+
+
+def _extras_reasons(b: Backend, problem: AnyProblem, run_extras: frozenset[str]) -> list[str]:
+    """Why ``b`` cannot take the run extras a wrapper said its runs pass (empty: it takes them)."""
+    caps = b.spec.implements.get(b.served(problem).op)
+    missing = sorted(run_extras - (caps.run_extras if caps is not None else frozenset()))
+    return [f"does not take the run extra {name} (run_extras)" for name in missing]
 
 
 def replan_selection(previous: Selection, problem: AnyProblem, batch: Batch, backend: str,
