@@ -440,8 +440,9 @@ def _measure_attention(
     if case.window_left >= 0:
         kw["window_left"] = case.window_left
     wrapper: Any
+    extras = tuple(inputs.extras)  # what every run passes: auto plans only backends that take it
     if case.op == "ragged_prefill":
-        wrapper = RaggedPrefill(backend=backend, device=device)
+        wrapper = RaggedPrefill(backend=backend, device=device, run_extras=extras)
         ragged_indptr = inputs.kv_indptr  # the keys' row offsets
 
         def plan(last: torch.Tensor) -> None:  # (a ragged batch has no pages: re-planned as it is)
@@ -449,7 +450,8 @@ def _measure_attention(
 
         operands: tuple[Any, ...] = (inputs.q, inputs.k, inputs.v)
     else:
-        wrapper = (PagedPrefill if case.op == "prefill" else PagedDecode)("HND", backend=backend, device=device)
+        cls = PagedPrefill if case.op == "prefill" else PagedDecode
+        wrapper = cls("HND", backend=backend, device=device, run_extras=extras)
         meta = (inputs.kv_indptr, inputs.kv_indices)
         args = (inputs.qo_indptr, *meta) if case.op == "prefill" else meta
 

@@ -219,8 +219,10 @@ def select_and_plan(
     failure: tuple[Tactic, BaseException] | None = None
     for index, (b, t, source) in enumerate(candidates):
         reasons = b.check(problem, t, batch)
-        if run_extras and not reasons:
-            reasons = _extras_reasons(b, problem, run_extras)
+        missing = _extras_reasons(b, problem, run_extras) if run_extras and not reasons else []
+        if missing:  # the caller's own constraint, not a stale stored tactic: passed over without a warning
+            unsupported.append(f"{b.name}: {'; '.join(missing)}")
+            continue
         if reasons:
             if source == "store":
                 warn_fallback(problem, t, "; ".join(reasons), f"{b.name}'s default")
