@@ -526,6 +526,7 @@ class CudnnAttentionPlan:
         graph, self.built = graph_cache.get(base, self.handle)
         self._graphs: dict[tuple[tuple[int, ...], tuple[int, ...]], BuiltGraph] = {}
         self._graphs[(base.k_strides, base.v_strides)] = graph
+        self._by_strides: dict[tuple[tuple[int, ...], tuple[int, ...]], BuiltGraph] = {}  # by the tensors' strides
         self.tactic = graph.tactic
         workspace = getattr(previous, "_workspace", None)
         if not isinstance(workspace, torch.Tensor) or workspace.numel() < graph.workspace_size:
@@ -635,14 +636,21 @@ class CudnnAttentionPlan:
         self._fixed = _fixed_addresses(small.data_ptr(), table.data_ptr(), offsets, key.ragged_q, key.lse)
 
     def _graph_for(self, k: torch.Tensor, v: torch.Tensor) -> BuiltGraph:
-        strides = (_container_strides(k.stride(), self.problem.kv_layout),
-                   _container_strides(v.stride(), self.problem.kv_layout))  # fmt: skip
+        seen = (k.stride(), v.stride())
+        graph = self._by_strides.get(seen)  # (run() asks every call: the raw strides, no conversion)
+        if graph is not None:
+            return graph
+        strides = (_container_strides(seen[0], self.problem.kv_layout),
+                   _container_strides(seen[1], self.problem.kv_layout))  # fmt: skip
         graph = self._graphs.get(strides)
         if graph is None:
             graph, _ = graph_cache.get(self._key(*strides), self.handle)
             if graph.workspace_size > self._workspace.numel():
                 self._workspace = torch.empty(graph.workspace_size, dtype=torch.uint8, device=self.device)
             self._graphs[strides] = graph
+        if len(self._by_strides) >= 16:
+            self._by_strides.clear()
+        self._by_strides[seen] = graph
         return graph
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
