@@ -178,6 +178,8 @@ def test_a_wrapper_made_for_sinks_plans_only_backends_that_take_them(tmp_path: P
         named = tactix.PagedDecode("HND", backend="plain", device="cpu", run_extras=["sinks"])
         with pytest.raises(tactix.UnsupportedProblemError, match="does not take the run extra sinks"):
             named.plan(*meta, HQ, HKV, D, PAGE, q_data_type=torch.float32)
+        with pytest.raises(tactix.UnsupportedProblemError, match="does not take the run extra sinks"):
+            named.plan(*meta, HQ, HKV, D, PAGE, q_data_type=torch.float32, tactic=tactix.Tactic.default("plain"))
 
 
 @pytest.mark.parametrize("value", ["sinks", ("sinks", "alibi"), (3,)], ids=["a-string", "unknown", "not-a-name"])

@@ -299,11 +299,6 @@ class _LastStatic:
         self.state = state
 
 
-def _run_extras(backend: Any, op: str) -> frozenset[str]:
-    caps = backend.spec.implements.get(op)
-    return caps.run_extras if caps is not None else frozenset()
-
-
 class _Bound:
     """What ``run()`` checks a call against and what it calls: bound by ``plan()`` to one plan
     object and one batch shape (a fast re-plan that keeps both keeps it too). ``kv_rows``: the rows
@@ -331,9 +326,8 @@ class _Bound:
         self.k_shape = None if kv_rows is None else torch.Size((kv_rows, *state.k_tail))
         self.v_shape = None if kv_rows is None else torch.Size((kv_rows, *state.v_tail))
         self.return_lse = state.return_lse
-        # the op whose plan this is (multi-token decode may be a prefill plan: `Backend.served`)
-        caps = selection.backend.spec.implements.get(selection.backend.served(state.problem).op)
-        self.extras: frozenset[str] = caps.run_extras if caps is not None else frozenset()
+        # (of the op whose plan this is: multi-token decode may be a prefill plan, `Backend.served`)
+        self.extras: frozenset[str] = selection.backend.run_extras(state.problem)
         """The run extras the plan's backend takes."""
         self.extras_by = selection.backend.name
 
@@ -504,7 +498,7 @@ class _Attention(Planned):
             if name not in b.extras:
                 problem = b.state.problem  # the static problem: what the advice depends on
                 takes = [x.name for x in get_registry().active(self._op)
-                         if name in _run_extras(x, self._op) and not x.static_reasons(problem)]  # fmt: skip
+                         if name in x.run_extras(problem) and not x.static_reasons(problem)]  # fmt: skip
                 raise InvalidArgumentError(
                     name,
                     f"{extra.without}: backend '{b.extras_by}' does not take {name} ({extra.summary}); backends that "

@@ -251,6 +251,12 @@ class Backend:
         self._last_served = (problem, served)  # (one tuple: a thread reading it sees a matching pair)
         return served
 
+    def run_extras(self, problem: AnyProblem) -> frozenset[str]:
+        """The run extras this backend's plans of ``problem`` take: those its capabilities of the
+        op whose plan serves it (`served`) declare."""
+        caps = self.spec.implements.get(self.served(problem).op)
+        return caps.run_extras if caps is not None else frozenset()
+
     def tactics(self, problem: AnyProblem) -> list[Tactic]:
         """The backend's tactic space for ``problem``, default first, without duplicates."""
         problem = self.served(problem)

@@ -211,7 +211,7 @@ def select_and_plan(
                 f"'tactic' must belong to backend '{backend}' (got a tactic of backend '{tactic.backend}')"
             )
         b = registry.get(tactic.backend)
-        _require(b, problem, tactic, batch)
+        _require(b, problem, tactic, batch, run_extras)
         return Selection(b, _plan_or_raise(b, tactic, problem, batch, plan), "explicit", problem)
 
     candidates = _candidates(registry, problem, batch, backend)
@@ -250,9 +250,7 @@ def select_and_plan(
 
 def _extras_reasons(b: Backend, problem: AnyProblem, run_extras: frozenset[str]) -> list[str]:
     """Why ``b`` cannot take the run extras a wrapper said its runs pass (empty: it takes them)."""
-    caps = b.spec.implements.get(b.served(problem).op)
-    missing = sorted(run_extras - (caps.run_extras if caps is not None else frozenset()))
-    return [f"does not take the run extra {name} (run_extras)" for name in missing]
+    return [f"does not take the run extra {name} (run_extras)" for name in sorted(run_extras - b.run_extras(problem))]
 
 
 def replan_selection(previous: Selection, problem: AnyProblem, batch: Batch, backend: str,
@@ -357,8 +355,9 @@ def _stored(problem: AnyProblem, batch: Batch | None, backend: str) -> tuple[Tac
     return current().lookup(problem, batch, backend)
 
 
-def _require(b: Backend, problem: AnyProblem, tactic: Tactic, batch: Batch | None) -> None:
-    reasons = b.check(problem, tactic, batch)
+def _require(b: Backend, problem: AnyProblem, tactic: Tactic, batch: Batch | None,
+             run_extras: frozenset[str] = frozenset()) -> None:  # fmt: skip
+    reasons = b.check(problem, tactic, batch) or _extras_reasons(b, problem, run_extras)
     if reasons:
         raise UnsupportedProblemError(b.name, problem, reasons)
 

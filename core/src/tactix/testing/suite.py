@@ -123,9 +123,7 @@ def _skip_unless_claimed(
     extras: frozenset[str] = frozenset(),
 ) -> None:
     reasons = backend.check(problem, tactic or Tactic.default(backend.name), batch)
-    caps = backend.spec.implements.get(backend.served(problem).op)  # the op whose plan serves it
-    taken = caps.run_extras if caps is not None else frozenset()
-    reasons += [f"run extra {name} not declared (run_extras)" for name in sorted(extras - taken)]
+    reasons += [f"run extra {name} not declared (run_extras)" for name in sorted(extras - backend.run_extras(problem))]
     if reasons:
         pytest.skip("not claimed: " + "; ".join(reasons))
 
