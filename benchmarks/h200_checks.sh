@@ -31,6 +31,8 @@
 #                            python -m pip wheel -q --no-deps --no-build-isolation -w .gpu/old /tmp/wt-old/$d; done
 #                          git worktree remove --force /tmp/wt-old
 #                        AB_CONTROL=1 adds a third worker of the old wheels (an A/A: the harness's bias)
+#   layers               benchmarks/run_layers.py on the checkout and on .gpu/old, alternating twice:
+#                        where an eager decode run() spends its host time (core, plugin, cuDNN)
 #   parity               benchmarks/flashinfer_parity/run.py on a sample, ours and FlashInfer's own
 # Nothing here is a result until its JSON or log is committed under benchmarks/results/.
 set -uo pipefail
@@ -81,6 +83,10 @@ job() {
     ab) old_site && t python3 benchmarks/host_ab.py --old /tmp/old-site --new "$PYTHONPATH" \
       --rounds "${AB_ROUNDS:-20}" --budget-s $((LIMIT - 60)) ${AB_CONTROL:+--control} --backends "${AB_BACKENDS:-cudnn,cuda_native,trtllm}" \
       --run-backends "${AB_RUN_BACKENDS:-cudnn,cuda_native,trtllm,torch}" --json "$OUT/host-ab-h200.json" ;;
+    layers) old_site && for side in new old new old; do
+        if [ $side = new ]; then path=$PYTHONPATH; else path=/tmp/old-site; fi
+        PYTHONPATH=$path t python3 benchmarks/run_layers.py --json "/tmp/layers-$side-$RANDOM.json" || return 1
+      done && python3 -c "import glob, json, sys; json.dump([json.load(open(f)) for f in sorted(glob.glob('/tmp/layers-*.json'))], open(sys.argv[1], 'w'), indent=1)" "$OUT/run-layers-h200.json" ;;
     parity)
       t python3 benchmarks/flashinfer_parity/run.py --sample "${PARITY_SAMPLE:-60}" --seed 0 \
         --junit "$OUT/flashinfer-parity.xml" --summary "$OUT/flashinfer-parity.md" ;;

@@ -63,24 +63,21 @@ backend's masks, a backend's page tables), so a page far larger than any sequenc
 memory (3 GiB for one 3-token request at 2**28), and beyond this bound no engine uses one."""
 
 
-def _with_sizes(template: AttentionProblemBase, sizes: dict[str, Any]) -> Any:
-    """``template.model_copy(update=sizes)`` at half the cost: a validated problem whose batch
-    sizes (validated by the batch's ``build``) are replaced; nothing else is derived from them."""
+def _sized(template: AttentionProblemBase, batch: Batch) -> Any:
+    """The problem of ``batch``: ``template`` (validated, same static arguments) with its sizes
+    (the problem's dynamic fields, which the batch has under the same names, validated by the
+    batch's ``build``); ``template.model_copy(update=sizes)`` at a third of the cost, since
+    nothing else is derived from them."""
     cls = type(template)
     new = cls.__new__(cls)
     fields = dict(template.__dict__)
-    fields.update(sizes)
+    for name in template.dynamic:
+        fields[name] = getattr(batch, name)
     object.__setattr__(new, "__dict__", fields)
     object.__setattr__(new, "__pydantic_fields_set__", template.__pydantic_fields_set__)
     object.__setattr__(new, "__pydantic_extra__", None)
     object.__setattr__(new, "__pydantic_private__", None)
     return new
-
-
-def _sized(template: AttentionProblemBase, batch: Batch) -> Any:
-    """The problem of ``batch``: ``template`` (validated, same static arguments) with its sizes
-    (the problem's dynamic fields, which the batch has under the same names)."""
-    return _with_sizes(template, {name: getattr(batch, name) for name in template.dynamic})
 
 
 def _build_batch(
@@ -597,10 +594,20 @@ class _PagedAttention(_Attention):
     ) -> None:
         """``arguments``: ``op`` and the static plan arguments, in `_ARGUMENT_NAMES` order;
         ``mask``: ``(custom_mask, packed_custom_mask)`` when ``arguments`` say ``masked``."""
-        device, chosen_backend, chosen_tactic = self._choices(backend, tactic, qo_indptr, paged_kv_indptr,
-                                                              paged_kv_indices, paged_kv_last_page_len)  # fmt: skip
-        # a re-plan with the static arguments of an earlier plan validates only the batch
-        key, state = self._remembered(device, self.kv_layout, arguments)
+        explicit, last = self._device, self._last_static
+        key: tuple[Any, ...] | None
+        state: _Static[Any] | None
+        if (tactic is None and backend is None and last is not None and last.device is explicit
+                and all(map(operator.is_, arguments, last.arguments))):  # fmt: skip
+            # the common re-plan, inline (two calls cost about 0.4 us): the wrapper's concrete
+            # device and backend argument (as the last plan, which `_choices` checked), no tactic,
+            # the very same static argument objects as the last plan
+            device, chosen_backend, chosen_tactic, key, state = explicit, self._backend, None, last.key, last.state
+        else:
+            device, chosen_backend, chosen_tactic = self._choices(backend, tactic, qo_indptr, paged_kv_indptr,
+                                                                  paged_kv_indices, paged_kv_last_page_len)  # fmt: skip
+            # a re-plan with the static arguments of an earlier plan validates only the batch
+            key, state = self._remembered(device, self.kv_layout, arguments)
         if state is not None:
             batch = _build_batch(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                                  state.problem.page_size, device, state.problem.causal,

@@ -291,7 +291,10 @@ class PagedBatch(Batch):
 
         # The small arrays are checked as Python lists: a few microseconds for hundreds of
         # requests, where a chain of small torch ops costs tens.
-        small = _host_lists([kv_indptr_t, last_t] if qo_t is None else [kv_indptr_t, last_t, qo_t], device)
+        if decode and kv_indptr_t.is_cpu and last_t.is_cpu:  # the common decode re-plan, inline
+            small = [kv_indptr_t.tolist(), last_t.tolist()]
+        else:
+            small = _host_lists([kv_indptr_t, last_t] if qo_t is None else [kv_indptr_t, last_t, qo_t], device)
         kv_list, last_list = small[0], small[1]
         batch_size = len(kv_list) - 1
         if batch_size < 1:

@@ -78,11 +78,13 @@ class _ReplanNote:
     """What `replan_selection` checked for a selection: the remembered candidates and the
     buckets of the problem it checked them for (the same again: nothing to check)."""
 
-    __slots__ = ("buckets", "remembered")
+    __slots__ = ("as_is", "buckets", "remembered")
 
-    def __init__(self, remembered: _Remembered, buckets: tuple[int, ...]) -> None:
+    def __init__(self, remembered: _Remembered, buckets: tuple[int, ...], as_is: bool) -> None:
         self.remembered = remembered
         self.buckets = buckets
+        self.as_is = as_is
+        """Whether the backend's plans are given the problem itself (`Backend.served`)."""
 
 
 _remembered: dict[tuple[Any, ...], _Remembered] = {}
@@ -272,12 +274,11 @@ def replan_selection(previous: Selection, problem: AnyProblem, batch: Batch, bac
     buckets = tuple(map(bucket_size, problem._dynamic_values(problem.__dict__)))
     note = previous.replan_token
     checked = note.remembered if note is not None else None
-    if note is not None and note.buckets == buckets:
-        found = checked  # the entry checked last time (the same static problem: see the caller)
-    else:
-        found = _remembered.get((backend, problem.bucket_key()))
-    if found is None or not found.current():
-        return None
+    same = note is not None and note.buckets == buckets
+    # the same buckets: the entry checked last time (the same static problem: see the caller)
+    found = checked if same else _remembered.get((backend, problem.bucket_key()))
+    if found is None or found.epoch != stored_epoch() or found.registry is not get_registry():
+        return None  # (`_Remembered.current`, inline: a call costs about 0.1 us)
     if found is not checked:
         first = next((c for c in found.candidates if not c.backend.static_reasons(problem)), None)
         if first is None:
@@ -288,7 +289,10 @@ def replan_selection(previous: Selection, problem: AnyProblem, batch: Batch, bac
             return None
     b, source, tactic = previous.backend, previous.source, previous.requested
     try:
-        made = replan(b.served(problem), batch, options)  # the problem its plan hook was given
+        # the problem its plan hook was given (`Backend.served`, whose answer depends on the static
+        # problem only: the note says whether it was the problem itself)
+        served = problem if note is not None and same and note.as_is else b.served(problem)
+        made = replan(served, batch, options)
     except InvalidArgumentError:
         raise  # bad input is the caller's to fix, whichever path noticed it
     except Exception:
@@ -301,7 +305,8 @@ def replan_selection(previous: Selection, problem: AnyProblem, batch: Batch, bac
     if getattr(made, "built", False):
         bump("builds")
     selection = Selection(b, made, source, problem, tactic)
-    selection.replan_token = _ReplanNote(found, buckets)
+    # (the note is immutable: the last one again when it says the same)
+    selection.replan_token = note if note is not None and same else _ReplanNote(found, buckets, served is problem)
     return selection
 
 
