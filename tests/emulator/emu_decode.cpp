@@ -3,7 +3,7 @@
 // so running it here checks the emulation itself; split requests are merged inside it by the CTA
 // that draws the last ticket, so the schedule (which CTAs overlap, in which order) matters. With
 // TX_TMA the K and V tensor maps come first, by address, in the emulation's layout (emulate.tensor_map).
-// With TX_KV_FP8 the caches are one byte an element (kv_t); the scale pointers are host addresses here.
+// With TX_KV_FP8 the caches are one byte an element (kv_t); the scale and sink pointers are host addresses here.
 #include "decode.cu"
 
 extern "C" const char* emu_decode(unsigned gx, unsigned gy, unsigned gz, int threads, i64 smem_bytes, int resident,
@@ -16,7 +16,8 @@ extern "C" const char* emu_decode(unsigned gx, unsigned gy, unsigned gz, int thr
                                   float* lse, const int* items, const int* num_items, const int* kv_indices,
                                   float* part_o, float* part_lse, int* counters, i64 num_qo_heads, i64 gqa,
                                   i64 q_tiles, i64 page_shift, double scale_log2, double cap, double k_scale,
-                                  double v_scale, const float* k_scale_p, const float* v_scale_p) {
+                                  double v_scale, const float* k_scale_p, const float* v_scale_p,
+                                  const float* sinks) {
   const txe::Schedule schedule{resident, order, seed, park != 0, (size_t)smem_bytes};
 #if TX_TMA
   TxTensorMap kmap, vmap;
@@ -30,6 +31,6 @@ extern "C" const char* emu_decode(unsigned gx, unsigned gy, unsigned gz, int thr
 #endif
         q, q_sb, q_sh, k, v, k_sp, k_st, k_sh, v_sp, v_st, v_sh, out, lse, items, num_items, kv_indices,
                   part_o, part_lse, counters, num_qo_heads, gqa, q_tiles, page_shift, scale_log2, cap, k_scale,
-                  v_scale, k_scale_p, v_scale_p);
+                  v_scale, k_scale_p, v_scale_p, sinks);
   }, schedule);
 }

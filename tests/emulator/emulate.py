@@ -80,11 +80,11 @@ Scale = float | torch.Tensor | None  # a dequantization scale as run() takes it
 
 def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, *, return_lse: bool, schedule: Schedule | None = None, persistent: int = 0,
-                capacity: int = 0, k_scale: Scale = None,
-                v_scale: Scale = None) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
-    """The prefill kernel on the emulation: (out, lse or None, the work list). ``k_scale`` and
-    ``v_scale``: as the plan's run passes them (`paged.scale_args`; a CPU tensor's address is the
-    pointer); an fp8 ``k``/``v`` selects the fp8 variant, as the plan's kv dtype does.
+                capacity: int = 0, k_scale: Scale = None, v_scale: Scale = None,
+                sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
+    """The prefill kernel on the emulation: (out, lse or None, the work list). ``k_scale``,
+    ``v_scale`` and ``sinks``: as the plan's run passes them (`paged.scale_args`; a CPU tensor's
+    address is the pointer); an fp8 ``k``/``v`` selects the fp8 variant, as the plan's kv dtype does.
 
     Launched as `prefill.CudaNativePrefillPlan` launches it: ``params.threads`` threads (for mma
     "wgmma" the consumer warpgroups and the producer warpgroup) and ``params.smem_bytes`` of
@@ -127,7 +127,8 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
         persistent = prefill.prefill_persistent_ctas(device.H200, device.ctas_per_sm(device.H200, smem, params.threads))
     grid = prefill.prefill_grid(cap, problem.num_qo_heads, pack, persistent if params.persist else 0)[0]
     args = _args([q, q.stride(0), q.stride(1), k, v, *strides, out, lse, items_t, num_items, reqs_t, indices,
-                  *prefill.prefill_scalars(problem, pack), *paged.scale_args(k_scale, v_scale)])  # fmt: skip
+                  *prefill.prefill_scalars(problem, pack), *paged.scale_args(k_scale, v_scale),
+                  0 if sinks is None else sinks.data_ptr()])  # fmt: skip
     if masked:  # the bytes and per-request offsets the plan gives the kernel (`prefill.prefill_mask`)
         mask = prefill.prefill_mask(batch, torch.device("cpu"), None, graph=False)
         offsets = torch.tensor(batch.custom_mask.offsets[:-1] or [0], dtype=i32)
@@ -255,9 +256,9 @@ class DecodePlan:
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
             schedule: Schedule = SCHEDULES[0], k_scale: float | torch.Tensor | None = None,
-            v_scale: float | torch.Tensor | None = None) -> None:  # fmt: skip
+            v_scale: float | torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
         """`decode.CudaNativeDecodePlan.run`: the same argument list, launched on the emulation (the
-        scales as `paged.scale_args` passes them: a CPU tensor's address is the pointer).
+        scales as `paged.scale_args` passes them and the sinks: a CPU tensor's address is the pointer).
 
         The workspace is NaN again before each launch (on the GPU it holds the previous launch's
         partials, here identical ones): a partial read before its CTA wrote it in this launch shows.
@@ -273,7 +274,8 @@ class DecodePlan:
         assert (k.data_ptr() | v.data_ptr() | out.data_ptr()) % 16 == 0
         kf, vf, kp, vp = paged.scale_args(k_scale, v_scale)
         args = _args([q, q.stride(0), q.stride(1), k, v, *strides, out, lse, *self._buffers, *self._scalars, kf, vf])
-        args += [ctypes.c_void_p(kp or None), ctypes.c_void_p(vp or None)]
+        args += [ctypes.c_void_p(kp or None), ctypes.c_void_p(vp or None),
+                 ctypes.c_void_p(None if sinks is None else sinks.data_ptr())]  # fmt: skip
         if self.params.tma:  # the plan's maps: the caches as they are ([pages][heads][tokens][D], HND)
             box = (1, 1, self.params.bulk, 64)
             self._maps = (tensor_map(k, box), tensor_map(v, box))  # alive until the launch is done

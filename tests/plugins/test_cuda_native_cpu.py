@@ -189,13 +189,13 @@ def test_fp8_hardware_conversion_is_the_default_and_compiles(monkeypatch: pytest
 
 
 def test_fp8_capabilities() -> None:
-    """Decode and prefill declare the fp8 KV dtypes and the k_scale / v_scale run extras; nothing
-    is declared untested."""
+    """Decode and prefill declare the fp8 KV dtypes and the k_scale / v_scale run extras (and the
+    attention sinks their kernels fold in); nothing is declared untested."""
     spec = plugin.tactix_backends()[0]
     assert spec.decode is not None and spec.prefill is not None
     for caps in (spec.decode, spec.prefill):
         assert caps.kv_dtypes == frozenset({"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
-        assert caps.run_extras == frozenset({"k_scale", "v_scale"})
+        assert caps.run_extras == frozenset({"k_scale", "v_scale", "sinks"})
     assert not spec.untested
 
 

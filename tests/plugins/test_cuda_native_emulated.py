@@ -81,13 +81,14 @@ def prefill_case(q_lens: list[int], kv_lens: list[int], *, page: int = 16, hq: i
                  layout: str = "HND", dtype: torch.dtype = torch.bfloat16, causal: bool = True, window: int = -1,
                  cap: float = 0.0, scale: float | None = None, tactic: dict[str, Any] | None = None, seed: int = 0,
                  five_d: bool = False, q_view: bool = False, schedule: emulate.Schedule | None = None,
-                 persistent: int = 0, capacity: int = 0, mask: str = "",
-                 packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                 persistent: int = 0, capacity: int = 0, mask: str = "", packed: bool = False,
+                 sinks: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Run one batch through the emulated prefill kernel (its CTAs as ``schedule`` says: one at a
     time by default; with a ``persist`` tactic ``persistent`` CTAs, see `emulate.run_prefill`, as
     ``capacity``) and hold it to the oracle's tolerances; (out, lse). ``mask``: a custom mask of
     the kit's kinds ("tree", "random": with a row that attends nothing) per request, given
-    bit-packed where ``packed``."""
+    bit-packed where ``packed``. ``sinks``: attention sinks, one logit per query head (some far
+    above every logit: most of a row's weight goes to its sink)."""
     gen = torch.Generator().manual_seed(seed)
     _, k, v, indptr, indices, last = _cache(kv_lens, page, hkv, d, layout, dtype, gen, five_d)
     qo = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
@@ -113,13 +114,18 @@ def prefill_case(q_lens: list[int], kv_lens: list[int], *, page: int = 16, hq: i
     t = Tactic.default("cuda_native") if tactic is None else Tactic(backend="cuda_native", kernel="prefill",
                                                                      params=tactic)  # type: ignore[arg-type]  # fmt: skip
     assert plugin._reasons(problem, t, H200) == []  # type: ignore[arg-type]
+    sink_t = None
+    if sinks:
+        sink_t = (torch.randn(hq, generator=torch.Generator().manual_seed(seed + 1)) * 3).to(torch.float32)
+        sink_t[::3] = 12.0
     out, lse, _ = emulate.run_prefill(problem, batch, t, q, k, v, return_lse=True,  # type: ignore[arg-type]
-                                      schedule=schedule, persistent=persistent, capacity=capacity)  # fmt: skip
+                                      schedule=schedule, persistent=persistent, capacity=capacity,
+                                      sinks=sink_t)  # fmt: skip
     ref, ref_lse = attention_reference(q, k, v, qo, indptr, indices, last, kv_layout=layout, causal=causal,
                                        sm_scale=problem.sm_scale, window_left=window, logits_soft_cap=cap,
-                                       custom_mask=flat)  # fmt: skip
+                                       custom_mask=flat, sinks=sink_t)  # fmt: skip
     name = (f"d{d} p{page} {layout} h{hq}/{hkv} {str(dtype)[6:]} causal={causal} window={window} cap={cap} "
-            f"mask={mask or None}{' packed' if packed else ''} "
+            f"mask={mask or None}{' packed' if packed else ''}{' sinks' if sinks else ''} "
             f"q {q_lens} kv {kv_lens} tactic {tactic}")  # fmt: skip
     bad = torch.isnan(out)
     if bad.any():
@@ -152,7 +158,8 @@ def _emulated_decode_plan(problem: Any, batch: Any, tactic: dict[str, Any] | Non
     return plan
 
 
-def _decode_case(lens: list[int], kw: dict[str, Any], seed: int = 1) -> tuple[Any, ...]:
+def _decode_case(lens: list[int], kw: dict[str, Any], seed: int = 1,
+                 sinks: torch.Tensor | None = None) -> tuple[Any, ...]:  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     d, page, layout, hq, hkv = kw.get("d", 64), kw.get("page", 16), kw.get("layout", "HND"), kw.get("hq", 8), kw.get(
         "hkv", 2)  # fmt: skip
@@ -175,7 +182,7 @@ def _decode_case(lens: list[int], kw: dict[str, Any], seed: int = 1) -> tuple[An
     )  # fmt: skip
     ref, ref_lse = attention_reference(q, k, v, torch.arange(len(lens) + 1, dtype=torch.int32), indptr, indices,
                                        last, kv_layout=layout, causal=False, sm_scale=problem.sm_scale,
-                                       window_left=window, logits_soft_cap=cap)  # fmt: skip
+                                       window_left=window, logits_soft_cap=cap, sinks=sinks)  # fmt: skip
     return problem, batch, q, k, v, ref, ref_lse
 
 
@@ -225,6 +232,66 @@ def test_emulation_reproduces_the_h200_proven_decode_kernel(lens: list[int], kw:
     # without an LSE output (a null pointer): the same output
     out, _ = _decode_run(plan, q, k, v, lse=False, schedule=emulate.SCHEDULES[-1])
     assert torch.equal(out, first[0])
+
+
+SINK_CASES = [
+    # (lens, options, whether a request is split): sinks folded by the whole request's CTA, or once
+    # by the merging CTA after the partials
+    ([1, 17, 700, 64], {}, True),
+    ([1, 17, 300, 64], {"d": 128, "page": 1, "layout": "NHD", "hq": 4, "hkv": 4, "window": 20, "cap": 10.0}, False),
+    # GQA 20: a 16-row and a 4-row q tile
+    (
+        [33, 260],
+        {
+            "d": 128,
+            "page": 32,
+            "hq": 40,
+            "hkv": 2,
+            "tactic": {"tile": 32, "warps": 2, "stages": 2, "kv_chunk": 64, "l2": 0},
+        },
+        True,
+    ),
+    ([700, 5], {"tactic": {"tile": 64, "warps": 4, "stages": 3, "kv_chunk": 128, "bulk": 16}}, True),
+]
+
+
+@pytest.mark.parametrize(("lens", "kw", "split"), SINK_CASES)
+def test_emulated_decode_with_attention_sinks(lens: list[int], kw: dict[str, Any], split: bool) -> None:
+    """Attention sinks (gpt-oss): each head's sink joins every row's softmax denominator, against
+    the float64 oracle with the sink term: sinks below, near and far above the logits (the last
+    rescales the running maximum), the LSE including them, whole and split requests under every
+    schedule (bitwise the same), GQA groups of more than 8 rows in two q tiles, a window and the
+    soft cap; new sink values in the same tensor are read by the next launch (a graph replay)."""
+    hq = kw.get("hq", 8)
+    sinks = (torch.randn(hq, generator=torch.Generator().manual_seed(7)) * 3).to(torch.float32)
+    sinks[::3] = 12.0  # far above every logit: most of each row's weight goes to the sink
+    problem, batch, q, k, v, ref, ref_lse = _decode_case(lens, kw, sinks=sinks)
+    plan = _emulated_decode_plan(problem, batch, kw.get("tactic"), split)
+
+    def launch(schedule: emulate.Schedule) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+        lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32)
+        plan.run(q, k, v, out, lse, schedule, sinks=sinks)
+        assert not plan.counters.any(), f"{schedule}: counters not reset"
+        return out, lse
+
+    first = None
+    for schedule in emulate.SCHEDULES if split else emulate.SCHEDULES[:1]:
+        out, lse = launch(schedule)
+        err, lerr = relative_error(out, ref), lse_error(lse, ref_lse)
+        assert err <= tolerance_for(q.dtype), f"{schedule}: relative error {err:.3e}"
+        assert lerr <= LSE_TOLERANCE[str(q.dtype)[6:]], f"{schedule}: LSE error {lerr:.3e}"
+        if first is None:
+            first = out, lse
+        else:
+            assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), f"{schedule}: not bitwise the same"
+    plain, _ = _decode_run(plan, q, k, v, lse=True, schedule=emulate.SCHEDULES[0])
+    assert relative_error(plain, ref) > 10 * tolerance_for(q.dtype)  # without the sinks: another answer
+    sinks.fill_(-3.0)  # new values in the same tensor: the next launch reads them
+    *_, ref, ref_lse = _decode_case(lens, kw, sinks=sinks)
+    out, lse = launch(emulate.SCHEDULES[-1])
+    assert relative_error(out, ref) <= tolerance_for(q.dtype) and lse_error(lse, ref_lse) <= LSE_TOLERANCE[
+        str(q.dtype)[6:]]  # fmt: skip
 
 
 _B64 = {"tile": 64, "warps": 4}
@@ -449,6 +516,24 @@ def test_emulated_prefill_edge_batches() -> None:
     # a 5-D cache (k and v strided views of one tensor) and q as a view of a fused projection
     prefill_case(Q, KV, five_d=True, q_view=True, layout="NHD", seed=6)
     prefill_case(Q, KV, five_d=True, q_view=True, layout="HND", page=1, seed=6)
+
+
+@pytest.mark.parametrize("tactic", [None, {"q_tile": 128, "kv_tile": 32, "warps": 4, "stages": 2},
+                                    {"q_tile": 64, "kv_tile": 64, "warps": 4, "stages": 4, "mma": "wgmma"},
+                                    {"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma",
+                                     "persist": 1, "pingpong": 1}],
+                         ids=["default", "mma.sync", "wgmma", "wgmma-persist-pingpong"])  # fmt: skip
+def test_emulated_prefill_with_attention_sinks(tactic: dict[str, Any] | None) -> None:
+    """Attention sinks folded into each row's softmax by the mma.sync and the Hopper wgmma kernels
+    (with persistent CTAs and the ping-pong), against the oracle's sink term, the LSE including
+    it: causal chunks with GQA packing, a window with the soft cap, d 128; on mma.sync a custom
+    mask with a row that attends nothing (zeros, the LSE its sink)."""
+    prefill_case(Q, KV, hq=8, hkv=2, sinks=True, tactic=tactic, seed=21)
+    prefill_case([90, 7, 33], [300, 40, 33], d=128, hq=4, hkv=4, window=70, cap=10.0, sinks=True, tactic=tactic,
+                 seed=22)  # fmt: skip
+    if tactic is None or tactic.get("mma") != "wgmma":
+        prefill_case([3, 70, 1, 17], [40, 200, 1, 17], causal=False, hq=8, hkv=2, mask="random", sinks=True,
+                     tactic=tactic, seed=23)  # fmt: skip
 
 
 MASK_SYNC_TACTICS = [  # mma.sync shapes: one and two m16 tiles a warp, kv tiles of 32 to 128, 4 and 8 warps

@@ -559,7 +559,7 @@ class CudaNativeDecodePlan(StagedPlan):
         self._scalars = (hq, gqa, q_tiles(gqa), shift, problem.sm_scale * LOG2E, float(problem.logits_soft_cap))
         self._cfg = launch_config(decode_grid(item_cap, hkv, gqa), kernel.threads, kernel.smem)
         self._launch_fn = launcher().launch  # (looked up once: run() is on every layer's path)
-        self._tail = (*self._ptrs, *self._scalars, *UNIT_SCALES)  # the arguments after lse without scales
+        self._tail = (*self._ptrs, *self._scalars, *UNIT_SCALES, 0)  # the arguments after lse without extras
         self._index = index
         self._seen: tuple[Any, ...] | None = None
         self._strides: tuple[int, ...] = ()
@@ -582,14 +582,16 @@ class CudaNativeDecodePlan(StagedPlan):
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor | None, k_scale: float | torch.Tensor | None = None,
-            v_scale: float | torch.Tensor | None = None) -> None:  # fmt: skip
+            v_scale: float | torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
         """Launch the kernel; ``k_scale`` and ``v_scale`` (run extras, `paged.scale_args`): floats,
-        or one-element float32 device tensors whose value the kernel reads."""
+        or one-element float32 device tensors whose value the kernel reads; ``sinks`` (a run extra,
+        checked by the core): a float32 ``[num_qo_heads]`` device tensor the kernel reads."""
         q, k_ptr, v_ptr, out_ptr = self._operands(q, k_cache, v_cache, out)
         lse_ptr = 0 if lse is None else lse.data_ptr()
         stream = stream_for(self._index, raw_stream(self._index))
-        tail = self._tail if k_scale is None and v_scale is None else (
-            *self._ptrs, *self._scalars, *scale_args(k_scale, v_scale))  # fmt: skip
+        tail = self._tail if k_scale is None and v_scale is None and sinks is None else (
+            *self._ptrs, *self._scalars, *scale_args(k_scale, v_scale),
+            0 if sinks is None else sinks.data_ptr())  # fmt: skip
         args: tuple[Any, ...] = (q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr, *self._strides, out_ptr, lse_ptr,
                                  *tail)  # fmt: skip
         if self._tma:

@@ -48,7 +48,8 @@ _DECODE = tactix.AttentionCapabilities(
     logits_soft_cap=True,
     lse=True,
     cuda_graph="fixed_buffers",
-    run_extras=frozenset({"k_scale", "v_scale"}),  # an fp8 cache's dequantization scales
+    # an fp8 cache's dequantization scales; attention sinks (folded into each row's softmax)
+    run_extras=frozenset({"k_scale", "v_scale", "sinks"}),
 )
 
 _PREFILL = tactix.AttentionCapabilities(
@@ -69,7 +70,8 @@ _PREFILL = tactix.AttentionCapabilities(
     logits_soft_cap=True,
     lse=True,
     cuda_graph="fixed_buffers",
-    run_extras=frozenset({"k_scale", "v_scale"}),  # dequantization scales (every prefill kernel applies them)
+    # dequantization scales and attention sinks (every prefill kernel applies them)
+    run_extras=frozenset({"k_scale", "v_scale", "sinks"}),
 )
 
 _GEMM = tactix.GemmCapabilities(

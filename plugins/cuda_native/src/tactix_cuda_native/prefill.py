@@ -702,9 +702,10 @@ class CudaNativePrefillPlan(StagedPlan):
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor | None, k_scale: float | torch.Tensor | None = None,
-            v_scale: float | torch.Tensor | None = None) -> None:  # fmt: skip
+            v_scale: float | torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
         """Launch the kernel; ``k_scale`` and ``v_scale`` (run extras, `paged.scale_args`): floats,
-        or one-element float32 device tensors whose value the kernel reads."""
+        or one-element float32 device tensors whose value the kernel reads; ``sinks`` (a run extra,
+        checked by the core): a float32 ``[num_qo_heads]`` device tensor the kernel reads."""
         q, k_ptr, v_ptr, out_ptr = self._operands(q, k_cache, v_cache, out)
         if not self._launch:  # no query rows at all
             return
@@ -714,7 +715,7 @@ class CudaNativePrefillPlan(StagedPlan):
         self._launch_fn(stream, self._cfg, self._kernel, q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr,
                   *self._strides, out_ptr, lse_ptr, items, num_items, reqs, indices, *self._scalars,
                   *(UNIT_SCALES if k_scale is None and v_scale is None else scale_args(k_scale, v_scale)),
-                  *self._mask_args)  # fmt: skip
+                  0 if sinks is None else sinks.data_ptr(), *self._mask_args)  # fmt: skip
 
 
 def plan_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Tactic,

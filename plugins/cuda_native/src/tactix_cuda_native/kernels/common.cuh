@@ -162,6 +162,17 @@ TX_DEVICE float tx_rcp(float x) {
 
 TX_DEVICE float tx_neg_inf() { return __int_as_float(0xff800000); }
 
+// Fold an attention sink `s` (base-2 units, -inf: none) into a row's softmax state: running max
+// `m` and sum `l` of exp2(x - m); the row's weights keep exp2(x - m) relative to the new max.
+TX_DEVICE void tx_fold_sink(float& m, float& l, float s) {
+  if (s == tx_neg_inf()) return;
+  if (s > m) {
+    l *= tx_exp2(m - s);
+    m = s;
+  }
+  l += tx_exp2(s - m);
+}
+
 // tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, absolute error ~1e-7 near 0.
 TX_DEVICE float tx_tanh(float x) {
   float e = tx_exp2(x * 2.8853900817779268f);  // 2 * log2(e)

@@ -41,6 +41,11 @@
 // tiles after the ring, swizzled as the 16-bit path's (then a barrier): the mma.sync code reads
 // those. The next tile's copies are issued before the conversion (into another ring stage).
 //
+// Attention sinks (where `sinks` is not null: a float32 logit per query head, in the units of the
+// scaled and soft-capped logits) join each row's softmax denominator as a key without a value:
+// a whole request's CTA folds its row's sink into the merged (max, sum) before normalising, a
+// split request's merging CTA after the partials (which leave it out); the LSE includes it.
+//
 // Dequantization scales (every variant): logits (q . k) k_scale sm_scale, output sum p v v_scale.
 // Each scale is a float argument or, where its pointer is not null, the float32 at that address
 // (read by every CTA: a CUDA graph replays with whatever it holds). k_scale multiplies the
@@ -151,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
     const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ kv_indices,
     float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ counters, i64 num_qo_heads, i64 gqa,
     i64 q_tiles, i64 page_shift, double scale_log2_d, double cap_d, double k_scale_d, double v_scale_d,
-    const float* __restrict__ k_scale_p, const float* __restrict__ v_scale_p) {
+    const float* __restrict__ k_scale_p, const float* __restrict__ v_scale_p, const float* __restrict__ sinks) {
   extern __shared__ __align__(1024) unsigned char smem[];  // (the tensor maps' swizzle atoms: 1 KB)
   const int units = (int)(num_qo_heads / gqa * q_tiles);
   const int item = blockIdx.x / units, unit = blockIdx.x % units;
@@ -525,6 +530,12 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
     L0 += ml[(w * 16 + grp) * 2 + 1] * tx_exp2(ml[(w * 16 + grp) * 2] - M0);
     L1 += ml[(w * 16 + grp + 8) * 2 + 1] * tx_exp2(ml[(w * 16 + grp + 8) * 2] - M1);
   }
+  if (sinks != nullptr && slot < 0) {
+    // a whole request: each row's sink joins its denominator here (a split request's merge adds
+    // it once, after the partials, which leave it out)
+    tx_fold_sink(M0, L0, grp < nrows ? __ldg(sinks + head0 + grp) * LOG2E : tx_neg_inf());
+    tx_fold_sink(M1, L1, grp + 8 < nrows ? __ldg(sinks + head0 + grp + 8) * LOG2E : tx_neg_inf());
+  }
   const float f0 = tx_exp2(m0 - M0) / L0, f1 = tx_exp2(m1 - M1) / L1;
   float* red = reinterpret_cast<float*>(smem);  // [WARPS][16][D]
 #pragma unroll
@@ -628,6 +639,19 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
           a3 += w * p[j].w;
         }
       }
+    }
+    if (sinks != nullptr) {  // the sink joins the merged denominator once (natural-log units here)
+      const float sk = __ldg(sinks + qh);
+      if (sk > M) {
+        const float f = tx_exp2((M - sk) * LOG2E);
+        S *= f;
+        a0 *= f;
+        a1 *= f;
+        a2 *= f;
+        a3 *= f;
+        M = sk;
+      }
+      S += tx_exp2((sk - M) * LOG2E);
     }
     const float inv = 1.0f / S;
     u32* dst = reinterpret_cast<u32*>(out + ((i64)req * H + qh) * D + d4);

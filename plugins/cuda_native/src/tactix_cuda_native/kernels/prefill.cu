@@ -32,6 +32,9 @@
 // (q . k) k_scale sm_scale (k_scale folded into the base-2 scale, so the soft cap and the LSE see
 // the scaled logits), output (sum p v) / l * v_scale; each scale a float argument or, where its
 // pointer is not null, the float32 at that address (a CUDA graph replays with whatever it holds).
+// Attention sinks (`sinks` not null: a float32 logit per query head, in the units of the scaled and
+// soft-capped logits): folded into each row's (max, sum) in the epilogue, where a warp holds its
+// rows' whole key range; the LSE includes it (a row the mask empties: zeros, the LSE the sink).
 // TX_KV_FP8 (1: e4m3fn, 2: e5m2): an fp8 KV cache under 16-bit q and out. The ring holds the
 // fp8 rows as copied (16-byte chunks, unswizzled); once a tile has landed the CTA's threads
 // convert it exactly (fp8.cuh) into one pair of 16-bit K and V tiles after the ring, swizzled
@@ -122,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ reqs,
     const int* __restrict__ kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups, i64 page_shift,
     i64 causal, i64 window_left, double scale_log2_d, double cap_d, double k_scale_d, double v_scale_d,
-    const float* __restrict__ k_scale_p, const float* __restrict__ v_scale_p
+    const float* __restrict__ k_scale_p, const float* __restrict__ v_scale_p, const float* __restrict__ sinks
 #if TX_MASK
     , const unsigned char* __restrict__ mask, const int* __restrict__ mask_off
 #endif
@@ -487,7 +490,14 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       l[mt][h] = tx_warp_sum4(l[mt][h]);
-      inv[mt][h] = TX_MASK && l[mt][h] == 0.f ? 0.f : v_scale / l[mt][h];  // a row the mask empties: zeros
+      const bool empty = TX_MASK && l[mt][h] == 0.f;  // a row the mask empties: zeros (and an LSE of the sink)
+      float f = 1.f;
+      if (sinks != nullptr) {  // the row's sink joins its denominator (its weight rescaled to the new max)
+        const float before = m[mt][h];
+        tx_fold_sink(m[mt][h], l[mt][h], __ldg(sinks + head0v + (wrow0 + mt * 16 + grp + 8 * h) % Pv) * LOG2E);
+        f = tx_exp2(before - m[mt][h]);
+      }
+      inv[mt][h] = empty ? 0.f : v_scale * f / l[mt][h];
     }
   }
   __syncwarp();  // every lane is done reading its Q rows (ldmatrix) before they are overwritten

@@ -185,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ reqs,
     const int* __restrict__ kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups, i64 page_shift,
     i64 causal, i64 window_left, double scale_log2_d, double cap_d, double k_scale_d, double v_scale_d,
-    const float* __restrict__ k_scale_p, const float* __restrict__ v_scale_p) {
+    const float* __restrict__ k_scale_p, const float* __restrict__ v_scale_p, const float* __restrict__ sinks) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const int hgs = (int)head_groups;
   // Virtual CTAs vc = item x head group. Without TX_PERSIST one per CTA (CTAs past the work list
@@ -604,7 +604,15 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     l0 = tx_warp_sum4(l0);
     l1 = tx_warp_sum4(l1);
     const float v_scale = v_scale_p != nullptr ? __ldg(v_scale_p) : (float)v_scale_d;
-    const float inv0 = v_scale / l0, inv1 = v_scale / l1;
+    float f0 = 1.f, f1 = 1.f;
+    if (sinks != nullptr) {  // each row's sink joins its denominator (its weights rescaled to the new max)
+      const float before0 = m0, before1 = m1;
+      tx_fold_sink(m0, l0, __ldg(sinks + head0 + r0 % P) * LOG2E);
+      tx_fold_sink(m1, l1, __ldg(sinks + head0 + r1 % P) * LOG2E);
+      f0 = tx_exp2(before0 - m0);
+      f1 = tx_exp2(before1 - m1);
+    }
+    const float inv0 = v_scale * f0 / l0, inv1 = v_scale * f1 / l1;
     tx_bar_sync(1 + wg, 128);  // every warp's wgmma reads of Q are complete before Q is overwritten
     tx_fence_proxy_async();
     const int lr0 = 16 * warp + grp;
