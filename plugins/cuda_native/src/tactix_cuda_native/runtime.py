@@ -270,19 +270,26 @@ _PTXAS_INFO = re.compile(
 _WGMMA_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized[^\n]*?function '(\w+)'")
 
 
-def resource_usage(variant: Variant) -> dict[str, dict[str, int]]:
+def resource_usage(variant: Variant, *, root: Path | None = None) -> dict[str, dict[str, int]]:
     """Per kernel of ``variant``: registers, stack frame and spill bytes, from ptxas' report, and
     ``wgmma_serialized`` 1 where ptxas had to serialize the kernel's wgmma instructions.
 
-    Compiles afresh with ``-v`` (no cache): for tests and tuning tables, not for plans.
+    Compiles afresh with ``-v`` (the report is not cached): for tests and tuning tables, not for
+    plans. With ``root`` the cubin (the same code: ``-v`` only reports) also goes into that
+    cache, so a `compile_variant` of the same variant and root after it is a hit.
     """
     cc = cuda_core()
     options = _program_options(cc, variant, ptxas_options="-v")
     log = _Log()
     try:
-        cc.Program(source_text(variant.source), "c++", options).compile("cubin", logs=log)
+        code = cc.Program(source_text(variant.source), "c++", options).compile("cubin", logs=log)
     except Exception as exc:
         raise KernelCompileError(variant, "\n".join((str(exc), "".join(log.parts)))) from exc
+    if root is not None:
+        cubin = bytes(code.code)
+        with contextlib.suppress(OSError):
+            _write_atomically(_cache_path(variant, root), cubin)
+        _memory[(str(cache_dir(root)), variant.key())] = cubin
     text = "".join(log.parts)
     serialized = set(_WGMMA_SERIALIZED.findall(text))
     out = {}
