@@ -116,8 +116,9 @@ def _attention_capabilities(prefill: bool) -> tactix.AttentionCapabilities:
         compute_capabilities=frozenset({"9.0"}),
         q_dtypes=DTYPES,
         kv_dtypes=DTYPES if prefill else DTYPES | {FP8_CACHE},
-        # XQA reads the scales on the device (one for K and V: k_scale joins the q scale)
-        run_extras=frozenset() if prefill else frozenset({"k_scale", "v_scale"}),
+        # XQA reads the scales on the device (one for K and V: k_scale joins the q scale) and takes
+        # attention sinks ([kv heads, group] float32: tactix's [qo heads] as they lie)
+        run_extras=frozenset() if prefill else frozenset({"k_scale", "v_scale", "sinks"}),
         out_dtypes=DTYPES,
         head_dims=HEAD_DIMS,
         page_sizes=PAGE_SIZES,
@@ -480,7 +481,9 @@ class XqaDecodePlan(_Plan):
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor | None, k_scale: float | torch.Tensor | None = None,
-            v_scale: float | torch.Tensor | None = None) -> None:  # fmt: skip
+            v_scale: float | torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
+        """Launch XQA; ``sinks`` (a run extra, a contiguous float32 ``[num_qo_heads]`` the core
+        checked) is XQA's ``[num_kv_heads, group]`` attention-sink array: the same floats."""
         seen = self._caches.get(id(k_cache))
         if seen is not None and seen[0]() is k_cache and seen[1]() is v_cache:
             k_view = seen[2]
@@ -489,10 +492,10 @@ class XqaDecodePlan(_Plan):
         if not q.is_contiguous():
             q = self._packed(q)
         if k_scale is None and v_scale is None:
-            self._fn(*self._head, out, 1.0, q, None, k_view, v_cache, *self._tail)
+            self._fn(*self._head, out, 1.0, q, sinks, k_view, v_cache, *self._tail)
             return
         head, tail, after = self._scaled(k_scale, v_scale)
-        self._fn(*head, out, 1.0, q, None, k_view, v_cache, *tail)
+        self._fn(*head, out, 1.0, q, sinks, k_view, v_cache, *tail)
         if after is not None:  # a 16-bit cache: XQA applies no V scale
             out.mul_(after)
 
