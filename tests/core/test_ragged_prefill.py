@@ -212,3 +212,39 @@ def test_bf16_within_the_kits_tolerance_and_the_problem_reads_like_an_id() -> No
     assert out.dtype == BF16 and relative(out, ref) < 1e-2
     assert str(wrapper.problem) == "ragged_prefill[bf16-h4/2-d32-causal-cpu]"
     assert wrapper.backend == "torch" and str(wrapper.tactic) == "torch:explicit"
+
+
+@pytest.mark.parametrize(("q_lens", "kv_lens", "causal", "window"), [
+    ([3, 5, 1], [3, 9, 4], True, -1),
+    ([0, 4, 0, 2], [0, 4, 6, 2], True, 2),  # requests without query rows (one without keys), a window
+    ([6, 2], [3, 2], False, -1),
+])  # fmt: skip
+def test_the_paged_equivalent_of_a_ragged_batch_computes_the_same(
+    q_lens: list[int], kv_lens: list[int], causal: bool, window: int
+) -> None:
+    """What a backend serves ragged prefill with through its paged prefill (cuda_native does):
+    `RaggedBatch.paged` (one-token pages, the identity table, the same lengths) and
+    `RaggedPrefillProblem.as_paged_prefill` (page size 1, NHD, the same static fields and sizes),
+    planned by the torch backend's paged prefill over ``k.unsqueeze(1)``, give the row-by-row
+    reference's output and LSE."""
+    qo, kv, q, k, v = packed(q_lens, kv_lens)
+    problem, batch = tactix.ragged.ragged_problem(
+        device=torch.device("cpu"), qo_indptr=qo, kv_indptr=kv, num_qo_heads=4, num_kv_heads=2, head_dim_qk=16,
+        head_dim_vo=None, causal=causal, sm_scale=None, window_left=window, logits_soft_cap=None,
+        q_data_type=F32, kv_data_type=None, o_data_type=None, return_lse=True,
+    )  # fmt: skip
+    paged, pages = problem.as_paged_prefill(), batch.paged
+    assert isinstance(paged, tactix.PrefillProblem) and (paged.page_size, paged.kv_layout) == (1, "NHD")
+    assert paged.static_key() == problem.as_paged_prefill().static_key()  # one template per static problem
+    assert (paged.batch_size, paged.num_qo_tokens, paged.max_qo_len, paged.max_kv_len) == (
+        batch.batch_size, batch.num_qo_tokens, batch.max_qo_len, batch.max_kv_len)  # fmt: skip
+    assert pages.kv_indices.tolist() == list(range(sum(kv_lens))) and pages.kv_lens_list == kv_lens
+    backend = tactix.get_registry().get("torch")
+    assert not backend.static_reasons(paged)
+    plan = backend.plan(paged, tactix.Tactic.default("torch"), {"device": torch.device("cpu"), "use_cuda_graph": False,
+                                                                 "previous": None}, pages)  # fmt: skip
+    out = torch.empty(q.shape[0], 4, 16)
+    lse = torch.empty(q.shape[0], 4)
+    plan.run(q, k.unsqueeze(1), v.unsqueeze(1), out, lse)
+    ref, ref_lse = by_rows(q, k, v, q_lens, kv_lens, causal=causal, window=window)
+    assert relative(out, ref) < 1e-5 and float((lse.double() - ref_lse).abs().max()) < 1e-4

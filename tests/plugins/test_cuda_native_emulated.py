@@ -33,11 +33,13 @@ from tactix_cuda_native.device import H200
 import tactix
 from tactix import Tactic
 from tactix.attention import attention_problem
+from tactix.ragged import ragged_problem
 from tactix.testing import (
     LSE_TOLERANCE,
     attention_reference,
     gemm_reference,
     lse_error,
+    ragged_reference,
     relative_error,
     tolerance_for,
 )
@@ -534,6 +536,49 @@ def test_emulated_prefill_with_attention_sinks(tactic: dict[str, Any] | None) ->
     if tactic is None or tactic.get("mma") != "wgmma":
         prefill_case([3, 70, 1, 17], [40, 200, 1, 17], causal=False, hq=8, hkv=2, mask="random", sinks=True,
                      tactic=tactic, seed=23)  # fmt: skip
+
+
+RAGGED_TACTICS = [
+    None,
+    {"q_tile": 128, "kv_tile": 32, "warps": 4, "stages": 2},
+    {"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma", "persist": 1, "pingpong": 1},
+]
+
+
+@pytest.mark.parametrize("tactic", RAGGED_TACTICS, ids=["default", "mma.sync", "wgmma-persist-pingpong"])
+def test_emulated_ragged_prefill_through_one_token_pages(tactic: dict[str, Any] | None) -> None:
+    """cuda_native's ragged-KV prefill (`tactix_cuda_native.ragged`): the paged prefill kernels over
+    `RaggedBatch.paged` (one-token pages, the identity table) and `as_paged_prefill`, with packed k
+    and v as ``k.unsqueeze(1)`` views of a fused KV projection (strided rows), against the ragged
+    oracle: a chunk's new tokens over longer keys, a request without query rows or keys, GQA 4,
+    a window with the soft cap and the sinks; held to the oracle's tolerances."""
+    gen = torch.Generator().manual_seed(31)
+    q_lens, kv_lens, hq, hkv, d = [70, 0, 1, 33, 17], [200, 0, 1, 33, 90], 8, 2, 128
+    qo = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    kv = torch.tensor([0, *itertools.accumulate(kv_lens)], dtype=torch.int32)
+    fused = torch.randn(int(kv[-1]), 2 * hkv, d, generator=gen).to(torch.bfloat16)  # [tokens, k heads | v heads, d]
+    k, v = fused[:, :hkv], fused[:, hkv:]
+    q = torch.randn(int(qo[-1]), hq, d, generator=gen).to(torch.bfloat16)
+    sinks = (torch.randn(hq, generator=gen) * 3).to(torch.float32)
+    t = Tactic.default("cuda_native") if tactic is None else Tactic(backend="cuda_native", kernel="prefill",
+                                                                     params=tactic)  # type: ignore[arg-type]  # fmt: skip
+    for window, cap, sink in ((-1, 0.0, None), (50, 10.0, sinks)):
+        problem, batch = ragged_problem(device=CPU, qo_indptr=qo, kv_indptr=kv, num_qo_heads=hq, num_kv_heads=hkv,
+                                        head_dim_qk=d, head_dim_vo=None, causal=True, sm_scale=None,
+                                        window_left=window, logits_soft_cap=cap, q_data_type=torch.bfloat16,
+                                        kv_data_type=None, o_data_type=None, return_lse=True)  # fmt: skip
+        paged = problem.as_paged_prefill().model_copy(update={"device_type": "cuda"})
+        assert (paged.page_size, paged.kv_layout, paged.causal, paged.window_left) == (1, "NHD", True, window)
+        assert plugin._reasons(problem.model_copy(update={"device_type": "cuda"}), t, H200) == []
+        pages = batch.paged
+        assert pages.kv_indices.tolist() == list(range(int(kv[-1]))) and pages.kv_lens_list == kv_lens
+        out, lse, _ = emulate.run_prefill(paged, pages, t, q, k.unsqueeze(1), v.unsqueeze(1), return_lse=True,
+                                          sinks=sink)  # fmt: skip
+        ref, ref_lse = ragged_reference(q, k, v, qo, kv, causal=True, sm_scale=problem.sm_scale, window_left=window,
+                                        logits_soft_cap=cap, sinks=sink)  # fmt: skip
+        assert lse is not None and not torch.isnan(out).any()
+        assert relative_error(out, ref) <= tolerance_for(torch.bfloat16), (window, relative_error(out, ref))
+        assert lse_error(lse, ref_lse) <= LSE_TOLERANCE["bfloat16"]
 
 
 MASK_SYNC_TACTICS = [  # mma.sync shapes: one and two m16 tiles a warp, kv tiles of 32 to 128, 4 and 8 warps

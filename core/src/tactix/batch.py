@@ -449,6 +449,18 @@ class RaggedDeviceBatch:
     kv_lens: torch.Tensor
 
 
+_IDENTITY: list[torch.Tensor] = [torch.arange(0, dtype=torch.int32)]
+
+
+def _identity_pages(n: int) -> torch.Tensor:
+    """``arange(n)`` as int32 on the CPU: a view of one shared tensor, grown (doubling) when asked
+    for more (read-only by contract: `PagedBatch.kv_indices` is never written)."""
+    found = _IDENTITY[0]
+    if found.numel() < n:
+        found = _IDENTITY[0] = torch.arange(max(n, 2 * found.numel()), dtype=torch.int32)
+    return found[:n]
+
+
 @dataclass(frozen=True, eq=False)
 class RaggedBatch(Batch):
     """A validated ragged-KV batch: request ``b``'s keys and values are rows
@@ -506,6 +518,34 @@ class RaggedBatch(Batch):
             max_kv_len=max(kv_lens_list),
             kv_indptr_list=kv_list,
             num_kv_tokens=kv_list[-1],
+            _device_copies={},
+        )
+        return batch
+
+    @functools.cached_property
+    def paged(self) -> PagedBatch:
+        """This batch read as a paged one with pages of one token: page ``i`` is row ``i`` of the
+        packed k and v (the identity page table, ``kv_indptr`` as the page offsets), so that a
+        paged prefill that takes page size 1 computes it from ``k.unsqueeze(1)`` and
+        ``v.unsqueeze(1)`` (an NHD cache; `RaggedPrefillProblem.as_paged_prefill` is the problem).
+        A request without keys (and so without query rows) has no page."""
+        nnz = self.num_kv_tokens
+        batch = PagedBatch.__new__(PagedBatch)  # the fields of PagedBatch.build, for these values
+        batch.__dict__.update(
+            qo_indptr_list=self.qo_indptr_list,
+            qo_lens_list=self.qo_lens_list,
+            kv_lens_list=self.kv_lens_list,
+            batch_size=self.batch_size,
+            num_qo_tokens=self.num_qo_tokens,
+            max_qo_len=self.max_qo_len,
+            max_kv_len=self.max_kv_len,
+            page_size=1,
+            kv_indptr_list=self.kv_indptr_list,
+            kv_indices=_identity_pages(nnz),
+            kv_last_page_len_list=[1] * self.batch_size,
+            num_page_entries=nnz,
+            max_page_index=nnz - 1,
+            custom_mask=None,
             _device_copies={},
         )
         return batch

@@ -28,6 +28,7 @@ from tactix.ops.attention import (
     query_tensors,
 )
 from tactix.ops.definition import OpDefinition, TunerInputs, random_tensor
+from tactix.ops.prefill import PrefillProblem
 from tactix.tactics import Tactic
 
 __all__ = [
@@ -61,6 +62,26 @@ class RaggedPrefillProblem(AttentionProblemBase):
         if not self.causal and not caps.non_causal:
             return ["non-causal prefill not supported"]
         return []
+
+    def as_paged_prefill(self) -> PrefillProblem:
+        """The paged prefill that computes this problem: its keys and values read as an NHD cache
+        of one-token pages, page ``i`` = row ``i`` of the packed k and v (`RaggedBatch.paged` is
+        the batch). A backend whose paged prefill takes page size 1 can serve ragged prefill
+        with it; the static part is validated once per static problem."""
+        d = self.__dict__
+        key = self.static_key()
+        template = _PAGED.get(key)
+        if template is None:
+            fields = {name: d[name] for name in PrefillProblem.model_fields if name in d}
+            template = PrefillProblem.model_validate({**fields, "page_size": 1, "kv_layout": "NHD"})
+            if len(_PAGED) >= 64:
+                _PAGED.clear()
+            _PAGED[key] = template
+        return template.model_copy(update={name: d[name] for name in PrefillProblem.dynamic})
+
+
+_PAGED: dict[tuple[object, ...], PrefillProblem] = {}
+"""`RaggedPrefillProblem.as_paged_prefill`'s static templates, by static key (cleared at 64)."""
 
 
 class RaggedPrefillCapabilities(AttentionCapabilitiesBase):

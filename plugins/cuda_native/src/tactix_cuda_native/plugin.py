@@ -1,10 +1,11 @@
-"""tactix hooks for the ``cuda_native`` backend: paged prefill and decode attention and skinny GEMM, in the project's
-own CUDA.
+"""tactix hooks for the ``cuda_native`` backend: paged prefill and decode attention, ragged-KV prefill
+and skinny GEMM, in the project's own CUDA.
 
 This module declares the backend (`tactix_backends`: its capabilities and preferences) and implements
 the hooks, each handing the work to the op's module: `tactix_cuda_native.decode`,
 `tactix_cuda_native.prefill` and `tactix_cuda_native.gemm` own their tactic parameters, geometry,
-kernel variants, reasons, tactic spaces, defaults and plans (their docstrings describe the tactics);
+kernel variants, reasons, tactic spaces, defaults and plans (their docstrings describe the tactics),
+and `tactix_cuda_native.ragged` serves ragged-KV prefill through the prefill plans (one-token pages);
 `device`, `kernel`, `paged` and `tactics` hold what more than one op uses, `runtime` compiles,
 caches and loads the kernels, `variants` lists what `tactix_warmup` compiles.
 
@@ -22,9 +23,19 @@ from typing import Final
 import torch
 
 import tactix
-from tactix import DecodeProblem, GemmProblem, PagedBatch, PlanOptions, PrefillProblem, Problem, Tactic
+from tactix import (
+    DecodeProblem,
+    GemmProblem,
+    PagedBatch,
+    PlanOptions,
+    PrefillProblem,
+    Problem,
+    RaggedBatch,
+    RaggedPrefillProblem,
+    Tactic,
+)
 from tactix.plugin import compute_capability
-from tactix_cuda_native import NAME, __version__, decode, gemm, prefill
+from tactix_cuda_native import NAME, __version__, decode, gemm, prefill, ragged
 from tactix_cuda_native.device import DeviceInfo, info_for
 from tactix_cuda_native.kernel import DTYPES
 from tactix_cuda_native.paged import FP8_KV_DTYPES, HEAD_DIMS
@@ -74,6 +85,13 @@ _PREFILL = tactix.AttentionCapabilities(
     run_extras=frozenset({"k_scale", "v_scale", "sinks"}),
 )
 
+_RAGGED = tactix.RaggedPrefillCapabilities.model_validate(
+    {name: value for name, value in _PREFILL.model_dump().items()
+     if name in tactix.RaggedPrefillCapabilities.model_fields}
+)  # fmt: skip
+"""Ragged-KV prefill: what paged prefill declares (no pages, no custom masks), served by the same
+kernels over one-token pages (`tactix_cuda_native.ragged`)."""
+
 _GEMM = tactix.GemmCapabilities(
     devices=frozenset({"cuda"}),
     compute_capabilities=_CCS,
@@ -97,6 +115,7 @@ def tactix_backends() -> list[tactix.BackendSpec]:
             "mma.sync elsewhere), paged decode with split-KV, skinny GEMM for m <= 64",
             prefill=_PREFILL,
             decode=_DECODE,
+            ragged_prefill=_RAGGED,
             gemm=_GEMM,
             preference=5,
             # decode: ahead of cudnn untuned. Measured on the H200 (benchmarks/results/
@@ -125,7 +144,9 @@ def tactix_environment() -> list[str] | None:
     return reasons
 
 
-def _reasons(problem: Problem, tactic: Tactic, info: DeviceInfo) -> list[str]:
+def _reasons(problem: Problem | RaggedPrefillProblem, tactic: Tactic, info: DeviceInfo) -> list[str]:
+    if isinstance(problem, RaggedPrefillProblem):
+        return prefill.prefill_reasons(problem.as_paged_prefill(), tactic, info)
     if isinstance(problem, PrefillProblem):
         return prefill.prefill_reasons(problem, tactic, info)
     if isinstance(problem, DecodeProblem):
@@ -134,13 +155,16 @@ def _reasons(problem: Problem, tactic: Tactic, info: DeviceInfo) -> list[str]:
 
 
 @tactix.hookimpl
-def tactix_check(problem: Problem, tactic: Tactic, batch: PagedBatch | None) -> list[str] | None:
+def tactix_check(problem: Problem | RaggedPrefillProblem, tactic: Tactic,
+                 batch: PagedBatch | RaggedBatch | None) -> list[str] | None:  # fmt: skip
     return _reasons(problem, tactic, info_for(None))
 
 
 @tactix.hookimpl
-def tactix_tactics(problem: Problem) -> list[Tactic] | None:
+def tactix_tactics(problem: Problem | RaggedPrefillProblem) -> list[Tactic] | None:
     info = info_for(None)
+    if isinstance(problem, RaggedPrefillProblem):
+        return prefill.prefill_tactics(problem.as_paged_prefill(), info)
     if isinstance(problem, PrefillProblem):
         return prefill.prefill_tactics(problem, info)
     if isinstance(problem, DecodeProblem):
@@ -168,6 +192,12 @@ def tactix_plan_decode(problem: DecodeProblem, batch: PagedBatch, tactic: Tactic
 def tactix_plan_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Tactic,
                         options: PlanOptions) -> prefill.CudaNativePrefillPlan | None:  # fmt: skip
     return prefill.plan_prefill(problem, batch, tactic, options)
+
+
+@tactix.hookimpl
+def tactix_plan_ragged_prefill(problem: RaggedPrefillProblem, batch: RaggedBatch, tactic: Tactic,
+                               options: PlanOptions) -> ragged.CudaNativeRaggedPrefillPlan | None:  # fmt: skip
+    return ragged.plan_ragged_prefill(problem, batch, tactic, options)
 
 
 @tactix.hookimpl
