@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tactix
+from tactix.autotune.context import current
 from tactix.compat import flashinfer as fi
 from tactix.testing.oracle import attention_reference, ragged_reference, relative_error
 from tests.core.test_run_extras import NO_EXTRAS
@@ -176,9 +177,9 @@ def test_a_wrapper_made_for_sinks_plans_only_backends_that_take_them(tmp_path: P
                                      sinks=sinks)  # fmt: skip
         assert relative_error(wrapper.run(q, cache, sinks=sinks), ref) < 1e-5
         named = tactix.PagedDecode("HND", backend="plain", device="cpu", run_extras=["sinks"])
-        with pytest.raises(tactix.UnsupportedProblemError, match="does not take the run extra sinks"):
+        with pytest.raises(tactix.UnsupportedProblemError, match="run extra sinks not declared"):
             named.plan(*meta, HQ, HKV, D, PAGE, q_data_type=torch.float32)
-        with pytest.raises(tactix.UnsupportedProblemError, match="does not take the run extra sinks"):
+        with pytest.raises(tactix.UnsupportedProblemError, match="run extra sinks not declared"):
             named.plan(*meta, HQ, HKV, D, PAGE, q_data_type=torch.float32, tactic=tactix.Tactic.default("plain"))
 
 
@@ -186,3 +187,69 @@ def test_a_wrapper_made_for_sinks_plans_only_backends_that_take_them(tmp_path: P
 def test_run_extras_that_are_not_the_ops_extras_are_refused(value: object) -> None:
     with pytest.raises(tactix.InvalidArgumentError, match=r"'run_extras' must be names of decode's run extras"):
         tactix.PagedDecode("HND", device="cpu", run_extras=value)  # type: ignore[arg-type]
+
+
+def test_tuning_a_wrapper_made_for_sinks_times_only_backends_that_take_them_under_its_own_key(
+    tmp_path: Path,
+) -> None:
+    """The run extras a wrapper declares are part of its problem (``run_extras``), so tuning it
+    (``autotune(mode="tune")``) measures only the backends that take them, with sinks passed (the
+    candidates are checked against each other with them), and stores the winner under a key of
+    its own (``run_extras`` in it): the same shape planned without sinks is another entry, whose
+    key (and hash) is what it was before run extras were part of problems."""
+    write_distribution(tmp_path, "tactix-plain", "1.0", {"plain": "tx_plain"}, {"tx_plain": NO_EXTRAS})
+    meta, _ = _paged((13, 3))
+    with plugins_on_path(tmp_path), tactix.autotune(mode="tune", cache_dir=tmp_path / "store"):
+        sinks_wrapper = tactix.PagedDecode("HND", device="cpu", run_extras=("sinks",))
+        sinks_wrapper.plan(*meta, HQ, HKV, D, PAGE, q_data_type=torch.float32)
+        plain_wrapper = tactix.PagedDecode("HND", device="cpu")
+        plain_wrapper.plan(*meta, HQ, HKV, D, PAGE, q_data_type=torch.float32)
+        with_sinks, without = sinks_wrapper.problem, plain_wrapper.problem
+        assert with_sinks.run_extras == ("sinks",) and without.run_extras == ()
+        assert with_sinks.key()["run_extras"] == ["sinks"] and "run_extras" not in without.key()
+        assert with_sinks.key_hash() != without.key_hash()
+        store = current().store
+        assert store is not None
+        entries = {e.key_hash: e for e in store.entries()}
+    tuned = entries[with_sinks.key_hash()]
+    assert {c.tactic.backend for c in tuned.candidates} == {"torch"}  # plain cannot take sinks: not a candidate
+    assert sinks_wrapper.backend == "torch"
+    assert {"torch", "plain"} <= {c.tactic.backend for c in entries[without.key_hash()].candidates}
+
+
+RECORDS_SINKS = """
+import tactix
+from tactix.backends import torch as _torch
+
+SEEN = []
+
+class _Plan:
+    def __init__(self, inner):
+        self.inner, self.tactic, self.built = inner, tactix.Tactic(backend="rec", kernel="k"), False
+
+    def run(self, q, k_cache, v_cache, out, lse, sinks=None):
+        SEEN.append(None if sinks is None else tuple(sinks.shape))
+        self.inner.run(q, k_cache, v_cache, out, lse, sinks=sinks)
+
+@tactix.hookimpl
+def tactix_backends():
+    decode = _torch.tactix_backends()[0].decode.model_copy(update={"run_extras": frozenset({"sinks"})})
+    return [tactix.BackendSpec(name="rec", version="1.0", decode=decode, preference=100)]
+
+@tactix.hookimpl
+def tactix_plan_decode(problem, batch, tactic, options):
+    return _Plan(_torch.tactix_plan_decode(problem, batch, tactix.Tactic.default("torch"), options))
+"""
+
+
+def test_the_tuner_times_a_sinks_problem_with_sinks(tmp_path: Path) -> None:
+    """Every run the tuner times of a problem whose runs pass sinks is given sinks of the
+    problem's heads (`RunExtra.sample`), so what is measured is what the wrapper will run."""
+    write_distribution(tmp_path, "tactix-rec", "1.0", {"rec": "tx_rec"}, {"tx_rec": RECORDS_SINKS})
+    meta, _ = _paged((13, 3))
+    with plugins_on_path(tmp_path), tactix.autotune(mode="tune", cache_dir=tmp_path / "store"):
+        import tx_rec  # type: ignore[import-not-found]
+
+        tactix.PagedDecode("HND", device="cpu", run_extras=("sinks",)).plan(*meta, HQ, HKV, D, PAGE,
+                                                                            q_data_type=torch.float32)  # fmt: skip
+        assert tx_rec.SEEN and set(tx_rec.SEEN) == {(HQ,)}

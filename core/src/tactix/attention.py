@@ -204,10 +204,12 @@ def attention_problem(
     q_len_per_req: int = 1,
     custom_mask: torch.Tensor | None = None,
     packed_custom_mask: torch.Tensor | None = None,
+    run_extras: Iterable[str] = (),
 ) -> tuple[PrefillProblem | DecodeProblem, PagedBatch]:
     """Validate plan arguments and batch metadata; the problem and batch that ``plan()`` hands a backend.
 
-    ``qo_indptr=None`` means decode, ``q_len_per_req`` rows per request. Used by the wrappers
+    ``qo_indptr=None`` means decode, ``q_len_per_req`` rows per request; ``run_extras``: the run
+    extras the caller's runs pass (names the wrapper checked), which the problem carries. Used by the wrappers
     (which keep the problem of each set of static arguments, so a re-plan validates only its
     batch), and by the conformance kit to ask a backend's ``check`` about a case before planning it.
     """
@@ -243,6 +245,8 @@ def attention_problem(
             fields.update(custom_mask=True)
     elif q_len_per_req > 1:
         fields.update(q_len_per_req=q_len_per_req)
+    if run_extras:
+        fields.update(run_extras=tuple(run_extras))
     problem = make_problem(op, **fields)
     assert isinstance(problem, (PrefillProblem, DecodeProblem))
     return problem, batch
@@ -420,7 +424,6 @@ class _Attention(Planned):
                 tactic=tactic,
                 options=options,
                 previous=previous,  # eager plans may reuse its buffers too (same backend only)
-                run_extras=self._run_extras,
             )
         # a later plan with the same static arguments, backend and no explicit tactic may take
         # this plan's fast re-plan (`replan_selection`)
@@ -627,6 +630,7 @@ class _PagedAttention(_Attention):
                 **_static_arguments(arguments),
                 custom_mask=None if mask is None else mask[0],
                 packed_custom_mask=None if mask is None else mask[1],
+                run_extras=self._run_extras,
             )
             layout, heads, page = problem.kv_layout, problem.num_kv_heads, problem.page_size
             state = _Static(problem, torch.Size(page_shape(layout, page, heads, problem.head_dim_qk)),

@@ -104,7 +104,8 @@ class ProblemBase(BaseModel):
         """The JSON object identifying this problem's bucket (includes the op)."""
         key = {"op": self.op, **self.bucketed().model_dump(mode="json")}
         for name in self.implicit:
-            if key[name] == type(self).model_fields[name].default:
+            default = type(self).model_fields[name].default
+            if key[name] == (list(default) if isinstance(default, tuple) else default):  # (JSON: a tuple is a list)
                 del key[name]
         return key
 

@@ -58,14 +58,18 @@ def ragged_problem(
     o_data_type: torch.dtype | str | None,
     return_lse: bool,
     deterministic: bool = True,
+    run_extras: Iterable[str] = (),
 ) -> tuple[RaggedPrefillProblem, RaggedBatch]:
     """Validate plan arguments and batch metadata; the problem and batch that ``plan()`` hands a
-    backend (the conformance kit asks a backend's ``check`` about a case with them too)."""
+    backend (the conformance kit asks a backend's ``check`` about a case with them too);
+    ``run_extras`` as for `tactix.attention.attention_problem`."""
     fields = attention_fields(device, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, sm_scale,
                               window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, return_lse,
                               deterministic)  # fmt: skip
     causal = flag(causal, "causal")
     batch = RaggedBatch.build(qo_indptr=qo_indptr, kv_indptr=kv_indptr, device=device, causal=causal)
+    if run_extras:
+        fields.update(run_extras=tuple(run_extras))
     problem = make_problem(RaggedPrefillProblem.op, **fields, causal=causal,
                            **{name: getattr(batch, name) for name in RaggedPrefillProblem.dynamic})  # fmt: skip
     assert isinstance(problem, RaggedPrefillProblem)
@@ -159,7 +163,7 @@ class RaggedPrefill(_Attention):
                 num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, causal=causal,
                 sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
                 q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, return_lse=return_lse,
-                deterministic=deterministic,
+                deterministic=deterministic, run_extras=self._run_extras,
             )  # fmt: skip
             heads = problem.num_kv_heads
             state = _Static(problem, torch.Size((heads, problem.head_dim_qk)), torch.Size((heads, problem.head_dim_vo)))

@@ -179,11 +179,11 @@ def select_and_plan(
     tactic: Tactic | None,
     options: PlanOptions,
     previous: Selection | None = None,
-    run_extras: frozenset[str] = frozenset(),
 ) -> Selection:
     """Choose and plan: the stored tactic, then each candidate's default, the first whose check
-    passes and whose plan succeeds. ``run_extras``: the run extras the caller's runs will pass; a
-    backend that does not take them all is passed over with that reason."""
+    passes and whose plan succeeds. The run extras the caller's runs will pass are the
+    problem's (``run_extras``): a backend that does not take them all fails its check, the
+    declared capabilities' reason."""
     registry = get_registry()
 
     def plan(b: Backend, t: Tactic) -> Any:
@@ -213,7 +213,7 @@ def select_and_plan(
                 f"'tactic' must belong to backend '{backend}' (got a tactic of backend '{tactic.backend}')"
             )
         b = registry.get(tactic.backend)
-        _require(b, problem, tactic, batch, run_extras)
+        _require(b, problem, tactic, batch)
         return Selection(b, _plan_or_raise(b, tactic, problem, batch, plan), "explicit", problem)
 
     candidates = _candidates(registry, problem, batch, backend)
@@ -221,10 +221,6 @@ def select_and_plan(
     failure: tuple[Tactic, BaseException] | None = None
     for index, (b, t, source) in enumerate(candidates):
         reasons = b.check(problem, t, batch)
-        missing = _extras_reasons(b, problem, run_extras) if run_extras and not reasons else []
-        if missing:  # the caller's own constraint, not a stale stored tactic: passed over without a warning
-            unsupported.append(f"{b.name}: {'; '.join(missing)}")
-            continue
         if reasons:
             if source == "store":
                 warn_fallback(problem, t, "; ".join(reasons), f"{b.name}'s default")
@@ -248,11 +244,6 @@ def select_and_plan(
     if failure is not None:
         raise BackendError(failure[0].backend, f"plan {problem} with {failure[0]}", failure[1]) from failure[1]
     raise UnsupportedProblemError(backend, problem, unsupported or ["no backend is active"])
-
-
-def _extras_reasons(b: Backend, problem: AnyProblem, run_extras: frozenset[str]) -> list[str]:
-    """Why ``b`` cannot take the run extras a wrapper said its runs pass (empty: it takes them)."""
-    return [f"does not take the run extra {name} (run_extras)" for name in sorted(run_extras - b.run_extras(problem))]
 
 
 def replan_selection(previous: Selection, problem: AnyProblem, batch: Batch, backend: str,
@@ -360,9 +351,8 @@ def _stored(problem: AnyProblem, batch: Batch | None, backend: str) -> tuple[Tac
     return current().lookup(problem, batch, backend)
 
 
-def _require(b: Backend, problem: AnyProblem, tactic: Tactic, batch: Batch | None,
-             run_extras: frozenset[str] = frozenset()) -> None:  # fmt: skip
-    reasons = b.check(problem, tactic, batch) or _extras_reasons(b, problem, run_extras)
+def _require(b: Backend, problem: AnyProblem, tactic: Tactic, batch: Batch | None) -> None:
+    reasons = b.check(problem, tactic, batch)
     if reasons:
         raise UnsupportedProblemError(b.name, problem, reasons)
 

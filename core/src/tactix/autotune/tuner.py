@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import torch
 
@@ -97,6 +97,11 @@ def tune(
     if make_inputs is None:
         raise UnsupportedProblemError(backend, problem, [f"the {problem.op} op does not define tuner inputs"])
     inputs = make_inputs(problem, batch, device, gen)
+    # the run extras the problem's runs pass (`run_extras`): every candidate is timed with them
+    # (a backend that does not take them fails its check), each a sample of the extra's
+    known = definition(problem.op).extras
+    extras = {name: known[name].sample(problem, device, gen)  # type: ignore[misc]
+              for name in getattr(problem, "run_extras", ()) if known[name].sample is not None}  # fmt: skip
     competitors = registry.active(problem.op) if backend == "auto" else [registry.get(backend)]
     candidates: list[tuple[Backend, Tactic]] = []
     refused: list[str] = []
@@ -127,7 +132,7 @@ def tune(
             results.append(CandidateResult(tactic=tactic, status="skipped", reason=broken[b.name]))
             continue
         progress.update(index + 1, tactic)
-        outcome = _measure_one(b, tactic, problem, inputs, device, policy, reference, tolerance, ran_already)
+        outcome = _measure_one(b, tactic, problem, inputs, device, policy, reference, tolerance, ran_already, extras)
         results.append(outcome.result)
         if outcome.result.status == "ok":
             bump("candidates_measured")
@@ -177,6 +182,7 @@ def _measure_one(
     reference: torch.Tensor | None,
     tolerance: float,
     ran_already: set[Tactic],
+    extras: dict[str, Any],
 ) -> _Outcome:
     def failed(reason: str) -> _Outcome:
         return _Outcome(CandidateResult(tactic=tactic, status="failed", reason=reason))
@@ -197,7 +203,7 @@ def _measure_one(
     run: Callable[..., None] = plan.run
     try:
         inputs.out.fill_(float("nan"))
-        run(*inputs.args)
+        run(*inputs.args, **extras)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as exc:
@@ -212,7 +218,7 @@ def _measure_one(
     elif not bool(torch.isfinite(output).all()):
         return failed("output has NaN or infinite values")
     try:
-        timing = measure_with_policy(lambda: run(*inputs.args), device, policy)
+        timing = measure_with_policy(lambda: run(*inputs.args, **extras), device, policy)
     except Exception as exc:
         return failed(f"run raised while timed {type(exc).__name__}: {exc}")
     return _Outcome(

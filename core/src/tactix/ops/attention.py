@@ -13,7 +13,7 @@ import math
 from typing import Any, ClassVar, Final, Protocol, Self, runtime_checkable
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tactix.batch import PagedBatch
 from tactix.capabilities import CapabilitiesBase, format_set
@@ -60,6 +60,16 @@ class AttentionProblemBase(ProblemBase):
     )
     batch_size: int = Field(ge=1)
     max_kv_len: int = Field(ge=1)
+    run_extras: tuple[str, ...] = Field(
+        default=(),
+        description="the run extras every run() of the caller passes (sorted names, e.g. ('sinks',)): a backend "
+        "must take them all; part of the store key when not empty, so a problem tuned with them is its own entry",
+    )
+
+    @field_validator("run_extras")
+    @classmethod
+    def _sorted_extras(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(sorted(set(value)))
 
     @model_validator(mode="after")
     def _heads_divide(self) -> Self:
@@ -179,6 +189,8 @@ class AttentionCapabilitiesBase(CapabilitiesBase):
             out.append("logits soft-cap not supported")
         if problem.return_lse and not self.lse:
             out.append("LSE output not supported")
+        out += [f"run extra {name} not declared (run_extras)" for name in problem.run_extras
+                if name not in self.run_extras]  # fmt: skip
         return out
 
 
@@ -285,14 +297,19 @@ def sinks_value(value: Any, argument: str, device: torch.device, problem: Any = 
     return value
 
 
+def _sample_sinks(problem: Any, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """Sinks for timing: a logit per query head of the size of a scaled logit."""
+    return random_tensor((problem.num_qo_heads,), torch.float32, device, gen)
+
+
 ATTENTION_EXTRAS: Final = (
     RunExtra("k_scale", "dequantization scale of the K cache: logits are (q . k) * k_scale * sm_scale",
-             scale_value, _unit, "None or 1.0"),
+             scale_value, _unit, "None or 1.0", sample=lambda problem, device, gen: 0.5),
     RunExtra("v_scale", "dequantization scale of the V cache: the output attends v * v_scale", scale_value, _unit,
-             "None or 1.0"),
+             "None or 1.0", sample=lambda problem, device, gen: 0.5),
     RunExtra("sinks", "attention sinks: a logit per query head (float32 [num_qo_heads], after sm_scale and the "
              "soft-cap) that joins each row's softmax denominator with no value; the LSE includes it",
-             sinks_value),
+             sinks_value, sample=_sample_sinks),
 )  # fmt: skip
 """The run extras of the attention ops (paged prefill and decode, ragged prefill)."""
 

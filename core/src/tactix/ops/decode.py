@@ -40,7 +40,7 @@ class DecodeProblem(AttentionProblem):
     op: ClassVar[str] = "decode"
     ragged_queries: ClassVar[bool] = False
     dynamic: ClassVar[tuple[str, ...]] = ("batch_size", "max_kv_len")
-    implicit: ClassVar[tuple[str, ...]] = ("q_len_per_req",)
+    implicit: ClassVar[tuple[str, ...]] = ("q_len_per_req", "run_extras")
 
     q_len_per_req: int = Field(default=1, ge=1, description="query rows per request (multi-token decode: > 1)")
 

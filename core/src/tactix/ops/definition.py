@@ -64,6 +64,9 @@ class RunExtra:
     does not take the extra serves the call anyway."""
     without: str = "None"
     """What a backend that does not take the extra accepts, for errors (``"None or 1.0"``)."""
+    sample: Callable[[Any, Any, Any], Any] | None = None
+    """``sample(problem, device, gen)``: a value the autotuner times a candidate's run with when
+    the problem says its runs pass the extra (``problem.run_extras``); None: passed as nothing."""
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ class PrefillProblem(AttentionProblem):
     ragged_queries: ClassVar[bool] = True
     dynamic: ClassVar[tuple[str, ...]] = ("batch_size", "num_qo_tokens", "max_qo_len", "max_kv_len")
 
-    implicit: ClassVar[tuple[str, ...]] = ("custom_mask",)
+    implicit: ClassVar[tuple[str, ...]] = ("custom_mask", "run_extras")
 
     causal: bool
     num_qo_tokens: int = Field(ge=0)

@@ -50,6 +50,7 @@ class RaggedPrefillProblem(AttentionProblemBase):
     op: ClassVar[str] = "ragged_prefill"
     ragged_queries: ClassVar[bool] = True
     dynamic: ClassVar[tuple[str, ...]] = ("batch_size", "num_qo_tokens", "num_kv_tokens", "max_qo_len", "max_kv_len")
+    implicit: ClassVar[tuple[str, ...]] = ("run_extras",)
 
     causal: bool
     num_qo_tokens: int = Field(ge=0)

@@ -96,10 +96,11 @@ def _inputs(case: Case, device: torch.device) -> Any:
 
 
 def _problem(case: Any, inputs: Any, device: torch.device) -> tuple[AnyProblem, Batch]:
+    """The problem and batch the case's wrapper (`_wrapper`: declaring the case's run extras) plans."""
     kwargs = case.plan_kwargs()
     if isinstance(case, RaggedCase):
         return ragged_problem(device=device, qo_indptr=inputs.qo_indptr, kv_indptr=inputs.kv_indptr, sm_scale=None,
-                              **kwargs)  # fmt: skip
+                              run_extras=case.run_extras, **kwargs)  # fmt: skip
     return attention_problem(
         case.op,
         device=device,
@@ -110,6 +111,7 @@ def _problem(case: Any, inputs: Any, device: torch.device) -> tuple[AnyProblem, 
         paged_kv_last_page_len=inputs.kv_last_page_len,
         causal=kwargs.pop("causal", False),
         sm_scale=None,
+        run_extras=case.run_extras,
         **kwargs,
         **inputs.mask_kwargs,
     )
@@ -120,17 +122,18 @@ def _skip_unless_claimed(
     problem: Any,
     batch: Batch | None,
     tactic: Tactic | None = None,
-    extras: frozenset[str] = frozenset(),
 ) -> None:
+    """Skip the case with the backend's reasons (its declared run extras among them: the problem
+    carries the case's, `_problem`) when its check refuses it."""
     reasons = backend.check(problem, tactic or Tactic.default(backend.name), batch)
-    reasons += [f"run extra {name} not declared (run_extras)" for name in sorted(extras - backend.run_extras(problem))]
     if reasons:
         pytest.skip("not claimed: " + "; ".join(reasons))
 
 
 def _wrapper(case: Case, backend: Backend, device: torch.device, graph: bool = False) -> Any:
     cls = OPS[case.op].wrapper()
-    return cls(*case.layout_args, backend=backend.name, device=device, use_cuda_graph=graph)
+    return cls(*case.layout_args, backend=backend.name, device=device, use_cuda_graph=graph,
+               run_extras=case.run_extras)  # fmt: skip
 
 
 def _plan(wrapper: Any, case: Case, inputs: Inputs, tactic: Tactic | None = None) -> None:
@@ -194,7 +197,7 @@ def test_attention(backend: Backend | None, attention_case: Case, device: torch.
     case = attention_case
     inputs = _inputs(case, device)
     problem, batch = _problem(case, inputs, device)
-    _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
+    _skip_unless_claimed(backend, problem, batch)
 
     wrapper = _wrapper(case, backend, device)
     _plan(wrapper, case, inputs)
@@ -229,7 +232,7 @@ def test_attention_tactics(backend: Backend | None, tactic_case: Case, device: t
     case = tactic_case
     inputs = _inputs(case, device)
     problem, batch = _problem(case, inputs, device)
-    _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
+    _skip_unless_claimed(backend, problem, batch)
     tactics = [t for t in backend.tactics(problem) if not t.is_default and not backend.check(problem, t, batch)]
     if not tactics:
         pytest.skip(f"{backend.name} enumerates no tactic besides its default for {case.id}")
@@ -261,7 +264,7 @@ def test_attention_replan(backend: Backend | None, graph_case: Case, device: tor
     for case in (first, second, first):
         inputs = _inputs(case, device)
         problem, batch = _problem(case, inputs, device)
-        _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
+        _skip_unless_claimed(backend, problem, batch)
         _plan(wrapper, case, inputs)
         _run(wrapper, case, inputs)
         _check_attention(case, inputs, f"{case.id} re-planned on a used wrapper (batch {case.kv_lens})")
@@ -274,7 +277,7 @@ def test_attention_rejects_bad_input(backend: Backend | None, graph_case: Case, 
     case = graph_case
     inputs = _inputs(case, device)
     problem, batch = _problem(case, inputs, device)
-    _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
+    _skip_unless_claimed(backend, problem, batch)
     bad, argument = inputs.out_of_bounds()
     wrapper = _wrapper(case, backend, device)
     _plan(wrapper, case, bad)
@@ -295,7 +298,7 @@ def test_attention_refuses_an_empty_batch(backend: Backend | None, graph_case: C
     case = graph_case
     inputs = _inputs(case, device)
     problem, batch = _problem(case, inputs, device)
-    _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
+    _skip_unless_claimed(backend, problem, batch)
     wrapper = _wrapper(case, backend, device)
     argument = "qo_indptr" if case.ragged else "paged_kv_indptr"
     with pytest.raises(InvalidArgumentError, match=f"'{argument}'"), claimed_path():
@@ -318,7 +321,7 @@ def test_attention_cuda_graph(backend: Backend | None, graph_case: Case, device:
     caps = backend.spec.capabilities(served)
     if caps is None or caps.cuda_graph != "fixed_buffers":
         pytest.skip(f"{backend.name} declares no CUDA-graph support for {served}")
-    _skip_unless_claimed(backend, problem, batch, extras=case.run_extras)
+    _skip_unless_claimed(backend, problem, batch)
     wrapper = _wrapper(case, backend, device, graph=True)
     _plan(wrapper, case, inputs)
     side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
