@@ -48,15 +48,19 @@ def attention_references(op: str, inputs: dict[str, Any]) -> list[tuple[str, Cal
             return []  # a multi-token decode step: XQA is called here for one row per request
         decode = flashinfer("decode")
 
+        window, sinks = int(inputs.get("window_left", -1)), inputs.get("sinks")  # (gpt-oss: both)
+
         def call_xqa() -> object:
             return decode.trtllm_batch_decode_with_kv_cache(
                 q, (k, v), workspace, table, seq_lens, int(lens.max()), bmm1_scale=scale * k_scale,
-                bmm2_scale=v_scale, out=out, kv_layout="HND", backend="xqa",
+                bmm2_scale=v_scale, out=out, kv_layout="HND", backend="xqa", window_left=window, sinks=sinks,
             )  # fmt: skip
 
         return [("XQA (flashinfer.decode.trtllm_batch_decode_with_kv_cache, backend='xqa')", call_xqa)]
     if k.dtype != q.dtype:
         return []  # FMHAv2 takes q, k and v of one dtype (see the plugin's README)
+    if int(inputs.get("window_left", -1)) >= 0 or inputs.get("sinks") is not None:
+        return []  # this call passes neither a window nor sinks: no reference for such a case
     prefill = flashinfer("prefill")
     stacked = torch.stack([k, v], dim=1)
     qo = inputs["qo_indptr"].long()
