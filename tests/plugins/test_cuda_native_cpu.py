@@ -78,11 +78,15 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
     # wgmma kernel, whose one variant serves every m (its tile has 64 rows)
     persistent = sum(prefill_op.default_prefill_params(d, H200).pingpong for d in HEAD_DIMS)
     assert persistent == 2  # d64 and d128
-    # (and the decode variants for fp8 caches: two fp8 dtypes, each head dim, large and small batches)
-    assert len(variants) == len(set(variants)) == 2 * (3 * len(HEAD_DIMS) + persistent + 1) + 2 * 2 * len(HEAD_DIMS) * 2
+    # (and the decode variants for fp8 caches: two fp8 dtypes, each head dim, large and small batches,
+    # and DeepSeek's 192/128 prefill: the mma.sync kernel of 256, zero-filled)
+    fp8 = 2 * 2 * len(HEAD_DIMS) * 2
+    assert len(variants) == len(set(variants)) == 2 * (3 * len(HEAD_DIMS) + persistent + 1) + fp8 + 2
+    deepseek = [v for v in variants if ("TX_DQK", "192") in v.defines]
+    assert len(deepseek) == 2 and all(v.source == "prefill.cu" and ("TX_DVO", "128") in v.defines for v in deepseek)
     assert sum(("TX_PERSIST", "1") in v.defines for v in variants) == 2 * persistent
     # prefill and GEMM on the H200 are the wgmma kernels, compiled for the arch-specific sm_90a
-    assert {(v.source, v.arch) for v in variants} == {
+    assert {(v.source, v.arch) for v in variants if v not in deepseek} == {
         ("decode.cu", "sm_90"), ("gemm_sm90.cu", "sm_90a"), ("prefill_sm90.cu", "sm_90a")}  # fmt: skip
     # elsewhere (sm_80) the mma.sync kernels, GEMM for 1, 2 and 4 m-tiles
     a100 = DeviceInfo(108, 166912, 167936, "sm_80")
@@ -1403,7 +1407,15 @@ def test_bad_prefill_tactics_and_problems_give_reasons() -> None:
     spec = get_registry().get("cuda_native").spec
     assert spec.reasons(prefill(page_size=256)) == ["page size 256 not in {1, 128, 16, 2, 32, 4, 64, 8}"]
     assert "head_dim_qk 96 not in" in spec.reasons(prefill(head_dim_qk=96, head_dim_vo=96))[0]
-    assert "head_dim_vo must equal head_dim_qk" in spec.reasons(prefill(head_dim_vo=64))
+    # other value head dims (DeepSeek's 192/128, 128/64): zero-filled by the mma.sync kernel, not by wgmma
+    assert spec.reasons(prefill(head_dim_qk=192, head_dim_vo=128)) == spec.reasons(prefill(head_dim_vo=64)) == []
+    assert "mma.sync kernel only" in reasons(_wgmma_ok := {"q_tile": 64, "kv_tile": 64, "warps": 4, "stages": 2,
+                                                           "mma": "wgmma"}, prefill(head_dim_vo=64))[0]  # fmt: skip
+    assert reasons(_wgmma_ok) == [] and reasons(ok, prefill(head_dim_vo=64)) == []
+    sync64 = {"q_tile": 64, "kv_tile": 32, "warps": 4, "stages": 2}  # (the kernel of 256: one m16 tile a warp)
+    assert reasons(sync64, prefill(head_dim_qk=192, head_dim_vo=128)) == []
+    assert "accumulators need" in reasons(ok, prefill(head_dim_qk=192, head_dim_vo=128))[0]
+    assert prefill_op.default_params_for(prefill(head_dim_qk=192, head_dim_vo=128), H200).mma == "sync"
     float32 = prefill(q_dtype="float32", kv_dtype="float32", out_dtype="float32")
     assert "q dtype float32" in spec.reasons(float32)[0]
     assert spec.reasons(prefill(window_left=64, logits_soft_cap=30.0, return_lse=True, causal=False)) == []

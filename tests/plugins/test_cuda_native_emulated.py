@@ -581,6 +581,61 @@ def test_emulated_ragged_prefill_through_one_token_pages(tactic: dict[str, Any] 
         assert lse_error(lse, ref_lse) <= LSE_TOLERANCE["bfloat16"]
 
 
+@pytest.mark.parametrize(("dqk", "dvo", "tactic"), [
+    (192, 128, None), (192, 128, {"q_tile": 64, "kv_tile": 32, "warps": 4, "stages": 2}), (128, 64, None),
+    (64, 128, None)], ids=["192x128-default", "192x128-sync-q64", "128x64-default", "64x128-default"])  # fmt: skip
+def test_emulated_prefill_with_other_value_head_dims(dqk: int, dvo: int, tactic: dict[str, Any] | None) -> None:
+    """q/k and v/o head dims that differ (DeepSeek's 192/128, and the kit's 128/64) or are not a
+    kernel dim: the mma.sync kernel of the next dim (`prefill.kernel_head_dim`), rows zero-filled
+    past their own dims, against the oracle, output and LSE; the caches are views whose columns
+    past the rows' dims hold NaN (a K column read past ``dqk`` would reach every logit), paged and
+    ragged (one-token pages), with GQA packing and a window; wgmma tactics are refused."""
+    gen = torch.Generator().manual_seed(41)
+    q_lens, kv_lens, hq, hkv, page = [70, 1, 33, 5], [200, 1, 33, 60], 8, 2, 16
+    d = prefill.kernel_head_dim(
+        tactix.PrefillProblem.model_construct(head_dim_qk=dqk, head_dim_vo=dvo)  # (only the dims are read)
+    )
+    assert d == (256 if dqk == 192 else 128)
+    _, k, v, indptr, indices, last = _cache(kv_lens, page, hkv, d, "NHD", torch.bfloat16, gen, False)
+    k[..., dqk:], v[..., dvo:] = float("nan"), float("nan")
+    k, v = k[..., :dqk], v[..., :dvo]
+    qo = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    q = torch.randn(int(qo[-1]), hq, dqk, generator=gen).to(torch.bfloat16)
+    t = Tactic.default("cuda_native") if tactic is None else Tactic(backend="cuda_native", kernel="prefill",
+                                                                     params=tactic)  # type: ignore[arg-type]  # fmt: skip
+    for window in (-1, 50):
+        problem, batch = attention_problem(
+            "prefill", device=CPU, kv_layout="NHD", qo_indptr=qo, paged_kv_indptr=indptr, paged_kv_indices=indices,
+            paged_kv_last_page_len=last, num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=dqk, head_dim_vo=dvo,
+            page_size=page, causal=True, sm_scale=None, window_left=window, logits_soft_cap=0.0,
+            q_data_type=torch.bfloat16, kv_data_type=None, o_data_type=None, return_lse=True,
+        )  # fmt: skip
+        problem = problem.model_copy(update={"device_type": "cuda"})
+        assert plugin._reasons(problem, t, H200) == [] and prefill.padded(problem)
+        wgmma = Tactic(backend="cuda_native", kernel="prefill", params=_wgmma((64, 64, 4, 2)))
+        assert any("mma.sync kernel only" in r for r in plugin._reasons(problem, wgmma, H200))
+        out, lse, _ = emulate.run_prefill(problem, batch, t, q, k, v, return_lse=True)  # type: ignore[arg-type]
+        ref, ref_lse = attention_reference(q, k, v, qo, indptr, indices, last, kv_layout="NHD", causal=True,
+                                           sm_scale=problem.sm_scale, window_left=window)  # fmt: skip
+        assert out.shape[-1] == dvo and not torch.isnan(out).any() and lse is not None
+        assert relative_error(out, ref) <= tolerance_for(torch.bfloat16), (window, relative_error(out, ref))
+        assert lse_error(lse, ref_lse) <= LSE_TOLERANCE["bfloat16"]
+    # ragged, through one-token pages (k and v packed per request, views with NaN past their dims)
+    kv = torch.tensor([0, *itertools.accumulate(kv_lens)], dtype=torch.int32)
+    wide = torch.randn(int(kv[-1]), 2 * hkv, d, generator=gen).to(torch.bfloat16)
+    wide[:, :hkv, dqk:], wide[:, hkv:, dvo:] = float("nan"), float("nan")
+    rk, rv = wide[:, :hkv, :dqk], wide[:, hkv:, :dvo]
+    rproblem, rbatch = ragged_problem(device=CPU, qo_indptr=qo, kv_indptr=kv, num_qo_heads=hq, num_kv_heads=hkv,
+                                      head_dim_qk=dqk, head_dim_vo=dvo, causal=True, sm_scale=None, window_left=-1,
+                                      logits_soft_cap=0.0, q_data_type=torch.bfloat16, kv_data_type=None,
+                                      o_data_type=None, return_lse=True)  # fmt: skip
+    paged = rproblem.as_paged_prefill().model_copy(update={"device_type": "cuda"})
+    out, lse, _ = emulate.run_prefill(paged, rbatch.paged, t, q, rk.unsqueeze(1), rv.unsqueeze(1), return_lse=True)
+    ref, ref_lse = ragged_reference(q, rk, rv, qo, kv, causal=True, sm_scale=rproblem.sm_scale)
+    assert relative_error(out, ref) <= tolerance_for(torch.bfloat16) and lse is not None
+    assert lse_error(lse, ref_lse) <= LSE_TOLERANCE["bfloat16"]
+
+
 MASK_SYNC_TACTICS = [  # mma.sync shapes: one and two m16 tiles a warp, kv tiles of 32 to 128, 4 and 8 warps
     None,
     {"q_tile": 128, "kv_tile": 32, "warps": 4, "stages": 2},

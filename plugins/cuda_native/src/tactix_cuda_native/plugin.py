@@ -69,7 +69,10 @@ _PREFILL = tactix.AttentionCapabilities(
     q_dtypes=DTYPES,
     kv_dtypes=DTYPES | frozenset(FP8_KV_DTYPES),  # fp8: the mma.sync kernel (tactics with mma 'wgmma' refuse it)
     out_dtypes=DTYPES,
-    head_dims=frozenset(HEAD_DIMS),
+    # and 192 (DeepSeek's q/k dim), any two of them for q/k and v/o: the mma.sync kernel zero-fills
+    # the rows to the next kernel dim (prefill.kernel_head_dim; tactics with mma 'wgmma' refuse it)
+    head_dims=frozenset(HEAD_DIMS) | {192},
+    different_vo_head_dim=True,
     page_sizes=_PAGE_SIZES,
     kv_layouts=frozenset({"NHD", "HND"}),
     max_gqa_ratio=None,

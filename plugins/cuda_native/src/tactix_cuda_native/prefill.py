@@ -36,6 +36,7 @@ from tactix_cuda_native.device import WGMMA_ARCHS, DeviceInfo, cuda_device, devi
 from tactix_cuda_native.kernel import Kernel, bf16, launcher, load_kernel
 from tactix_cuda_native.paged import (
     FP8_KV_DTYPES,
+    HEAD_DIMS,
     LOG2E,
     UNIT_SCALES,
     StagedPlan,
@@ -452,7 +453,12 @@ def prefill_reasons(problem: PrefillProblem, tactic: Tactic, info: DeviceInfo) -
         out.append(MASK_NEEDS_SYNC)
     if problem.kv_dtype in FP8_KV_DTYPES and params.mma == "wgmma":
         out.append(FP8_NEEDS_SYNC)
-    return out + params.reasons(problem.head_dim_qk, info, problem.gqa_ratio)
+    d = kernel_head_dim(problem)
+    if padded(problem) and params.mma == "wgmma":
+        out.append(PADDED_NEEDS_SYNC.format(qk=problem.head_dim_qk, vo=problem.head_dim_vo, d=d))
+    if max(problem.head_dim_qk, problem.head_dim_vo) > d or problem.head_dim_qk % 16 or problem.head_dim_vo % 16:
+        out.append(f"head dims {problem.head_dim_qk}/{problem.head_dim_vo}: multiples of 16 up to {max(HEAD_DIMS)}")
+    return out + params.reasons(d, info, problem.gqa_ratio)
 
 
 MASK_NEEDS_SYNC: Final = (
@@ -464,27 +470,53 @@ FP8_NEEDS_SYNC: Final = (
 
 
 def sync_only(problem: PrefillProblem) -> bool:
-    """Whether only the mma.sync kernel serves ``problem`` (a custom mask, an fp8 cache)."""
-    return problem.custom_mask or problem.kv_dtype in FP8_KV_DTYPES
+    """Whether only the mma.sync kernel serves ``problem`` (a custom mask, an fp8 cache, head
+    dims it runs zero-filled: `kernel_head_dim`)."""
+    return problem.custom_mask or problem.kv_dtype in FP8_KV_DTYPES or padded(problem)
+
+
+def kernel_head_dim(problem: PrefillProblem) -> int:
+    """The head dim D the kernel runs ``problem`` with: its own where the q/k and v/o head dims are
+    equal and a kernel dim (`HEAD_DIMS`), else the smallest kernel dim holding both (DeepSeek's
+    192/128: 256), the rows zero-filled past their own dims (kernels/prefill.cu: TX_DQK, TX_DVO;
+    the mma.sync kernel only)."""
+    qk, vo = problem.head_dim_qk, problem.head_dim_vo
+    if qk == vo and qk in HEAD_DIMS:
+        return qk
+    return min((d for d in HEAD_DIMS if d >= max(qk, vo)), default=max(HEAD_DIMS))
+
+
+def padded(problem: PrefillProblem) -> bool:
+    """Whether the kernel runs ``problem`` zero-filled to a larger head dim (`kernel_head_dim`)."""
+    d = kernel_head_dim(problem)
+    return problem.head_dim_qk != d or problem.head_dim_vo != d
+
+
+PADDED_NEEDS_SYNC: Final = (
+    "head dims other than one kernel dim for q/k and v/o (here {qk}/{vo}) are run zero-filled to {d} by the "
+    "mma.sync kernel only (tactic mma 'sync')"
+)
 
 
 def default_params_for(problem: PrefillProblem, info: DeviceInfo) -> PrefillParams:
     """The default tactic's parameters for ``problem`` (before `prefill_default_persist` looks at
     the batch): `default_masked_prefill_params` with a custom mask, the mma.sync default with an fp8
     cache, else `default_prefill_params`."""
+    d = kernel_head_dim(problem)
     if problem.custom_mask:
-        return default_masked_prefill_params(problem.head_dim_qk, info)
-    return default_prefill_params(problem.head_dim_qk, info, "sync" if sync_only(problem) else None)
+        return default_masked_prefill_params(d, info)
+    return default_prefill_params(d, info, "sync" if sync_only(problem) else None)
 
 
 def prefill_tactics(problem: PrefillProblem, info: DeviceInfo) -> list[Tactic]:
     """The tactics the tuner measures for ``problem``; with an fp8 cache the mma.sync ones, with a
     custom mask those with one m16 tile a warp (`default_masked_prefill_params`: with two the masked
     variants spill)."""
-    candidates = prefill_candidates(problem.head_dim_qk, info, problem.gqa_ratio)
+    d = kernel_head_dim(problem)
+    candidates = prefill_candidates(d, info, problem.gqa_ratio)
     if problem.custom_mask:
         masked = [p for p in candidates if p.mma == "sync" and p.m_tiles == 1]
-        default = default_masked_prefill_params(problem.head_dim_qk, info)
+        default = default_masked_prefill_params(d, info)
         candidates = masked if default in masked else [default, *masked]
     elif sync_only(problem):
         candidates = [p for p in candidates if p.mma == "sync"]
@@ -495,15 +527,18 @@ def prefill_tactics(problem: PrefillProblem, info: DeviceInfo) -> list[Tactic]:
 
 
 def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str, masked: bool = False,
-                    kv_dtype: str | None = None) -> Variant:  # fmt: skip
+                    kv_dtype: str | None = None, dims: tuple[int, int] | None = None) -> Variant:  # fmt: skip
     """``pack`` and ``sched`` are launch-time choices: every value shares one compiled variant.
     ``mma`` "wgmma" is kernels/prefill_sm90.cu, compiled for the arch-specific target (sm_90a) of
     an sm_90 ``arch``; its warps are implied by the tiles (one consumer warpgroup per 64 rows).
     ``dtype``: q's and out's (and the cache's, unless ``kv_dtype`` is an fp8 dtype: ``TX_KV_FP8``);
-    ``masked``: the variant that reads a custom mask (``TX_MASK``). Both mma.sync only."""
+    ``masked``: the variant that reads a custom mask (``TX_MASK``); ``dims``: the problem's q/k and
+    v/o head dims where they are not both ``head_dim`` (zero-filled to it: ``TX_DQK``, ``TX_DVO``).
+    Those three mma.sync only."""
     fp8 = FP8_KV_DTYPES.get(kv_dtype or dtype, 0)
+    qk, vo = dims if dims is not None else (head_dim, head_dim)
     if params.mma == "wgmma":
-        assert not masked and not fp8, "a custom mask or an fp8 cache needs mma 'sync'"
+        assert not masked and not fp8 and qk == vo == head_dim, "a custom mask, an fp8 cache or padding needs 'sync'"
         return Variant.make(
             "prefill_sm90.cu",
             wgmma_arch(arch),
@@ -529,6 +564,8 @@ def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str,
         **({"TX_MASK": 1} if masked else {}),  # absent without a mask: the variants keep their keys
         **({"TX_KV_FP8": fp8} if fp8 else {}),
         **({"TX_FP8_CVT": 1} if fp8 and fp8_cvt() else {}),
+        **({"TX_DQK": qk} if qk != head_dim else {}),  # absent for the kernel's own dims: keys unchanged
+        **({"TX_DVO": vo} if vo != head_dim else {}),
     )
 
 
@@ -568,11 +605,12 @@ def prefill_scalars(problem: PrefillProblem, pack: int) -> tuple[int | float, ..
 
 
 def _prefill_kernel(index: int, dtype: str, d: int, params: PrefillParams, info: DeviceInfo, masked: bool,
-                    kv_dtype: str) -> tuple[Kernel, bool]:  # fmt: skip
+                    kv_dtype: str, dims: tuple[int, int] | None = None) -> tuple[Kernel, bool]:  # fmt: skip
     """The prefill kernel of ``params`` on device ``index``, and whether NVRTC compiled it now."""
     fp8 = kv_dtype in FP8_KV_DTYPES
-    key = ("prefill", index, dtype, d, params, info.arch, masked, kv_dtype, fp8 and fp8_cvt())
-    return load_kernel(key, lambda: prefill_variant(dtype, d, params, info.arch, masked, kv_dtype), "tactix_prefill",
+    key = ("prefill", index, dtype, d, params, info.arch, masked, kv_dtype, fp8 and fp8_cvt(), dims)
+    return load_kernel(key, lambda: prefill_variant(dtype, d, params, info.arch, masked, kv_dtype, dims),
+                       "tactix_prefill",
                        params.smem_bytes(d, 1 if fp8 else 2), params.threads, params, index, info)  # fmt: skip
 
 
@@ -627,7 +665,8 @@ class CudaNativePrefillPlan(StagedPlan):
         self.problem = problem
         self._requested = tactic
         info = device_info(index)
-        d = problem.head_dim_qk
+        d = kernel_head_dim(problem)
+        dims = (problem.head_dim_qk, problem.head_dim_vo) if padded(problem) else None
         graph = options["use_cuda_graph"]
         self._graph = bool(graph)
         previous = options["previous"]
@@ -644,7 +683,7 @@ class CudaNativePrefillPlan(StagedPlan):
             else:
                 params = prefill_default_persist(params, work.tiles, d, info)
         self.params = params
-        kernel, self.built = _prefill_kernel(index, problem.q_dtype, d, params, info, masked, problem.kv_dtype)
+        kernel, self.built = _prefill_kernel(index, problem.q_dtype, d, params, info, masked, problem.kv_dtype, dims)
         self.tactic = kernel.tactic
         self._kernel = kernel.kernel
         self.work = work

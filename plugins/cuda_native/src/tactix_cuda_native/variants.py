@@ -24,7 +24,7 @@ __all__ = ["candidate_variants", "default_variants", "fp8_decode_variants"]
 def default_variants(info: DeviceInfo = H200) -> list[Variant]:
     """Every kernel variant the default tactics use on a GPU like ``info`` (what `warmup` compiles):
     prefill for each head dim, with persistent CTAs where the default takes them for batches of
-    short work items; decode for each head dim, large and small batches, over 16-bit and fp8
+    short work items, and DeepSeek's 192/128; decode for each head dim, large and small batches, over 16-bit and fp8
     caches (`fp8_decode_variants`); GEMM for 1, 2 and 4 m-tiles."""
     out = []
     for dtype in sorted(DTYPES):
@@ -36,6 +36,8 @@ def default_variants(info: DeviceInfo = H200) -> list[Variant]:
                 out.append(prefill_variant(dtype, d, persistent, info.arch))
             for small in (False, True):
                 out.append(decode_variant(dtype, d, default_decode_params(d, info, small), info.arch))
+        # DeepSeek's prefill (q/k 192, v/o 128): the mma.sync kernel of 256, zero-filled (prefill.kernel_head_dim)
+        out.append(prefill_variant(dtype, 256, default_prefill_params(256, info, "sync"), info.arch, dims=(192, 128)))
         for m in (1, 32, GEMM_MAX_M):  # one m per m-tile count (1, 2, 4 tiles of 16 rows)
             out.append(gemm_params_variant(dtype, m, default_gemm_params(m, info), info))
     return list(dict.fromkeys(out + fp8_decode_variants(info)))

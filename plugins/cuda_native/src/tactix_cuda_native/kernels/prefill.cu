@@ -41,8 +41,13 @@
 // as the 16-bit path's, and a barrier later the mma.sync code reads those, as it reads the ring
 // otherwise.
 //
-// Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_QTILE, TX_KVTILE, TX_WARPS,
-// TX_STAGES, TX_MASK, TX_KV_FP8, TX_FP8_CVT (see fp8.cuh).
+// TX_DQK / TX_DVO (default TX_D): a problem whose q/k and v/o head dims differ (DeepSeek's
+// 192/128) or are not a kernel dim runs the kernel of the next dim D >= both: Q, K and V rows are
+// copied up to their own dims and zero-filled to D (cp.async with no source bytes), so S = Q K^T
+// over D columns is the DQK-column product and P V's columns past DVO are zeros, never written.
+//
+// Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_DQK, TX_DVO, TX_QTILE, TX_KVTILE,
+// TX_WARPS, TX_STAGES, TX_MASK, TX_KV_FP8, TX_FP8_CVT (see fp8.cuh).
 #include "common.cuh"
 #include "fp8.cuh"
 
@@ -67,8 +72,16 @@
 #ifndef TX_MASK
 #define TX_MASK 0
 #endif
+#ifndef TX_DQK
+#define TX_DQK TX_D
+#endif
+#ifndef TX_DVO
+#define TX_DVO TX_D
+#endif
 
-constexpr int D = TX_D;
+constexpr int D = TX_D;      // the kernel's head dim: Q, K and V rows in shared memory, O columns
+constexpr int DQK = TX_DQK;  // the problem's q/k head dim (<= D: the rest of each row is zeros)
+constexpr int DVO = TX_DVO;  // the problem's v/out head dim (<= D: the rest is zeros, never written)
 constexpr int BQ = TX_QTILE;
 constexpr int BK = TX_KVTILE;
 constexpr int WARPS = TX_WARPS;
@@ -108,6 +121,7 @@ constexpr bool LD_SAME_SWZ = LD_STEP % 8 == 0;
 TX_DEVICE u32 chunk_off(int even, int c) { return (u32)(((even & ~7) + ((even & 7) ^ c)) << 4); }
 
 static_assert(D == 64 || D == 128 || D == 256, "head dim must be 64, 128 or 256");
+static_assert(DQK % 16 == 0 && DVO % 16 == 0 && DQK <= D && DVO <= D, "q/k and v/o dims: multiples of 16 up to D");
 static_assert(WARPS == 2 || WARPS == 4 || WARPS == 8, "2, 4 or 8 warps");
 static_assert(BQ % (16 * WARPS) == 0 && (MT == 1 || MT == 2), "TX_QTILE must be 16 or 32 rows per warp");
 static_assert(BK == 32 || BK == 64 || BK == 128, "TX_KVTILE must be 32, 64 or 128");
@@ -206,7 +220,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   for (int c = tid; c < BQ * DCH; c += NT) {
     const int row = c / DCH, ch = c % DCH;
     const int tl = row / P;
-    const bool ok = tl < nt;
+    const bool ok = tl < nt && (DQK == D || ch * 8 < DQK);  // (columns past DQK: zeros)
     const u16* src = q + (i64)(q_start + t0 + tl) * q_st + (i64)(head0 + row % P) * q_sh + ch * 8;
     tx_cp_async16(qbase + tx_swz(row, ch, ROW_BYTES), ok ? (const void*)src : (const void*)q, ok ? 16 : 0);
   }
@@ -226,6 +240,11 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   // j-th is a base plus a constant.
   // (fp8 rows land unswizzled, each where the conversion reads it)
   const int ld_row0 = tid / KCH, ld_ch = tid % KCH;
+  // bytes this thread copies of each K and V row: its chunk's, or none past the row's DQK / DVO
+  // elements (zero-filled: S and P V over D columns then give the DQK / DVO-column results)
+  // (compile-time 16 where the dims are D: those kernels are what they were)
+  const int k_bytes = DQK == D || ld_ch * CH_ELEMS < DQK ? 16 : 0;
+  const int v_bytes = DVO == D || ld_ch * CH_ELEMS < DVO ? 16 : 0;
   auto ring_off = [&](int row) -> u32 {
     return FP8 ? (u32)(row * KV_ROW_BYTES + ld_ch * 16) : tx_swz(row, ld_ch, ROW_BYTES);
   };
@@ -241,7 +260,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         if (LD_EXACT || ld_row0 + j * LD_STEP < BK) {
           const u32 dst = FP8 || LD_SAME_SWZ ? kb + j * LD_STEP * KV_ROW_BYTES
                                              : sbase + s * STAGE_BYTES + ring_off(ld_row0 + j * LD_STEP);
-          tx_cp_async16(dst, kr[j * LD_STEP] + ld_ch * CH_ELEMS, 16);
+          tx_cp_async16(dst, kr[j * LD_STEP] + (k_bytes ? ld_ch * CH_ELEMS : 0), k_bytes);
         }
       }
 #pragma unroll
@@ -250,7 +269,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
           const u32 dst = FP8 || LD_SAME_SWZ ? vb + j * LD_STEP * KV_ROW_BYTES
                                              : sbase + s * STAGE_BYTES + RING_TILE_BYTES +
                                                    ring_off(ld_row0 + j * LD_STEP);
-          tx_cp_async16(dst, vr[j * LD_STEP] + ld_ch * CH_ELEMS, 16);
+          tx_cp_async16(dst, vr[j * LD_STEP] + (v_bytes ? ld_ch * CH_ELEMS : 0), v_bytes);
         }
       }
     }
@@ -517,9 +536,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   for (int c = lane; c < WROWS * DCH; c += 32) {
     const int r = wrow0 + c / DCH, ch = c % DCH;
     const int tl = r / Pv;
-    if (tl < ntv) {
+    if (tl < ntv && (DVO == D || ch * 8 < DVO)) {
       const tx_u4 val = *reinterpret_cast<const tx_u4*>(q_s + tx_swz(r, ch, ROW_BYTES));
-      *reinterpret_cast<tx_u4*>(out + ((i64)(tok_base + tl) * H + head0v + r % Pv) * D + ch * 8) = val;
+      *reinterpret_cast<tx_u4*>(out + ((i64)(tok_base + tl) * H + head0v + r % Pv) * DVO + ch * 8) = val;
     }
   }
   if (lse != nullptr && tig == 0) {
