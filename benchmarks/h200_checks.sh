@@ -17,8 +17,8 @@
 #                        tactix conformance (2-7 min each)
 #   gpu-rest gpu-cuda_native gpu-trtllm
 #                        tests/gpu by file group (3, 6 and 5 min)
-#   fp8-cvt              the cuda_native fp8 decode kit cases with TACTIX_CUDA_NATIVE_FP8_CVT=1,
-#                        and the bench's fp8 decode rows with and without it
+#   fp8-cvt              the bench's cuda_native fp8 rows with TACTIX_CUDA_NATIVE_FP8_CVT=1 (the hardware
+#                        conversion) and 2 (the integer placement), one after the other (run it alone)
 #   bench-attention      tactix bench on the attention cases (bf16, fp8, V1), FlashInfer anchors
 #   bench-open-models    tactix bench on R1-R3 (ragged, DeepSeek 192/128) and O1 (gpt-oss sinks), anchors
 #   ab                   benchmarks/host_ab.py: plan() and run() host times of an older commit's
@@ -70,12 +70,10 @@ job() {
     gpu-cuda_native) t python -m pytest -q -p no:cacheprovider --durations=10 tests/gpu/test_cuda_native_gpu.py ;;
     gpu-trtllm) t python -m pytest -q -p no:cacheprovider --durations=10 tests/gpu/test_trtllm_gpu.py ;;
     fp8-cvt)
-      TACTIX_CUDA_NATIVE_FP8_CVT=1 t python -m tactix conformance cuda_native -k "e4m3 or e5m2" \
-        --json "$OUT/conformance-cuda_native-fp8-cvt-h200.json" \
-        && t python -m tactix bench --cases D1-fp8,D3-fp8 --backends cuda_native --no-tune --no-flashinfer \
-          --json "$OUT/bench-fp8-bits.json" \
-        && TACTIX_CUDA_NATIVE_FP8_CVT=1 t python -m tactix bench --cases D1-fp8,D3-fp8 --backends cuda_native \
-          --no-tune --no-flashinfer --json "$OUT/bench-fp8-cvt.json" ;;
+      for mode in 1 2; do  # the hardware conversion against the integer placement (kernels/fp8.cuh)
+        TACTIX_CUDA_NATIVE_FP8_CVT=$mode t python -m tactix bench --cases D1-fp8,D2-fp8,D3-fp8,P1-fp8 \
+          --backends cuda_native --no-tune --no-flashinfer --json "$OUT/bench-fp8-cvt$mode.json" || return 1
+      done ;;
     bench-attention) t python -m tactix bench --cases "$ATTENTION" --json "$OUT/bench-attention-h200.json" \
       --markdown "$OUT/bench-attention-h200.md" ;;
     bench-open-models) t python -m tactix bench --cases "$OPEN_MODELS" --json "$OUT/bench-open-models-h200.json" \

@@ -318,10 +318,12 @@ def tensor_map(view: torch.Tensor, box: tuple[int, ...]) -> TensorMap:
     return m
 
 
-def fp8_convert(codes: torch.Tensor, fmt: int, bf16: bool) -> torch.Tensor:
-    """kernels/decode.cu's fp8 -> 16-bit conversion (``fmt``: its TX_KV_FP8, 1 e4m3fn, 2 e5m2) of
+def fp8_convert(codes: torch.Tensor, fmt: int, bf16: bool, mode: int = 0) -> torch.Tensor:
+    """kernels/fp8.cuh's fp8 -> 16-bit conversion (``fmt``: its TX_KV_FP8, 1 e4m3fn, 2 e5m2;
+    ``mode``: its TX_FP8_CVT, the hardware conversion's mode 1 being mode 0 on the CPU) of
     ``codes`` (uint8, a multiple of 4 of them): the bfloat16 (else float16) results."""
-    lib = _library("emu_fp8.cpp", (("TX_BF16", str(int(bf16))), ("TX_KV_FP8", str(fmt))))
+    defines = (("TX_BF16", str(int(bf16))), ("TX_KV_FP8", str(fmt)), ("TX_FP8_CVT", str(mode)))
+    lib = _library("emu_fp8.cpp", defines)
     codes = codes.contiguous()
     out = torch.empty(codes.numel(), dtype=torch.int16)
     lib.emu_fp8_convert(ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int(codes.numel()))

@@ -839,6 +839,41 @@ def test_untuned_auto_prefers_cudnn_for_prefill_when_it_is_there() -> None:
         assert w.backend == "cudnn"
 
 
+# -- fp8 caches: every code -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3fn", "e5m2"])
+def test_fp8_cache_reads_every_code_as_its_value(kv: torch.dtype, dtype: torch.dtype, op: str) -> None:
+    """Each of the 256 fp8 codes, read from the cache by the decode and the prefill kernels (in the
+    conversion mode the plugin picks for the dtype and format), is the code's value exactly: two
+    requests of one key each, whose V rows hold codes 0-127 and 128-255 (K all zero), output those
+    values (NaN for NaN codes, e5m2's infinities, signed zeros, subnormals), bit for bit."""
+    d, page = 128, 16
+    codes = torch.arange(256, dtype=torch.uint8).view(kv)
+    k = torch.zeros(4, 1, page, d, dtype=torch.uint8, device=CUDA).view(kv)  # HND, one KV head, pages 1, 3 used
+    v = torch.zeros_like(k)
+    v[1, 0, 0], v[3, 0, 0] = codes[:128].to(CUDA), codes[128:].to(CUDA)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    indptr, indices, last = i32([0, 1, 2]), i32([1, 3]), i32([1, 1])
+    q = torch.randn(2, 1, d, device=CUDA).to(dtype)
+    out = torch.full((2, 1, d), float("nan"), device=CUDA, dtype=dtype)
+    if op == "decode":
+        w: Any = tactix.PagedDecode("HND", backend="cuda_native", device=CUDA)
+        w.plan(indptr, indices, last, 1, 1, d, page, q_data_type=dtype, kv_data_type=kv)
+    else:
+        w = tactix.PagedPrefill("HND", backend="cuda_native", device=CUDA)
+        w.plan(i32([0, 1, 2]), indptr, indices, last, 1, 1, d, page, q_data_type=dtype, kv_data_type=kv)
+    w.run(q, (k, v), out=out)
+    got, ref = out.reshape(256).cpu(), codes.to(dtype)
+    nan = torch.isnan(ref)
+    where = torch.isnan(got).nonzero().flatten().tolist()
+    assert torch.equal(torch.isnan(got), nan), f"{w.tactic}: NaN at codes {where}"
+    wrong = (got != ref) & ~nan | (torch.signbit(got) != torch.signbit(ref)) & ~nan
+    assert not wrong.any(), f"{w.tactic}: codes {wrong.nonzero().flatten().tolist()} read as {got[wrong].tolist()}"
+
+
 # -- plans far ahead of the GPU --------------------------------------------------------------
 
 

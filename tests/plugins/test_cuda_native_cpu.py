@@ -125,7 +125,8 @@ def test_fp8_kv_decode_variants_compile_without_a_gpu(cache_root: Path) -> None:
     for v in variants:  # the same defines as the 16-bit variant of the tactic, plus the fp8 ones
         plain = dict(v.defines)
         plain.pop("TX_KV_FP8")
-        assert plain.pop("TX_FP8_CVT") == "1"
+        fp16_e4m3 = plain["TX_BF16"] == "0" and dict(v.defines)["TX_KV_FP8"] == "1"
+        assert plain.pop("TX_FP8_CVT") == ("1" if fp16_e4m3 else "2")
         assert any(dict(w.defines) == plain for w in default_variants(H200)), v.label()
     a100 = DeviceInfo(108, 166912, 167936, "sm_80")
     both = [*variants, *fp8_decode_variants(a100)[:2]]
@@ -169,27 +170,28 @@ def test_fp8_kv_decode_takes_cp_async_tactics_only() -> None:
             == 3 * 2 * 64 * 128 - 2 * 64 * 256)  # fmt: skip
 
 
-def test_fp8_hardware_conversion_is_the_default_and_compiles(monkeypatch: pytest.MonkeyPatch, cache_root: Path) -> None:
-    """fp8 variants carry TX_FP8_CVT=1 unless TACTIX_CUDA_NATIVE_FP8_CVT=0 (16-bit variants keep
-    their defines), and they compile (the hardware conversion on sm_90, the bit arithmetic on
-    sm_80, where the instruction does not exist)."""
+def test_fp8_conversion_mode_per_dtype_and_format(monkeypatch: pytest.MonkeyPatch, cache_root: Path) -> None:
+    """fp8 variants convert with the integer placement (TX_FP8_CVT=2) under bfloat16 and for e5m2
+    under float16, with the hardware conversion (1) for e4m3 under float16;
+    TACTIX_CUDA_NATIVE_FP8_CVT (0, 1, 2) sets every fp8 variant's mode (16-bit variants never carry
+    it). Each mode compiles for sm_90 and sm_80, to different code on sm_90."""
     params = DecodeParams(tile=64, warps=4, stages=3)
-    monkeypatch.setenv(paged_op.FP8_CVT_ENV, "0")
-    plain = decode_op.decode_variant("bfloat16", 128, params, "sm_90", "float8_e4m3fn")
-    assert "TX_FP8_CVT" not in dict(plain.defines)
-    monkeypatch.delenv(paged_op.FP8_CVT_ENV)
+    pairs = (("bfloat16", "float8_e4m3fn"), ("bfloat16", "float8_e5m2"), ("float16", "float8_e4m3fn"),
+             ("float16", "float8_e5m2"))  # fmt: skip
+    modes = [dict(decode_op.decode_variant(dt, 128, params, "sm_90", kv).defines)["TX_FP8_CVT"] for dt, kv in pairs]
+    assert modes == ["2", "2", "1", "2"]
     assert "TX_FP8_CVT" not in dict(decode_op.decode_variant("bfloat16", 128, params, "sm_90").defines)
-    chosen = [decode_op.decode_variant(dt, 128, params, arch, kv) for arch in ("sm_90", "sm_80")
-              for dt, kv in (("bfloat16", "float8_e4m3fn"), ("float16", "float8_e5m2"))]  # fmt: skip
-    assert all(dict(v.defines)["TX_FP8_CVT"] == "1" for v in chosen)
-    runtime.compile_all(chosen, root=cache_root)  # (the sm_90 ones may be built already: default variants)
-    for variant in chosen:
-        cubin, _ = runtime.compile_variant(variant, root=cache_root)
-        assert cubin[:4] == b"\x7fELF" and b"tactix_decode" in cubin, variant.label()
-    # the hardware path compiles to F2FP conversions from fp8 pairs: a different cubin on sm_90,
-    # the same code on sm_80 (the guard leaves the bit arithmetic)
-    cvt90 = runtime.compile_variant(chosen[0], root=cache_root)[0]
-    assert cvt90 != runtime.compile_variant(plain, root=cache_root)[0]
+    by_mode = {}
+    for mode in ("0", "1", "2"):
+        monkeypatch.setenv(paged_op.FP8_CVT_ENV, mode)
+        for arch in ("sm_90", "sm_80"):
+            variant = decode_op.decode_variant("bfloat16", 128, params, arch, "float8_e4m3fn")
+            assert dict(variant.defines)["TX_FP8_CVT"] == mode
+            by_mode[mode, arch] = variant
+    runtime.compile_all(list(by_mode.values()), root=cache_root)
+    cubins = {key: runtime.compile_variant(v, root=cache_root)[0] for key, v in by_mode.items()}
+    assert all(c[:4] == b"\x7fELF" and b"tactix_decode" in c for c in cubins.values())
+    assert len({cubins[m, "sm_90"] for m in ("0", "1", "2")}) == 3
 
 
 def test_fp8_capabilities() -> None:
@@ -222,7 +224,7 @@ def test_fp8_prefill_is_served_by_the_mma_sync_kernel_only() -> None:
     params = prefill_op.default_prefill_params(128, H200, "sync")
     plain = dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90").defines)
     e5m2 = dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90", kv_dtype="float8_e5m2").defines)
-    assert e5m2 == {**plain, "TX_KV_FP8": "2", "TX_FP8_CVT": "1"}
+    assert e5m2 == {**plain, "TX_KV_FP8": "2", "TX_FP8_CVT": "2"}
     assert prefill_op.prefill_smem_bytes(128, 128, 32, 3, kv_bytes=1) < params.smem_bytes(128)
 
 

@@ -366,14 +366,16 @@ def test_emulated_decode_graph_mode_replays_and_replans() -> None:
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
+@pytest.mark.parametrize("mode", [0, 2], ids=["bits", "int"])
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("fmt", [1, 2], ids=["e4m3fn", "e5m2"])
-def test_fp8_conversion_is_exact_for_every_code(fmt: int, bf16: bool) -> None:
-    """decode.cu's fp8 -> 16-bit conversion of each of the 256 codes is torch's, exactly: NaN for
-    NaN codes, e5m2's infinities, the signs of zeros, subnormals and the largest values."""
+def test_fp8_conversion_is_exact_for_every_code(fmt: int, bf16: bool, mode: int) -> None:
+    """fp8.cuh's fp8 -> 16-bit conversion of each of the 256 codes, in the bit-arithmetic mode and
+    the integer-placement mode, is torch's, exactly: NaN for NaN codes, e5m2's infinities, the
+    signs of zeros, subnormals and the largest values."""
     codes = torch.arange(256, dtype=torch.uint8)
     ref = codes.view(E4M3 if fmt == 1 else E5M2).float()
-    got = emulate.fp8_convert(codes, fmt, bf16).float()
+    got = emulate.fp8_convert(codes, fmt, bf16, mode).float()
     nan = torch.isnan(ref)
     assert int(nan.sum()) == (2 if fmt == 1 else 6)
     assert torch.equal(torch.isnan(got), nan)

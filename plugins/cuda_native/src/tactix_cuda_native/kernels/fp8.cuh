@@ -1,8 +1,16 @@
 // KV caches of fp8 (TX_KV_FP8 = 1: e4m3fn, 2: e5m2) or 16-bit elements (0): the cache element
 // type kv_t and the exact conversion of fp8 codes into the 16-bit operands of the kernels' mma
-// (TX_BF16: bfloat16, else float16), shared by decode.cu and prefill.cu. TX_FP8_CVT = 1 (the plugin's default) uses the hardware conversion on sm_89 and
-// later; the bit arithmetic serves older GPUs, TX_FP8_CVT = 0 and the CPU emulation, with the
-// same values bit for bit (tests/emulator/emu_fp8.cpp checks every code).
+// (TX_BF16: bfloat16, else float16), shared by decode.cu and prefill.cu. TX_FP8_CVT picks how:
+//   0  bit arithmetic through float (any GPU, and the reference the others are checked against);
+//   1  the hardware conversion (sm_89 and later; bfloat16 goes through float32: four conversions
+//      a pair, at a quarter of the integer rate);
+//   2  integer placement and one 16-bit multiply by a power of two (sm_80 and later): the code's
+//      bits moved into a 16-bit value, scaled by 2^(bias difference), NaN (and e5m2's infinities)
+//      patched in; float16 from e5m2 is the code itself, one byte permutation a pair.
+// Every mode gives the same values bit for bit for all 256 codes (NaN for NaN codes, infinities,
+// signed zeros, subnormals): tests/emulator/emu_fp8.cpp checks each mode, and the GPU test of
+// every code checks them on the device. The plugin picks mode 2 for bfloat16 and for e5m2 under
+// float16, mode 1 for e4m3 under float16 (paged.fp8_cvt).
 #pragma once
 
 #ifndef TX_KV_FP8
@@ -59,11 +67,69 @@ TX_DEVICE u32 tx_fp8x2_cvt(u32 pair) {
 }
 #endif
 
+// TX_FP8_CVT = 2: two fp8 codes -> a pair of 16-bit values, by integer operations and a multiply.
+// `sel` is the byte permutation that places the two codes of `w` in the high bytes of the two
+// halves of a word x (0x1404: bytes 0 and 1 of w; 0x3424: bytes 2 and 3). In each half: the sign
+// stays at bit 15, the magnitude (exponent and mantissa) shifts right until its exponent field is
+// the low bits of the 16-bit format's (e4m3 -> bfloat16: 4, -> float16: 1; e5m2 -> bfloat16: 3),
+// which reads as the code's value times 2^-(bias difference) (subnormals included: they become
+// the 16-bit format's subnormals or normals), so one exact multiply by 2^(bias difference)
+// (2^120, 2^8; 2^112) gives the value. Codes whose exponent field is all ones (e4m3fn's NaN
+// 0x7f/0xff; e5m2's infinities and NaN) come out finite; adding one (e5m2: 4) to their
+// magnitude carries into bit 15, which a sign-replicating byte permutation spreads into a mask
+// of the 16-bit exponent field: OR-ed in, it makes the infinities and NaN (the mantissa, zero
+// for infinities, is kept).
+TX_DEVICE u32 tx_prmt(u32 a, u32 b, u32 sel) {
+#if defined(__CUDA_ARCH__)
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+#else
+  u32 r = 0;
+  const unsigned long long ab = (unsigned long long)a | ((unsigned long long)b << 32);
+  for (int i = 0; i < 4; ++i) {
+    const u32 s = (sel >> (4 * i)) & 0xfu;
+    u32 byte = (u32)(ab >> (8 * (s & 7u))) & 0xffu;
+    if (s & 8u) byte = (byte & 0x80u) ? 0xffu : 0u;  // sign-replicate
+    r |= byte << (8 * i);
+  }
+  return r;
+#endif
+}
+template <int FORMAT>
+TX_DEVICE u32 tx_fp8x2_int(u32 w, u32 sel) {
+  const u32 x = tx_prmt(w, 0u, sel);
+  if (FORMAT == 2 && !TX_BF16) return x;  // e5m2 is float16's top byte
+  constexpr int SHIFT = FORMAT == 2 ? 3 : (TX_BF16 ? 4 : 1);
+  // 2^(bias difference) as a 16-bit pair: bfloat16 2^120 (0x7b80), 2^112 (0x7780); float16 2^8 (0x5c00)
+  constexpr u32 SCALE = FORMAT == 2 ? 0x77807780u : (TX_BF16 ? 0x7b807b80u : 0x5c005c00u);
+  constexpr u32 INC = FORMAT == 2 ? 0x04000400u : 0x01000100u;  // carries into bit 15 for all-ones exponents
+  constexpr u32 EXP = TX_BF16 ? 0x7f807f80u : 0x7c007c00u;      // the 16-bit exponent fields
+  const u32 mag = x & 0x7f007f00u;
+  const u32 y = (mag >> SHIFT) | (x & 0x80008000u);
+  u32 r;
+#if defined(__CUDA_ARCH__)
+#if TX_BF16
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(y), "r"(SCALE), "r"(0x80008000u));  // + -0: exact
+#else
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(y), "r"(SCALE));
+#endif
+#else
+  const float f = __uint_as_float((u32)(127 + (FORMAT == 2 ? 112 : (TX_BF16 ? 120 : 8))) << 23);  // the scale
+  r = tx_pack2(tx_to_float((u16)(y & 0xffffu)) * f, tx_to_float((u16)(y >> 16)) * f);
+#endif
+  const u32 special = tx_prmt(mag + INC, 0u, 0xbb99u);  // 0xffff in each half whose exponent was all ones
+  return r | (special & EXP);
+}
+
 // Four fp8 values (one 32-bit word, the first in the low byte) -> four 16-bit values in two words;
 // e5m2: format 2, else e4m3fn.
 template <int FORMAT>
 TX_DEVICE void tx_fp8x4_to_16(u32 w, u32& lo, u32& hi) {
-#if TX_FP8_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#if TX_FP8_CVT == 2
+  lo = tx_fp8x2_int<FORMAT>(w, 0x1404u);
+  hi = tx_fp8x2_int<FORMAT>(w, 0x3424u);
+#elif TX_FP8_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   lo = tx_fp8x2_cvt<FORMAT>(w);
   hi = tx_fp8x2_cvt<FORMAT>(w >> 16);
 #else
