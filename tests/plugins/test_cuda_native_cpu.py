@@ -125,8 +125,7 @@ def test_fp8_kv_decode_variants_compile_without_a_gpu(cache_root: Path) -> None:
     for v in variants:  # the same defines as the 16-bit variant of the tactic, plus the fp8 ones
         plain = dict(v.defines)
         plain.pop("TX_KV_FP8")
-        fp16_e4m3 = plain["TX_BF16"] == "0" and dict(v.defines)["TX_KV_FP8"] == "1"
-        assert plain.pop("TX_FP8_CVT") == ("1" if fp16_e4m3 else "2")
+        assert plain.pop("TX_FP8_CVT") == "1"
         assert any(dict(w.defines) == plain for w in default_variants(H200)), v.label()
     a100 = DeviceInfo(108, 166912, 167936, "sm_80")
     both = [*variants, *fp8_decode_variants(a100)[:2]]
@@ -165,21 +164,22 @@ def test_fp8_kv_decode_takes_cp_async_tactics_only() -> None:
     defines = dict(decode_op.decode_variant("bfloat16", 128, params, "sm_90", "float8_e5m2").defines)
     assert defines["TX_KV_FP8"] == "2"
     assert "TX_KV_FP8" not in dict(decode_op.decode_variant("bfloat16", 128, params, "sm_90").defines)
-    assert decode_op.decode_smem_bytes(128, 64, 4, 2, kv_bytes=1) == decode_op.decode_smem_bytes(128, 64, 4, 2)
+    # (16-bit rows of 256 bytes: fp8 rows are 128; one 16-bit V tile of 64 rows after the fp8 ring)
+    assert (decode_op.decode_smem_bytes(128, 64, 4, 2) - decode_op.decode_smem_bytes(128, 64, 4, 2, kv_bytes=1)
+            == 2 * 2 * 64 * 128 - 64 * 256)  # fmt: skip
     assert (decode_op.decode_smem_bytes(128, 64, 4, 3) - decode_op.decode_smem_bytes(128, 64, 4, 3, kv_bytes=1)
-            == 3 * 2 * 64 * 128 - 2 * 64 * 256)  # fmt: skip
+            == 3 * 2 * 64 * 128 - 64 * 256)  # fmt: skip
 
 
 def test_fp8_conversion_mode_per_dtype_and_format(monkeypatch: pytest.MonkeyPatch, cache_root: Path) -> None:
-    """fp8 variants convert with the integer placement (TX_FP8_CVT=2) under bfloat16 and for e5m2
-    under float16, with the hardware conversion (1) for e4m3 under float16;
+    """fp8 variants convert with the hardware conversion (TX_FP8_CVT=1) by default;
     TACTIX_CUDA_NATIVE_FP8_CVT (0, 1, 2) sets every fp8 variant's mode (16-bit variants never carry
     it). Each mode compiles for sm_90 and sm_80, to different code on sm_90."""
     params = DecodeParams(tile=64, warps=4, stages=3)
     pairs = (("bfloat16", "float8_e4m3fn"), ("bfloat16", "float8_e5m2"), ("float16", "float8_e4m3fn"),
              ("float16", "float8_e5m2"))  # fmt: skip
     modes = [dict(decode_op.decode_variant(dt, 128, params, "sm_90", kv).defines)["TX_FP8_CVT"] for dt, kv in pairs]
-    assert modes == ["2", "2", "1", "2"]
+    assert modes == ["1", "1", "1", "1"]
     assert "TX_FP8_CVT" not in dict(decode_op.decode_variant("bfloat16", 128, params, "sm_90").defines)
     by_mode = {}
     for mode in ("0", "1", "2"):
@@ -224,7 +224,7 @@ def test_fp8_prefill_is_served_by_the_mma_sync_kernel_only() -> None:
     params = prefill_op.default_prefill_params(128, H200, "sync")
     plain = dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90").defines)
     e5m2 = dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90", kv_dtype="float8_e5m2").defines)
-    assert e5m2 == {**plain, "TX_KV_FP8": "2", "TX_FP8_CVT": "2"}
+    assert e5m2 == {**plain, "TX_KV_FP8": "2", "TX_FP8_CVT": "1"}
     assert prefill_op.prefill_smem_bytes(128, 128, 32, 3, kv_bytes=1) < params.smem_bytes(128)
 
 

@@ -125,10 +125,11 @@ def decode_smem_bytes(head_dim: int, tile: int, warps: int, stages: int, bulk: i
                       kv_bytes: int = 2) -> int:  # fmt: skip
     """Dynamic shared memory of the decode kernel (see the layout in kernels/decode.cu): with
     ``bulk`` (linear copies, not ``tma``), each copy's segment of a tile is 16 bytes longer; with an
-    fp8 cache (``kv_bytes`` 1) the ring holds fp8 rows and one converted 16-bit K and V tile follows."""
+    fp8 cache (``kv_bytes`` 1) the ring holds fp8 rows and one converted 16-bit V tile follows (K is
+    converted in registers)."""
     row = head_dim * 2
     tile_bytes = tile * row + (tile // bulk * 16 if bulk and not tma else 0)
-    ring = stages * 2 * tile_bytes if kv_bytes == 2 else stages * 2 * tile * head_dim + 2 * tile * row
+    ring = stages * 2 * tile_bytes if kv_bytes == 2 else stages * 2 * tile * head_dim + tile * row
     return ring + 16 * row + stages * 2 * tile * 8 + warps * 32 * 4 + 32 * 4 + FLAG_BYTES
 
 

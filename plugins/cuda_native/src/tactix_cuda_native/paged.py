@@ -50,17 +50,17 @@ FP8_CVT_ENV: Final = "TACTIX_CUDA_NATIVE_FP8_CVT"
 
 def fp8_cvt(dtype: str, fmt: int) -> int:
     """The ``TX_FP8_CVT`` mode of an fp8 variant (decode and prefill) with q and out of ``dtype`` over
-    a cache of ``fmt`` (its ``TX_KV_FP8``): how each landed tile is converted to 16 bits
-    (kernels/fp8.cuh; every mode gives the same values bit for bit). Mode 2 (integer placement and
-    one 16-bit multiply) for bfloat16 and for e5m2 under float16, mode 1 (the hardware conversion,
-    one instruction a pair into float16; below sm_89 the kernel keeps the bit arithmetic) for e4m3
-    under float16. Under bfloat16 the hardware conversion goes through float32, four conversions a
-    pair, and bounds the decode's rate (D1-fp8 at 2.4 TB/s on the H200, session 13). `FP8_CVT_ENV`
-    (0, 1 or 2) sets the mode of every fp8 variant, to compare."""
+    a cache of ``fmt`` (its ``TX_KV_FP8``): how K and V tiles are converted to 16 bits
+    (kernels/fp8.cuh; every mode gives the same values bit for bit). Mode 1, the hardware
+    conversion (below sm_89 the kernel keeps the bit arithmetic), for every pair: on the H200
+    (benchmarks/results/h200-bench-fp8-cvt-session16.json) the integer placement (mode 2) made
+    D1-fp8 1.19x slower under bfloat16 with the kernel of that session. `FP8_CVT_ENV` (0, 1 or 2)
+    sets the mode of every fp8 variant, to compare."""
     forced = os.environ.get(FP8_CVT_ENV)
     if forced in ("0", "1", "2"):
         return int(forced)
-    return 1 if dtype == "float16" and fmt == 1 else 2
+    del dtype, fmt  # one mode for all (measured); the arguments keep a choice per pair possible
+    return 1
 
 
 UNIT_SCALES: Final = (1.0, 1.0, 0, 0)

@@ -36,10 +36,14 @@
 // plan encodes (plugin.CudaNativeDecodePlan: kept per cache tensor), any 16-byte strides.
 //
 // With TX_KV_FP8 (1: float8_e4m3fn, 2: float8_e5m2 caches; cp.async only, not TX_BULK) a K/V row
-// is D bytes: the fp8 rows of a tile are copied unswizzled into the ring (D bytes a row), and
-// once the tile has landed the CTA's threads convert it, exactly, into one pair of 16-bit K and V
-// tiles after the ring, swizzled as the 16-bit path's (then a barrier): the mma.sync code reads
-// those. The next tile's copies are issued before the conversion (into another ring stage).
+// is D bytes, copied into the ring as 16-byte chunks (for D >= 128 the two halves of each odd
+// row's 64-byte groups swapped: fp8_off). K is read from the ring straight into registers and
+// converted there (fp8.cuh): lane (grp, tig) of a warp loads 16 bytes of its token's row, dims
+// 64 g + 16 tig .. + 15, which are the B fragments of k-steps 4g .. 4g + 3 when the head dims of
+// Q and K are taken in the order phys() gives (a permutation of each 64 dims; Q's tile is loaded
+// in that order, so S = Q K^T is unchanged). V's rows of each warp's tokens are converted by that
+// warp into a 16-bit tile after the ring, swizzled as the 16-bit path's (a warp barrier, no CTA
+// barrier), which ldmatrix.trans reads for P V as on the 16-bit path.
 //
 // Attention sinks (where `sinks` is not null: a float32 logit per query head, in the units of the
 // scaled and soft-capped logits) join each row's softmax denominator as a key without a value:
@@ -107,7 +111,8 @@ constexpr int SEG_PITCH = TMA ? SEG_BYTES : SEG_BYTES + 16;  // a segment's plac
 constexpr int TILE_BYTES = BULK ? NSEG * SEG_PITCH : TILE * ROW_BYTES;
 constexpr int RING_TILE_BYTES = FP8 ? TILE * KV_ROW_BYTES : TILE_BYTES;  // a K (or V) tile as copied
 constexpr int STAGE_BYTES = 2 * RING_TILE_BYTES;
-constexpr int CONV_BYTES = FP8 ? 2 * TILE_BYTES : 0;    // fp8: the converted K and V tiles, after the ring
+constexpr int CONV_BYTES = FP8 ? TILE_BYTES : 0;        // fp8: the converted V tile, after the ring
+constexpr int FP8_SWZ = KCH >= 8 ? 4 : 0;  // fp8 rows of 128+ bytes: odd rows' 64-byte halves swapped
 constexpr int KV_AREA = STAGES * STAGE_BYTES + CONV_BYTES;
 constexpr bool Q_IN_REGS = D <= 128;
 constexpr int ROWS_PER_PASS = NT / KCH;        // tile rows one pass of the CTA's threads copies
@@ -124,7 +129,7 @@ static_assert(NT % KCH == 0 && TILE % ROWS_PER_PASS == 0, "threads tile the rows
 static_assert(WARPS * 16 * D * 4 <= KV_AREA, "warp merge buffer must fit in the stage area");
 static_assert(TX_KV_FP8 >= 0 && TX_KV_FP8 <= 2, "TX_KV_FP8: 0 (16-bit cache), 1 (e4m3fn) or 2 (e5m2)");
 static_assert(!FP8 || !BULK, "fp8 caches: cp.async only");
-static_assert(!FP8 || (2 * TILE * KCH) % NT == 0, "fp8: the threads convert a tile pair evenly");
+static_assert(!FP8 || (TPW * KCH) % 32 == 0, "fp8: a warp's lanes convert its V rows evenly");
 static_assert(!BULK || (TILE % SEG == 0 && NSEG >= 4 && 2 * NSEG <= 32), "bulk: 4 to 16 segments a tile");
 static_assert(!TMA || (BULK && SEG % 8 == 0), "tensor maps: TX_BULK rows per box, 8 or more (1 KB swizzle atoms)");
 
@@ -141,6 +146,19 @@ TX_DEVICE u32 kv_row(int row, int ch) {
   return tx_swz(row, ch, ROW_BYTES);
 }
 TX_DEVICE int row_token(int row) { return BULK && !TMA ? (row % NSEG) * SEG + row / NSEG : row; }
+
+// fp8 ring: byte offset of 16-byte chunk `ch` of row `row` of a K or V tile (see TX_KV_FP8 above:
+// the 16 bytes lane (grp, tig) reads for 4 k-steps are chunk 4 g + tig; with FP8_SWZ the eight
+// lanes of one ldmatrix-sized phase, rows r and r + 1, then hit eight different bank groups).
+TX_DEVICE u32 fp8_off(int row, int ch) { return (u32)(row * KV_ROW_BYTES + ((ch ^ ((row & 1) * FP8_SWZ)) << 4)); }
+// fp8: the head dim of the cache row that logical dim L of the mma fragments reads. Within k-step
+// kk = L / 16, fragment index i = L % 16 (tig = (i % 8) / 2; i / 8: the fragment's second register;
+// i % 2: the half) maps to byte 4 (kk % 4) + 2 (i / 8) + i % 2 of lane tig's 16 bytes, which start
+// at dim 64 (kk / 4) + 16 tig. Pairs (L even, L + 1) stay adjacent.
+TX_DEVICE int phys(int L) {
+  const int kk = L >> 4, i = L & 15;
+  return 64 * (kk >> 2) + 16 * ((i & 7) >> 1) + 4 * (kk & 3) + 2 * (i >> 3) + (i & 1);
+}
 
 // Dynamic shared memory: [stages: K tile, V tile] [TX_KV_FP8: the converted K tile, V tile] [Q 16 rows]
 // [row addresses: stages x (K, V) x TILE; TX_BULK: an mbarrier per stage there instead]
@@ -215,7 +233,17 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
     }
   }
   // Q rows of this tile (rows past the group are zero)
-  {
+  if (FP8) {
+    // logical dim pair (L, L + 1) of the Q tile holds head dims phys(L), + 1 (plain loads: a
+    // permutation; the empty group keeps the cp.async group count of the 16-bit path)
+    const u16* qrow0 = q + req * q_sb + head0 * q_sh;
+    for (int c = tid; c < 16 * (D / 2); c += NT) {
+      const int row = c / (D / 2), L = (c % (D / 2)) * 2;
+      const u32 val = row < nrows ? *reinterpret_cast<const u32*>(qrow0 + row * q_sh + phys(L)) : 0u;
+      *reinterpret_cast<u32*>(q_s + tx_swz(row, L >> 3, ROW_BYTES) + (L & 7) * 2) = val;
+    }
+    tx_cp_async_commit();
+  } else {
     const u16* qrow0 = q + req * q_sb + head0 * q_sh;
     for (int c = tid; c < 16 * DCH; c += NT) {
       const int row = c / DCH, ch = c % DCH;
@@ -237,7 +265,7 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
   const int crow = tid / KCH, cch = tid % KCH;
   // where a copied chunk lands: 16-bit rows swizzled, fp8 rows as they are (converted afterwards)
   auto ring_off = [&](int row) -> u32 {
-    return FP8 ? (u32)(row * KV_ROW_BYTES + cch * 16) : tx_swz(row, cch, ROW_BYTES);
+    return FP8 ? fp8_off(row, cch) : tx_swz(row, cch, ROW_BYTES);
   };
   auto issue = [&](int tile) {
     if (tile < ntiles) {
@@ -349,8 +377,8 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
 
   for (int i = 0; i < ntiles; ++i) {
     const int s = i % STAGES;
-    // the K and V tiles the mma.sync code reads (fp8: the converted pair after the ring)
-    const u32 kb = FP8 ? sbase + STAGES * STAGE_BYTES : sbase + s * STAGE_BYTES, vb = kb + TILE_BYTES;
+    // the K and V tiles the mma.sync code reads (fp8: K from the ring, V converted after it)
+    const u32 kb = sbase + s * STAGE_BYTES, vb = FP8 ? sbase + STAGES * STAGE_BYTES : kb + TILE_BYTES;
     const int t0 = first + i * TILE;
 #if TX_BULK
     tx_mbar_wait(bars + s * 8, (u32)((i / STAGES) & 1));
@@ -375,32 +403,43 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
     const int ptok = start + pt * TILE + tid;
     int ppage = -1;
     if (tid < TILE && pt < ntiles && ptok < end) ppage = __ldg(pages + (ptok >> pshift));
-#if TX_KV_FP8
-    // tile i has landed (every thread's copies, the barrier above): convert it into the 16-bit
-    // pair, whose previous contents every warp is done with (also that barrier)
-    {
-      const unsigned char* ring = smem + s * STAGE_BYTES;
-      unsigned char* conv = smem + STAGES * STAGE_BYTES;
-      for (int c = tid; c < 2 * TILE * KCH; c += NT) {
-        const int half = c / (TILE * KCH), rem = c % (TILE * KCH), row = rem / KCH, ch = rem % KCH;
-        const tx_u4 in = *reinterpret_cast<const tx_u4*>(ring + half * RING_TILE_BYTES + row * KV_ROW_BYTES + ch * 16);
-        tx_u4 lo, hi;
-        tx_fp8x4_to_16<TX_KV_FP8>(in.x, lo.x, lo.y);
-        tx_fp8x4_to_16<TX_KV_FP8>(in.y, lo.z, lo.w);
-        tx_fp8x4_to_16<TX_KV_FP8>(in.z, hi.x, hi.y);
-        tx_fp8x4_to_16<TX_KV_FP8>(in.w, hi.z, hi.w);
-        unsigned char* dst = conv + half * TILE_BYTES;
-        *reinterpret_cast<tx_u4*>(dst + tx_swz(row, 2 * ch, ROW_BYTES)) = lo;
-        *reinterpret_cast<tx_u4*>(dst + tx_swz(row, 2 * ch + 1, ROW_BYTES)) = hi;
-      }
-    }
-    __syncthreads();
-#endif
 #endif
 
     float sc[NNT][4];
 #pragma unroll
     for (int j = 0; j < NNT; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#if TX_KV_FP8
+    // S from the fp8 ring: per 64 dims, one 16-byte load a token row, converted into the B
+    // fragments of four k-steps
+    const unsigned char* kring = smem + s * STAGE_BYTES;
+#pragma unroll
+    for (int g = 0; g < D / 64; ++g) {
+      u32 a[4][4];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const int kk = 4 * g + jj;
+        if (Q_IN_REGS) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) a[jj][r] = qf[Q_IN_REGS ? kk : 0][r];
+        } else {
+          const int row = (lane & 7) + (((lane >> 3) & 1) << 3);
+          const int ch = kk * 2 + (lane >> 4);
+          tx_ldmatrix_x4(qbase + tx_swz(row, ch, ROW_BYTES), a[jj][0], a[jj][1], a[jj][2], a[jj][3]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < NNT; ++j) {
+        const tx_u4 w = *reinterpret_cast<const tx_u4*>(kring + fp8_off(wrow + j * 8 + grp, 4 * g + tig));
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          u32 b0, b1;
+          tx_fp8x4_to_16<TX_KV_FP8>(words[jj], b0, b1);
+          tx_mma(sc[j], a[jj], b0, b1);
+        }
+      }
+    }
+#else
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       u32 a[4];
@@ -424,6 +463,7 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
         tx_mma(sc[2 * np + 1], a, b2, b3);
       }
     }
+#endif
 
     // scale (and soft-cap) into the base-2 domain, mask keys past the range, online softmax
     float mx0 = tx_neg_inf(), mx1 = tx_neg_inf();
@@ -476,6 +516,27 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
       }
     }
 
+#if TX_KV_FP8
+    // this warp's V rows (its tokens of the tile), converted into the 16-bit V tile; only this
+    // warp reads them (and it is done with the previous tile's: its ldmatrix calls came first)
+    {
+      const unsigned char* vring = smem + s * STAGE_BYTES + RING_TILE_BYTES;
+      unsigned char* conv = smem + STAGES * STAGE_BYTES;
+#pragma unroll
+      for (int c = lane; c < TPW * KCH; c += 32) {
+        const int row = wrow + c / KCH, ch = c % KCH;
+        const tx_u4 in = *reinterpret_cast<const tx_u4*>(vring + fp8_off(row, ch));
+        tx_u4 lo, hi;
+        tx_fp8x4_to_16<TX_KV_FP8>(in.x, lo.x, lo.y);
+        tx_fp8x4_to_16<TX_KV_FP8>(in.y, lo.z, lo.w);
+        tx_fp8x4_to_16<TX_KV_FP8>(in.z, hi.x, hi.y);
+        tx_fp8x4_to_16<TX_KV_FP8>(in.w, hi.z, hi.w);
+        *reinterpret_cast<tx_u4*>(conv + tx_swz(row, 2 * ch, ROW_BYTES)) = lo;
+        *reinterpret_cast<tx_u4*>(conv + tx_swz(row, 2 * ch + 1, ROW_BYTES)) = hi;
+      }
+      __syncwarp();
+    }
+#endif
 #pragma unroll
     for (int ks = 0; ks < NKS; ++ks) {
       u32 pa[4];
