@@ -122,6 +122,26 @@ TX_DEVICE void tx_mma(float* d, const u32* a, u32 b0, u32 b1) {
 #endif
 }
 
+// The same with float16 operands whatever TX_BF16 says (decode.cu's fp8 variants compute P V in
+// float16: P in [0, 1] and fp8 values are float16 values, and fp8 -> float16 is one conversion).
+TX_DEVICE void tx_mma_f16(float* d, const u32* a, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+TX_DEVICE u32 tx_pack2_f16(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+TX_DEVICE float tx_f16_to_float(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(h));
+  return f;
+}
+
 // Two floats -> one register of two 16-bit values (lo in the low half), round to nearest.
 TX_DEVICE u32 tx_pack2(float lo, float hi) {
   u32 r;

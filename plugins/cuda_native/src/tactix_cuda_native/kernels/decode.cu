@@ -42,8 +42,9 @@
 // 64 g + 16 tig .. + 15, which are the B fragments of k-steps 4g .. 4g + 3 when the head dims of
 // Q and K are taken in the order phys() gives (a permutation of each 64 dims; Q's tile is loaded
 // in that order, so S = Q K^T is unchanged). V's rows of each warp's tokens are converted by that
-// warp into a 16-bit tile after the ring, swizzled as the 16-bit path's (a warp barrier, no CTA
-// barrier), which ldmatrix.trans reads for P V as on the 16-bit path.
+// warp into a float16 tile after the ring (whatever TX_BF16 says: fp8 -> float16 is one
+// conversion, bfloat16 four), swizzled as the 16-bit path's (a warp barrier, no CTA barrier),
+// which ldmatrix.trans reads for P V, computed in float16 (P in [0, 1] is finer in float16).
 //
 // Attention sinks (where `sinks` is not null: a float32 logit per query head, in the units of the
 // scaled and soft-capped logits) join each row's softmax denominator as a key without a value:
@@ -527,10 +528,10 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
         const int row = wrow + c / KCH, ch = c % KCH;
         const tx_u4 in = *reinterpret_cast<const tx_u4*>(vring + fp8_off(row, ch));
         tx_u4 lo, hi;
-        tx_fp8x4_to_16<TX_KV_FP8>(in.x, lo.x, lo.y);
-        tx_fp8x4_to_16<TX_KV_FP8>(in.y, lo.z, lo.w);
-        tx_fp8x4_to_16<TX_KV_FP8>(in.z, hi.x, hi.y);
-        tx_fp8x4_to_16<TX_KV_FP8>(in.w, hi.z, hi.w);
+        tx_fp8x4_to_f16<TX_KV_FP8>(in.x, lo.x, lo.y);  // (float16 whatever TX_BF16: P V is float16)
+        tx_fp8x4_to_f16<TX_KV_FP8>(in.y, lo.z, lo.w);
+        tx_fp8x4_to_f16<TX_KV_FP8>(in.z, hi.x, hi.y);
+        tx_fp8x4_to_f16<TX_KV_FP8>(in.w, hi.z, hi.w);
         *reinterpret_cast<tx_u4*>(conv + tx_swz(row, 2 * ch, ROW_BYTES)) = lo;
         *reinterpret_cast<tx_u4*>(conv + tx_swz(row, 2 * ch + 1, ROW_BYTES)) = hi;
       }
@@ -540,18 +541,30 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
 #pragma unroll
     for (int ks = 0; ks < NKS; ++ks) {
       u32 pa[4];
-      pa[0] = tx_pack2(sc[2 * ks][0], sc[2 * ks][1]);
-      pa[1] = tx_pack2(sc[2 * ks][2], sc[2 * ks][3]);
-      pa[2] = tx_pack2(sc[2 * ks + 1][0], sc[2 * ks + 1][1]);
-      pa[3] = tx_pack2(sc[2 * ks + 1][2], sc[2 * ks + 1][3]);
+      if (FP8) {  // P in float16 (in [0, 1]: finer than bfloat16), V's fp8 values too
+        pa[0] = tx_pack2_f16(sc[2 * ks][0], sc[2 * ks][1]);
+        pa[1] = tx_pack2_f16(sc[2 * ks][2], sc[2 * ks][3]);
+        pa[2] = tx_pack2_f16(sc[2 * ks + 1][0], sc[2 * ks + 1][1]);
+        pa[3] = tx_pack2_f16(sc[2 * ks + 1][2], sc[2 * ks + 1][3]);
+      } else {
+        pa[0] = tx_pack2(sc[2 * ks][0], sc[2 * ks][1]);
+        pa[1] = tx_pack2(sc[2 * ks][2], sc[2 * ks][3]);
+        pa[2] = tx_pack2(sc[2 * ks + 1][0], sc[2 * ks + 1][1]);
+        pa[3] = tx_pack2(sc[2 * ks + 1][2], sc[2 * ks + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         const int row = wrow + ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
         const int ch = dp * 2 + (lane >> 4);
         u32 b0, b1, b2, b3;
         tx_ldmatrix_x4_trans(vb + kv_row(row, ch), b0, b1, b2, b3);
-        tx_mma(o[2 * dp], pa, b0, b1);
-        tx_mma(o[2 * dp + 1], pa, b2, b3);
+        if (FP8) {
+          tx_mma_f16(o[2 * dp], pa, b0, b1);
+          tx_mma_f16(o[2 * dp + 1], pa, b2, b3);
+        } else {
+          tx_mma(o[2 * dp], pa, b0, b1);
+          tx_mma(o[2 * dp + 1], pa, b2, b3);
+        }
       }
     }
 

@@ -45,7 +45,7 @@ TX_DEVICE float tx_e5m2_to_float(u32 b) {
 // TX_FP8_CVT (sm_89 and later): the hardware conversion of two fp8 values (the low 16 bits of
 // `pair`, the first in the low byte) into a float16 pair, exact; for bfloat16 through float32
 // (also exact). Two to three instructions a value instead of the bit arithmetic's ten or so.
-template <int FORMAT>
+template <int FORMAT, bool BF>
 TX_DEVICE u32 tx_fp8x2_cvt(u32 pair) {
   u32 h;
   const unsigned short p = (unsigned short)(pair & 0xffffu);
@@ -54,16 +54,13 @@ TX_DEVICE u32 tx_fp8x2_cvt(u32 pair) {
   } else {
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"(p));
   }
-#if TX_BF16
+  if (!BF) return h;
   u32 b;
   asm("{\n .reg .f16 lo, hi;\n .reg .f32 flo, fhi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 flo, lo;\n"
       " cvt.f32.f16 fhi, hi;\n cvt.rn.bf16x2.f32 %0, fhi, flo;\n}\n"
       : "=r"(b)
       : "r"(h));
   return b;
-#else
-  return h;
-#endif
 }
 #endif
 
@@ -96,42 +93,44 @@ TX_DEVICE u32 tx_prmt(u32 a, u32 b, u32 sel) {
   return r;
 #endif
 }
-template <int FORMAT>
+template <int FORMAT, bool BF>
 TX_DEVICE u32 tx_fp8x2_int(u32 w, u32 sel) {
   const u32 x = tx_prmt(w, 0u, sel);
-  if (FORMAT == 2 && !TX_BF16) return x;  // e5m2 is float16's top byte
-  constexpr int SHIFT = FORMAT == 2 ? 3 : (TX_BF16 ? 4 : 1);
+  if (FORMAT == 2 && !BF) return x;  // e5m2 is float16's top byte
+  constexpr int SHIFT = FORMAT == 2 ? 3 : (BF ? 4 : 1);
   // 2^(bias difference) as a 16-bit pair: bfloat16 2^120 (0x7b80), 2^112 (0x7780); float16 2^8 (0x5c00)
-  constexpr u32 SCALE = FORMAT == 2 ? 0x77807780u : (TX_BF16 ? 0x7b807b80u : 0x5c005c00u);
+  constexpr u32 SCALE = FORMAT == 2 ? 0x77807780u : (BF ? 0x7b807b80u : 0x5c005c00u);
   constexpr u32 INC = FORMAT == 2 ? 0x04000400u : 0x01000100u;  // carries into bit 15 for all-ones exponents
-  constexpr u32 EXP = TX_BF16 ? 0x7f807f80u : 0x7c007c00u;      // the 16-bit exponent fields
+  constexpr u32 EXP = BF ? 0x7f807f80u : 0x7c007c00u;           // the 16-bit exponent fields
   const u32 mag = x & 0x7f007f00u;
   const u32 y = (mag >> SHIFT) | (x & 0x80008000u);
   u32 r;
 #if defined(__CUDA_ARCH__)
-#if TX_BF16
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(y), "r"(SCALE), "r"(0x80008000u));  // + -0: exact
+  if (BF) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(y), "r"(SCALE), "r"(0x80008000u));  // + -0: exact
+  } else {
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(y), "r"(SCALE));
+  }
 #else
-  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(y), "r"(SCALE));
-#endif
-#else
-  const float f = __uint_as_float((u32)(127 + (FORMAT == 2 ? 112 : (TX_BF16 ? 120 : 8))) << 23);  // the scale
-  r = tx_pack2(tx_to_float((u16)(y & 0xffffu)) * f, tx_to_float((u16)(y >> 16)) * f);
+  const float f = __uint_as_float((u32)(127 + (FORMAT == 2 ? 112 : (BF ? 120 : 8))) << 23);  // the scale
+  const u16 y0 = (u16)(y & 0xffffu), y1 = (u16)(y >> 16);
+  r = BF ? tx_pack2(tx_to_float(y0) * f, tx_to_float(y1) * f)
+         : tx_pack2_f16(tx_f16_to_float(y0) * f, tx_f16_to_float(y1) * f);
 #endif
   const u32 special = tx_prmt(mag + INC, 0u, 0xbb99u);  // 0xffff in each half whose exponent was all ones
   return r | (special & EXP);
 }
 
-// Four fp8 values (one 32-bit word, the first in the low byte) -> four 16-bit values in two words;
-// e5m2: format 2, else e4m3fn.
-template <int FORMAT>
-TX_DEVICE void tx_fp8x4_to_16(u32 w, u32& lo, u32& hi) {
+// Four fp8 values (one 32-bit word, the first in the low byte) -> four 16-bit values in two words
+// (BF: bfloat16, else float16); e5m2: format 2, else e4m3fn.
+template <int FORMAT, bool BF>
+TX_DEVICE void tx_fp8x4_to(u32 w, u32& lo, u32& hi) {
 #if TX_FP8_CVT == 2
-  lo = tx_fp8x2_int<FORMAT>(w, 0x1404u);
-  hi = tx_fp8x2_int<FORMAT>(w, 0x3424u);
+  lo = tx_fp8x2_int<FORMAT, BF>(w, 0x1404u);
+  hi = tx_fp8x2_int<FORMAT, BF>(w, 0x3424u);
 #elif TX_FP8_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  lo = tx_fp8x2_cvt<FORMAT>(w);
-  hi = tx_fp8x2_cvt<FORMAT>(w >> 16);
+  lo = tx_fp8x2_cvt<FORMAT, BF>(w);
+  hi = tx_fp8x2_cvt<FORMAT, BF>(w >> 16);
 #else
   float f[4];
 #pragma unroll
@@ -139,7 +138,16 @@ TX_DEVICE void tx_fp8x4_to_16(u32 w, u32& lo, u32& hi) {
     const u32 b = (w >> (8 * j)) & 0xffu;
     f[j] = FORMAT == 2 ? tx_e5m2_to_float(b) : tx_e4m3_to_float(b);
   }
-  lo = tx_pack2(f[0], f[1]);
-  hi = tx_pack2(f[2], f[3]);
+  lo = BF ? tx_pack2(f[0], f[1]) : tx_pack2_f16(f[0], f[1]);
+  hi = BF ? tx_pack2(f[2], f[3]) : tx_pack2_f16(f[2], f[3]);
 #endif
+}
+// ... into the kernel's 16-bit type (TX_BF16), and into float16
+template <int FORMAT>
+TX_DEVICE void tx_fp8x4_to_16(u32 w, u32& lo, u32& hi) {
+  tx_fp8x4_to<FORMAT, TX_BF16 != 0>(w, lo, hi);
+}
+template <int FORMAT>
+TX_DEVICE void tx_fp8x4_to_f16(u32 w, u32& lo, u32& hi) {
+  tx_fp8x4_to<FORMAT, false>(w, lo, hi);
 }
