@@ -10,11 +10,10 @@ segments of that many tokens per bulk copy, HND, sm_90, and ``"tma": 1``: those 
 tensor maps of the caches).
 
 FP8 KV caches (``float8_e4m3fn``, ``float8_e5m2``, 16-bit q and out): the same kernel with
-``TX_KV_FP8`` (cp.async tactics only; the tile converted to 16 bits in shared memory), and the
-dequantization scales (run extras ``k_scale``, ``v_scale``) as kernel arguments; run on the H200
-by the conformance kit. The tile conversion is the hardware fp8 conversion on sm_89 and later
-(``TX_FP8_CVT``; bitwise the values of the bit arithmetic, 2.7x faster on the H200);
-``TACTIX_CUDA_NATIVE_FP8_CVT=0`` (`FP8_CVT_ENV`) compiles the bit arithmetic instead, to compare.
+``TX_KV_FP8`` (cp.async tactics only; K converted in registers, V per warp into a float16 tile,
+P V in float16), and the dequantization scales (run extras ``k_scale``, ``v_scale``) as kernel
+arguments; run on the H200 by the conformance kit. The conversion mode is `paged.fp8_cvt`'s
+(``TX_FP8_CVT``; ``TACTIX_CUDA_NATIVE_FP8_CVT`` = `FP8_CVT_ENV` forces one, to compare).
 
 The geometry functions are pure (no CUDA), so every rule is tested on a machine without a GPU.
 """
