@@ -155,3 +155,22 @@ def test_benchmark_docs_describe_the_suite_inside_the_repository() -> None:
     linking = [root / "README.md", *(root / "docs").glob("*.md"), root / "core" / "src" / "tactix" / "bench.py"]
     for path in linking:
         assert "../shared/" not in path.read_text(), path
+
+
+def test_a_windowed_decode_rate_counts_the_keys_the_window_reads() -> None:
+    """The TB/s of a decode case with a window counts the last window_left + 1 keys of each
+    request (what any kernel must read), not the whole cache: gpt-oss's window-128 layers."""
+    import dataclasses
+
+    import torch
+
+    from tactix import bench
+
+    case = next(c for c in bench.suite("cpu") if c.op == "decode" and c.window_left >= 0)
+    hq = case.heads[0]
+    whole, _ = bench._attention_work(dataclasses.replace(case, window_left=-1), torch.float32)
+    windowed, unit = bench._attention_work(case, torch.float32)
+    q_and_out = 2 * len(case.kv_lens) * hq * case.head_dim * 4
+    read = sum(min(n, case.window_left + 1) for n in case.kv_lens)
+    assert unit == "TB/s" and min(case.kv_lens) > case.window_left + 1
+    assert (windowed - q_and_out) * sum(case.kv_lens) == (whole - q_and_out) * read

@@ -411,7 +411,9 @@ def _attention_work(case: BenchCase, dtype: torch.dtype) -> tuple[float, str]:
     size = torch.tensor([], dtype=dtype).element_size()
     kv_size = torch.tensor([], dtype=to_torch_dtype(case.kv_dtype)).element_size() if case.kv_dtype else size
     if case.op == "decode":  # the bytes of K and V actually read (fp8: one per element), q and out
-        kv_bytes = 2 * sum(case.kv_lens) * hkv * d * kv_size
+        # (a window reads the last window_left + 1 keys of a row, those of the request's rows together)
+        reach = case.window_left + case.q_len_per_req if case.window_left >= 0 else None
+        kv_bytes = 2 * sum(min(n, reach or n) for n in case.kv_lens) * hkv * d * kv_size
         return kv_bytes + 2 * len(case.kv_lens) * case.q_len_per_req * hq * d * size, "TB/s"
     pairs = sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in zip(case.q_lens, case.kv_lens, strict=True))
     return 2.0 * hq * (d + case.dim_vo) * pairs, "TFLOP/s"  # q.k and p.v: 2 flops per element each
