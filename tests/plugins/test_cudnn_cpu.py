@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -292,4 +293,19 @@ def test_direct_references_offer_no_call_over_a_cache_of_another_dtype() -> None
               "out": torch.zeros(2, 8, 64, dtype=torch.bfloat16), "qo_indptr": torch.tensor([0, 1, 2], dtype=i32),
               "kv_indptr": torch.tensor([0, 2, 4], dtype=i32), "kv_indices": torch.arange(4, dtype=i32),
               "kv_last_page_len": torch.tensor([16, 5], dtype=i32)}  # fmt: skip
+    assert direct.attention_references("decode", inputs) == []
+
+
+@pytest.mark.parametrize("extra", [{"sinks": torch.zeros(8)}, {"window_left": 32}], ids=["sinks", "window"])
+def test_direct_references_offer_no_call_for_sinks_or_a_window(extra: dict[str, Any]) -> None:
+    """The "cudnn (direct)" graphs take neither sinks nor a window: for such a case no call (it
+    would compute without them and fail the oracle, as the gpt-oss rows did on the H200)."""
+    from tactix_cudnn import direct
+
+    k = torch.zeros(4, 2, 16, 64, dtype=torch.bfloat16)
+    i32 = torch.int32
+    inputs = {"q": torch.zeros(2, 8, 64, dtype=torch.bfloat16), "k_cache": k, "v_cache": k.clone(),
+              "out": torch.zeros(2, 8, 64, dtype=torch.bfloat16), "qo_indptr": torch.tensor([0, 1, 2], dtype=i32),
+              "kv_indptr": torch.tensor([0, 2, 4], dtype=i32), "kv_indices": torch.arange(4, dtype=i32),
+              "kv_last_page_len": torch.tensor([16, 5], dtype=i32), **extra}  # fmt: skip
     assert direct.attention_references("decode", inputs) == []

@@ -55,12 +55,14 @@ def _plans(graph: Any, pack: dict[int, torch.Tensor], handle: Any) -> list[tuple
 def attention_references(op: str, inputs: dict[str, Any]) -> list[tuple[str, Callable[[], object]]]:
     """Paged SDPA over an HND cache, one cuDNN graph for exactly this batch; none for a cache
     whose dtype is not q's (an fp8 cache: the graph's I/O type is q's, so it would read the cache
-    as 16-bit values, past the end of its pages)."""
+    as 16-bit values, past the end of its pages), none for a case with sinks or a window."""
     q, k, v, out = inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["out"]
     if k.dtype != q.dtype or v.dtype != q.dtype:
         return []
     if op == "decode" and q.shape[0] != inputs["kv_indptr"].numel() - 1:
         return []  # a multi-token decode step: the decode graph here takes one row per request
+    if inputs.get("sinks") is not None or int(inputs.get("window_left", -1)) >= 0:
+        return []  # the graphs here take neither attention sinks nor a window (they would compute without them)
     cudnn = frontend()
     handle = cudnn.create_handle()
     qo, kv_indptr, indices, last = (inputs[n].long() for n in ("qo_indptr", "kv_indptr", "kv_indices",
