@@ -563,8 +563,9 @@ static inline u16 tx_emu_float_to_half(float f) {
 
 // d[4] += A (16 x 16, row) * B (16 x 8, col): lane l = 4 g + t holds a0 = A[g][2t, 2t+1],
 // a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9]; b0 = B[2t, 2t+1][g],
-// b1 = B[2t+8, 2t+9][g]; d0, d1 = D[g][2t, 2t+1], d2, d3 = D[g+8][2t, 2t+1].
-TX_DEVICE void tx_mma(float* d, const u32* a, u32 b0, u32 b1) {
+// b1 = B[2t+8, 2t+9][g]; d0, d1 = D[g][2t, 2t+1], d2, d3 = D[g+8][2t, 2t+1]. `value` reads one
+// 16-bit operand (the kernel's TX_BF16 type, or float16 for tx_mma_f16).
+static inline void tx_emu_mma(float* d, const u32* a, u32 b0, u32 b1, float (*value)(u16)) {
   txe::Slots& me = txe::my_slot();
   for (int i = 0; i < 4; ++i) me.u[i] = a[i];
   me.u[4] = b0;
@@ -574,8 +575,8 @@ TX_DEVICE void tx_mma(float* d, const u32* a, u32 b0, u32 b1) {
   for (int l = 0; l < 32; ++l) {
     const txe::Slots& s = txe::lane_slot(l);
     const int g = l / 4, t = l % 4;
-    auto lo = [](u32 v) { return tx_emu_half_to_float((u16)(v & 0xffff)); };
-    auto hi = [](u32 v) { return tx_emu_half_to_float((u16)(v >> 16)); };
+    auto lo = [value](u32 v) { return value((u16)(v & 0xffff)); };
+    auto hi = [value](u32 v) { return value((u16)(v >> 16)); };
     A[g][2 * t] = lo(s.u[0]), A[g][2 * t + 1] = hi(s.u[0]);
     A[g + 8][2 * t] = lo(s.u[1]), A[g + 8][2 * t + 1] = hi(s.u[1]);
     A[g][2 * t + 8] = lo(s.u[2]), A[g][2 * t + 9] = hi(s.u[2]);
@@ -592,6 +593,7 @@ TX_DEVICE void tx_mma(float* d, const u32* a, u32 b0, u32 b1) {
     d[i] = acc;
   }
 }
+TX_DEVICE void tx_mma(float* d, const u32* a, u32 b0, u32 b1) { tx_emu_mma(d, a, b0, b1, tx_emu_half_to_float); }
 
 TX_DEVICE u32 tx_pack2(float lo, float hi) {
   return (u32)tx_emu_float_to_half(lo) | ((u32)tx_emu_float_to_half(hi) << 16);
@@ -612,34 +614,7 @@ TX_DEVICE u32 tx_pack2_f16(float lo, float hi) {
   };
   return one(lo) | (one(hi) << 16);
 }
-TX_DEVICE void tx_mma_f16(float* d, const u32* a, u32 b0, u32 b1) {
-  txe::Slots& me = txe::my_slot();
-  for (int i = 0; i < 4; ++i) me.u[i] = a[i];
-  me.u[4] = b0;
-  me.u[5] = b1;
-  txe::warp_barrier();
-  float A[16][16], B[16][8];
-  for (int l = 0; l < 32; ++l) {
-    const txe::Slots& s = txe::lane_slot(l);
-    const int g = l / 4, t = l % 4;
-    auto lo = [](u32 v) { return tx_f16_to_float((u16)(v & 0xffff)); };
-    auto hi = [](u32 v) { return tx_f16_to_float((u16)(v >> 16)); };
-    A[g][2 * t] = lo(s.u[0]), A[g][2 * t + 1] = hi(s.u[0]);
-    A[g + 8][2 * t] = lo(s.u[1]), A[g + 8][2 * t + 1] = hi(s.u[1]);
-    A[g][2 * t + 8] = lo(s.u[2]), A[g][2 * t + 9] = hi(s.u[2]);
-    A[g + 8][2 * t + 8] = lo(s.u[3]), A[g + 8][2 * t + 9] = hi(s.u[3]);
-    B[2 * t][g] = lo(s.u[4]), B[2 * t + 1][g] = hi(s.u[4]);
-    B[2 * t + 8][g] = lo(s.u[5]), B[2 * t + 9][g] = hi(s.u[5]);
-  }
-  txe::warp_barrier();
-  const int l = txe::lane(), g = l / 4, t = l % 4;
-  for (int i = 0; i < 4; ++i) {
-    const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
-    float acc = d[i];
-    for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
-    d[i] = acc;
-  }
-}
+TX_DEVICE void tx_mma_f16(float* d, const u32* a, u32 b0, u32 b1) { tx_emu_mma(d, a, b0, b1, tx_f16_to_float); }
 TX_DEVICE float tx_to_float(u16 h) { return tx_emu_half_to_float(h); }
 TX_DEVICE float tx_exp2(float x) { return std::exp2(x); }
 TX_DEVICE float tx_log2(float x) { return std::log2(x); }

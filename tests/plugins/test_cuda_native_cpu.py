@@ -171,7 +171,7 @@ def test_fp8_kv_decode_takes_cp_async_tactics_only() -> None:
             == 3 * 2 * 64 * 128 - 64 * 256)  # fmt: skip
 
 
-def test_fp8_conversion_mode_per_dtype_and_format(monkeypatch: pytest.MonkeyPatch, cache_root: Path) -> None:
+def test_fp8_conversion_mode_default_and_override(monkeypatch: pytest.MonkeyPatch, cache_root: Path) -> None:
     """fp8 variants convert with the hardware conversion (TX_FP8_CVT=1) by default;
     TACTIX_CUDA_NATIVE_FP8_CVT (0, 1, 2) sets every fp8 variant's mode (16-bit variants never carry
     it). Each mode compiles for sm_90 and sm_80, to different code on sm_90."""

@@ -440,7 +440,7 @@ def decode_variant(dtype: str, head_dim: int, params: DecodeParams, arch: str, k
         **({"TX_BULK": params.bulk} if params.bulk else {}),  # absent when 0: the variants keep their keys
         **({"TX_TMA": params.tma} if params.tma else {}),
         **({"TX_KV_FP8": fp8} if fp8 else {}),  # absent for 16-bit caches (their variants keep their keys)
-        **({"TX_FP8_CVT": fp8_cvt(dtype, fp8)} if fp8 else {}),
+        **({"TX_FP8_CVT": fp8_cvt()} if fp8 else {}),
     )
 
 
@@ -461,8 +461,7 @@ def _decode_kernel(index: int, dtype: str, d: int, params: DecodeParams, info: D
     """The decode kernel of ``params`` on device ``index``, and whether NVRTC compiled it now."""
     kv_bytes = 1 if kv_dtype in FP8_KV_DTYPES else 2
     smem = decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk, params.tma, kv_bytes)
-    fp8 = FP8_KV_DTYPES.get(kv_dtype, 0)
-    key = ("decode", index, dtype, kv_dtype, d, params, info.arch, fp8 and fp8_cvt(dtype, fp8))
+    key = ("decode", index, dtype, kv_dtype, d, params, info.arch, fp8_cvt())
     return load_kernel(key, lambda: decode_variant(dtype, d, params, info.arch, kv_dtype), "tactix_decode", smem,
                        32 * params.warps, params, index, info)  # fmt: skip
 

@@ -48,19 +48,15 @@ their ``TX_KV_FP8`` value."""
 FP8_CVT_ENV: Final = "TACTIX_CUDA_NATIVE_FP8_CVT"
 
 
-def fp8_cvt(dtype: str, fmt: int) -> int:
-    """The ``TX_FP8_CVT`` mode of an fp8 variant (decode and prefill) with q and out of ``dtype`` over
-    a cache of ``fmt`` (its ``TX_KV_FP8``): how K and V tiles are converted to 16 bits
-    (kernels/fp8.cuh; every mode gives the same values bit for bit). Mode 1, the hardware
-    conversion (below sm_89 the kernel keeps the bit arithmetic), for every pair: on the H200
-    (benchmarks/results/h200-bench-fp8-cvt-session16.json) the integer placement (mode 2) made
-    D1-fp8 1.19x slower under bfloat16 with the kernel of that session. `FP8_CVT_ENV` (0, 1 or 2)
-    sets the mode of every fp8 variant, to compare."""
+def fp8_cvt() -> int:
+    """The ``TX_FP8_CVT`` mode of every fp8 variant (decode and prefill): how K and V tiles are
+    converted to 16 bits (kernels/fp8.cuh; every mode gives the same values bit for bit). Mode 1,
+    the hardware conversion (below sm_89 the kernel keeps the bit arithmetic): on the H200 the
+    integer placement (mode 2) made D1-fp8 slower with both session-16 kernels (311 vs 260 us, then
+    245 vs 201 us: benchmarks/results/h200-bench-fp8-cvt{1,2}-session16-run{1,4}.json).
+    `FP8_CVT_ENV` (0, 1 or 2) sets the mode, to compare."""
     forced = os.environ.get(FP8_CVT_ENV)
-    if forced in ("0", "1", "2"):
-        return int(forced)
-    del dtype, fmt  # one mode for all (measured); the arguments keep a choice per pair possible
-    return 1
+    return int(forced) if forced in ("0", "1", "2") else 1
 
 
 UNIT_SCALES: Final = (1.0, 1.0, 0, 0)

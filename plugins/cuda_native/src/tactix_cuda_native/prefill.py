@@ -563,7 +563,7 @@ def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str,
         TX_STAGES=params.stages,
         **({"TX_MASK": 1} if masked else {}),  # absent without a mask: the variants keep their keys
         **({"TX_KV_FP8": fp8} if fp8 else {}),
-        **({"TX_FP8_CVT": fp8_cvt(dtype, fp8)} if fp8 else {}),
+        **({"TX_FP8_CVT": fp8_cvt()} if fp8 else {}),
         **({"TX_DQK": qk} if qk != head_dim else {}),  # absent for the kernel's own dims: keys unchanged
         **({"TX_DVO": vo} if vo != head_dim else {}),
     )
@@ -607,8 +607,8 @@ def prefill_scalars(problem: PrefillProblem, pack: int) -> tuple[int | float, ..
 def _prefill_kernel(index: int, dtype: str, d: int, params: PrefillParams, info: DeviceInfo, masked: bool,
                     kv_dtype: str, dims: tuple[int, int] | None = None) -> tuple[Kernel, bool]:  # fmt: skip
     """The prefill kernel of ``params`` on device ``index``, and whether NVRTC compiled it now."""
-    fp8 = FP8_KV_DTYPES.get(kv_dtype, 0)
-    key = ("prefill", index, dtype, d, params, info.arch, masked, kv_dtype, fp8 and fp8_cvt(dtype, fp8), dims)
+    fp8 = kv_dtype in FP8_KV_DTYPES
+    key = ("prefill", index, dtype, d, params, info.arch, masked, kv_dtype, fp8 and fp8_cvt(), dims)
     return load_kernel(key, lambda: prefill_variant(dtype, d, params, info.arch, masked, kv_dtype, dims),
                        "tactix_prefill",
                        params.smem_bytes(d, 1 if fp8 else 2), params.threads, params, index, info)  # fmt: skip

@@ -156,6 +156,16 @@ TX_DEVICE u32 fp8_off(int row, int ch) { return (u32)(row * KV_ROW_BYTES + ((ch 
 // kk = L / 16, fragment index i = L % 16 (tig = (i % 8) / 2; i / 8: the fragment's second register;
 // i % 2: the half) maps to byte 4 (kk % 4) + 2 (i / 8) + i % 2 of lane tig's 16 bytes, which start
 // at dim 64 (kk / 4) + 16 tig. Pairs (L even, L + 1) stay adjacent.
+// P V's operands: the kernel's 16-bit type, float16 for fp8 caches (P in [0, 1] is finer in
+// float16, and V's fp8 values are float16 values)
+TX_DEVICE u32 pv_pack2(float lo, float hi) { return FP8 ? tx_pack2_f16(lo, hi) : tx_pack2(lo, hi); }
+TX_DEVICE void pv_mma(float* d, const u32* a, u32 b0, u32 b1) {
+  if (FP8) {
+    tx_mma_f16(d, a, b0, b1);
+  } else {
+    tx_mma(d, a, b0, b1);
+  }
+}
 TX_DEVICE int phys(int L) {
   const int kk = L >> 4, i = L & 15;
   return 64 * (kk >> 2) + 16 * ((i & 7) >> 1) + 4 * (kk & 3) + 2 * (i >> 3) + (i & 1);
@@ -541,30 +551,18 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
 #pragma unroll
     for (int ks = 0; ks < NKS; ++ks) {
       u32 pa[4];
-      if (FP8) {  // P in float16 (in [0, 1]: finer than bfloat16), V's fp8 values too
-        pa[0] = tx_pack2_f16(sc[2 * ks][0], sc[2 * ks][1]);
-        pa[1] = tx_pack2_f16(sc[2 * ks][2], sc[2 * ks][3]);
-        pa[2] = tx_pack2_f16(sc[2 * ks + 1][0], sc[2 * ks + 1][1]);
-        pa[3] = tx_pack2_f16(sc[2 * ks + 1][2], sc[2 * ks + 1][3]);
-      } else {
-        pa[0] = tx_pack2(sc[2 * ks][0], sc[2 * ks][1]);
-        pa[1] = tx_pack2(sc[2 * ks][2], sc[2 * ks][3]);
-        pa[2] = tx_pack2(sc[2 * ks + 1][0], sc[2 * ks + 1][1]);
-        pa[3] = tx_pack2(sc[2 * ks + 1][2], sc[2 * ks + 1][3]);
-      }
+      pa[0] = pv_pack2(sc[2 * ks][0], sc[2 * ks][1]);
+      pa[1] = pv_pack2(sc[2 * ks][2], sc[2 * ks][3]);
+      pa[2] = pv_pack2(sc[2 * ks + 1][0], sc[2 * ks + 1][1]);
+      pa[3] = pv_pack2(sc[2 * ks + 1][2], sc[2 * ks + 1][3]);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         const int row = wrow + ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
         const int ch = dp * 2 + (lane >> 4);
         u32 b0, b1, b2, b3;
         tx_ldmatrix_x4_trans(vb + kv_row(row, ch), b0, b1, b2, b3);
-        if (FP8) {
-          tx_mma_f16(o[2 * dp], pa, b0, b1);
-          tx_mma_f16(o[2 * dp + 1], pa, b2, b3);
-        } else {
-          tx_mma(o[2 * dp], pa, b0, b1);
-          tx_mma(o[2 * dp + 1], pa, b2, b3);
-        }
+        pv_mma(o[2 * dp], pa, b0, b1);
+        pv_mma(o[2 * dp + 1], pa, b2, b3);
       }
     }
 
