@@ -17,8 +17,9 @@
 #                        tactix conformance (2-7 min each)
 #   gpu-rest gpu-cuda_native gpu-trtllm
 #                        tests/gpu by file group (3, 6 and 5 min)
-#   fp8-cvt              the bench's cuda_native fp8 rows with TACTIX_CUDA_NATIVE_FP8_CVT=1 (the hardware
-#                        conversion) and 2 (the integer placement), one after the other (run it alone)
+#   fp8-cvt              the bench's cuda_native fp8 rows (and P1's 16-bit one) with TACTIX_CUDA_NATIVE_FP8_CVT=1
+#                        (the hardware conversion) and 2 (the integer placement), one after the other (run
+#                        it alone; FP8_CVT_CASES picks other cases)
 #   bench-attention      tactix bench on the attention cases (bf16, fp8, V1), FlashInfer anchors
 #   bench-open-models    tactix bench on R1-R3 (ragged, DeepSeek 192/128) and O1 (gpt-oss sinks), anchors
 #   ab                   benchmarks/host_ab.py: plan() and run() host times of an older commit's
@@ -71,7 +72,7 @@ job() {
     gpu-trtllm) t python -m pytest -q -p no:cacheprovider --durations=10 tests/gpu/test_trtllm_gpu.py ;;
     fp8-cvt)
       for mode in 1 2; do  # the hardware conversion against the integer placement (kernels/fp8.cuh)
-        TACTIX_CUDA_NATIVE_FP8_CVT=$mode t python -m tactix bench --cases D1-fp8,D2-fp8,D3-fp8,P1-fp8 \
+        TACTIX_CUDA_NATIVE_FP8_CVT=$mode t python -m tactix bench --cases "${FP8_CVT_CASES:-D1-fp8,D2-fp8,D3-fp8,P1,P1-fp8}" \
           --backends cuda_native --no-tune --no-flashinfer --json "$OUT/bench-fp8-cvt$mode.json" || return 1
       done ;;
     bench-attention) t python -m tactix bench --cases "$ATTENTION" --json "$OUT/bench-attention-h200.json" \

@@ -5,8 +5,8 @@
 #include "prefill_sm90.cu"
 
 extern "C" const char* emu_prefill(unsigned grid, int threads, i64 smem_bytes, int resident, int order,
-                                   unsigned seed, int park, const u16* q, i64 q_st, i64 q_sh, const u16* k,
-                                   const u16* v, i64 k_sp, i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh,
+                                   unsigned seed, int park, const u16* q, i64 q_st, i64 q_sh, const kv_t* k,
+                                   const kv_t* v, i64 k_sp, i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh,
                                    u16* out, float* lse, const int* items, const int* num_items, const int* reqs,
                                    const int* kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups,
                                    i64 page_shift, i64 causal, i64 window_left, double scale_log2, double cap,

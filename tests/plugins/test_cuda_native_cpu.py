@@ -205,27 +205,36 @@ def test_fp8_capabilities() -> None:
     assert not spec.untested
 
 
-def test_fp8_prefill_is_served_by_the_mma_sync_kernel_only() -> None:
-    """With an fp8 cache wgmma tactics are refused with the reason, the default and every tuning
-    candidate are mma.sync, and the variant is the 16-bit one plus TX_KV_FP8 and TX_FP8_CVT; fp8
-    under fp32 q is refused."""
+def test_fp8_prefill_is_served_by_both_kernels_within_shared_memory() -> None:
+    """With an fp8 cache on Hopper the default is the wgmma kernel with a ring that leaves room
+    for the staged fp8 pair (d128: 2 stages, not 3), the tuner measures tactics of both kernels,
+    each within the GPU's shared memory, and one too deep for the staging is refused with its
+    size; the variants are the 16-bit ones plus TX_KV_FP8 and TX_FP8_CVT (the wgmma one with the
+    larger TX_SMEM); fp8 under fp32 q is refused."""
     fp8 = prefill(kv_dtype="float8_e4m3fn")
-    wgmma = tactix.Tactic(backend="cuda_native", kernel="prefill",
-                          params={"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma"})  # fmt: skip
-    assert prefill_op.FP8_NEEDS_SYNC in plugin._reasons(fp8, wgmma, H200)
+    deep = tactix.Tactic(backend="cuda_native", kernel="prefill",
+                         params={"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 3, "mma": "wgmma"})  # fmt: skip
+    assert plugin._reasons(prefill(), deep, H200) == []
+    assert any("bytes of shared memory" in r for r in plugin._reasons(fp8, deep, H200))
     assert plugin._reasons(fp8, tactix.Tactic.default("cuda_native"), H200) == []
-    assert prefill_op.default_params_for(fp8, H200) == prefill_op.default_prefill_params(128, H200, "sync")
-    assert prefill_op.default_params_for(prefill(), H200).mma == "wgmma"
+    default = prefill_op.default_params_for(fp8, H200)
+    assert default == prefill_op.default_prefill_params(128, H200).replace(stages=2) and default.mma == "wgmma"
+    assert plugin._reasons(fp8, default.to_tactic(), H200) == []
     tactics = [PrefillParams.from_tactic(t) for t in prefill_op.prefill_tactics(fp8, H200)]
-    assert len(tactics) >= 4 and all(p.mma == "sync" for p in tactics)
+    assert {p.mma for p in tactics} == {"sync", "wgmma"} and len(tactics) >= 10
+    assert all(p.smem_bytes(128, 1) <= H200.smem_per_block for p in tactics)
+    assert PrefillParams.from_tactic(deep) not in tactics
     bad = prefill(kv_dtype="float8_e4m3fn", q_dtype="float32", out_dtype="float32")
     assert any("takes float16 or bfloat16 q" in r for r in plugin._reasons(bad, tactix.Tactic.default("cuda_native"),
                                                                            H200))  # fmt: skip
-    params = prefill_op.default_prefill_params(128, H200, "sync")
-    plain = dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90").defines)
-    e5m2 = dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90", kv_dtype="float8_e5m2").defines)
-    assert e5m2 == {**plain, "TX_KV_FP8": "2", "TX_FP8_CVT": "1"}
-    assert prefill_op.prefill_smem_bytes(128, 128, 32, 3, kv_bytes=1) < params.smem_bytes(128)
+    for params in (prefill_op.default_prefill_params(128, H200, "sync"), default):
+        plain = dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90").defines)
+        e5m2 = dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90", kv_dtype="float8_e5m2").defines)
+        smem = {"TX_SMEM": str(params.smem_bytes(128, 1))} if params.mma == "wgmma" else {}
+        assert e5m2 == {**plain, "TX_KV_FP8": "2", "TX_FP8_CVT": "1", **smem}
+    assert prefill_op.prefill_smem_bytes(128, 128, 32, 3, kv_bytes=1) < prefill_op.prefill_smem_bytes(128, 128, 32, 3)
+    # wgmma: the ring stays 16-bit and one fp8 (K, V) pair is staged beside it
+    assert default.smem_bytes(128, 1) - default.smem_bytes(128) == 2 * 128 * 128
 
 
 def test_decode_scale_arguments_pass_device_scales_by_address() -> None:
@@ -1165,6 +1174,13 @@ def _prefill_variants() -> list[runtime.Variant]:
                                             "sm_90", masked=True))  # fmt: skip
     variants.add(prefill_op.prefill_variant("bfloat16", 128, prefill_op.default_prefill_params(128, H200, "sync"),
                                             "sm_90", kv_dtype="float8_e4m3fn"))  # fmt: skip
+    # every wgmma candidate with an fp8 cache (the producer converts: its registers are few)
+    fp8 = prefill(kv_dtype="float8_e4m3fn")
+    for d in HEAD_DIMS:
+        for t in prefill_op.prefill_tactics(fp8.model_copy(update={"head_dim_qk": d, "head_dim_vo": d}), H200):
+            p = PrefillParams.from_tactic(t)
+            if p.mma == "wgmma":
+                variants.add(prefill_op.prefill_variant("bfloat16", d, p, "sm_90", kv_dtype="float8_e4m3fn"))
     return sorted(variants, key=lambda v: v.label())
 
 

@@ -676,6 +676,15 @@ FP8_PREFILL_CASES = [
     ([17, 70], [17, 200], {"kv": E5M2, "d": 128, "tactic": {"q_tile": 32, "kv_tile": 32, "warps": 2, "stages": 2},
                            "scales": (1.0, 1.0)}),
     ([5, 40, 1], [60, 300, 1], {"kv": E4M3, "causal": False, "mask": "tree", "scales": (0.5, 2.0)}),
+    # the wgmma kernel (the default above is it too): its producer converts the staged fp8 rows
+    ([1, 70, 3, 129], [1, 130, 40, 129], {"kv": E4M3, "d": 128, "scales": (0.5, 2.0), "tactic": _WG}),
+    ([5, 33, 0, 17], [60, 290, 9, 17], {"kv": E5M2, "dtype": torch.float16, "d": 128, "causal": False,
+                                         "window": 70, "cap": 20.0, "page": 1, "layout": "NHD", "scales": (0.25, 0.5),
+                                         "tensor": True, "tactic": {**_WG, "persist": 1, "pingpong": 1}}),
+    ([40, 2], [300, 2], {"kv": E5M2, "d": 256, "hq": 8, "hkv": 8, "scales": (2.0, 0.25),
+                         "tactic": {**_WG, "kv_tile": 64}}),
+    ([17, 70, 130], [17, 200, 500], {"kv": E4M3, "tactic": {**_WG, "q_tile": 64, "kv_tile": 64, "warps": 4},
+                                     "scales": (0.5, 1.0)}),
     # 16-bit caches with scales: every prefill kernel applies them, the wgmma one too
     ([1, 70, 3, 129], [1, 130, 40, 129], {"kv": torch.bfloat16, "scales": (0.5, 2.0), "tensor": True}),
     ([1, 70, 3, 129], [1, 130, 40, 129], {"kv": torch.bfloat16, "d": 128, "scales": (0.25, 3.0), "tactic": _WG}),
@@ -684,11 +693,11 @@ FP8_PREFILL_CASES = [
 
 @pytest.mark.parametrize(("q_lens", "kv_lens", "kw"), FP8_PREFILL_CASES)
 def test_emulated_fp8_kv_prefill(q_lens: list[int], kv_lens: list[int], kw: dict[str, Any]) -> None:
-    """The mma.sync prefill kernel over fp8 caches (e4m3fn, e5m2; bf16 and fp16 q) against the
-    float64 oracle with the same scales, as floats and as one-element tensors (a new value is
-    read by the next launch): causal and not, a window, the soft cap, d 64 to 256, GQA packing,
-    four tile shapes, a tree mask, 448 in the slots no request owns; and 16-bit caches with
-    scales on both kernels."""
+    """Both prefill kernels over fp8 caches (e4m3fn, e5m2; bf16 and fp16 q) against the float64
+    oracle with the same scales, as floats and as one-element tensors (a new value is read by
+    the next launch): causal and not, a window, the soft cap, d 64 to 256, GQA packing, tile
+    shapes of both (wgmma: one and two consumer warpgroups, persistent and ping-pong), a tree
+    mask, 448 in the slots no request owns; and 16-bit caches with scales on both kernels."""
     gen = torch.Generator().manual_seed(7)
     d, page, layout = kw.get("d", 64), kw.get("page", 16), kw.get("layout", "HND")
     hq, hkv, dtype, kv = kw.get("hq", 8), kw.get("hkv", 2), kw.get("dtype", torch.bfloat16), kw["kv"]

@@ -111,7 +111,9 @@ class PrefillParams(TacticParams):
     def smem_bytes(self, head_dim: int, kv_bytes: int = 2) -> int:
         return prefill_smem_bytes(head_dim, self.q_tile, self.kv_tile, self.stages, self.mma, kv_bytes)
 
-    def reasons(self, head_dim: int, info: DeviceInfo, gqa: int | None = None) -> list[str]:
+    def reasons(self, head_dim: int, info: DeviceInfo, gqa: int | None = None, kv_bytes: int = 2) -> list[str]:
+        """Why these parameters cannot run at ``head_dim`` on a GPU like ``info`` (empty: they can);
+        ``gqa``: the problem's GQA group size where known, ``kv_bytes``: 1 for an fp8 cache."""
         if self.mma not in PREFILL_MMAS:
             return [f"mma must be 'sync' or 'wgmma' (got {self.mma!r})"]
         out = self._wgmma_reasons(head_dim, info) if self.mma == "wgmma" else self._sync_reasons()
@@ -149,7 +151,7 @@ class PrefillParams(TacticParams):
                         f"O, S and P need {regs} registers per consumer thread (kv_tile {self.kv_tile}, head dim "
                         f"{head_dim}); at most {WGMMA_ACCUMULATORS} fit with mma 'wgmma'"
                     )
-            smem = self.smem_bytes(head_dim)
+            smem = self.smem_bytes(head_dim, kv_bytes)
             if smem > info.smem_per_block:
                 out.append(f"needs {smem} bytes of shared memory; this GPU allows {info.smem_per_block} per CTA")
         return out
@@ -190,11 +192,13 @@ def prefill_smem_bytes(head_dim: int, q_tile: int, kv_tile: int, stages: int, mm
                        kv_bytes: int = 2) -> int:  # fmt: skip
     """Dynamic shared memory of the prefill kernel (see the layouts in kernels/prefill.cu and
     kernels/prefill_sm90.cu: for wgmma, Q + stages x (K, V) tiles + a K and a V row pointer per
-    key of a tile + four mbarriers per stage). ``kv_bytes`` 1 (an fp8 cache, mma.sync): the ring
-    holds fp8 rows and one converted 16-bit (K, V) pair follows it."""
+    key of a tile + four mbarriers per stage). ``kv_bytes`` 1 (an fp8 cache): for mma.sync the ring
+    holds fp8 rows and one converted 16-bit (K, V) pair follows it; for wgmma the ring holds the
+    converted 16-bit tiles and one staged fp8 (K, V) pair follows it."""
     row = head_dim * 2
     if mma == "wgmma":
-        return q_tile * row + stages * 2 * kv_tile * row + kv_tile * 16 + 4 * stages * 8
+        staged = 2 * kv_tile * head_dim if kv_bytes == 1 else 0
+        return q_tile * row + stages * 2 * kv_tile * row + staged + kv_tile * 16 + 4 * stages * 8
     ring = stages * 2 * kv_tile * head_dim * kv_bytes + (2 * kv_tile * row if kv_bytes == 1 else 0)
     return q_tile * row + ring + stages * 2 * kv_tile * 8 + q_tile * 8 + 32
 
@@ -235,15 +239,19 @@ worse than the hardware's dispatch of one CTA per item (P2, 32.5 tiles: 547 agai
 
 
 @functools.lru_cache(maxsize=256)  # plans ask per batch; the parameters are immutable
-def default_prefill_params(head_dim: int, info: DeviceInfo, mma: str | None = None) -> PrefillParams:
-    """The heuristic tactic: on Hopper the wgmma kernel (`_WGMMA_DEFAULTS`); elsewhere, or with
-    ``mma="sync"``, the mma.sync kernel with 4 warps, 32 rows per warp where the accumulators fit
-    (d64, d128), the deepest ring that still leaves two CTAs per SM; smaller tiles where shared
-    memory is short."""
+def default_prefill_params(head_dim: int, info: DeviceInfo, mma: str | None = None,
+                           kv_bytes: int = 2) -> PrefillParams:  # fmt: skip
+    """The heuristic tactic: on Hopper the wgmma kernel (`_WGMMA_DEFAULTS`; with an fp8 cache,
+    ``kv_bytes`` 1, the ring one stage shallower where the staged fp8 pair does not fit beside
+    it); elsewhere, or with ``mma="sync"``, the mma.sync kernel with 4 warps, 32 rows per warp
+    where the accumulators fit (d64, d128), the deepest ring that still leaves two CTAs per SM;
+    smaller tiles where shared memory is short."""
     shape = _WGMMA_DEFAULTS.get(head_dim)
     if shape is not None and (mma == "wgmma" or (mma is None and info.arch in WGMMA_ARCHS)):
         params = _shape(shape, mma="wgmma", pingpong=int(head_dim in _WGMMA_PINGPONG))
-        if mma == "wgmma" or not params.reasons(head_dim, info):
+        while params.stages > 2 and params.smem_bytes(head_dim, kv_bytes) > info.smem_per_block:
+            params = params.replace(stages=params.stages - 1)
+        if mma == "wgmma" or not params.reasons(head_dim, info, kv_bytes=kv_bytes):
             return params
     q_tile, kv_tile, warps, stages = _PREFILL_DEFAULTS.get(head_dim, (64, 32, 4, 2))
     while stages > 2 and prefill_smem_bytes(head_dim, q_tile, kv_tile, stages) > info.smem_per_block:
@@ -277,14 +285,14 @@ _WGMMA_SHAPES: Final = {
 }
 
 
-def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1) -> list[PrefillParams]:
+def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1, kv_bytes: int = 2) -> list[PrefillParams]:
     """The tactic space the tuner explores: mma.sync tile shapes, wgmma tile shapes (on Hopper),
     then the default's with one head per CTA and with work in request order, then (on Hopper)
     the wgmma shapes with persistent CTAs and with the warpgroups' ping-pong (every entry valid
-    for ``head_dim`` on ``info``)."""
+    for ``head_dim`` on ``info`` with a cache of ``kv_bytes`` per element)."""
     out = [_shape(shape) for shape in _PREFILL_SHAPES.get(head_dim, [])]
     out += [_shape(shape, mma="wgmma") for shape in _WGMMA_SHAPES.get(head_dim, [])]
-    base = default_prefill_params(head_dim, info)
+    base = default_prefill_params(head_dim, info, kv_bytes=kv_bytes)
     shape = (base.q_tile, base.kv_tile, base.warps, base.stages)
     if gqa > 1:
         out.append(_shape(shape, pack=1, mma=base.mma))
@@ -300,7 +308,7 @@ def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1) -> list[Pr
     if base.pingpong:  # the default's persistent form with the whole batch longest first (rounds back and forth)
         out.append(_shape(shape, sched=2, mma="wgmma", persist=1, pingpong=1))
     unique = list(dict.fromkeys(out))
-    return [p for p in unique if not p.reasons(head_dim, info, gqa)]
+    return [p for p in unique if not p.reasons(head_dim, info, gqa, kv_bytes)]
 
 
 def prefill_default_persist(params: PrefillParams, tiles: list[int], head_dim: int, info: DeviceInfo) -> PrefillParams:
@@ -451,28 +459,28 @@ def prefill_reasons(problem: PrefillProblem, tactic: Tactic, info: DeviceInfo) -
         return [*out, params]
     if problem.custom_mask and params.mma == "wgmma":
         out.append(MASK_NEEDS_SYNC)
-    if problem.kv_dtype in FP8_KV_DTYPES and params.mma == "wgmma":
-        out.append(FP8_NEEDS_SYNC)
     d = kernel_head_dim(problem)
     if padded(problem) and params.mma == "wgmma":
         out.append(PADDED_NEEDS_SYNC.format(qk=problem.head_dim_qk, vo=problem.head_dim_vo, d=d))
     if max(problem.head_dim_qk, problem.head_dim_vo) > d or problem.head_dim_qk % 16 or problem.head_dim_vo % 16:
         out.append(f"head dims {problem.head_dim_qk}/{problem.head_dim_vo}: multiples of 16 up to {max(HEAD_DIMS)}")
-    return out + params.reasons(d, info, problem.gqa_ratio)
+    return out + params.reasons(d, info, problem.gqa_ratio, kv_bytes(problem))
 
 
 MASK_NEEDS_SYNC: Final = (
     "custom masks are read by the mma.sync kernel only (tactic mma 'sync'); the wgmma kernel takes none"
 )
-FP8_NEEDS_SYNC: Final = (
-    "fp8 KV caches are read by the mma.sync kernel only (tactic mma 'sync'); the wgmma kernel reads 16-bit caches"
-)
+
+
+def kv_bytes(problem: PrefillProblem) -> int:
+    """Bytes of one cache element: 1 for an fp8 cache, else 2."""
+    return 1 if problem.kv_dtype in FP8_KV_DTYPES else 2
 
 
 def sync_only(problem: PrefillProblem) -> bool:
-    """Whether only the mma.sync kernel serves ``problem`` (a custom mask, an fp8 cache, head
-    dims it runs zero-filled: `kernel_head_dim`)."""
-    return problem.custom_mask or problem.kv_dtype in FP8_KV_DTYPES or padded(problem)
+    """Whether only the mma.sync kernel serves ``problem`` (a custom mask, head dims it runs
+    zero-filled: `kernel_head_dim`)."""
+    return problem.custom_mask or padded(problem)
 
 
 def kernel_head_dim(problem: PrefillProblem) -> int:
@@ -500,20 +508,21 @@ PADDED_NEEDS_SYNC: Final = (
 
 def default_params_for(problem: PrefillProblem, info: DeviceInfo) -> PrefillParams:
     """The default tactic's parameters for ``problem`` (before `prefill_default_persist` looks at
-    the batch): `default_masked_prefill_params` with a custom mask, the mma.sync default with an fp8
-    cache, else `default_prefill_params`."""
+    the batch): `default_masked_prefill_params` with a custom mask, else `default_prefill_params`
+    (the mma.sync one for head dims run zero-filled; with an fp8 cache its shared memory)."""
     d = kernel_head_dim(problem)
     if problem.custom_mask:
         return default_masked_prefill_params(d, info)
-    return default_prefill_params(d, info, "sync" if sync_only(problem) else None)
+    return default_prefill_params(d, info, "sync" if sync_only(problem) else None, kv_bytes(problem))
 
 
 def prefill_tactics(problem: PrefillProblem, info: DeviceInfo) -> list[Tactic]:
-    """The tactics the tuner measures for ``problem``; with an fp8 cache the mma.sync ones, with a
-    custom mask those with one m16 tile a warp (`default_masked_prefill_params`: with two the masked
+    """The tactics the tuner measures for ``problem``: those whose shared memory holds its cache
+    (fp8: `prefill_smem_bytes`); with head dims run zero-filled the mma.sync ones, with a custom
+    mask those with one m16 tile a warp (`default_masked_prefill_params`: with two the masked
     variants spill)."""
     d = kernel_head_dim(problem)
-    candidates = prefill_candidates(d, info, problem.gqa_ratio)
+    candidates = prefill_candidates(d, info, problem.gqa_ratio, kv_bytes(problem))
     if problem.custom_mask:
         masked = [p for p in candidates if p.mma == "sync" and p.m_tiles == 1]
         default = default_masked_prefill_params(d, info)
@@ -534,11 +543,11 @@ def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str,
     ``dtype``: q's and out's (and the cache's, unless ``kv_dtype`` is an fp8 dtype: ``TX_KV_FP8``);
     ``masked``: the variant that reads a custom mask (``TX_MASK``); ``dims``: the problem's q/k and
     v/o head dims where they are not both ``head_dim`` (zero-filled to it: ``TX_DQK``, ``TX_DVO``).
-    Those three mma.sync only."""
+    Those two mma.sync only."""
     fp8 = FP8_KV_DTYPES.get(kv_dtype or dtype, 0)
     qk, vo = dims if dims is not None else (head_dim, head_dim)
     if params.mma == "wgmma":
-        assert not masked and not fp8 and qk == vo == head_dim, "a custom mask, an fp8 cache or padding needs 'sync'"
+        assert not masked and qk == vo == head_dim, "a custom mask or padding needs 'sync'"
         return Variant.make(
             "prefill_sm90.cu",
             wgmma_arch(arch),
@@ -547,10 +556,11 @@ def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str,
             TX_QTILE=params.q_tile,
             TX_KVTILE=params.kv_tile,
             TX_STAGES=params.stages,
-            TX_SMEM=params.smem_bytes(head_dim),  # the kernel asserts that its layout has this size
+            TX_SMEM=params.smem_bytes(head_dim, 1 if fp8 else 2),  # the kernel asserts that its layout has this size
             **({"TX_PERSIST": 1} if params.persist else {}),  # absent when 0: default variants keep their keys
             **({"TX_PINGPONG": 1} if params.pingpong else {}),
             **({"TX_SNAKE": 1} if params.persist and params.sched == 2 else {}),  # sorted over the batch
+            **({"TX_KV_FP8": fp8, "TX_FP8_CVT": fp8_cvt()} if fp8 else {}),
         )
     return Variant.make(
         "prefill.cu",

@@ -47,7 +47,20 @@
 // is computed by one CTA in a fixed order.
 //
 // Shared memory (dynamic, 1024-byte aligned): [Q: TX_QTILE rows] [stages x (K tile, V tile)]
-// [row pointers: TX_KVTILE x (K, V)] [mbarriers: 4 x stages] (prefill.prefill_smem_bytes).
+// [TX_KV_FP8: one staged fp8 (K, V) pair] [row pointers: TX_KVTILE x (K, V)] [mbarriers: 4 x stages]
+// (prefill.prefill_smem_bytes).
+//
+// TX_KV_FP8 (1: e4m3fn, 2: e5m2): an fp8 KV cache under 16-bit q and out. wgmma reads 16-bit
+// operands from shared memory, so the producer converts: each producer thread copies its own
+// 16-byte chunks of a tile's fp8 rows (16 keys' values of one row, unswizzled) into the staging
+// pair with cp.async, waits for its own copies (cp.async.wait_group: no other thread reads them),
+// converts them exactly (kernels/fp8.cuh) into the two 16-bit chunks of the ring's swizzled tile
+// once the consumers have released that slot, fences the stores for the async proxy and arrives
+// on the slot's "full" mbarrier. K of tile i + 1 is copied as soon as K of tile i is converted
+// (and V likewise), so the copy of the next tile is in flight while the ring's slots wait for
+// the consumers; the consumers are unchanged (the scales are folded into the softmax scale and
+// the output's 1 / l). The two 16-bit chunks of a thread go out in an order that keeps every
+// quarter-warp's stores on distinct bank groups.
 //
 // TX_PERSIST=1 (tactic param persist): persistent CTAs. The grid is what the GPU holds at once;
 // CTA b walks virtual CTAs (item x head group) b, b + gridDim.x, ... with the K/V ring, its
@@ -60,12 +73,13 @@
 // softmax of S while the other's GEMMs run (see the loop).
 //
 // Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_QTILE (64, 128), TX_KVTILE (64, 128),
-// TX_STAGES (2..4), TX_PERSIST, TX_PINGPONG, TX_SNAKE, TX_SMEM (optional: the size the host computed,
+// TX_STAGES (2..4), TX_PERSIST, TX_PINGPONG, TX_SNAKE, TX_KV_FP8, TX_FP8_CVT (see fp8.cuh), TX_SMEM (optional: the size the host computed,
 // checked against the layout). One kernel serves every combination of the options: a second copy
 // once kept for the case of neither was measured on the H200 to be no faster (B/A 0.992-0.997 on
 // P1 and P3, identical outputs: benchmarks/results/h200-prefill-kernel-ab.json) and removed.
 // Needs sm_90a (wgmma); kernels/prefill.cu serves other GPUs.
 #include "common.cuh"
+#include "fp8.cuh"
 
 #ifndef TX_D
 #error "TX_D must be defined"
@@ -105,8 +119,13 @@ constexpr int WG_Q_BYTES = 64 * ROW_BYTES;
 constexpr int Q_BYTES = BQ * ROW_BYTES;
 constexpr int TILE_BYTES = BK * ROW_BYTES;
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;
+constexpr bool FP8 = TX_KV_FP8 != 0;
+constexpr int CH8 = D / 16;                  // fp8: 16-byte chunks per cache row
+constexpr int RPI8 = 32 / CH8;               // fp8: rows per producer warp instruction
+constexpr int STG_TILE = BK * D;             // fp8: a staged tile, rows as copied
 constexpr int RING = Q_BYTES;                           // offsets in dynamic shared memory
-constexpr int ROWP = RING + STAGES * STAGE_BYTES;       // [BK][2] row pointers (K, V)
+constexpr int STG = RING + STAGES * STAGE_BYTES;        // fp8: the staged (K, V) pair
+constexpr int ROWP = STG + (FP8 ? 2 * STG_TILE : 0);    // [BK][2] row pointers (K, V)
 constexpr int BARS = ROWP + BK * 16;                    // [4][STAGES] mbarriers
 constexpr int FULL_K = 0, FULL_V = 1, EMPTY_K = 2, EMPTY_V = 3;
 constexpr int RW = BK / 4;                   // rows of a tile per producer warp
@@ -122,7 +141,7 @@ constexpr int MIN_CTAS = TWO_CTAS ? 2 : 1;
 // TX_PERSIST with 128-key tiles at d128 (a producer warp gathers 32 rows of 256 bytes a tile): the
 // producer's loop over items needs 16 more (56); the two consumer warpgroups give 8 each (224).
 // (With one consumer warpgroup that leaves it too few: PrefillParams.reasons refuses q_tile 64 there.)
-constexpr int PRODUCER_REGS = PERSIST && BK == 128 && D == 128 ? 56 : 40;
+constexpr int PRODUCER_REGS = (PERSIST && BK == 128 && D == 128) ? 56 : 40;
 constexpr int CONSUMER_REGS = (CWG == 2 ? 232 : 216) - (PRODUCER_REGS - 40) / CWG;
 constexpr float LN2 = 0.6931471805599453f;
 constexpr float LOG2E = 1.4426950408889634f;
@@ -134,6 +153,8 @@ static_assert(BK == 64 || BK == 128, "TX_KVTILE must be 64 or 128");
 static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 stages");
 static_assert(!PINGPONG || CWG == 2, "TX_PINGPONG needs two consumer warpgroups (TX_QTILE 128)");
 static_assert(CH <= 32 && RW % RPI == 0 && RW <= 32, "whole rows per producer warp pass, one key per lane");
+static_assert(TX_KV_FP8 >= 0 && TX_KV_FP8 <= 2, "TX_KV_FP8: 0 (16-bit cache), 1 (e4m3fn) or 2 (e5m2)");
+static_assert(!FP8 || RW % RPI8 == 0, "fp8: whole rows per producer warp pass");
 static_assert(!REBALANCE || PRODUCER_REGS + CWG * CONSUMER_REGS <= (CWG + 1) * LAUNCH_REGS,
               "the register hand-over must balance");
 #ifdef TX_SMEM  // the dynamic shared memory the plan launches with (prefill.prefill_smem_bytes)
@@ -180,7 +201,7 @@ TX_DEVICE Item load_item(int v, int hgs, const int* __restrict__ items, const in
 }
 
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
-    const u16* __restrict__ q, i64 q_st, i64 q_sh, const u16* __restrict__ k, const u16* __restrict__ v, i64 k_sp,
+    const u16* __restrict__ q, i64 q_st, i64 q_sh, const kv_t* __restrict__ k, const kv_t* __restrict__ v, i64 k_sp,
     i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh, u16* __restrict__ out, float* __restrict__ lse,
     const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ reqs,
     const int* __restrict__ kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups, i64 page_shift,
@@ -236,7 +257,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     const int pshift = (int)page_shift, pmask = (1 << pshift) - 1;
     // warp pw gathers rows [pw RW, (pw + 1) RW) of every tile (lane pw RW + lane looks up its
     // page); lane copies chunk `ch` of rows it * RPI + h of them
-    const u16** rowp = reinterpret_cast<const u16**>(smem + ROWP) + 2 * pw * RW;
+    const kv_t** rowp = reinterpret_cast<const kv_t**>(smem + ROWP) + 2 * pw * RW;
     const int h = lane / CH, ch = lane % CH;
     int g = 0;  // tiles issued so far (over every item of this CTA): the ring position
     for (int u = vc0; u < uend; u += vstep) {
@@ -245,8 +266,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
       const Item it = PERSIST ? load_item(vc, hgs, items, reqs, P, win, is_causal) : it0;
       // (persistent: as 32-bit offsets, the producer's registers are few and the loop over items needs some)
       const int hk = it.head0 / (int)gqa, page_base = it.page_base;
-      const u16* kh = k + (PERSIST ? 0 : hk * k_sh);
-      const u16* vh = v + (PERSIST ? 0 : hk * v_sh);
+      const kv_t* kh = k + (PERSIST ? 0 : hk * k_sh);
+      const kv_t* vh = v + (PERSIST ? 0 : hk * v_sh);
       const int* pages = kv_indices + (PERSIST ? 0 : page_base);
       const int pbase = PERSIST ? page_base : 0;
       const i64 hk_k = PERSIST ? hk * k_sh : 0, hk_v = PERSIST ? hk * v_sh : 0;
@@ -254,6 +275,79 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
       const int key0 = it.kv_lo + pw * RW + lane;  // this lane's key in tile 0
       int pg = 0;
       if (ntiles > 0 && lane < RW) pg = __ldg(pages + pbase + (min(key0, kv_hi - 1) >> pshift));
+      if constexpr (FP8) {
+        // lane copies and converts chunk c8 of rows it2 * RPI8 + h8 of the warp's RW rows
+        const int h8 = lane / CH8, c8 = lane % CH8;
+        const int flip = (c8 >> 2) & 1;  // the 16-bit chunk stored first: 2 c8 + flip
+        // the row pointers of tile i (the page of its key in pg, the next tile's page loaded)
+        auto set_rows = [&](int i) {
+          __syncwarp();  // every lane is done reading the previous tile's row pointers
+          if (lane < RW) {
+            const int in = min(key0 + i * BK, kv_hi - 1) & pmask;
+            rowp[2 * lane] = kh + hk_k + (i64)pg * k_sp + in * k_st;
+            rowp[2 * lane + 1] = vh + hk_v + (i64)pg * v_sp + in * v_st;
+            if (i + 1 < ntiles) pg = __ldg(pages + pbase + (min(key0 + (i + 1) * BK, kv_hi - 1) >> pshift));
+          }
+          __syncwarp();
+        };
+        // this thread's chunks of the K (half 0) or V (1) rows of the tile set_rows set, into the
+        // staged pair: one cp.async group
+        auto stage = [&](int half) {
+#pragma unroll
+          for (int it2 = 0; it2 < RW / RPI8; ++it2) {
+            const int r = it2 * RPI8 + h8;
+            tx_cp_async16(base + STG + half * STG_TILE + (pw * RW + r) * D + c8 * 16, rowp[2 * r + half] + c8 * 16, 16);
+          }
+          tx_cp_async_commit();
+        };
+        // this thread's staged chunks of `half`, converted into the ring's tile at `dst`, fenced for wgmma
+        auto convert = [&](int half, int dst) {
+#pragma unroll 2  // (unrolled further, the conversion needs more registers than the producer keeps)
+          for (int it2 = 0; it2 < RW / RPI8; ++it2) {
+            const int r = pw * RW + it2 * RPI8 + h8;
+            const tx_u4 in = *reinterpret_cast<const tx_u4*>(smem + STG + half * STG_TILE + r * D + c8 * 16);
+            tx_u4 lo, hi;
+            tx_fp8x4_to_16<TX_KV_FP8>(in.x, lo.x, lo.y);
+            tx_fp8x4_to_16<TX_KV_FP8>(in.y, lo.z, lo.w);
+            tx_fp8x4_to_16<TX_KV_FP8>(in.z, hi.x, hi.y);
+            tx_fp8x4_to_16<TX_KV_FP8>(in.w, hi.z, hi.w);
+            *reinterpret_cast<tx_u4*>(smem + dst + sw128(r, 2 * c8 + flip, BK)) = flip ? hi : lo;
+            *reinterpret_cast<tx_u4*>(smem + dst + sw128(r, 2 * c8 + 1 - flip, BK)) = flip ? lo : hi;
+          }
+          tx_fence_proxy_async();
+        };
+        if (ntiles > 0) {
+          set_rows(0);
+          stage(0);
+          stage(1);
+        }
+        for (int i = 0; i < ntiles; ++i, ++g) {
+          const int s = g % STAGES;
+          const u32 parity = ((g / STAGES) & 1) ^ 1;  // the consumers' release of this slot's previous tile
+          const bool more = i + 1 < ntiles;
+          tx_cp_async_wait<1>();  // K of tile i has landed (V of tile i may still be in flight)
+          tx_mbar_wait(bars + 8 * (EMPTY_K * STAGES + s), parity);
+          convert(0, RING + s * STAGE_BYTES);
+          tx_mbar_arrive(bars + 8 * (FULL_K * STAGES + s));
+          if (more) {
+            set_rows(i + 1);
+            stage(0);
+          } else {
+            tx_cp_async_commit();  // (an empty group: one group per half and tile)
+          }
+          tx_cp_async_wait<1>();  // V of tile i (K of tile i + 1 may still be in flight)
+          tx_mbar_wait(bars + 8 * (EMPTY_V * STAGES + s), parity);
+          convert(1, RING + s * STAGE_BYTES + TILE_BYTES);
+          tx_mbar_arrive(bars + 8 * (FULL_V * STAGES + s));
+          if (more) {
+            stage(1);
+          } else {
+            tx_cp_async_commit();
+          }
+        }
+        if (!PERSIST) break;
+        continue;
+      }
       for (int i = 0; i < ntiles; ++i, ++g) {
         const int s = g % STAGES;
         const u32 parity = ((g / STAGES) & 1) ^ 1;  // the consumers' release of this slot's previous tile
