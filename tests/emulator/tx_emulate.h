@@ -96,6 +96,7 @@ struct WgOp {    // one wgmma.mma_async as a thread issued it
   const u32* a;  // this thread's 4 A registers, or null: A from shared memory (desc_a)
   u64 desc_a, desc_b;
   int scale_d, trans_b;
+  int f16;  // the operands are float16 whatever TX_BF16 says (tx_wgmma_rs_t_f16)
 };
 
 constexpr size_t STACK_BYTES = 256 * 1024;
@@ -685,6 +686,8 @@ inline void mbar_settle(MBar& b) {
 // d (+)= A * B for the 128 threads of a warpgroup: ops[t] is thread t's record of the same wgmma
 inline u32 swizzle128(u32 addr) { return addr ^ (((addr >> 7) & 7) << 4); }
 
+inline bool wg_f16 = false;  // the wgmma being run reads float16 operands (tx_wgmma_rs_t_f16)
+
 inline float smem_elem(u32 addr) {
   if (addr + 2 > smem_size) {
     fail("wgmma: operand outside the launch's dynamic shared memory");
@@ -692,13 +695,7 @@ inline float smem_elem(u32 addr) {
   }
   u16 h;
   std::memcpy(&h, smem + addr, 2);
-#if TX_BF16
-  return from_bits(((u32)h) << 16);
-#else
-  _Float16 x;
-  std::memcpy(&x, &h, 2);
-  return (float)x;
-#endif
+  return wg_f16 ? tx_f16_to_float(h) : tx_emu_half_to_float(h);
 }
 
 struct Desc {
@@ -721,17 +718,18 @@ inline float mn_major(const Desc& d, int k, int n) {
   return smem_elem(swizzle128(d.start + (n / 64) * d.lbo + (k / 8) * d.sbo + (k % 8) * 128 + 2 * (n % 64)));
 }
 
-inline float half_lo(u32 v) { return tx_emu_half_to_float((u16)(v & 0xffff)); }
-inline float half_hi(u32 v) { return tx_emu_half_to_float((u16)(v >> 16)); }
+inline float half_lo(u32 v) { return wg_f16 ? tx_f16_to_float((u16)(v & 0xffff)) : tx_emu_half_to_float((u16)(v & 0xffff)); }
+inline float half_hi(u32 v) { return wg_f16 ? tx_f16_to_float((u16)(v >> 16)) : tx_emu_half_to_float((u16)(v >> 16)); }
 
 inline void wgmma_run(const WgOp* ops) {
   const WgOp& op = ops[0];
   for (int t = 1; t < 128; ++t) {
     const WgOp& o = ops[t];
     if (o.n != op.n || (o.a == nullptr) != (op.a == nullptr) || o.desc_b != op.desc_b || o.trans_b != op.trans_b ||
-        (op.a == nullptr && o.desc_a != op.desc_a) || o.scale_d != op.scale_d)
+        (op.a == nullptr && o.desc_a != op.desc_a) || o.scale_d != op.scale_d || o.f16 != op.f16)
       return fail("wgmma: the threads of a warpgroup issued different operations");
   }
+  wg_f16 = op.f16 != 0;
   static float A[64][16], B[16][256];
   if (op.a == nullptr) {
     const Desc da = decode(op.desc_a);
@@ -820,11 +818,15 @@ TX_DEVICE void tx_reg_fence(u32&) {}
 TX_DEVICE void tx_wgmma_fence() {}
 template <int N>
 TX_DEVICE void tx_wgmma_ss(float* d, u64 desc_a, u64 desc_b, int scale_d) {
-  txe::cur->wg_open.push_back({N, d, nullptr, desc_a, desc_b, scale_d, 0});
+  txe::cur->wg_open.push_back({N, d, nullptr, desc_a, desc_b, scale_d, 0, 0});
 }
 template <int N>
 TX_DEVICE void tx_wgmma_rs_t(float* d, const u32* a, u64 desc_b, int scale_d) {
-  txe::cur->wg_open.push_back({N, d, a, 0, desc_b, scale_d, 1});
+  txe::cur->wg_open.push_back({N, d, a, 0, desc_b, scale_d, 1, 0});
+}
+template <int N>
+TX_DEVICE void tx_wgmma_rs_t_f16(float* d, const u32* a, u64 desc_b, int scale_d) {
+  txe::cur->wg_open.push_back({N, d, a, 0, desc_b, scale_d, 1, 1});
 }
 TX_DEVICE void tx_wgmma_commit() {
   txe::cur->wg_groups.push_back(std::move(txe::cur->wg_open));

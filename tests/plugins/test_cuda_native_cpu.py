@@ -230,11 +230,14 @@ def test_fp8_prefill_is_served_by_both_kernels_within_shared_memory() -> None:
     for params in (prefill_op.default_prefill_params(128, H200, "sync"), default):
         plain = dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90").defines)
         e5m2 = dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90", kv_dtype="float8_e5m2").defines)
-        smem = {"TX_SMEM": str(params.smem_bytes(128, 1))} if params.mma == "wgmma" else {}
+        smem = {"TX_SMEM": str(params.smem_bytes(128, 1)), "TX_STAGED": "2"} if params.mma == "wgmma" else {}
         assert e5m2 == {**plain, "TX_KV_FP8": "2", "TX_FP8_CVT": "1", **smem}
     assert prefill_op.prefill_smem_bytes(128, 128, 32, 3, kv_bytes=1) < prefill_op.prefill_smem_bytes(128, 128, 32, 3)
-    # wgmma: the ring stays 16-bit and one fp8 (K, V) pair is staged beside it
-    assert default.smem_bytes(128, 1) - default.smem_bytes(128) == 2 * 128 * 128
+    # wgmma: the ring stays 16-bit and fp8 (K, V) pairs are staged beside it, two where they fit
+    assert prefill_op.fp8_staged_pairs(128, 128, 128, 2) == 2 and prefill_op.fp8_staged_pairs(256, 128, 64, 2) == 1
+    assert default.smem_bytes(128, 1) - default.smem_bytes(128) == 2 * 2 * 128 * 128
+    assert dict(prefill_op.prefill_variant("bfloat16", 128, default, "sm_90", kv_dtype="float8_e4m3fn").defines)[
+        "TX_STAGED"] == "2"  # fmt: skip
 
 
 def test_decode_scale_arguments_pass_device_scales_by_address() -> None:

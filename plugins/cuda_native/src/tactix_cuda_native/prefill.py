@@ -197,10 +197,24 @@ def prefill_smem_bytes(head_dim: int, q_tile: int, kv_tile: int, stages: int, mm
     converted 16-bit tiles and one staged fp8 (K, V) pair follows it."""
     row = head_dim * 2
     if mma == "wgmma":
-        staged = 2 * kv_tile * head_dim if kv_bytes == 1 else 0
+        staged = fp8_staged_pairs(head_dim, q_tile, kv_tile, stages) * 2 * kv_tile * head_dim if kv_bytes == 1 else 0
         return q_tile * row + stages * 2 * kv_tile * row + staged + kv_tile * 16 + 4 * stages * 8
     ring = stages * 2 * kv_tile * head_dim * kv_bytes + (2 * kv_tile * row if kv_bytes == 1 else 0)
     return q_tile * row + ring + stages * 2 * kv_tile * 8 + q_tile * 8 + 32
+
+
+def fp8_staged_pairs(head_dim: int, q_tile: int, kv_tile: int, stages: int) -> int:
+    """Staged fp8 (K, V) pairs of the wgmma kernel over an fp8 cache (kernels/prefill_sm90.cu,
+    TX_STAGED): two where they fit beside Q and the 16-bit ring in a Hopper CTA's shared memory
+    (`HOPPER_SMEM_PER_BLOCK`), else one. (With one, the copy of the next tile waits for the
+    conversion of the last: P1 on the H200 ran at 0.73x the 16-bit cache's rate.)"""
+    row = head_dim * 2
+    fixed = q_tile * row + stages * 2 * kv_tile * row + kv_tile * 16 + 4 * stages * 8
+    return 2 if fixed + 2 * 2 * kv_tile * head_dim <= HOPPER_SMEM_PER_BLOCK else 1
+
+
+HOPPER_SMEM_PER_BLOCK: Final = 232448
+"""The dynamic shared memory an sm_90 CTA may opt into (227 KB): what the wgmma kernel's layout is sized against."""
 
 
 # -- defaults and candidates -----------------------------------------------------------------
@@ -561,6 +575,8 @@ def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str,
             **({"TX_PINGPONG": 1} if params.pingpong else {}),
             **({"TX_SNAKE": 1} if params.persist and params.sched == 2 else {}),  # sorted over the batch
             **({"TX_KV_FP8": fp8, "TX_FP8_CVT": fp8_cvt()} if fp8 else {}),
+            **({"TX_STAGED": 2} if fp8 and fp8_staged_pairs(head_dim, params.q_tile, params.kv_tile, params.stages) == 2
+               else {}),  # fmt: skip
         )
     return Variant.make(
         "prefill.cu",

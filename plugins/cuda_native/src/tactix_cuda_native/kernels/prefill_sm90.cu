@@ -47,8 +47,8 @@
 // is computed by one CTA in a fixed order.
 //
 // Shared memory (dynamic, 1024-byte aligned): [Q: TX_QTILE rows] [stages x (K tile, V tile)]
-// [TX_KV_FP8: one staged fp8 (K, V) pair] [row pointers: TX_KVTILE x (K, V)] [mbarriers: 4 x stages]
-// (prefill.prefill_smem_bytes).
+// [TX_KV_FP8: TX_STAGED staged fp8 (K, V) pairs] [row pointers: TX_KVTILE x (K, V)]
+// [mbarriers: 4 x stages] (prefill.prefill_smem_bytes).
 //
 // TX_KV_FP8 (1: e4m3fn, 2: e5m2): an fp8 KV cache under 16-bit q and out. wgmma reads 16-bit
 // operands from shared memory, so the producer converts: each producer thread copies its own
@@ -56,10 +56,14 @@
 // pair with cp.async, waits for its own copies (cp.async.wait_group: no other thread reads them),
 // converts them exactly (kernels/fp8.cuh) into the two 16-bit chunks of the ring's swizzled tile
 // once the consumers have released that slot, fences the stores for the async proxy and arrives
-// on the slot's "full" mbarrier. K of tile i + 1 is copied as soon as K of tile i is converted
-// (and V likewise), so the copy of the next tile is in flight while the ring's slots wait for
-// the consumers; the consumers are unchanged (the scales are folded into the softmax scale and
-// the output's 1 / l). The two 16-bit chunks of a thread go out in an order that keeps every
+// on the slot's "full" mbarrier. The staged pairs are a ring of their own (TX_STAGED deep, 1 or
+// 2: as many as shared memory holds beside the 16-bit ring): K of tile i + TX_STAGED is copied
+// into K's staged slot as soon as K of tile i is converted out of it (and V likewise), so the
+// copies of the next tiles are in flight while the 16-bit slots wait for the consumers (with one
+// staged pair the copy's latency added to each tile's conversion: on the H200 P1 ran 1.3x the
+// 16-bit cache's time). The consumers are unchanged but for P V, which runs in float16 over an
+// fp8 cache (`pv_wgmma`; the producer converts V to float16); the scales are folded into the
+// softmax scale and the output's 1 / l. The two 16-bit chunks of a thread go out in an order that keeps every
 // quarter-warp's stores on distinct bank groups.
 //
 // TX_PERSIST=1 (tactic param persist): persistent CTAs. The grid is what the GPU holds at once;
@@ -73,7 +77,7 @@
 // softmax of S while the other's GEMMs run (see the loop).
 //
 // Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_QTILE (64, 128), TX_KVTILE (64, 128),
-// TX_STAGES (2..4), TX_PERSIST, TX_PINGPONG, TX_SNAKE, TX_KV_FP8, TX_FP8_CVT (see fp8.cuh), TX_SMEM (optional: the size the host computed,
+// TX_STAGES (2..4), TX_PERSIST, TX_PINGPONG, TX_SNAKE, TX_KV_FP8, TX_FP8_CVT (see fp8.cuh), TX_STAGED, TX_SMEM (optional: the size the host computed,
 // checked against the layout). One kernel serves every combination of the options: a second copy
 // once kept for the case of neither was measured on the H200 to be no faster (B/A 0.992-0.997 on
 // P1 and P3, identical outputs: benchmarks/results/h200-prefill-kernel-ab.json) and removed.
@@ -102,6 +106,9 @@
 #ifndef TX_PINGPONG
 #define TX_PINGPONG 0
 #endif
+#ifndef TX_STAGED
+#define TX_STAGED 1
+#endif
 
 constexpr int D = TX_D;
 constexpr int BQ = TX_QTILE;
@@ -123,9 +130,10 @@ constexpr bool FP8 = TX_KV_FP8 != 0;
 constexpr int CH8 = D / 16;                  // fp8: 16-byte chunks per cache row
 constexpr int RPI8 = 32 / CH8;               // fp8: rows per producer warp instruction
 constexpr int STG_TILE = BK * D;             // fp8: a staged tile, rows as copied
+constexpr int NSTG = TX_STAGED;              // fp8: staged (K, V) pairs
 constexpr int RING = Q_BYTES;                           // offsets in dynamic shared memory
 constexpr int STG = RING + STAGES * STAGE_BYTES;        // fp8: the staged (K, V) pair
-constexpr int ROWP = STG + (FP8 ? 2 * STG_TILE : 0);    // [BK][2] row pointers (K, V)
+constexpr int ROWP = STG + (FP8 ? NSTG * 2 * STG_TILE : 0);  // [BK][2] row pointers (K, V)
 constexpr int BARS = ROWP + BK * 16;                    // [4][STAGES] mbarriers
 constexpr int FULL_K = 0, FULL_V = 1, EMPTY_K = 2, EMPTY_V = 3;
 constexpr int RW = BK / 4;                   // rows of a tile per producer warp
@@ -155,6 +163,7 @@ static_assert(!PINGPONG || CWG == 2, "TX_PINGPONG needs two consumer warpgroups 
 static_assert(CH <= 32 && RW % RPI == 0 && RW <= 32, "whole rows per producer warp pass, one key per lane");
 static_assert(TX_KV_FP8 >= 0 && TX_KV_FP8 <= 2, "TX_KV_FP8: 0 (16-bit cache), 1 (e4m3fn) or 2 (e5m2)");
 static_assert(!FP8 || RW % RPI8 == 0, "fp8: whole rows per producer warp pass");
+static_assert(NSTG == 1 || NSTG == 2, "TX_STAGED: 1 or 2 staged fp8 pairs");
 static_assert(!REBALANCE || PRODUCER_REGS + CWG * CONSUMER_REGS <= (CWG + 1) * LAUNCH_REGS,
               "the register hand-over must balance");
 #ifdef TX_SMEM  // the dynamic shared memory the plan launches with (prefill.prefill_smem_bytes)
@@ -164,6 +173,19 @@ static_assert(BARS + 4 * STAGES * 8 == TX_SMEM, "prefill.prefill_smem_bytes disa
 #include "sm90.cuh"
 
 constexpr int PP_BAR = 3;  // named barriers PP_BAR + wg: warpgroup wg's turn (TX_PINGPONG)
+
+// O += P V in the kernel's 16-bit type, or over an fp8 cache in float16 whatever q's type: V's
+// conversion to float16 is one instruction a pair (to bfloat16 four), every fp8 value is a
+// float16 value, and P (in [0, 1]) keeps more bits in float16 than in bfloat16.
+TX_DEVICE u32 pv_pack2(float lo, float hi) { return FP8 ? tx_pack2_f16(lo, hi) : tx_pack2(lo, hi); }
+template <int N>
+TX_DEVICE void pv_wgmma(float* d, const u32* a, u64 desc_b, int scale_d) {
+  if constexpr (FP8) {
+    tx_wgmma_rs_t_f16<N>(d, a, desc_b, scale_d);
+  } else {
+    tx_wgmma_rs_t<N>(d, a, desc_b, scale_d);
+  }
+}
 
 // One work item as the producer and the consumers both see it: virtual CTA v = (item, head group),
 // heads fastest. The token at index t of the request sits at position delta + t.
@@ -290,57 +312,75 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
           }
           __syncwarp();
         };
-        // this thread's chunks of the K (half 0) or V (1) rows of the tile set_rows set, into the
-        // staged pair: one cp.async group
-        auto stage = [&](int half) {
+        // this thread's chunks of the K (half 0) or V (1) rows of the tile set_rows set, into
+        // staged pair `slot`: one cp.async group
+        auto stage = [&](int slot, int half) {
 #pragma unroll
           for (int it2 = 0; it2 < RW / RPI8; ++it2) {
             const int r = it2 * RPI8 + h8;
-            tx_cp_async16(base + STG + half * STG_TILE + (pw * RW + r) * D + c8 * 16, rowp[2 * r + half] + c8 * 16, 16);
+            tx_cp_async16(base + STG + (2 * slot + half) * STG_TILE + (pw * RW + r) * D + c8 * 16,
+                          rowp[2 * r + half] + c8 * 16, 16);
           }
           tx_cp_async_commit();
         };
-        // this thread's staged chunks of `half`, converted into the ring's tile at `dst`, fenced for wgmma
-        auto convert = [&](int half, int dst) {
+        // this thread's chunks of `half` in staged pair `slot`, converted into the ring's tile at
+        // `dst`, fenced for wgmma
+        auto convert = [&](int slot, int half, int dst) {
 #pragma unroll 2  // (unrolled further, the conversion needs more registers than the producer keeps)
           for (int it2 = 0; it2 < RW / RPI8; ++it2) {
             const int r = pw * RW + it2 * RPI8 + h8;
-            const tx_u4 in = *reinterpret_cast<const tx_u4*>(smem + STG + half * STG_TILE + r * D + c8 * 16);
+            const tx_u4 in = *reinterpret_cast<const tx_u4*>(smem + STG + (2 * slot + half) * STG_TILE + r * D + c8 * 16);
             tx_u4 lo, hi;
-            tx_fp8x4_to_16<TX_KV_FP8>(in.x, lo.x, lo.y);
-            tx_fp8x4_to_16<TX_KV_FP8>(in.y, lo.z, lo.w);
-            tx_fp8x4_to_16<TX_KV_FP8>(in.z, hi.x, hi.y);
-            tx_fp8x4_to_16<TX_KV_FP8>(in.w, hi.z, hi.w);
+            if (half == 0) {  // K: the kernel's 16-bit type (Q K^T)
+              tx_fp8x4_to_16<TX_KV_FP8>(in.x, lo.x, lo.y);
+              tx_fp8x4_to_16<TX_KV_FP8>(in.y, lo.z, lo.w);
+              tx_fp8x4_to_16<TX_KV_FP8>(in.z, hi.x, hi.y);
+              tx_fp8x4_to_16<TX_KV_FP8>(in.w, hi.z, hi.w);
+            } else {  // V: float16 (P V in float16, `pv_wgmma`)
+              tx_fp8x4_to_f16<TX_KV_FP8>(in.x, lo.x, lo.y);
+              tx_fp8x4_to_f16<TX_KV_FP8>(in.y, lo.z, lo.w);
+              tx_fp8x4_to_f16<TX_KV_FP8>(in.z, hi.x, hi.y);
+              tx_fp8x4_to_f16<TX_KV_FP8>(in.w, hi.z, hi.w);
+            }
             *reinterpret_cast<tx_u4*>(smem + dst + sw128(r, 2 * c8 + flip, BK)) = flip ? hi : lo;
             *reinterpret_cast<tx_u4*>(smem + dst + sw128(r, 2 * c8 + 1 - flip, BK)) = flip ? lo : hi;
           }
           tx_fence_proxy_async();
         };
-        if (ntiles > 0) {
-          set_rows(0);
-          stage(0);
-          stage(1);
+        // one cp.async group per half and tile, in the order K(0), V(0), K(1), ... (empty groups
+        // past the item's tiles), so the 2 NSTG - 1 groups after a half's own are the other half
+        // of its tile and the NSTG - 1 tiles after it (and the next K, issued before V's wait)
+#pragma unroll
+        for (int t = 0; t < NSTG; ++t) {
+          if (t < ntiles) {
+            set_rows(t);
+            stage(t, 0);
+            stage(t, 1);
+          } else {
+            tx_cp_async_commit();
+            tx_cp_async_commit();
+          }
         }
         for (int i = 0; i < ntiles; ++i, ++g) {
-          const int s = g % STAGES;
+          const int s = g % STAGES, slot = NSTG == 1 ? 0 : i % NSTG;
           const u32 parity = ((g / STAGES) & 1) ^ 1;  // the consumers' release of this slot's previous tile
-          const bool more = i + 1 < ntiles;
-          tx_cp_async_wait<1>();  // K of tile i has landed (V of tile i may still be in flight)
+          const bool more = i + NSTG < ntiles;
+          tx_cp_async_wait<2 * NSTG - 1>();  // K of tile i has landed
           tx_mbar_wait(bars + 8 * (EMPTY_K * STAGES + s), parity);
-          convert(0, RING + s * STAGE_BYTES);
+          convert(slot, 0, RING + s * STAGE_BYTES);
           tx_mbar_arrive(bars + 8 * (FULL_K * STAGES + s));
           if (more) {
-            set_rows(i + 1);
-            stage(0);
+            set_rows(i + NSTG);
+            stage(slot, 0);
           } else {
-            tx_cp_async_commit();  // (an empty group: one group per half and tile)
+            tx_cp_async_commit();
           }
-          tx_cp_async_wait<1>();  // V of tile i (K of tile i + 1 may still be in flight)
+          tx_cp_async_wait<2 * NSTG - 1>();  // V of tile i
           tx_mbar_wait(bars + 8 * (EMPTY_V * STAGES + s), parity);
-          convert(1, RING + s * STAGE_BYTES + TILE_BYTES);
+          convert(slot, 1, RING + s * STAGE_BYTES + TILE_BYTES);
           tx_mbar_arrive(bars + 8 * (FULL_V * STAGES + s));
           if (more) {
-            stage(1);
+            stage(slot, 1);
           } else {
             tx_cp_async_commit();
           }
@@ -479,7 +519,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         if (prev) {  // O += P V of the previous tile
 #pragma unroll
           for (int ks = 0; ks < BK / 16; ++ks)
-            tx_wgmma_rs_t<D>(o, pa + 4 * ks, desc_mn_major(vprev + ks * 2048, BK * 128), 1);
+            pv_wgmma<D>(o, pa + 4 * ks, desc_mn_major(vprev + ks * 2048, BK * 128), 1);
         }
         tx_wgmma_commit();  // group 2: P V (empty for the first tile)
 #pragma unroll
@@ -550,7 +590,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
             o[j + 3] *= al1;
           }
 #pragma unroll
-          for (int j = 0; j < BK / 4; ++j) pa[j] = tx_pack2(sc[2 * j], sc[2 * j + 1]);
+          for (int j = 0; j < BK / 4; ++j) pa[j] = pv_pack2(sc[2 * j], sc[2 * j + 1]);
         }
       }
       if (ntiles > 0) {  // P V of the last tile (outside the turns: each warpgroup takes ntiles of them)
@@ -565,7 +605,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         const u32 vst = base + RING + sl * STAGE_BYTES + TILE_BYTES;
 #pragma unroll
         for (int ks = 0; ks < BK / 16; ++ks)
-          tx_wgmma_rs_t<D>(o, pa + 4 * ks, desc_mn_major(vst + ks * 2048, BK * 128), 1);
+          pv_wgmma<D>(o, pa + 4 * ks, desc_mn_major(vst + ks * 2048, BK * 128), 1);
         tx_wgmma_commit();
 #pragma unroll
         for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
@@ -657,7 +697,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
           o[j + 3] *= al1;
         }
 #pragma unroll
-        for (int j = 0; j < BK / 4; ++j) pa[j] = tx_pack2(sc[2 * j], sc[2 * j + 1]);
+        for (int j = 0; j < BK / 4; ++j) pa[j] = pv_pack2(sc[2 * j], sc[2 * j + 1]);
       }
 
       tx_mbar_wait(bars + 8 * (FULL_V * STAGES + s), parity);
@@ -670,7 +710,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         tx_wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < BK / 16; ++ks)
-          tx_wgmma_rs_t<D>(o, pa + 4 * ks, desc_mn_major(vst + ks * 2048, BK * 128), 1);
+          pv_wgmma<D>(o, pa + 4 * ks, desc_mn_major(vst + ks * 2048, BK * 128), 1);
         tx_wgmma_commit();
 #pragma unroll
         for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);

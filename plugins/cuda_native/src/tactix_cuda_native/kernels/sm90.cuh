@@ -187,30 +187,36 @@ TX_DEVICE void tx_wgmma_ss<256>(float* d, u64 desc_a, u64 desc_b, int scale_d) {
 }
 
 // d[N / 2] (+)= A (64 x 16, registers: a[4] in the accumulator layout of a 64 x 16 tile, packed
-// pairwise) * B (16 x N, shared memory, MN-major: imm-trans-b = 1).
-template <int N>
-TX_DEVICE void tx_wgmma_rs_t(float* d, const u32* a, u64 desc_b, int scale_d);
-template <>
-TX_DEVICE void tx_wgmma_rs_t<64>(float* d, const u32* a, u64 desc_b, int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16" TX_WG_TYPES
-               " {" TX_R32 "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-               : TX_F32(d)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-}
-template <>
-TX_DEVICE void tx_wgmma_rs_t<128>(float* d, const u32* a, u64 desc_b, int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16" TX_WG_TYPES
-               " {" TX_R64 "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-               : TX_F64(d)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-}
-template <>
-TX_DEVICE void tx_wgmma_rs_t<256>(float* d, const u32* a, u64 desc_b, int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\nwgmma.mma_async.sync.aligned.m64n256k16" TX_WG_TYPES
-               " {" TX_R128 "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
-               : TX_F128(d)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-}
+// pairwise) * B (16 x N, shared memory, MN-major: imm-trans-b = 1): tx_wgmma_rs_t in the kernel's
+// 16-bit type, tx_wgmma_rs_t_f16 in float16 whatever TX_BF16 says (prefill_sm90.cu's fp8 variants:
+// P V in float16).
+#define TX_WGMMA_RS_T(NAME, TYPES)                                                                       \
+  template <int N>                                                                                       \
+  TX_DEVICE void NAME(float* d, const u32* a, u64 desc_b, int scale_d);                                  \
+  template <>                                                                                            \
+  TX_DEVICE void NAME<64>(float* d, const u32* a, u64 desc_b, int scale_d) {                             \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16" TYPES  \
+                 " {" TX_R32 "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                             \
+                 : TX_F32(d)                                                                             \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));                \
+  }                                                                                                      \
+  template <>                                                                                            \
+  TX_DEVICE void NAME<128>(float* d, const u32* a, u64 desc_b, int scale_d) {                            \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16" TYPES \
+                 " {" TX_R64 "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                             \
+                 : TX_F64(d)                                                                             \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));                \
+  }                                                                                                      \
+  template <>                                                                                            \
+  TX_DEVICE void NAME<256>(float* d, const u32* a, u64 desc_b, int scale_d) {                            \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\nwgmma.mma_async.sync.aligned.m64n256k16" TYPES \
+                 " {" TX_R128 "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"                       \
+                 : TX_F128(d)                                                                            \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));                \
+  }
+TX_WGMMA_RS_T(tx_wgmma_rs_t, TX_WG_TYPES)
+TX_WGMMA_RS_T(tx_wgmma_rs_t_f16, ".f32.f16.f16")
+#undef TX_WGMMA_RS_T
 #endif  // TX_EMULATE
 
 // Shared-memory matrix descriptors, 128-byte swizzle (mode 1 in bits 62-63), base offset 0
