@@ -102,8 +102,7 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
         if tactic.is_default
         else prefill.PrefillParams.from_tactic(tactic)
     )
-    d = prefill.kernel_head_dim(problem)
-    dims = (problem.head_dim_qk, problem.head_dim_vo) if prefill.padded(problem) else None
+    d, dims = prefill.kernel_dims(problem, params)
     variant = prefill.prefill_variant(problem.q_dtype, d, params, "sm_90", masked, problem.kv_dtype, dims)
     runner = "emu_prefill_sm90.cpp" if variant.source == "prefill_sm90.cu" else "emu_prefill.cpp"
     lib = _library(runner, variant.defines)
@@ -123,7 +122,7 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
     rows = q.shape[0]
     out = torch.full((rows, problem.num_qo_heads, problem.head_dim_vo), float("nan"), dtype=q.dtype)
     lse = torch.full((rows, problem.num_qo_heads), float("nan"), dtype=torch.float32) if return_lse else None
-    smem = params.smem_bytes(d, 1 if problem.kv_dtype in paged.FP8_KV_DTYPES else 2)
+    smem = params.smem_bytes(d, 1 if problem.kv_dtype in paged.FP8_KV_DTYPES else 2, dims[1] if dims else None)
     if params.persist and not persistent:
         persistent = prefill.prefill_persistent_ctas(device.H200, device.ctas_per_sm(device.H200, smem, params.threads))
     grid = prefill.prefill_grid(cap, problem.num_qo_heads, pack, persistent if params.persist else 0)[0]

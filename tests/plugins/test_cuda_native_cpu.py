@@ -79,18 +79,20 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
     persistent = sum(prefill_op.default_prefill_params(d, H200).pingpong for d in HEAD_DIMS)
     assert persistent == 2  # d64 and d128
     # (and the decode variants for fp8 caches: two fp8 dtypes, each head dim, large and small batches,
-    # and DeepSeek's 192/128 prefill: the mma.sync kernel of 256, zero-filled)
+    # and DeepSeek's 192/128 prefill: the wgmma kernel with its own dims, with and without persistent CTAs)
     fp8 = 2 * 2 * len(HEAD_DIMS) * 2
-    assert len(variants) == len(set(variants)) == 2 * (3 * len(HEAD_DIMS) + persistent + 1) + fp8 + 2
-    deepseek = [v for v in variants if ("TX_DQK", "192") in v.defines]
-    assert len(deepseek) == 2 and all(v.source == "prefill.cu" and ("TX_DVO", "128") in v.defines for v in deepseek)
-    assert sum(("TX_PERSIST", "1") in v.defines for v in variants) == 2 * persistent
+    assert len(variants) == len(set(variants)) == 2 * (3 * len(HEAD_DIMS) + persistent + 2) + fp8 + 2
+    deepseek = [v for v in variants if ("TX_DVO", "128") in v.defines]
+    assert len(deepseek) == 4 and all(v.source == "prefill_sm90.cu" and ("TX_D", "192") in v.defines
+                                      for v in deepseek)  # fmt: skip
+    assert sum(("TX_PERSIST", "1") in v.defines for v in variants) == 2 * (persistent + 1)
     # prefill and GEMM on the H200 are the wgmma kernels, compiled for the arch-specific sm_90a
-    assert {(v.source, v.arch) for v in variants if v not in deepseek} == {
+    assert {(v.source, v.arch) for v in variants} == {
         ("decode.cu", "sm_90"), ("gemm_sm90.cu", "sm_90a"), ("prefill_sm90.cu", "sm_90a")}  # fmt: skip
-    # elsewhere (sm_80) the mma.sync kernels, GEMM for 1, 2 and 4 m-tiles
+    # elsewhere (sm_80) the mma.sync kernels, GEMM for 1, 2 and 4 m-tiles, DeepSeek's zero-filled to 256
     a100 = DeviceInfo(108, 166912, 167936, "sm_80")
     assert {v.source for v in default_variants(a100)} == {"decode.cu", "gemm.cu", "prefill.cu"}
+    assert sum(("TX_DQK", "192") in v.defines and ("TX_D", "256") in v.defines for v in default_variants(a100)) == 2
     assert sum(v.source == "gemm.cu" for v in default_variants(a100)) == 2 * 3
     seen = []
     compiled = runtime.compile_all(
@@ -1177,6 +1179,11 @@ def _prefill_variants() -> list[runtime.Variant]:
                                             "sm_90", masked=True))  # fmt: skip
     variants.add(prefill_op.prefill_variant("bfloat16", 128, prefill_op.default_prefill_params(128, H200, "sync"),
                                             "sm_90", kv_dtype="float8_e4m3fn"))  # fmt: skip
+    # every wgmma candidate with unequal head dims (TX_DVO: the producer gathers rows of two widths)
+    for qk, vo in ((192, 128), (128, 64)):
+        for p in prefill_op.prefill_candidates(qk, H200, gqa=4, head_dim_vo=vo):
+            if p.mma == "wgmma":
+                variants.add(prefill_op.prefill_variant("bfloat16", qk, p, "sm_90", dims=(qk, vo)))
     # every wgmma candidate with an fp8 cache (the producer converts: its registers are few)
     fp8 = prefill(kv_dtype="float8_e4m3fn")
     for d in HEAD_DIMS:
@@ -1428,15 +1435,28 @@ def test_bad_prefill_tactics_and_problems_give_reasons() -> None:
     spec = get_registry().get("cuda_native").spec
     assert spec.reasons(prefill(page_size=256)) == ["page size 256 not in {1, 128, 16, 2, 32, 4, 64, 8}"]
     assert "head_dim_qk 96 not in" in spec.reasons(prefill(head_dim_qk=96, head_dim_vo=96))[0]
-    # other value head dims (DeepSeek's 192/128, 128/64): zero-filled by the mma.sync kernel, not by wgmma
-    assert spec.reasons(prefill(head_dim_qk=192, head_dim_vo=128)) == spec.reasons(prefill(head_dim_vo=64)) == []
-    assert "mma.sync kernel only" in reasons(_wgmma_ok := {"q_tile": 64, "kv_tile": 64, "warps": 4, "stages": 2,
-                                                           "mma": "wgmma"}, prefill(head_dim_vo=64))[0]  # fmt: skip
-    assert reasons(_wgmma_ok) == [] and reasons(ok, prefill(head_dim_vo=64)) == []
+    # other value head dims (DeepSeek's 192/128, 128/64): the wgmma kernel with its own dims, or the
+    # mma.sync kernel zero-filled to the next kernel dim; 64/128 (v/o wider than q/k) zero-filled only
+    deepseek = prefill(head_dim_qk=192, head_dim_vo=128)
+    assert spec.reasons(deepseek) == spec.reasons(prefill(head_dim_vo=64)) == []
+    wgmma_ok = {"q_tile": 64, "kv_tile": 64, "warps": 4, "stages": 2, "mma": "wgmma"}
+    assert reasons(wgmma_ok) == reasons(wgmma_ok, prefill(head_dim_vo=64)) == reasons(wgmma_ok, deepseek) == []
+    assert "runs it zero-filled" in reasons(wgmma_ok, prefill(head_dim_qk=64, head_dim_vo=128))[0]
+    assert "needs equal head dims" in reasons(wgmma_ok, prefill(head_dim_vo=64, kv_dtype="float8_e4m3fn"))[0]
+    assert reasons(ok, prefill(head_dim_vo=64)) == []
     sync64 = {"q_tile": 64, "kv_tile": 32, "warps": 4, "stages": 2}  # (the kernel of 256: one m16 tile a warp)
-    assert reasons(sync64, prefill(head_dim_qk=192, head_dim_vo=128)) == []
-    assert "accumulators need" in reasons(ok, prefill(head_dim_qk=192, head_dim_vo=128))[0]
-    assert prefill_op.default_params_for(prefill(head_dim_qk=192, head_dim_vo=128), H200).mma == "sync"
+    assert reasons(sync64, deepseek) == []
+    assert "accumulators need" in reasons(ok, deepseek)[0]
+    assert "shared memory" in reasons({**wgmma_ok, "q_tile": 128, "warps": 8, "kv_tile": 128, "stages": 3}, deepseek)[0]
+    default = prefill_op.default_params_for(deepseek, H200)
+    assert (default.mma, default.stages, default.pingpong) == ("wgmma", 2, 1)
+    a100 = DeviceInfo(108, 166912, 167936, "sm_80")
+    assert prefill_op.default_params_for(deepseek, a100).mma == "sync"
+    # the tuner measures both kernels: mma.sync shapes at 256, wgmma ones at 192/128
+    tactics = [PrefillParams.from_tactic(t) for t in prefill_op.prefill_tactics(deepseek, H200)]
+    assert {p.mma for p in tactics} == {"sync", "wgmma"}
+    assert all(not p.reasons(192, H200, head_dim_vo=128) for p in tactics if p.mma == "wgmma")
+    assert all(not p.reasons(256, H200) for p in tactics if p.mma == "sync")
     float32 = prefill(q_dtype="float32", kv_dtype="float32", out_dtype="float32")
     assert "q dtype float32" in spec.reasons(float32)[0]
     assert spec.reasons(prefill(window_left=64, logits_soft_cap=30.0, return_lse=True, causal=False)) == []

@@ -583,21 +583,31 @@ def test_emulated_ragged_prefill_through_one_token_pages(tactic: dict[str, Any] 
         assert lse_error(lse, ref_lse) <= LSE_TOLERANCE["bfloat16"]
 
 
+_WG = {"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma"}  # the d128 wgmma shape
+
+
 @pytest.mark.parametrize(("dqk", "dvo", "tactic"), [
-    (192, 128, None), (192, 128, {"q_tile": 64, "kv_tile": 32, "warps": 4, "stages": 2}), (128, 64, None),
-    (64, 128, None)], ids=["192x128-default", "192x128-sync-q64", "128x64-default", "64x128-default"])  # fmt: skip
+    (192, 128, None), (192, 128, {"q_tile": 64, "kv_tile": 32, "warps": 4, "stages": 2}),
+    (192, 128, {**_WG, "persist": 1, "pingpong": 1}), (192, 128, {**_WG, "q_tile": 64, "kv_tile": 64, "warps": 4}),
+    (256, 128, {**_WG, "kv_tile": 64}), (128, 64, None), (128, 64, {"q_tile": 64, "kv_tile": 32, "warps": 4,
+                                                                    "stages": 2}),
+    (64, 128, None)],
+    ids=["192x128-default", "192x128-sync-q64", "192x128-wgmma-persist-pingpong", "192x128-wgmma-q64",
+         "256x128-wgmma", "128x64-default", "128x64-sync", "64x128-default"])  # fmt: skip
 def test_emulated_prefill_with_other_value_head_dims(dqk: int, dvo: int, tactic: dict[str, Any] | None) -> None:
-    """q/k and v/o head dims that differ (DeepSeek's 192/128, and the kit's 128/64) or are not a
-    kernel dim: the mma.sync kernel of the next dim (`prefill.kernel_head_dim`), rows zero-filled
-    past their own dims, against the oracle, output and LSE; the caches are views whose columns
-    past the rows' dims hold NaN (a K column read past ``dqk`` would reach every logit), paged and
-    ragged (one-token pages), with GQA packing and a window; wgmma tactics are refused."""
+    """q/k and v/o head dims that differ (DeepSeek's 192/128, the kit's 128/64, 256/128) or are not
+    a kernel dim, against the oracle, output and LSE: the wgmma kernel with its own dims (TX_DVO:
+    the default on Hopper where it takes them, `prefill.wgmma_head_dims`), and the mma.sync kernel
+    of the next dim (`prefill.kernel_head_dim`), rows zero-filled past their own dims (64/128 only
+    that way: wgmma tactics refused); the caches are views whose columns past the rows' dims hold
+    NaN (a K column read past ``dqk`` would reach every logit), paged and ragged (one-token pages),
+    with GQA packing and a window."""
     gen = torch.Generator().manual_seed(41)
     q_lens, kv_lens, hq, hkv, page = [70, 1, 33, 5], [200, 1, 33, 60], 8, 2, 16
     d = prefill.kernel_head_dim(
         tactix.PrefillProblem.model_construct(head_dim_qk=dqk, head_dim_vo=dvo)  # (only the dims are read)
     )
-    assert d == (256 if dqk == 192 else 128)
+    assert d == (256 if dqk >= 192 else 128)
     _, k, v, indptr, indices, last = _cache(kv_lens, page, hkv, d, "NHD", torch.bfloat16, gen, False)
     k[..., dqk:], v[..., dvo:] = float("nan"), float("nan")
     k, v = k[..., :dqk], v[..., :dvo]
@@ -614,8 +624,14 @@ def test_emulated_prefill_with_other_value_head_dims(dqk: int, dvo: int, tactic:
         )  # fmt: skip
         problem = problem.model_copy(update={"device_type": "cuda"})
         assert plugin._reasons(problem, t, H200) == [] and prefill.padded(problem)
+        native = prefill.wgmma_head_dims(dqk, dvo)
+        params = prefill.default_params_for(problem, H200) if tactic is None else prefill.PrefillParams.from_tactic(t)
+        assert params.mma == ("wgmma" if native and (tactic is None or tactic.get("mma")) else "sync")
         wgmma = Tactic(backend="cuda_native", kernel="prefill", params=_wgmma((64, 64, 4, 2)))
-        assert any("mma.sync kernel only" in r for r in plugin._reasons(problem, wgmma, H200))
+        if native:
+            assert plugin._reasons(problem, wgmma, H200) == []
+        else:
+            assert any("runs it zero-filled" in r for r in plugin._reasons(problem, wgmma, H200))
         out, lse, _ = emulate.run_prefill(problem, batch, t, q, k, v, return_lse=True)  # type: ignore[arg-type]
         ref, ref_lse = attention_reference(q, k, v, qo, indptr, indices, last, kv_layout="NHD", causal=True,
                                            sm_scale=problem.sm_scale, window_left=window)  # fmt: skip
@@ -663,7 +679,6 @@ def test_emulated_prefill_custom_mask_with_window_softcap_and_every_head_dim(d: 
     prefill_case([5, 33], [60, 90], d=d, causal=False, mask="random", packed=True, layout="NHD", page=1, seed=d)
 
 
-_WG = {"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma"}
 FP8_PREFILL_CASES = [
     # (q lens, kv lens, options); "kv": the cache dtype, "scales": (k_scale, v_scale)
     ([1, 70, 3, 129], [1, 130, 40, 129], {"kv": E4M3, "scales": (0.5, 2.0)}),

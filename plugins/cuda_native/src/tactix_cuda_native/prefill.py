@@ -54,6 +54,10 @@ PREFILL_MMAS: Final = ("sync", "wgmma")
 """The prefill kernels: "sync" kernels/prefill.cu (mma.sync, any GPU from sm_80), "wgmma"
 kernels/prefill_sm90.cu (Hopper warpgroup MMA, compiled for sm_90a)."""
 WGMMA_HEAD_DIMS: Final = (64, 128, 256)
+"""The wgmma kernel's v/o head dims (a wgmma N of P V), and its q/k ones where they are equal."""
+WGMMA_QK_HEAD_DIMS: Final = (64, 128, 192, 256)
+"""The wgmma kernel's q/k head dims with a v/o head dim of `WGMMA_HEAD_DIMS` no larger (DeepSeek's
+192/128: three 64-column blocks of Q K^T, a 128-wide P V; TX_DVO)."""
 WGMMA_ACCUMULATORS: Final = 176
 """Registers per consumer thread the wgmma kernel's O, S and P take at most (head_dim / 2 +
 kv_tile / 2 + kv_tile / 4): d256 with 128-key tiles (224) spills at the 232 a consumer gets."""
@@ -108,15 +112,18 @@ class PrefillParams(TacticParams):
         """Threads per CTA: the computing warps, and for wgmma the producer warpgroup."""
         return 32 * self.warps + (128 if self.mma == "wgmma" else 0)
 
-    def smem_bytes(self, head_dim: int, kv_bytes: int = 2) -> int:
-        return prefill_smem_bytes(head_dim, self.q_tile, self.kv_tile, self.stages, self.mma, kv_bytes)
+    def smem_bytes(self, head_dim: int, kv_bytes: int = 2, head_dim_vo: int | None = None) -> int:
+        return prefill_smem_bytes(head_dim, self.q_tile, self.kv_tile, self.stages, self.mma, kv_bytes, head_dim_vo)
 
-    def reasons(self, head_dim: int, info: DeviceInfo, gqa: int | None = None, kv_bytes: int = 2) -> list[str]:
+    def reasons(self, head_dim: int, info: DeviceInfo, gqa: int | None = None, kv_bytes: int = 2,
+                head_dim_vo: int | None = None) -> list[str]:  # fmt: skip
         """Why these parameters cannot run at ``head_dim`` on a GPU like ``info`` (empty: they can);
-        ``gqa``: the problem's GQA group size where known, ``kv_bytes``: 1 for an fp8 cache."""
+        ``gqa``: the problem's GQA group size where known, ``kv_bytes``: 1 for an fp8 cache;
+        ``head_dim_vo``: v's and out's head dim where it differs (the wgmma kernel: TX_DVO)."""
         if self.mma not in PREFILL_MMAS:
             return [f"mma must be 'sync' or 'wgmma' (got {self.mma!r})"]
-        out = self._wgmma_reasons(head_dim, info) if self.mma == "wgmma" else self._sync_reasons()
+        vo = head_dim if head_dim_vo is None else head_dim_vo
+        out = self._wgmma_reasons(head_dim, vo, info) if self.mma == "wgmma" else self._sync_reasons()
         if self.pack < 0:
             out.append(f"pack must be 0 (auto) or a divisor of the GQA group size (got {self.pack})")
         elif self.pack and gqa is not None and (gqa % self.pack or self.pack > self.q_tile):
@@ -145,13 +152,13 @@ class PrefillParams(TacticParams):
                         f"{self.warps} warps, kv_tile {self.kv_tile}, head dim {head_dim}); at most 192 fit"
                     )
             else:
-                regs = head_dim // 2 + self.kv_tile // 2 + self.kv_tile // 4
+                regs = vo // 2 + self.kv_tile // 2 + self.kv_tile // 4
                 if regs > WGMMA_ACCUMULATORS:
                     out.append(
                         f"O, S and P need {regs} registers per consumer thread (kv_tile {self.kv_tile}, head dim "
-                        f"{head_dim}); at most {WGMMA_ACCUMULATORS} fit with mma 'wgmma'"
+                        f"{vo}); at most {WGMMA_ACCUMULATORS} fit with mma 'wgmma'"
                     )
-            smem = self.smem_bytes(head_dim, kv_bytes)
+            smem = self.smem_bytes(head_dim, kv_bytes, vo)
             if smem > info.smem_per_block:
                 out.append(f"needs {smem} bytes of shared memory; this GPU allows {info.smem_per_block} per CTA")
         return out
@@ -170,12 +177,14 @@ class PrefillParams(TacticParams):
             out.append(f"stages must be in 2..4 (got {self.stages})")
         return out
 
-    def _wgmma_reasons(self, head_dim: int, info: DeviceInfo) -> list[str]:
+    def _wgmma_reasons(self, head_dim: int, head_dim_vo: int, info: DeviceInfo) -> list[str]:
         out = []
         if info.arch not in WGMMA_ARCHS:
             out.append(f"mma 'wgmma' needs a Hopper GPU (sm_90); this one is {info.arch} (use mma 'sync')")
-        if head_dim not in WGMMA_HEAD_DIMS:
+        if head_dim == head_dim_vo and head_dim not in WGMMA_HEAD_DIMS:
             out.append(f"mma 'wgmma' supports head dims {WGMMA_HEAD_DIMS} (got {head_dim}; use mma 'sync')")
+        elif not wgmma_head_dims(head_dim, head_dim_vo):
+            out.append(WGMMA_DIMS_NEED_SYNC.format(qk=head_dim, vo=head_dim_vo))
         if self.q_tile not in (64, 128) or self.warps != self.q_tile // 16:
             out.append(
                 f"with mma 'wgmma' q_tile must be 64 or 128 and warps q_tile / 16, the consumer warps of 64 rows "
@@ -189,16 +198,18 @@ class PrefillParams(TacticParams):
 
 
 def prefill_smem_bytes(head_dim: int, q_tile: int, kv_tile: int, stages: int, mma: str = "sync",
-                       kv_bytes: int = 2) -> int:  # fmt: skip
+                       kv_bytes: int = 2, head_dim_vo: int | None = None) -> int:  # fmt: skip
     """Dynamic shared memory of the prefill kernel (see the layouts in kernels/prefill.cu and
     kernels/prefill_sm90.cu: for wgmma, Q + stages x (K, V) tiles + a K and a V row pointer per
     key of a tile + four mbarriers per stage). ``kv_bytes`` 1 (an fp8 cache): for mma.sync the ring
     holds fp8 rows and one converted 16-bit (K, V) pair follows it; for wgmma the ring holds the
-    converted 16-bit tiles and one staged fp8 (K, V) pair follows it."""
+    converted 16-bit tiles and one staged fp8 (K, V) pair follows it. ``head_dim_vo``: V's head dim
+    where it differs (wgmma only: the mma.sync kernel runs both at ``head_dim``)."""
     row = head_dim * 2
     if mma == "wgmma":
         staged = fp8_staged_pairs(head_dim, q_tile, kv_tile, stages) * 2 * kv_tile * head_dim if kv_bytes == 1 else 0
-        return q_tile * row + stages * 2 * kv_tile * row + staged + kv_tile * 16 + 4 * stages * 8
+        v_row = 2 * (head_dim if head_dim_vo is None else head_dim_vo)
+        return q_tile * row + stages * kv_tile * (row + v_row) + staged + kv_tile * 16 + 4 * stages * 8
     ring = stages * 2 * kv_tile * head_dim * kv_bytes + (2 * kv_tile * row if kv_bytes == 1 else 0)
     return q_tile * row + ring + stages * 2 * kv_tile * 8 + q_tile * 8 + 32
 
@@ -230,18 +241,19 @@ _PREFILL_DEFAULTS: Final = {64: (128, 64, 4, 3), 128: (128, 32, 4, 3), 256: (64,
 """q_tile, kv_tile, warps, stages per head dim: two or more CTAs of 4 warps per H200 SM, no spills."""
 
 
-_WGMMA_DEFAULTS: Final = {64: (128, 128, 8, 3), 128: (128, 128, 8, 3), 256: (128, 64, 8, 2)}
+_WGMMA_DEFAULTS: Final = {64: (128, 128, 8, 3), 128: (128, 128, 8, 3), 192: (128, 128, 8, 2), 256: (128, 64, 8, 2)}
 """wgmma (sm_90): two consumer warpgroups of 64 rows (FlashAttention-3's 128 x 128 tile for d128),
 one CTA per SM (the 384 threads take every register). The candidates with one consumer
 warpgroup (q_tile 64) launch with 128 registers a thread up to d128, so two CTAs share an SM
 where their shared memory fits (d128: kv_tile 64, 2 stages)."""
 
 
-_WGMMA_PINGPONG: Final = frozenset({64, 128})
+_WGMMA_PINGPONG: Final = frozenset({64, 128, 192})
 """Head dims whose wgmma default runs the warpgroups' ping-pong: on the H200 it was faster than
 without on all of P1-P4 at d64 and d128 (3 stages; d128 P2 567 against 547 TFLOP/s, d64 P2 380
 against 351: benchmarks/results/h200-prefill-sweep.json, h200-prefill-sweep-d64.json), slower
-at d256 (kv_tile 64: P2 510 against 531, h200-prefill-sweep-d256.json)."""
+at d256 (kv_tile 64: P2 510 against 531, h200-prefill-sweep-d256.json). 192 (q/k; v/o 128): the
+registers of d128, so d128's choice."""
 
 
 PERSIST_MAX_MEAN_KEYS: Final = 2048
@@ -253,19 +265,20 @@ worse than the hardware's dispatch of one CTA per item (P2, 32.5 tiles: 547 agai
 
 
 @functools.lru_cache(maxsize=256)  # plans ask per batch; the parameters are immutable
-def default_prefill_params(head_dim: int, info: DeviceInfo, mma: str | None = None,
-                           kv_bytes: int = 2) -> PrefillParams:  # fmt: skip
+def default_prefill_params(head_dim: int, info: DeviceInfo, mma: str | None = None, kv_bytes: int = 2,
+                           head_dim_vo: int | None = None) -> PrefillParams:  # fmt: skip
     """The heuristic tactic: on Hopper the wgmma kernel (`_WGMMA_DEFAULTS`; with an fp8 cache,
     ``kv_bytes`` 1, the ring one stage shallower where the staged fp8 pair does not fit beside
     it); elsewhere, or with ``mma="sync"``, the mma.sync kernel with 4 warps, 32 rows per warp
     where the accumulators fit (d64, d128), the deepest ring that still leaves two CTAs per SM;
-    smaller tiles where shared memory is short."""
+    smaller tiles where shared memory is short. ``head_dim_vo``: v/o's head dim where it differs
+    (wgmma only; the mma.sync default is asked for at the kernel dim, `kernel_head_dim`)."""
     shape = _WGMMA_DEFAULTS.get(head_dim)
     if shape is not None and (mma == "wgmma" or (mma is None and info.arch in WGMMA_ARCHS)):
         params = _shape(shape, mma="wgmma", pingpong=int(head_dim in _WGMMA_PINGPONG))
-        while params.stages > 2 and params.smem_bytes(head_dim, kv_bytes) > info.smem_per_block:
+        while params.stages > 2 and params.smem_bytes(head_dim, kv_bytes, head_dim_vo) > info.smem_per_block:
             params = params.replace(stages=params.stages - 1)
-        if mma == "wgmma" or not params.reasons(head_dim, info, kv_bytes=kv_bytes):
+        if mma == "wgmma" or not params.reasons(head_dim, info, kv_bytes=kv_bytes, head_dim_vo=head_dim_vo):
             return params
     q_tile, kv_tile, warps, stages = _PREFILL_DEFAULTS.get(head_dim, (64, 32, 4, 2))
     while stages > 2 and prefill_smem_bytes(head_dim, q_tile, kv_tile, stages) > info.smem_per_block:
@@ -295,18 +308,21 @@ _PREFILL_SHAPES: Final = {
 _WGMMA_SHAPES: Final = {
     64: [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 128, 4, 3)],
     128: [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 2), (64, 64, 4, 2)],
+    192: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 4, 2), (64, 64, 4, 2)],
     256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3)],
 }
 
 
-def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1, kv_bytes: int = 2) -> list[PrefillParams]:
+def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1, kv_bytes: int = 2,
+                       head_dim_vo: int | None = None) -> list[PrefillParams]:  # fmt: skip
     """The tactic space the tuner explores: mma.sync tile shapes, wgmma tile shapes (on Hopper),
     then the default's with one head per CTA and with work in request order, then (on Hopper)
     the wgmma shapes with persistent CTAs and with the warpgroups' ping-pong (every entry valid
-    for ``head_dim`` on ``info`` with a cache of ``kv_bytes`` per element)."""
+    for ``head_dim`` on ``info`` with a cache of ``kv_bytes`` per element and v/o head dim
+    ``head_dim_vo``, where given)."""
     out = [_shape(shape) for shape in _PREFILL_SHAPES.get(head_dim, [])]
     out += [_shape(shape, mma="wgmma") for shape in _WGMMA_SHAPES.get(head_dim, [])]
-    base = default_prefill_params(head_dim, info, kv_bytes=kv_bytes)
+    base = default_prefill_params(head_dim, info, kv_bytes=kv_bytes, head_dim_vo=head_dim_vo)
     shape = (base.q_tile, base.kv_tile, base.warps, base.stages)
     if gqa > 1:
         out.append(_shape(shape, pack=1, mma=base.mma))
@@ -322,10 +338,11 @@ def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1, kv_bytes: 
     if base.pingpong:  # the default's persistent form with the whole batch longest first (rounds back and forth)
         out.append(_shape(shape, sched=2, mma="wgmma", persist=1, pingpong=1))
     unique = list(dict.fromkeys(out))
-    return [p for p in unique if not p.reasons(head_dim, info, gqa, kv_bytes)]
+    return [p for p in unique if not p.reasons(head_dim, info, gqa, kv_bytes, head_dim_vo)]
 
 
-def prefill_default_persist(params: PrefillParams, tiles: list[int], head_dim: int, info: DeviceInfo) -> PrefillParams:
+def prefill_default_persist(params: PrefillParams, tiles: list[int], head_dim: int, info: DeviceInfo,
+                            head_dim_vo: int | None = None) -> PrefillParams:  # fmt: skip
     """The default tactic for one batch: ``params`` (`default_prefill_params`) with persistent
     CTAs where it runs the ping-pong, its work items (``tiles``: the KV tiles each walks,
     `PrefillWork`) are short on average (`PERSIST_MAX_MEAN_KEYS`) and the kernel takes them, else
@@ -335,14 +352,14 @@ def prefill_default_persist(params: PrefillParams, tiles: list[int], head_dim: i
         return params
     if sum(tiles) * params.kv_tile > PERSIST_MAX_MEAN_KEYS * len(tiles):
         return params
-    return _persistent(params, head_dim, info)
+    return _persistent(params, head_dim, info, head_dim_vo)
 
 
 @functools.lru_cache(maxsize=256)
-def _persistent(params: PrefillParams, head_dim: int, info: DeviceInfo) -> PrefillParams:
+def _persistent(params: PrefillParams, head_dim: int, info: DeviceInfo, head_dim_vo: int | None) -> PrefillParams:
     """``params`` with persistent CTAs where the kernel takes them, else ``params``."""
     persistent = params.replace(persist=1)
-    return params if persistent.reasons(head_dim, info) else persistent
+    return params if persistent.reasons(head_dim, info, head_dim_vo=head_dim_vo) else persistent
 
 
 # -- work list and grid ----------------------------------------------------------------------
@@ -473,11 +490,16 @@ def prefill_reasons(problem: PrefillProblem, tactic: Tactic, info: DeviceInfo) -
         return [*out, params]
     if problem.custom_mask and params.mma == "wgmma":
         out.append(MASK_NEEDS_SYNC)
-    d = kernel_head_dim(problem)
-    if padded(problem) and params.mma == "wgmma":
-        out.append(PADDED_NEEDS_SYNC.format(qk=problem.head_dim_qk, vo=problem.head_dim_vo, d=d))
-    if max(problem.head_dim_qk, problem.head_dim_vo) > d or problem.head_dim_qk % 16 or problem.head_dim_vo % 16:
-        out.append(f"head dims {problem.head_dim_qk}/{problem.head_dim_vo}: multiples of 16 up to {max(HEAD_DIMS)}")
+    qk, vo = problem.head_dim_qk, problem.head_dim_vo
+    if max(qk, vo) > kernel_head_dim(problem) or qk % 16 or vo % 16:
+        out.append(f"head dims {qk}/{vo}: multiples of 16 up to {max(HEAD_DIMS)}")
+    if params.mma == "wgmma" and qk != vo:
+        if problem.kv_dtype in FP8_KV_DTYPES:
+            out.append(f"with an fp8 cache mma 'wgmma' needs equal head dims (here {qk}/{vo}; use mma 'sync')")
+        elif not wgmma_head_dims(qk, vo):
+            out.append(WGMMA_DIMS_NEED_SYNC.format(qk=qk, vo=vo))
+        return out + params.reasons(qk, info, problem.gqa_ratio, kv_bytes(problem), vo)
+    d, _ = kernel_dims(problem, params)
     return out + params.reasons(d, info, problem.gqa_ratio, kv_bytes(problem))
 
 
@@ -492,9 +514,32 @@ def kv_bytes(problem: PrefillProblem) -> int:
 
 
 def sync_only(problem: PrefillProblem) -> bool:
-    """Whether only the mma.sync kernel serves ``problem`` (a custom mask, head dims it runs
-    zero-filled: `kernel_head_dim`)."""
-    return problem.custom_mask or padded(problem)
+    """Whether only the mma.sync kernel serves ``problem``: a custom mask, or head dims the wgmma
+    kernel does not take (`wgmma_head_dims`; an fp8 cache with different ones), which the mma.sync
+    kernel runs zero-filled (`kernel_head_dim`)."""
+    qk, vo = problem.head_dim_qk, problem.head_dim_vo
+    fp8_unequal = qk != vo and problem.kv_dtype in FP8_KV_DTYPES
+    return problem.custom_mask or fp8_unequal or not wgmma_head_dims(qk, vo)
+
+
+def wgmma_head_dims(head_dim_qk: int, head_dim_vo: int) -> bool:
+    """Whether the wgmma kernel takes these q/k and v/o head dims as they are (no zero-fill): equal
+    ones of `WGMMA_HEAD_DIMS`, or q/k of `WGMMA_QK_HEAD_DIMS` with a v/o of `WGMMA_HEAD_DIMS` no
+    larger (its epilogue stages O through Q's rows)."""
+    if head_dim_qk == head_dim_vo:
+        return head_dim_qk in WGMMA_HEAD_DIMS
+    return head_dim_qk in WGMMA_QK_HEAD_DIMS and head_dim_vo in WGMMA_HEAD_DIMS and head_dim_vo < head_dim_qk
+
+
+def kernel_dims(problem: PrefillProblem, params: PrefillParams) -> tuple[int, tuple[int, int] | None]:
+    """The head dim the kernel of ``params`` is compiled for and the problem's (q/k, v/o) dims
+    where they differ from it: the wgmma kernel runs q/k's own dim (v/o's as TX_DVO), the mma.sync
+    kernel `kernel_head_dim` (both zero-filled to it: TX_DQK, TX_DVO)."""
+    qk, vo = problem.head_dim_qk, problem.head_dim_vo
+    if params.mma == "wgmma":
+        return qk, None if qk == vo else (qk, vo)
+    d = kernel_head_dim(problem)
+    return d, (qk, vo) if padded(problem) else None
 
 
 def kernel_head_dim(problem: PrefillProblem) -> int:
@@ -514,20 +559,26 @@ def padded(problem: PrefillProblem) -> bool:
     return problem.head_dim_qk != d or problem.head_dim_vo != d
 
 
-PADDED_NEEDS_SYNC: Final = (
-    "head dims other than one kernel dim for q/k and v/o (here {qk}/{vo}) are run zero-filled to {d} by the "
-    "mma.sync kernel only (tactic mma 'sync')"
+WGMMA_DIMS_NEED_SYNC: Final = (
+    "mma 'wgmma' takes equal head dims of 64, 128 or 256, or a q/k head dim of 128, 192 or 256 with a smaller "
+    "v/o one of 64 or 128 (here {qk}/{vo}): the mma.sync kernel (tactic mma 'sync') runs it zero-filled"
 )
 
 
 def default_params_for(problem: PrefillProblem, info: DeviceInfo) -> PrefillParams:
     """The default tactic's parameters for ``problem`` (before `prefill_default_persist` looks at
     the batch): `default_masked_prefill_params` with a custom mask, else `default_prefill_params`
-    (the mma.sync one for head dims run zero-filled; with an fp8 cache its shared memory)."""
+    (on Hopper the wgmma one where it takes the head dims, with an fp8 cache its shared memory;
+    else the mma.sync one at `kernel_head_dim`)."""
     d = kernel_head_dim(problem)
     if problem.custom_mask:
         return default_masked_prefill_params(d, info)
-    return default_prefill_params(d, info, "sync" if sync_only(problem) else None, kv_bytes(problem))
+    qk, vo = problem.head_dim_qk, problem.head_dim_vo
+    if not sync_only(problem) and info.arch in WGMMA_ARCHS:
+        params = default_prefill_params(qk, info, "wgmma", kv_bytes(problem), vo)
+        if not params.reasons(qk, info, kv_bytes=kv_bytes(problem), head_dim_vo=vo):
+            return params
+    return default_prefill_params(d, info, "sync")
 
 
 def prefill_tactics(problem: PrefillProblem, info: DeviceInfo) -> list[Tactic]:
@@ -535,8 +586,11 @@ def prefill_tactics(problem: PrefillProblem, info: DeviceInfo) -> list[Tactic]:
     (fp8: `prefill_smem_bytes`); with head dims run zero-filled the mma.sync ones, with a custom
     mask those with one m16 tile a warp (`default_masked_prefill_params`: with two the masked
     variants spill)."""
-    d = kernel_head_dim(problem)
+    d, qk, vo = kernel_head_dim(problem), problem.head_dim_qk, problem.head_dim_vo
     candidates = prefill_candidates(d, info, problem.gqa_ratio, kv_bytes(problem))
+    if qk != vo and not sync_only(problem):  # the mma.sync ones at the kernel dim, the wgmma ones at the problem's
+        wgmma = prefill_candidates(qk, info, problem.gqa_ratio, kv_bytes(problem), vo)
+        candidates = [p for p in candidates if p.mma == "sync"] + [p for p in wgmma if p.mma == "wgmma"]
     if problem.custom_mask:
         masked = [p for p in candidates if p.mma == "sync" and p.m_tiles == 1]
         default = default_masked_prefill_params(d, info)
@@ -561,7 +615,8 @@ def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str,
     fp8 = FP8_KV_DTYPES.get(kv_dtype or dtype, 0)
     qk, vo = dims if dims is not None else (head_dim, head_dim)
     if params.mma == "wgmma":
-        assert not masked and qk == vo == head_dim, "a custom mask or padding needs 'sync'"
+        assert not masked and qk == head_dim and wgmma_head_dims(qk, vo), "a custom mask or zero-fill needs 'sync'"
+        staged = fp8_staged_pairs(head_dim, params.q_tile, params.kv_tile, params.stages)
         return Variant.make(
             "prefill_sm90.cu",
             wgmma_arch(arch),
@@ -570,13 +625,13 @@ def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str,
             TX_QTILE=params.q_tile,
             TX_KVTILE=params.kv_tile,
             TX_STAGES=params.stages,
-            TX_SMEM=params.smem_bytes(head_dim, 1 if fp8 else 2),  # the kernel asserts that its layout has this size
+            **({"TX_DVO": vo} if vo != head_dim else {}),  # (absent for equal dims: the variants keep their keys)
+            TX_SMEM=params.smem_bytes(head_dim, 1 if fp8 else 2, vo),  # the kernel asserts its layout's size
             **({"TX_PERSIST": 1} if params.persist else {}),  # absent when 0: default variants keep their keys
             **({"TX_PINGPONG": 1} if params.pingpong else {}),
             **({"TX_SNAKE": 1} if params.persist and params.sched == 2 else {}),  # sorted over the batch
             **({"TX_KV_FP8": fp8, "TX_FP8_CVT": fp8_cvt()} if fp8 else {}),
-            **({"TX_STAGED": 2} if fp8 and fp8_staged_pairs(head_dim, params.q_tile, params.kv_tile, params.stages) == 2
-               else {}),  # fmt: skip
+            **({"TX_STAGED": 2} if fp8 and staged == 2 else {}),
         )
     return Variant.make(
         "prefill.cu",
@@ -637,7 +692,8 @@ def _prefill_kernel(index: int, dtype: str, d: int, params: PrefillParams, info:
     key = ("prefill", index, dtype, d, params, info.arch, masked, kv_dtype, fp8 and fp8_cvt(), dims)
     return load_kernel(key, lambda: prefill_variant(dtype, d, params, info.arch, masked, kv_dtype, dims),
                        "tactix_prefill",
-                       params.smem_bytes(d, 1 if fp8 else 2), params.threads, params, index, info)  # fmt: skip
+                       params.smem_bytes(d, 1 if fp8 else 2, dims[1] if dims else None), params.threads, params, index,
+                       info)  # fmt: skip
 
 
 MASK_ELEMENTS_MAX: Final = 2**31 - 1
@@ -691,8 +747,6 @@ class CudaNativePrefillPlan(StagedPlan):
         self.problem = problem
         self._requested = tactic
         info = device_info(index)
-        d = kernel_head_dim(problem)
-        dims = (problem.head_dim_qk, problem.head_dim_vo) if padded(problem) else None
         graph = options["use_cuda_graph"]
         self._graph = bool(graph)
         previous = options["previous"]
@@ -700,6 +754,7 @@ class CudaNativePrefillPlan(StagedPlan):
         params = default_params_for(problem, info) if tactic.is_default else PrefillParams.from_tactic(tactic)
         b, hq, hkv, gqa = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.gqa_ratio
         pack = prefill_pack(gqa, params.q_tile, params.pack)
+        d, dims = kernel_dims(problem, params)
         work = prefill_work(batch.qo_lens_list, batch.kv_lens_list, q_tile=params.q_tile, kv_tile=params.kv_tile,
                             pack=pack, causal=problem.causal, window_left=problem.window_left,
                             sched=params.sched)  # fmt: skip
@@ -707,7 +762,7 @@ class CudaNativePrefillPlan(StagedPlan):
             if graph and isinstance(previous, CudaNativePrefillPlan):
                 params = previous.params
             else:
-                params = prefill_default_persist(params, work.tiles, d, info)
+                params = prefill_default_persist(params, work.tiles, d, info, dims[1] if dims else None)
         self.params = params
         kernel, self.built = _prefill_kernel(index, problem.q_dtype, d, params, info, masked, problem.kv_dtype, dims)
         self.tactic = kernel.tactic

@@ -6,7 +6,7 @@ tactix_cuda_native --all``), over the ops' modules.
 from __future__ import annotations
 
 from tactix_cuda_native.decode import decode_candidates, decode_variant, default_decode_params
-from tactix_cuda_native.device import H200, DeviceInfo
+from tactix_cuda_native.device import H200, WGMMA_ARCHS, DeviceInfo
 from tactix_cuda_native.gemm import GEMM_MAX_M, default_gemm_params, gemm_params_variant, gemm_tactic_params
 from tactix_cuda_native.kernel import DTYPES
 from tactix_cuda_native.paged import FP8_KV_DTYPES, HEAD_DIMS
@@ -36,8 +36,15 @@ def default_variants(info: DeviceInfo = H200) -> list[Variant]:
                 out.append(prefill_variant(dtype, d, persistent, info.arch))
             for small in (False, True):
                 out.append(decode_variant(dtype, d, default_decode_params(d, info, small), info.arch))
-        # DeepSeek's prefill (q/k 192, v/o 128): the mma.sync kernel of 256, zero-filled (prefill.kernel_head_dim)
-        out.append(prefill_variant(dtype, 256, default_prefill_params(256, info, "sync"), info.arch, dims=(192, 128)))
+        # DeepSeek's prefill (q/k 192, v/o 128): on Hopper the wgmma kernel with its own dims (TX_DVO), also
+        # with persistent CTAs; elsewhere the mma.sync kernel of 256, zero-filled (prefill.kernel_head_dim)
+        if info.arch in WGMMA_ARCHS:
+            deepseek = default_prefill_params(192, info, "wgmma", head_dim_vo=128)
+            for params in dict.fromkeys([deepseek, prefill_default_persist(deepseek, [1], 192, info, 128)]):
+                out.append(prefill_variant(dtype, 192, params, info.arch, dims=(192, 128)))
+        else:
+            out.append(prefill_variant(dtype, 256, default_prefill_params(256, info, "sync"), info.arch,
+                                       dims=(192, 128)))  # fmt: skip
         for m in (1, 32, GEMM_MAX_M):  # one m per m-tile count (1, 2, 4 tiles of 16 rows)
             out.append(gemm_params_variant(dtype, m, default_gemm_params(m, info), info))
     return list(dict.fromkeys(out + fp8_decode_variants(info)))

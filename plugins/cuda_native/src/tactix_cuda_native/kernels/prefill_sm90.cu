@@ -110,7 +110,11 @@
 #define TX_STAGED 1
 #endif
 
-constexpr int D = TX_D;
+constexpr int D = TX_D;      // q's and k's head dim
+#ifndef TX_DVO
+#define TX_DVO TX_D
+#endif
+constexpr int DV = TX_DVO;   // v's and out's head dim (TX_DVO: DeepSeek's 192 / 128)
 constexpr int BQ = TX_QTILE;
 constexpr int BK = TX_KVTILE;
 constexpr int STAGES = TX_STAGES;
@@ -120,12 +124,14 @@ constexpr int CWG = BQ / 64;            // consumer warpgroups
 constexpr bool PINGPONG = TX_PINGPONG != 0;  // the two consumer warpgroups take turns (see the top)
 constexpr int PRODUCER = 128 * CWG;     // first thread of the producer warpgroup (the last one)
 constexpr int NT = PRODUCER + 128;
-constexpr int ROW_BYTES = D * 2;
-constexpr int CH = D / 8;                // 16-byte chunks per row
+constexpr int ROW_BYTES = D * 2;         // a Q or K row
+constexpr int CH = D / 8;                // 16-byte chunks per Q or K row
+constexpr int CHV = DV / 8;              // ... per V or out row
 constexpr int WG_Q_BYTES = 64 * ROW_BYTES;
 constexpr int Q_BYTES = BQ * ROW_BYTES;
-constexpr int TILE_BYTES = BK * ROW_BYTES;
-constexpr int STAGE_BYTES = 2 * TILE_BYTES;
+constexpr int TILE_BYTES = BK * ROW_BYTES;    // a K tile
+constexpr int V_TILE_BYTES = BK * DV * 2;     // a V tile
+constexpr int STAGE_BYTES = TILE_BYTES + V_TILE_BYTES;
 constexpr bool FP8 = TX_KV_FP8 != 0;
 constexpr int CH8 = D / 16;                  // fp8: 16-byte chunks per cache row
 constexpr int RPI8 = 32 / CH8;               // fp8: rows per producer warp instruction
@@ -137,12 +143,17 @@ constexpr int ROWP = STG + (FP8 ? NSTG * 2 * STG_TILE : 0);  // [BK][2] row poin
 constexpr int BARS = ROWP + BK * 16;                    // [4][STAGES] mbarriers
 constexpr int FULL_K = 0, FULL_V = 1, EMPTY_K = 2, EMPTY_V = 3;
 constexpr int RW = BK / 4;                   // rows of a tile per producer warp
-constexpr int RPI = CH >= 32 ? 1 : 32 / CH;  // rows per producer warp instruction (CH lanes per row)
+constexpr int RPI = CH >= 32 ? 1 : 32 / CH;  // K rows per producer warp instruction (CH lanes per row; d192: 24, 8 idle)
+constexpr int RPIV = CHV >= 32 ? 1 : 32 / CHV;  // V rows likewise
+// the producer's gather loops unrolled whole, but by 8 with unequal head dims: whole, the row
+// pointers of 32 (d192) or 16 rows spill past the producer's 40 registers
+constexpr int K_UNROLL = D == DV ? RW / RPI : 8;
+constexpr int V_UNROLL = D == DV ? RW / RPIV : 8;
 // Registers per thread after setmaxnreg. Two consumer warpgroups (384 threads, launched with 168
 // each): the producer gives back 128, the consumers take 64 each. One consumer warpgroup up to
 // d128 (256 threads, launched with 128 each so that two CTAs fit an SM): the producer gives 88 to
 // it. One consumer warpgroup at d256 (its m64n256k16 needs more than 128 at launch): no exchange.
-constexpr bool TWO_CTAS = CWG == 1 && D <= 128;
+constexpr bool TWO_CTAS = CWG == 1 && D <= 128 && DV <= 128;
 constexpr bool REBALANCE = CWG == 2 || TWO_CTAS;
 constexpr int LAUNCH_REGS = CWG == 2 ? 168 : 128;
 constexpr int MIN_CTAS = TWO_CTAS ? 2 : 1;
@@ -155,12 +166,15 @@ constexpr float LN2 = 0.6931471805599453f;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr int NO_LOWER = -(1 << 30);
 
-static_assert(D == 64 || D == 128 || D == 256, "head dim must be 64, 128 or 256");
+static_assert(D == 64 || D == 128 || D == 192 || D == 256, "q/k head dim must be 64, 128, 192 or 256");
+static_assert(DV == 64 || DV == 128 || DV == 256, "v/o head dim must be 64, 128 or 256 (a wgmma N of P V)");
+static_assert(DV == D || !(TX_KV_FP8), "an fp8 cache needs equal head dims");
 static_assert(BQ == 64 || BQ == 128, "TX_QTILE must be 64 or 128 (one or two consumer warpgroups)");
 static_assert(BK == 64 || BK == 128, "TX_KVTILE must be 64 or 128");
 static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 stages");
 static_assert(!PINGPONG || CWG == 2, "TX_PINGPONG needs two consumer warpgroups (TX_QTILE 128)");
-static_assert(CH <= 32 && RW % RPI == 0 && RW <= 32, "whole rows per producer warp pass, one key per lane");
+static_assert(CH <= 32 && CHV <= 32 && RW % RPI == 0 && RW % RPIV == 0 && RW <= 32,
+              "whole rows per producer warp pass, one key per lane");
 static_assert(TX_KV_FP8 >= 0 && TX_KV_FP8 <= 2, "TX_KV_FP8: 0 (16-bit cache), 1 (e4m3fn) or 2 (e5m2)");
 static_assert(!FP8 || RW % RPI8 == 0, "fp8: whole rows per producer warp pass");
 static_assert(NSTG == 1 || NSTG == 2, "TX_STAGED: 1 or 2 staged fp8 pairs");
@@ -280,7 +294,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     // warp pw gathers rows [pw RW, (pw + 1) RW) of every tile (lane pw RW + lane looks up its
     // page); lane copies chunk `ch` of rows it * RPI + h of them
     const kv_t** rowp = reinterpret_cast<const kv_t**>(smem + ROWP) + 2 * pw * RW;
-    const int h = lane / CH, ch = lane % CH;
+    const int h = lane / CH, ch = lane % CH, hv = lane / CHV, chv = lane % CHV;
+    const bool k_lane = lane < RPI * CH;  // (d192: lanes 24..31 copy no K chunk)
     int g = 0;  // tiles issued so far (over every item of this CTA): the ring position
     for (int u = vc0; u < uend; u += vstep) {
       const int vc = SNAKE ? snake_turn(u, vstep) : u;
@@ -402,17 +417,17 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         __syncwarp();
         const u32 kdst = base + RING + s * STAGE_BYTES, vdst = kdst + TILE_BYTES;
         tx_mbar_wait(bars + 8 * (EMPTY_K * STAGES + s), parity);
-#pragma unroll
+#pragma unroll(K_UNROLL)
         for (int it2 = 0; it2 < RW / RPI; ++it2) {
           const int r = it2 * RPI + h;
-          tx_cp_async16(kdst + sw128(pw * RW + r, ch, BK), rowp[2 * r] + ch * 8, 16);
+          if (k_lane) tx_cp_async16(kdst + sw128(pw * RW + r, ch, BK), rowp[2 * r] + ch * 8, 16);
         }
         tx_cp_async_mbar_arrive(bars + 8 * (FULL_K * STAGES + s));
         tx_mbar_wait(bars + 8 * (EMPTY_V * STAGES + s), parity);
-#pragma unroll
-        for (int it2 = 0; it2 < RW / RPI; ++it2) {
-          const int r = it2 * RPI + h;
-          tx_cp_async16(vdst + sw128(pw * RW + r, ch, BK), rowp[2 * r + 1] + ch * 8, 16);
+#pragma unroll(V_UNROLL)
+        for (int it2 = 0; it2 < RW / RPIV; ++it2) {
+          const int r = it2 * RPIV + hv;
+          tx_cp_async16(vdst + sw128(pw * RW + r, chv, BK), rowp[2 * r + 1] + chv * 8, 16);
         }
         tx_cp_async_mbar_arrive(bars + 8 * (FULL_V * STAGES + s));
       }
@@ -477,9 +492,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     // (persistent) a warpgroup without valid rows in this item skips every tile
     const int hi_max_w = wg_rows ? key_hi(it, min((wrow0 + 63) / P, nt - 1), is_causal) : NO_LOWER;
 
-    float o[D / 2];
+    float o[DV / 2];
 #pragma unroll
-    for (int j = 0; j < D / 2; ++j) o[j] = 0.f;
+    for (int j = 0; j < DV / 2; ++j) o[j] = 0.f;
     float sc[BK / 2];
     u32 pa[BK / 4];
     float m0 = tx_neg_inf(), m1 = tx_neg_inf(), l0 = 0.f, l1 = 0.f;
@@ -508,7 +523,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 #pragma unroll
         for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
 #pragma unroll
-        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+        for (int j = 0; j < DV / 2; ++j) tx_reg_fence(o[j]);
         tx_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {  // S = Q K^T
@@ -519,13 +534,13 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         if (prev) {  // O += P V of the previous tile
 #pragma unroll
           for (int ks = 0; ks < BK / 16; ++ks)
-            pv_wgmma<D>(o, pa + 4 * ks, desc_mn_major(vprev + ks * 2048, BK * 128), 1);
+            pv_wgmma<DV>(o, pa + 4 * ks, desc_mn_major(vprev + ks * 2048, BK * 128), 1);
         }
         tx_wgmma_commit();  // group 2: P V (empty for the first tile)
 #pragma unroll
         for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
 #pragma unroll
-        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+        for (int j = 0; j < DV / 2; ++j) tx_reg_fence(o[j]);
         if (pp) tx_bar_arrive(PP_BAR + (wg ^ 1), 256);  // the other warpgroup's turn
         tx_wgmma_wait<1>();                              // S
 #pragma unroll
@@ -577,13 +592,13 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         }
         tx_wgmma_wait<0>();  // P V of the previous tile: O and P are free
 #pragma unroll
-        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+        for (int j = 0; j < DV / 2; ++j) tx_reg_fence(o[j]);
 #pragma unroll
         for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
         if (lane == 0 && i > 0) tx_mbar_arrive(bars + 8 * (EMPTY_V * STAGES + sp));
         {
 #pragma unroll
-          for (int j = 0; j < D / 2; j += 4) {
+          for (int j = 0; j < DV / 2; j += 4) {
             o[j] *= al0;
             o[j + 1] *= al0;
             o[j + 2] *= al1;
@@ -600,17 +615,17 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 #pragma unroll
         for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
 #pragma unroll
-        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+        for (int j = 0; j < DV / 2; ++j) tx_reg_fence(o[j]);
         tx_wgmma_fence();
         const u32 vst = base + RING + sl * STAGE_BYTES + TILE_BYTES;
 #pragma unroll
         for (int ks = 0; ks < BK / 16; ++ks)
-          pv_wgmma<D>(o, pa + 4 * ks, desc_mn_major(vst + ks * 2048, BK * 128), 1);
+          pv_wgmma<DV>(o, pa + 4 * ks, desc_mn_major(vst + ks * 2048, BK * 128), 1);
         tx_wgmma_commit();
 #pragma unroll
         for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
 #pragma unroll
-        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+        for (int j = 0; j < DV / 2; ++j) tx_reg_fence(o[j]);
       }
       tx_wgmma_wait<0>();
     } else {
@@ -640,7 +655,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 #pragma unroll
       for (int j = 0; j < BK / 2; ++j) tx_reg_fence(sc[j]);
 #pragma unroll
-      for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+      for (int j = 0; j < DV / 2; ++j) tx_reg_fence(o[j]);
 #pragma unroll
       for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
       if (lane == 0) {
@@ -690,7 +705,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         l0 = l0 * al0 + rs0;
         l1 = l1 * al1 + rs1;
 #pragma unroll
-        for (int j = 0; j < D / 2; j += 4) {
+        for (int j = 0; j < DV / 2; j += 4) {
           o[j] *= al0;
           o[j + 1] *= al0;
           o[j + 2] *= al1;
@@ -706,22 +721,22 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 #pragma unroll
         for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
 #pragma unroll
-        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+        for (int j = 0; j < DV / 2; ++j) tx_reg_fence(o[j]);
         tx_wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < BK / 16; ++ks)
-          pv_wgmma<D>(o, pa + 4 * ks, desc_mn_major(vst + ks * 2048, BK * 128), 1);
+          pv_wgmma<DV>(o, pa + 4 * ks, desc_mn_major(vst + ks * 2048, BK * 128), 1);
         tx_wgmma_commit();
 #pragma unroll
         for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
 #pragma unroll
-        for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+        for (int j = 0; j < DV / 2; ++j) tx_reg_fence(o[j]);
       }
     }
     tx_wgmma_wait<0>();
     }  // PINGPONG
 #pragma unroll
-    for (int j = 0; j < D / 2; ++j) tx_reg_fence(o[j]);
+    for (int j = 0; j < DV / 2; ++j) tx_reg_fence(o[j]);
     // (persistent) the last V tile of the item is free once its P V is done: the producer fills
     // the slot with the next item's keys during this epilogue
     if (PERSIST && ntiles > 0 && lane == 0) tx_mbar_arrive(bars + 8 * (EMPTY_V * STAGES + (g + ntiles - 1) % STAGES));
@@ -751,19 +766,19 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     tx_fence_proxy_async();
     const int lr0 = 16 * warp + grp;
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
+    for (int j = 0; j < DV / 8; ++j) {
       *reinterpret_cast<u32*>(smem + qoff + sw128(lr0, j, 64) + tig * 4) =
           tx_pack2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
       *reinterpret_cast<u32*>(smem + qoff + sw128(lr0 + 8, j, 64) + tig * 4) =
           tx_pack2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
     }
     tx_bar_sync(1 + wg, 128);
-    for (int c = wtid; c < 64 * CH; c += 128) {
-      const int lr = c / CH, cc = c % CH;
+    for (int c = wtid; c < 64 * CHV; c += 128) {
+      const int lr = c / CHV, cc = c % CHV;
       const int row = wrow0 + lr, tl = row / P;
       if (tl < nt) {
         const tx_u4 val = *reinterpret_cast<const tx_u4*>(smem + qoff + sw128(lr, cc, 64));
-        *reinterpret_cast<tx_u4*>(out + ((i64)(q_start + t0 + tl) * H + head0 + row % P) * D + cc * 8) = val;
+        *reinterpret_cast<tx_u4*>(out + ((i64)(q_start + t0 + tl) * H + head0 + row % P) * DV + cc * 8) = val;
       }
     }
     if (lse != nullptr && tig == 0) {
