@@ -63,8 +63,13 @@
 // staged pair the copy's latency added to each tile's conversion: on the H200 P1 ran 1.3x the
 // 16-bit cache's time). The consumers are unchanged but for P V, which runs in float16 over an
 // fp8 cache (`pv_wgmma`; the producer converts V to float16); the scales are folded into the
-// softmax scale and the output's 1 / l. The two 16-bit chunks of a thread go out in an order that keeps every
-// quarter-warp's stores on distinct bank groups.
+// softmax scale and the output's 1 / l. The two 16-bit chunks of a thread go out in an order
+// that keeps every quarter-warp's stores on distinct bank groups.
+//
+// TX_DVO (v's and out's head dim, where it differs from q's and k's TX_D: DeepSeek's 192 / 128,
+// 128 / 64): K and V tiles have their own widths, S = Q K^T runs over TX_D (three 64-column
+// blocks at 192), P V over TX_DVO (N = TX_DVO), O holds TX_DVO columns and goes out through Q's
+// rows (so TX_DVO <= TX_D). A K row of d192 is 24 chunks: 8 lanes of each producer warp copy none.
 //
 // TX_PERSIST=1 (tactic param persist): persistent CTAs. The grid is what the GPU holds at once;
 // CTA b walks virtual CTAs (item x head group) b, b + gridDim.x, ... with the K/V ring, its
@@ -76,9 +81,10 @@
 // warpgroup issues S of tile i and P V of tile i - 1, then passes the turn and computes the
 // softmax of S while the other's GEMMs run (see the loop).
 //
-// Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_QTILE (64, 128), TX_KVTILE (64, 128),
-// TX_STAGES (2..4), TX_PERSIST, TX_PINGPONG, TX_SNAKE, TX_KV_FP8, TX_FP8_CVT (see fp8.cuh), TX_STAGED, TX_SMEM (optional: the size the host computed,
-// checked against the layout). One kernel serves every combination of the options: a second copy
+// Compile-time parameters: TX_BF16, TX_D (64, 128, 192, 256), TX_DVO (64, 128, 256; default TX_D),
+// TX_QTILE (64, 128), TX_KVTILE (64, 128), TX_STAGES (2..4), TX_PERSIST, TX_PINGPONG, TX_SNAKE,
+// TX_KV_FP8, TX_FP8_CVT (see fp8.cuh), TX_STAGED (1, 2), TX_SMEM (optional: the size the host
+// computed, checked against the layout). One kernel serves every combination of the options: a second copy
 // once kept for the case of neither was measured on the H200 to be no faster (B/A 0.992-0.997 on
 // P1 and P3, identical outputs: benchmarks/results/h200-prefill-kernel-ab.json) and removed.
 // Needs sm_90a (wgmma); kernels/prefill.cu serves other GPUs.
@@ -138,12 +144,12 @@ constexpr int RPI8 = 32 / CH8;               // fp8: rows per producer warp inst
 constexpr int STG_TILE = BK * D;             // fp8: a staged tile, rows as copied
 constexpr int NSTG = TX_STAGED;              // fp8: staged (K, V) pairs
 constexpr int RING = Q_BYTES;                           // offsets in dynamic shared memory
-constexpr int STG = RING + STAGES * STAGE_BYTES;        // fp8: the staged (K, V) pair
+constexpr int STG = RING + STAGES * STAGE_BYTES;        // fp8: the staged (K, V) pairs
 constexpr int ROWP = STG + (FP8 ? NSTG * 2 * STG_TILE : 0);  // [BK][2] row pointers (K, V)
 constexpr int BARS = ROWP + BK * 16;                    // [4][STAGES] mbarriers
 constexpr int FULL_K = 0, FULL_V = 1, EMPTY_K = 2, EMPTY_V = 3;
 constexpr int RW = BK / 4;                   // rows of a tile per producer warp
-constexpr int RPI = CH >= 32 ? 1 : 32 / CH;  // K rows per producer warp instruction (CH lanes per row; d192: 24, 8 idle)
+constexpr int RPI = CH >= 32 ? 1 : 32 / CH;  // K rows per producer warp instruction (CH lanes a row)
 constexpr int RPIV = CHV >= 32 ? 1 : 32 / CHV;  // V rows likewise
 // the producer's gather loops unrolled whole, but by 8 with unequal head dims: whole, the row
 // pointers of 32 (d192) or 16 rows spill past the producer's 40 registers
