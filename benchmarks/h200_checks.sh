@@ -20,6 +20,7 @@
 #   fp8-cvt              the bench's cuda_native fp8 rows (and P1's 16-bit one) with TACTIX_CUDA_NATIVE_FP8_CVT=1
 #                        (the hardware conversion) and 2 (the integer placement), one after the other (run
 #                        it alone; FP8_CVT_CASES picks other cases)
+#   fp8-prefill-probe    benchmarks/fp8_prefill_probe.py: the wgmma prefill over fp8 and 16-bit caches on P1
 #   bench-attention      tactix bench on the attention cases (bf16, fp8, V1), FlashInfer anchors
 #   bench-open-models    tactix bench on R1-R3 (ragged, DeepSeek 192/128) and O1 (gpt-oss sinks), anchors
 #   ab                   benchmarks/host_ab.py: plan() and run() host times of an older commit's
@@ -75,6 +76,7 @@ job() {
         TACTIX_CUDA_NATIVE_FP8_CVT=$mode t python -m tactix bench --cases "${FP8_CVT_CASES:-D1-fp8,D2-fp8,D3-fp8,P1,P1-fp8}" \
           --backends cuda_native --no-tune --no-flashinfer --json "$OUT/bench-fp8-cvt$mode.json" || return 1
       done ;;
+    fp8-prefill-probe) t python benchmarks/fp8_prefill_probe.py --json "$OUT/fp8-prefill-probe-h200.json" ;;
     bench-attention) t python -m tactix bench --cases "$ATTENTION" --json "$OUT/bench-attention-h200.json" \
       --markdown "$OUT/bench-attention-h200.md" ;;
     bench-open-models) t python -m tactix bench --cases "$OPEN_MODELS" --json "$OUT/bench-open-models-h200.json" \
