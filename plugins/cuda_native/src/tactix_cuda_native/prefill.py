@@ -219,8 +219,7 @@ def fp8_staged_pairs(head_dim: int, q_tile: int, kv_tile: int, stages: int) -> i
     TX_STAGED): two where they fit beside Q and the 16-bit ring in a Hopper CTA's shared memory
     (`HOPPER_SMEM_PER_BLOCK`), else one. (With one, the copy of the next tile waits for the
     conversion of the last: P1 on the H200 ran at 0.73x the 16-bit cache's rate.)"""
-    row = head_dim * 2
-    fixed = q_tile * row + stages * 2 * kv_tile * row + kv_tile * 16 + 4 * stages * 8
+    fixed = prefill_smem_bytes(head_dim, q_tile, kv_tile, stages, "wgmma")  # (a 16-bit cache's layout)
     return 2 if fixed + 2 * 2 * kv_tile * head_dim <= HOPPER_SMEM_PER_BLOCK else 1
 
 
@@ -493,14 +492,10 @@ def prefill_reasons(problem: PrefillProblem, tactic: Tactic, info: DeviceInfo) -
     qk, vo = problem.head_dim_qk, problem.head_dim_vo
     if max(qk, vo) > kernel_head_dim(problem) or qk % 16 or vo % 16:
         out.append(f"head dims {qk}/{vo}: multiples of 16 up to {max(HEAD_DIMS)}")
-    if params.mma == "wgmma" and qk != vo:
-        if problem.kv_dtype in FP8_KV_DTYPES:
-            out.append(f"with an fp8 cache mma 'wgmma' needs equal head dims (here {qk}/{vo}; use mma 'sync')")
-        elif not wgmma_head_dims(qk, vo):
-            out.append(WGMMA_DIMS_NEED_SYNC.format(qk=qk, vo=vo))
-        return out + params.reasons(qk, info, problem.gqa_ratio, kv_bytes(problem), vo)
-    d, _ = kernel_dims(problem, params)
-    return out + params.reasons(d, info, problem.gqa_ratio, kv_bytes(problem))
+    if params.mma == "wgmma" and qk != vo and problem.kv_dtype in FP8_KV_DTYPES:
+        out.append(f"with an fp8 cache mma 'wgmma' needs equal head dims (here {qk}/{vo}; use mma 'sync')")
+    d, _ = kernel_dims(problem, params)  # (the wgmma rules check the dims: PrefillParams._wgmma_reasons)
+    return out + params.reasons(d, info, problem.gqa_ratio, kv_bytes(problem), vo if params.mma == "wgmma" else None)
 
 
 MASK_NEEDS_SYNC: Final = (
