@@ -35,7 +35,10 @@
 #                        AB_CONTROL=1 adds a third worker of the old wheels (an A/A: the harness's bias)
 #   layers               benchmarks/run_layers.py on the checkout and on .gpu/old, alternating twice:
 #                        where an eager decode run() spends its host time (core, plugin, cuDNN)
-#   parity               benchmarks/flashinfer_parity/run.py on a sample, ours and FlashInfer's own
+#   parity               benchmarks/flashinfer_parity/run.py on a seeded sample (PARITY_SAMPLE, default 60)
+#                        with tactix's wrappers substituted
+#   parity-reference     the same sample with FlashInfer's own wrappers (run it beside parity: they share
+#                        FlashInfer's compiled reference modules, whose build takes a file lock)
 # Nothing here is a result until its JSON or log is committed under benchmarks/results/.
 set -uo pipefail
 LOGS=/tmp/h200-logs
@@ -91,6 +94,9 @@ job() {
     parity)
       t python3 benchmarks/flashinfer_parity/run.py --sample "${PARITY_SAMPLE:-60}" --seed 0 \
         --junit "$OUT/flashinfer-parity.xml" --summary "$OUT/flashinfer-parity.md" ;;
+    parity-reference)
+      t python3 benchmarks/flashinfer_parity/run.py --sample "${PARITY_SAMPLE:-60}" --seed 0 --reference \
+        --junit "$OUT/flashinfer-parity-reference.xml" --summary "$OUT/flashinfer-parity-reference.md" ;;
     *) echo "unknown job '$1' (see the list at the top of benchmarks/h200_checks.sh)"; return 2 ;;
   esac
 }
