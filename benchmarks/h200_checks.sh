@@ -14,9 +14,9 @@
 #   warm-flashinfer      FlashInfer's anchor modules for the bench (fa2/tc decode, fa2/fa3 prefill,
 #                        bf16 and e4m3 KV): 15-90 s each
 #   kit-torch kit-cudnn kit-cuda_native kit-trtllm-decode kit-trtllm-prefill
-#                        tactix conformance (2-7 min each)
+#                        tactix conformance (2-7 min each; KIT_K: a pytest -k expression for a subset)
 #   gpu-rest gpu-cuda_native gpu-trtllm
-#                        tests/gpu by file group (3, 6 and 5 min)
+#                        tests/gpu by file group (3, 6 and 5 min; GPU_K: a -k expression)
 #   fp8-cvt              the bench's cuda_native fp8 rows (and P1's 16-bit one) with TACTIX_CUDA_NATIVE_FP8_CVT=1
 #                        (the hardware conversion) and 2 (the integer placement), one after the other (run
 #                        it alone; FP8_CVT_CASES picks other cases)
@@ -36,7 +36,9 @@
 #   layers               benchmarks/run_layers.py on the checkout and on .gpu/old, alternating twice:
 #                        where an eager decode run() spends its host time (core, plugin, cuDNN)
 #   parity               benchmarks/flashinfer_parity/run.py on a seeded sample (PARITY_SAMPLE, default 60)
-#                        with tactix's wrappers substituted
+#                        with tactix's wrappers substituted, in PARITY_WORKERS (8) xdist processes: a cold
+#                        machine spends most of it compiling FlashInfer's reference modules (session 18:
+#                        24 of 80 cases in 540 s in one process)
 #   parity-reference     the same sample with FlashInfer's own wrappers (run it beside parity: they share
 #                        FlashInfer's compiled reference modules, whose build takes a file lock)
 # Nothing here is a result until its JSON or log is committed under benchmarks/results/.
@@ -67,13 +69,15 @@ job() {
     warm-fmha) TACTIX_TRTLLM_WARMUP="ops=prefill" t python -m tactix warmup trtllm ;;
     warm-flashinfer) t python -m tactix bench --cases D2,D2-fp8,P3,P3-fp8,V1 --backends torch --no-tune --repeat 3 ;;
     kit-torch | kit-cudnn | kit-cuda_native)
-      t python -m tactix conformance "${1#kit-}" --json "$OUT/conformance-${1#kit-}-h200.json" ;;
-    kit-trtllm-decode) t python -m tactix conformance trtllm -k "not prefill" --json "$OUT/conformance-trtllm-decode-h200.json" ;;
-    kit-trtllm-prefill) t python -m tactix conformance trtllm -k prefill --json "$OUT/conformance-trtllm-prefill-h200.json" ;;
-    gpu-rest) t python -m pytest -q -p no:cacheprovider --durations=10 tests/gpu/test_autotune_cuda.py \
+      t python -m tactix conformance "${1#kit-}" ${KIT_K:+-k "$KIT_K"} --json "$OUT/conformance-${1#kit-}-h200.json" ;;
+    kit-trtllm-decode) t python -m tactix conformance trtllm -k "not prefill${KIT_K:+ and ($KIT_K)}" \
+      --json "$OUT/conformance-trtllm-decode-h200.json" ;;
+    kit-trtllm-prefill) t python -m tactix conformance trtllm -k "prefill${KIT_K:+ and ($KIT_K)}" \
+      --json "$OUT/conformance-trtllm-prefill-h200.json" ;;
+    gpu-rest) t python -m pytest -q -p no:cacheprovider --durations=10 ${GPU_K:+-k "$GPU_K"} tests/gpu/test_autotune_cuda.py \
       tests/gpu/test_cudnn_gpu.py tests/gpu/test_torch_backend_cuda.py ;;
-    gpu-cuda_native) t python -m pytest -q -p no:cacheprovider --durations=10 tests/gpu/test_cuda_native_gpu.py ;;
-    gpu-trtllm) t python -m pytest -q -p no:cacheprovider --durations=10 tests/gpu/test_trtllm_gpu.py ;;
+    gpu-cuda_native) t python -m pytest -q -p no:cacheprovider --durations=10 ${GPU_K:+-k "$GPU_K"} tests/gpu/test_cuda_native_gpu.py ;;
+    gpu-trtllm) t python -m pytest -q -p no:cacheprovider --durations=10 ${GPU_K:+-k "$GPU_K"} tests/gpu/test_trtllm_gpu.py ;;
     fp8-cvt)
       for mode in 1 2; do  # the hardware conversion against the integer placement (kernels/fp8.cuh)
         TACTIX_CUDA_NATIVE_FP8_CVT=$mode t python -m tactix bench --cases "${FP8_CVT_CASES:-D1-fp8,D2-fp8,D3-fp8,P1,P1-fp8}" \
@@ -92,10 +96,10 @@ job() {
         PYTHONPATH=$path t python3 benchmarks/run_layers.py --json "/tmp/layers-$side-$RANDOM.json" || return 1
       done && python3 -c "import glob, json, sys; json.dump([json.load(open(f)) for f in sorted(glob.glob('/tmp/layers-*.json'))], open(sys.argv[1], 'w'), indent=1)" "$OUT/run-layers-h200.json" ;;
     parity)
-      t python3 benchmarks/flashinfer_parity/run.py --sample "${PARITY_SAMPLE:-60}" --seed 0 \
+      t python3 benchmarks/flashinfer_parity/run.py --sample "${PARITY_SAMPLE:-60}" --seed 0 --workers "${PARITY_WORKERS:-8}" \
         --junit "$OUT/flashinfer-parity.xml" --summary "$OUT/flashinfer-parity.md" ;;
     parity-reference)
-      t python3 benchmarks/flashinfer_parity/run.py --sample "${PARITY_SAMPLE:-60}" --seed 0 --reference \
+      t python3 benchmarks/flashinfer_parity/run.py --sample "${PARITY_SAMPLE:-60}" --seed 0 --reference --workers "${PARITY_WORKERS_REFERENCE:-4}" \
         --junit "$OUT/flashinfer-parity-reference.xml" --summary "$OUT/flashinfer-parity-reference.md" ;;
     *) echo "unknown job '$1' (see the list at the top of benchmarks/h200_checks.sh)"; return 2 ;;
   esac

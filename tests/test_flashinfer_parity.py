@@ -133,6 +133,12 @@ def _case(message: str, text: str = "") -> report.Case:
             "",
             "other: RuntimeError: CUDA error: an illegal memory access",
         ),
+        (
+            "Failed: DID NOT RAISE <class 'Exception'>",
+            '    with pytest.raises(Exception, match="must have identical strides"):\n',
+            "tactix serves K and V pools of different strides (FlashInfer's CUDA-core decode refuses them)",
+        ),
+        ("Failed: DID NOT RAISE <class 'ValueError'>", "", "expected error not raised"),
         ("", "", "other: (no message)"),
     ],
 )
@@ -509,3 +515,52 @@ def test_whole_run_on_stand_ins(tmp_path: Path) -> None:
     assert {c.name for c in theirs.cases} <= {c.name for c in ours.cases}
     assert all(c.outcome != "failed" for c in theirs.cases), md
     assert "FlashInfer's own wrappers (reference run)" in md and "--sample 3 --seed 4" in md
+
+
+def test_workers_run_the_cases_in_xdist_processes(tmp_path: Path) -> None:
+    args, extra = runner._arguments([str(_tree(tmp_path / "tree")), "--workers", "6", "--", "-x"])
+    cmd = runner.command(args, tmp_path / "j.xml", tmp_path / "r.json", tmp_path / "p.ini", extra)
+    assert cmd[cmd.index("-n") + 1] == "6" and cmd[-1] == "-x"
+    plain, _ = runner._arguments([str(tmp_path / "tree")])
+    assert "-n" not in runner.command(plain, tmp_path / "j.xml", tmp_path / "r.json", tmp_path / "p.ini", [])
+
+
+def test_an_interrupted_run_reports_the_cases_that_ran(tmp_path: Path) -> None:
+    """`timeout -s INT` signals the whole process group (the H200 jobs stop that way): pytest
+    still writes its JUnit XML, and the runner reports what ran, saying it was interrupted."""
+    import signal
+    import time
+
+    stubs = _write(tmp_path / "site", STUBS)
+    marker = tmp_path / "started"
+    tree = _write(tmp_path / "tree", {
+        scope.DECODE_FILE: f"""
+            import pathlib, time
+            import flashinfer
+
+            def test_quick():
+                assert flashinfer.decode.BatchDecodeWithPagedKVCacheWrapper(None).origin == "tactix"
+
+            def test_slow():
+                flashinfer.decode.BatchDecodeWithPagedKVCacheWrapper(None)
+                pathlib.Path({str(marker)!r}).touch()
+                time.sleep(60)
+        """,
+        scope.PREFILL_FILE: "",
+        "tests/__init__.py": "",
+        "tests/attention/__init__.py": "",
+    })  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(stubs)}
+    env.pop("PYTEST_ADDOPTS", None)
+    summary = tmp_path / "s.md"
+    child = subprocess.Popen([sys.executable, str(HERE / "run.py"), str(tree), "--summary", str(summary)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(child.pid, signal.SIGINT)
+    out, err = child.communicate(timeout=90)
+    assert marker.exists(), out + err
+    md = summary.read_text()
+    assert "**The run was interrupted**" in md and "**1 passed, 0 failed, 0 skipped** of 1 cases run." in md, md + err

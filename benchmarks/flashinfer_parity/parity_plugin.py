@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import types
 from collections import Counter, defaultdict
@@ -176,8 +177,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         "environment": _environment(),
     }
     path = config.getoption("parity_record")
-    if path:
-        Path(path).write_text(json.dumps(record, indent=1, sort_keys=True))
+    if path:  # written whole, then renamed: xdist's workers each collect and write the same record
+        tmp = Path(f"{path}.{os.getpid()}")
+        tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
+        os.replace(tmp, path)
 
 
 class _View(types.ModuleType):

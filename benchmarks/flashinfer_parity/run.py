@@ -66,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", action="store_true", help="run FlashInfer's own wrappers on the same selection")
     p.add_argument("--junit", type=Path, metavar="PATH", help="write the JUnit XML here")
     p.add_argument("--summary", type=Path, metavar="PATH", help="write the Markdown report here too")
+    p.add_argument("--workers", type=_positive, metavar="N",
+                   help="run the cases in N processes (pytest-xdist's -n): FlashInfer compiles the reference "
+                        "modules they need side by side")  # fmt: skip
     return p
 
 
@@ -115,7 +118,24 @@ def command(args: argparse.Namespace, junit: Path, record: Path, ini: Path, extr
            "--parity-mode", "reference" if args.reference else "tactix", "--parity-record", str(record)]  # fmt: skip
     if args.sample is not None:
         cmd += ["--parity-sample", str(args.sample), "--parity-seed", str(args.seed or 0)]
+    if args.workers is not None:
+        cmd += ["-n", str(args.workers)]
     return [*cmd, *parity_scope.SUBSTITUTIONS, *extra]
+
+
+def _wait(child: subprocess.Popen[bytes]) -> tuple[int, bool]:
+    """The child's exit status and whether the run was interrupted. An interrupt (Ctrl-C, or
+    `timeout -s INT`, which signals the whole process group) reaches pytest too, which then ends
+    the run and still writes its JUnit XML: wait for that (a minute at most), then report what ran."""
+    try:
+        return child.wait(), False
+    except KeyboardInterrupt:
+        print("run.py: interrupted; waiting for pytest to write the cases that ran", file=sys.stderr, flush=True)
+        try:
+            return child.wait(timeout=60), True
+        except (KeyboardInterrupt, subprocess.TimeoutExpired):
+            child.kill()
+            return child.wait(), True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -144,14 +164,17 @@ def _run(args: argparse.Namespace, extra: Sequence[str]) -> int:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
         cmd = command(args, junit, record, ini, extra)
         print(f"run.py: in {args.tests}: {Path(cmd[0]).name} " + " ".join(cmd[1:]), file=sys.stderr, flush=True)
-        code = subprocess.call(cmd, cwd=args.tests, env=env)
+        code, interrupted = _wait(subprocess.Popen(cmd, cwd=args.tests, env=env))
         if not junit.is_file():
-            _fail(f"pytest wrote no JUnit XML (exit status {code}); its output is above")
+            _fail(f"pytest wrote no JUnit XML (exit status {code}{', interrupted' if interrupted else ''}); "
+                  "its output is above")  # fmt: skip
         selection = json.loads(record.read_text()) if record.is_file() else {}
         if selection:
             selection["tree"] = args.shown
             parity_report.embed_selection(junit, selection)
         markdown = parity_report.summarize(parity_report.parse_junit(junit))
+        if interrupted:
+            markdown += "\n\n**The run was interrupted**: the cases above are those that ran before it stopped."
     print(markdown)
     if args.summary is not None:
         args.summary.write_text(markdown + "\n")

@@ -142,8 +142,14 @@ def test_run_time_scales_follow_flashinfer_semantics(batch: dict[str, torch.Tens
 
 def test_multi_token_decode_rows_are_causal_among_the_last_tokens(batch: dict[str, torch.Tensor]) -> None:
     """FlashInfer's ``q_len_per_req``: request b owns rows [b N, (b + 1) N), its last N tokens,
-    row i attending the keys up to kv_len - N + i (a chunked prefill of N rows per request)."""
-    wrapper = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND")
+    row i attending the keys up to kv_len - N + i (a chunked prefill of N rows per request).
+    As in FlashInfer, it takes a wrapper made with ``use_tensor_cores=True``."""
+    with pytest.raises(tactix.InvalidArgumentError) as info:
+        BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND").plan(
+            batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8, q_data_type=torch.float32,
+            q_len_per_req=4)  # fmt: skip
+    assert info.value.argument == "use_tensor_cores"
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, "HND", use_tensor_cores=True)
     wrapper.plan(batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8, q_data_type=torch.float32,
                  q_len_per_req=4)  # fmt: skip
     q = batch["q"][:12]
@@ -156,6 +162,8 @@ def test_multi_token_decode_rows_are_causal_among_the_last_tokens(batch: dict[st
     assert lse_error(lse * math.log(2.0), ref_lse) < 1e-5  # FlashInfer's base-2 LSE
     with pytest.raises(tactix.InvalidArgumentError, match="q_len_per_req"):
         wrapper.run(q, (batch["k"], batch["v"]), q_len_per_req=2)  # not what was planned
+    with pytest.raises(tactix.InvalidArgumentError, match=r"'q'.*3 requests x q_len_per_req 4 rows"):
+        wrapper.run(batch["q"][:9], (batch["k"], batch["v"]))  # 9 rows: not 3 requests of 4
     with pytest.raises(tactix.InvalidArgumentError, match="q_len_per_req"):  # more rows than request 1's 8 keys
         wrapper.plan(batch["kv_indptr"], batch["kv_indices"], batch["last"], 4, 2, 32, 8, q_data_type=torch.float32,
                      q_len_per_req=9)  # fmt: skip

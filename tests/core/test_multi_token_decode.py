@@ -97,6 +97,49 @@ def test_a_replan_keeps_the_rows_per_request_and_q_must_match(cache: dict[str, t
         wrapper.run(cache["q"][:b], (cache["k"], cache["v"]))  # one row per request: not what was planned
 
 
+def _cut(cache: dict[str, torch.Tensor], kv_lens: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """The metadata of the cache's requests cut to ``kv_lens`` keys (each keeps its first pages)."""
+    indptr, indices, old = [0], [], cache["indptr"].tolist()
+    for r, n in enumerate(kv_lens):
+        indices += cache["indices"][old[r] : old[r] + -(-n // PAGE)].tolist()
+        indptr.append(len(indices))
+    return i32(*indptr), i32(*indices), i32(*[(n - 1) % PAGE + 1 for n in kv_lens])
+
+
+def test_cuda_graph_mode_serves_a_shorter_batch_in_the_captured_buffers(cache: dict[str, torch.Tensor]) -> None:
+    """A serving step's CUDA-graph pattern (FlashInfer's own test of it): capture at the longest
+    batch, re-plan every step for shorter ones, of smaller length buckets too, and replay. The
+    re-plans keep the captured buffers; a batch longer than the captured one is refused."""
+    wrapper = tactix.PagedDecode("HND", backend="torch", device="cpu", use_cuda_graph=True)
+    b, n = len(KV_LENS), 3
+    q = cache["q"][: b * n]
+
+    def plan(indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> list[int]:
+        wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=torch.float32, q_len_per_req=n)
+        plan = wrapper.plan_object
+        return [t.data_ptr() for t in (plan.page_table, plan.q_index, plan.out_index, plan.mask, plan.key_valid)]
+
+    captured = plan(cache["indptr"], cache["indices"], cache["last"])  # the longest: 24 keys (bucket 32)
+    qo = torch.arange(0, b * n + 1, n, dtype=torch.int32)
+    for kv_lens in ((5, 16, 9, 16), (3, 3, 4, 3)):  # longest 16 and 4: smaller buckets
+        meta = _cut(cache, kv_lens)
+        assert plan(*meta) == captured, f"a re-plan for kv lengths {kv_lens} moved the captured buffers"
+        out = wrapper.run(q, (cache["k"], cache["v"]))
+        ref, _ = attention_reference(q, cache["k"], cache["v"], qo, *meta, kv_layout="HND", causal=True,
+                                     sm_scale=1 / math.sqrt(D))  # fmt: skip
+        assert relative_error(out, ref) < 1e-5, f"kv lengths {kv_lens}"
+    longer = cache["last"].clone()
+    longer[0] += 1  # request 0 grows; still in its page, but the captured wrapper was planned at 24 keys ...
+    plan(cache["indptr"], cache["indices"], longer)  # ... and 6 fits the bucket 32: served
+    grown = torch.cat([cache["indices"], cache["indices"][:2]])  # request 3 gets two pages more: 40 keys
+    indptr = cache["indptr"].clone()
+    indptr[-1] += 2
+    big = cache["last"].clone()
+    big[-1] = PAGE
+    with pytest.raises(tactix.UnsupportedProblemError, match="capture with the longest batch"):
+        plan(indptr, grown, big)
+
+
 @pytest.mark.parametrize("bad", [0, -1, True, 2.0, "2"])
 def test_bad_rows_per_request_name_the_argument(cache: dict[str, torch.Tensor], bad: object) -> None:
     wrapper = tactix.PagedDecode("HND", device="cpu")

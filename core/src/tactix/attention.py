@@ -543,12 +543,16 @@ class _Attention(Planned):
         b.run(q, k, v, out, lse, **extras)
         return (out, lse) if want else out
 
+    def _q_rows(self, rows: int) -> str:
+        """What ``q``'s ``rows`` are, for its error in ``run()`` ("" where the shape says it all)."""
+        return ""
+
     def _bound_device(self) -> torch.device | None:
         return None if self._bound is None else self._bound.device
 
     def _reject(self, name: str, t: object, shape: torch.Size, dtype: torch.dtype, contiguous: bool = False) -> None:
         expected = f"a contiguous {dtype} tensor" if contiguous else f"a {dtype} tensor"
-        expected += f" of shape {tuple(shape)} on {self._bound_device()}"
+        expected += f" of shape {tuple(shape)}{self._q_rows(shape[0]) if name == 'q' else ''} on {self._bound_device()}"
         if not isinstance(t, torch.Tensor):
             raise InvalidArgumentError(name, expected, type(t).__name__)
         got = f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
@@ -983,3 +987,8 @@ class PagedDecode(_PagedAttention):
                      window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, return_lse,
                      deterministic, q_len_per_req, False)  # fmt: skip
         self._plan(None, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, arguments, backend, tactic)
+        self._rows_per_request = q_len_per_req  # (for run()'s error on q's rows: `_q_rows`)
+
+    def _q_rows(self, rows: int) -> str:
+        n = getattr(self, "_rows_per_request", 1)
+        return f" ({rows // n} requests x q_len_per_req {n} rows, as planned)" if n > 1 else ""

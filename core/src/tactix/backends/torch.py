@@ -255,8 +255,11 @@ class _Geometry:
     keys: int  # padded key slots per request (paged: whole pages)
     kv_tokens: int = 0  # rows of the packed k and v (ragged-KV prefill)
 
-    def compatible(self, other: _Geometry) -> bool:
-        return self == other
+    def holds(self, other: _Geometry) -> bool:
+        """Whether buffers of this geometry serve a batch of ``other``'s: the same batch size, token
+        and packed-key counts, and at most as many query rows and key slots per request."""
+        same = (self.batch_size, self.tokens, self.kv_tokens) == (other.batch_size, other.tokens, other.kv_tokens)
+        return same and other.q_len <= self.q_len and other.keys <= self.keys
 
 
 def _sdpa_backend(impl: str) -> Any:
@@ -300,6 +303,12 @@ class _AttentionPlan:
         else:
             q_len, kv_len = batch.max_qo_len, batch.max_kv_len
         self.geometry = self._geometry(batch, max(q_len, 1), kv_len)
+        previous = options["previous"]
+        graph_previous = previous if options["use_cuda_graph"] and type(previous) is type(self) else None
+        if graph_previous is not None and graph_previous.geometry.holds(self.geometry):
+            # a shorter batch than the captured one: it keeps the captured buffers' shapes (as
+            # FlashInfer's CUDA-graph wrappers serve any batch their buffers hold)
+            self.geometry = graph_previous.geometry
         self._custom = bool(getattr(problem, "custom_mask", False))
         self.mask_needed = options["use_cuda_graph"] or self._custom or _needs_mask(problem, batch)
         self.is_causal = causal and not self.mask_needed
@@ -309,17 +318,17 @@ class _AttentionPlan:
             self._gqa_native = tactic.params["impl"] in ("math", "flash")
 
         buffers = self._indices(batch, causal)
-        previous = options["previous"]
         if options["use_cuda_graph"] and previous is not None:
-            if type(previous) is not type(self) or not previous.geometry.compatible(self.geometry):
+            if graph_previous is None or graph_previous.geometry != self.geometry:
                 old = previous.geometry if isinstance(previous, _AttentionPlan) else previous
                 raise UnsupportedProblemError(
                     NAME,
                     problem,
                     [
-                        "in CUDA-graph mode a re-plan must keep the batch size, the token count and "
-                        f"the length buckets, so captured graphs stay valid (planned {old}, now "
-                        f"{self.geometry}); use one wrapper per captured shape"
+                        "in CUDA-graph mode a re-plan must keep the batch size and the token count and "
+                        f"fit the captured length buckets, so captured graphs stay valid (planned {old}, "
+                        f"now {self.geometry}); capture with the longest batch, or use one wrapper per "
+                        "captured shape"
                     ],
                 )
             # rewrite the captured buffers in place: same addresses, new batch.

@@ -59,7 +59,11 @@ Differences, all explicit:
   NVFP4 KV caches (``kv_data_type=torch.uint8`` at plan, ``kv_cache_sf`` at run), FlashInfer's
   own page-table arguments (``block_tables``, ``seq_lens``).
 * Decode's ``q_len_per_req`` (multi-token decode) is tactix's: ``q`` holds that many rows per
-  request, causal among them (`tactix.PagedDecode.plan`).
+  request, causal among them (`tactix.PagedDecode.plan`). As in FlashInfer, the decode wrapper
+  takes it only when made with ``use_tensor_cores=True``.
+* With ``use_cuda_graph=True``, as in FlashInfer, a re-plan may be a shorter batch than the
+  captured one (shorter sequences, fewer pages): capture with the longest batch a graph serves.
+  One longer than the captured plan holds is refused with the reason.
 * The ragged wrapper (keys and values packed per request, `tactix.RaggedPrefill`) refuses custom
   masks, multi-item scoring, cuDNN's own ``v_indptr`` / ``o_indptr``, ``o_scale`` and
   ``lse_layout="HN"``; its ``run`` takes ``lse_base="ln"`` for a natural-log LSE.
@@ -740,6 +744,11 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         """What `plan` and `fast_decode_plan` share (neither calls the other: serving code replaces
         ``wrapper.plan`` with ``partial(fast_decode_plan, wrapper)``)."""
         _unsupported("pos_encoding_mode", pos_encoding_mode, "NONE")
+        if isinstance(q_len_per_req, int) and q_len_per_req > 1 and not self._use_tensor_cores:
+            # FlashInfer's rule, kept so code that runs here runs on FlashInfer too (tactix's own
+            # PagedDecode takes q_len_per_req whatever kernels serve it)
+            raise InvalidArgumentError("use_tensor_cores", "True for multi-token decode (q_len_per_req "
+                                       f"{q_len_per_req} > 1), as FlashInfer requires", False)  # fmt: skip
         flag(non_blocking, "non_blocking")  # a copy hint: tactix plans make their own metadata copies
         flag(disable_split_kv, "disable_split_kv")  # a scheduling hint, as fixed_split_size is
         # FlashInfer's dtype rules: data_type stands for whichever of q and kv is not given

@@ -343,6 +343,30 @@ class AttentionInputs:
         bad.kv_indices[-1] = self.k_cache.shape[0]
         return bad, "paged_kv_indices"
 
+    def shortened(self, case: AttentionCase) -> tuple[AttentionInputs, AttentionCase]:
+        """The same tensors (q, cache, outputs) with every request's keys cut to a quarter (at
+        least its query rows): a shorter batch, of smaller length buckets, than the one planned
+        first. Each request keeps its first pages; the slots it no longer owns count as outside
+        (`refill` poisons them), so a kernel that reads past the new lengths spoils the result."""
+        page = case.page_size
+        kv_lens = tuple(max(q_len, n // 4, 1) for q_len, n in zip(case.q_lens, case.kv_lens, strict=True))
+        indptr, indices = [0], []
+        outside = torch.ones_like(self.outside)
+        old_indptr, old_indices = self.kv_indptr.tolist(), self.kv_indices.tolist()
+        for r, n in enumerate(kv_lens):
+            mine = old_indices[old_indptr[r] : old_indptr[r] + -(-n // page)]
+            for i, p in enumerate(mine):
+                outside[p, : min(page, n - i * page)] = False
+            indices += mine
+            indptr.append(len(indices))
+        short = replace(case, kv_lens=kv_lens)
+        as_int = dict(dtype=torch.int32, device=self.kv_indptr.device)
+        inputs = replace(self, kv_indptr=torch.tensor(indptr, **as_int),  # type: ignore[arg-type]
+                         kv_indices=torch.tensor(indices, **as_int),  # type: ignore[arg-type]
+                         kv_last_page_len=torch.tensor([(n - 1) % page + 1 for n in kv_lens], **as_int),  # type: ignore[arg-type]
+                         outside=outside)  # fmt: skip
+        return inputs, short
+
     def refill(self, case: AttentionCase, generator: torch.Generator) -> None:
         """New random q and cache contents (same metadata), poisoned outputs again."""
         dtype_q, dtype_kv = to_torch_dtype(case.q_dtype), to_torch_dtype(case.kv_dtype)

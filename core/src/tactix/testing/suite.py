@@ -343,6 +343,16 @@ def test_attention_cuda_graph(backend: Backend | None, graph_case: Case, device:
         graph.replay()
         torch.cuda.synchronize(device)
         _check_attention(now, inputs, f"{case.id} replayed from a CUDA graph with {what}")
+    if isinstance(inputs, AttentionInputs) and isinstance(now, AttentionCase) and not now.mask:
+        # a serving step re-plans the captured wrapper for a shorter batch (smaller length buckets)
+        # and replays: the captured buffers must hold it, and the replay must read its lengths only
+        short_inputs, short = inputs.shortened(now)  # (the scales of the last round: the extras hold them)
+        _plan(wrapper, short, short_inputs)
+        short_inputs.refill(short, torch.Generator().manual_seed(case.seed + 20))
+        graph.replay()
+        torch.cuda.synchronize(device)
+        _check_attention(short, short_inputs, f"{case.id} re-planned for kv lengths {short.kv_lens} (captured "
+                                              f"at {case.kv_lens}) and replayed from its CUDA graph")  # fmt: skip
 
 
 # -- GEMM ------------------------------------------------------------------------------------

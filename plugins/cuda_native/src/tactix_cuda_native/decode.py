@@ -476,6 +476,7 @@ class CudaNativeDecodePlan(StagedPlan):
     _part_o: torch.Tensor  # workspace: partial outputs of split requests
     _part_lse: torch.Tensor
     _counters: torch.Tensor  # one per request and (KV head, q tile): partials merged so far; zero between runs
+    _longest_cap: int  # the kv-length capacity the buffers are sized for (CUDA-graph mode: a bucket)
 
     def __init__(self, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
         index = device_index(options["device"])
@@ -491,6 +492,11 @@ class CudaNativeDecodePlan(StagedPlan):
         units = decode_units(hkv, gqa)
         ranges = effective_lengths(batch.kv_lens_list, problem.window_left)
         longest_cap = bucket_size(batch.max_kv_len) if graph else batch.max_kv_len
+        if graph and isinstance(previous, CudaNativeDecodePlan) and previous._graph:
+            # a batch shorter than the captured one keeps the captured bucket: the same chunk, grid
+            # and buffers serve it (as FlashInfer's CUDA-graph wrappers serve any batch they hold)
+            longest_cap = max(longest_cap, previous._longest_cap)
+        self._longest_cap = longest_cap
         attended_cap = longest_cap if problem.window_left < 0 else min(longest_cap, problem.window_left + 1)
         # in CUDA-graph mode sizes come from the bucket, so every batch of the bucket fits the captured grid
         lengths = [attended_cap] * b if graph else [e - s for s, e in ranges]
@@ -522,8 +528,9 @@ class CudaNativeDecodePlan(StagedPlan):
             not isinstance(replaced, CudaNativeDecodePlan) or replaced._geometry != self._geometry
         ):
             raise UnsupportedProblemError(NAME, problem, [
-                "in CUDA-graph mode a re-plan must keep the batch size, the heads and the kv-length bucket "
-                "(the captured grid and buffers depend on them); use one wrapper per captured shape"])  # fmt: skip
+                "in CUDA-graph mode a re-plan must keep the batch size and the heads and fit the captured "
+                "kv-length bucket (the captured grid and buffers depend on them); capture with the longest "
+                "batch, or use one wrapper per captured shape"])  # fmt: skip
 
         layout, base, indices_ptr = self._send(problem, batch, previous, graph,
                                                functools.partial(decode_sections, item_cap),

@@ -735,6 +735,7 @@ class CudaNativePrefillPlan(StagedPlan):
     """
 
     params: PrefillParams  # the kernel's (the default's choice for this batch, where the tactic was the default)
+    _geometry: tuple[Any, ...]  # what a CUDA-graph re-plan must keep: sizes, capacities, params, scalars
 
     def __init__(self, problem: PrefillProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
         index = device_index(options["device"])
@@ -768,6 +769,12 @@ class CudaNativePrefillPlan(StagedPlan):
             b_cap = bucket_size(b)
             item_cap = prefill_capacity(b_cap, bucket_size(batch.num_qo_tokens), work.tokens)
             page_cap = b_cap * -(-bucket_size(batch.max_kv_len) // problem.page_size)
+            if isinstance(previous, CudaNativePrefillPlan) and previous._graph:
+                # a batch the captured buffers hold keeps their capacities (and so the captured grid),
+                # as FlashInfer's CUDA-graph wrappers serve any batch their buffers hold
+                old_b, old_items, old_pages = previous._geometry[0], previous._geometry[5], previous._geometry[6]
+                if b_cap <= old_b and item_cap <= old_items and page_cap <= old_pages:
+                    b_cap, item_cap, page_cap = old_b, old_items, old_pages
         else:
             b_cap, item_cap, page_cap = b, len(work.items), batch.num_page_entries
         self._scalars = prefill_scalars(problem, pack)
@@ -777,9 +784,10 @@ class CudaNativePrefillPlan(StagedPlan):
             not isinstance(replaced, CudaNativePrefillPlan) or replaced._geometry != self._geometry
         ):
             raise UnsupportedProblemError(NAME, problem, [
-                "in CUDA-graph mode a re-plan must keep the heads, the scalars (causal, window, scale, "
-                "soft-cap) and the buckets of the batch size, query tokens and kv length (the captured grid "
-                "and buffers depend on them); use one wrapper per captured shape"])  # fmt: skip
+                "in CUDA-graph mode a re-plan must keep the heads and the scalars (causal, window, scale, "
+                "soft-cap) and fit the captured buckets of the batch size, query tokens and kv length (the "
+                "captured grid and buffers depend on them); capture with the largest batch, or use one "
+                "wrapper per captured shape"])  # fmt: skip
 
         items, reqs = prefill_lists(batch, work)
         pieces: list[Piece] = [items, [len(work.items)], reqs]

@@ -502,10 +502,14 @@ class CudnnAttentionPlan:
             max_page = int(batch.kv_indices.max()) if batch.num_page_entries else 0
         pages = max_page + 1
         graph_mode = options["use_cuda_graph"] and isinstance(previous, CudnnAttentionPlan)
+        longest_q, longest_kv = batch.max_qo_len, batch.max_kv_len
         if graph_mode:
             assert isinstance(previous, CudnnAttentionPlan)
-            pages = max(pages, previous._shape[3])  # keep the captured graph's container size
-        self._shape = (batch.batch_size, batch.max_qo_len, batch.max_kv_len, pages)
+            # keep the captured graph's container size and lengths: a shorter batch is served by the
+            # captured graph (as FlashInfer's CUDA-graph wrappers serve any batch their buffers hold)
+            _, old_q, old_kv, old_pages = previous._shape
+            pages, longest_q, longest_kv = max(pages, old_pages), max(longest_q, old_q), max(longest_kv, old_kv)
+        self._shape = (batch.batch_size, longest_q, longest_kv, pages)
         self._requested = tactic
         base = self._key(_contiguous_strides(problem, problem.head_dim_qk),
                          _contiguous_strides(problem, problem.head_dim_vo))  # fmt: skip
@@ -516,7 +520,9 @@ class CudnnAttentionPlan:
                 base, engine=None, knobs=()
             ):
                 raise UnsupportedProblemError(NAME, problem, [
-                    "in CUDA-graph mode a re-plan must keep the graph's buckets (batch, lengths, pages)"])  # fmt: skip
+                    "in CUDA-graph mode a re-plan must keep the batch size and fit the captured graph's "
+                    "buckets (lengths, pages): capture with the longest batch, or use one wrapper per "
+                    "captured shape"])  # fmt: skip
         self._base_key = base
         self._graph_mode = bool(options["use_cuda_graph"])
         self._staging: Staging | None = previous._staging if isinstance(previous, CudnnAttentionPlan) else None
@@ -548,21 +554,22 @@ class CudnnAttentionPlan:
         if max_page is None:
             return None
         key = self._base_key
-        pages = max_page + 1
-        if self._graph_mode:
-            pages = max(pages, self._shape[3])
+        pages, longest_q, longest_kv = max_page + 1, batch.max_qo_len, batch.max_kv_len
+        if self._graph_mode:  # the captured graph's sizes (see __init__)
+            pages, longest_q, longest_kv = max(pages, self._shape[3]), max(longest_q, self._shape[1]), \
+                max(longest_kv, self._shape[2])
         b = batch.batch_size
         if key.ragged_q:
-            same = key.batch == bucket_size(b) and key.max_q == bucket_size(max(batch.max_qo_len, 1))
+            same = key.batch == bucket_size(b) and key.max_q == bucket_size(max(longest_q, 1))
         else:
             same = key.batch == b
-        if not (same and key.max_kv == bucket_size(batch.max_kv_len) and key.container_pages == bucket_size(pages)):
+        if not (same and key.max_kv == bucket_size(longest_kv) and key.container_pages == bucket_size(pages)):
             return None
         # this plan becomes the new batch's (the wrapper replaces its plan by the one returned):
         # graph(s), handle, workspace, staging and tactic stay, the metadata is the batch's
         self._fill_metadata(batch, key, self if self._graph_mode else None)
         self.problem = problem
-        self._shape = (b, batch.max_qo_len, batch.max_kv_len, pages)
+        self._shape = (b, longest_q, longest_kv, pages)
         self.built = False
         return self
 
