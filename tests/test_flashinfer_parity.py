@@ -138,6 +138,17 @@ def _case(message: str, text: str = "") -> report.Case:
             '    with pytest.raises(Exception, match="must have identical strides"):\n',
             "tactix serves K and V pools of different strides (FlashInfer's CUDA-core decode refuses them)",
         ),
+        (
+            "Failed: DID NOT RAISE NotImplementedError",
+            '    with pytest.raises(NotImplementedError, match="fa2"):\n',
+            "tactix serves multi-token decode with backend='fa3' (its auto), which FlashInfer's fa3 refuses",
+        ),
+        (
+            "tactix.errors.InvalidArgumentError: 'paged_kv_last_page_len' must be large enough that each request "
+            "has at least as many kv tokens as query tokens (causal attention ...)",
+            "",
+            "causal prefill with more query rows than keys: refused at plan (rows with no key)",
+        ),
         ("Failed: DID NOT RAISE <class 'ValueError'>", "", "expected error not raised"),
         ("", "", "other: (no message)"),
     ],

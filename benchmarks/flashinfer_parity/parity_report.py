@@ -78,6 +78,15 @@ CAUSES: tuple[Rule, ...] = (
         message=r"DID NOT RAISE",
         text=r"must have identical strides",
     ),
+    Rule(
+        "tactix serves multi-token decode with backend='fa3' (its auto), which FlashInfer's fa3 refuses",
+        message=r"DID NOT RAISE NotImplementedError",
+        text=r"match=\"fa2\"",
+    ),
+    Rule(
+        "causal prefill with more query rows than keys: refused at plan (rows with no key)",
+        message=r"at least as many kv tokens as query tokens",
+    ),
     Rule("expected error not raised", message=r"DID NOT RAISE"),
     Rule("error message differs from FlashInfer's (pytest.raises match)", message=r"Regex pattern did not match"),
 )
