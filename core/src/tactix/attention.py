@@ -950,6 +950,8 @@ class PagedDecode(_PagedAttention):
     torch.Size([2, 4, 32])
     """
 
+    _rows_per_request: int = 1  # the last plan's q_len_per_req (for run()'s error on q's rows)
+
     _op: ClassVar[str] = "decode"
 
     def plan(
@@ -987,8 +989,8 @@ class PagedDecode(_PagedAttention):
                      window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, return_lse,
                      deterministic, q_len_per_req, False)  # fmt: skip
         self._plan(None, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, arguments, backend, tactic)
-        self._rows_per_request = q_len_per_req  # (for run()'s error on q's rows: `_q_rows`)
+        self._rows_per_request = q_len_per_req
 
     def _q_rows(self, rows: int) -> str:
-        n = getattr(self, "_rows_per_request", 1)
+        n = self._rows_per_request
         return f" ({rows // n} requests x q_len_per_req {n} rows, as planned)" if n > 1 else ""

@@ -735,7 +735,7 @@ class CudaNativePrefillPlan(StagedPlan):
     """
 
     params: PrefillParams  # the kernel's (the default's choice for this batch, where the tactic was the default)
-    _geometry: tuple[Any, ...]  # what a CUDA-graph re-plan must keep: sizes, capacities, params, scalars
+    _caps: tuple[int, int, int]  # requests, work items and page entries the buffers hold
 
     def __init__(self, problem: PrefillProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
         index = device_index(options["device"])
@@ -769,14 +769,15 @@ class CudaNativePrefillPlan(StagedPlan):
             b_cap = bucket_size(b)
             item_cap = prefill_capacity(b_cap, bucket_size(batch.num_qo_tokens), work.tokens)
             page_cap = b_cap * -(-bucket_size(batch.max_kv_len) // problem.page_size)
-            if isinstance(previous, CudaNativePrefillPlan) and previous._graph:
+            if isinstance(previous, CudaNativePrefillPlan) and previous._graph and all(
+                new <= old for new, old in zip((b_cap, item_cap, page_cap), previous._caps, strict=True)
+            ):
                 # a batch the captured buffers hold keeps their capacities (and so the captured grid),
                 # as FlashInfer's CUDA-graph wrappers serve any batch their buffers hold
-                old_b, old_items, old_pages = previous._geometry[0], previous._geometry[5], previous._geometry[6]
-                if b_cap <= old_b and item_cap <= old_items and page_cap <= old_pages:
-                    b_cap, item_cap, page_cap = old_b, old_items, old_pages
+                b_cap, item_cap, page_cap = previous._caps
         else:
             b_cap, item_cap, page_cap = b, len(work.items), batch.num_page_entries
+        self._caps = (b_cap, item_cap, page_cap)
         self._scalars = prefill_scalars(problem, pack)
         self._geometry = (b_cap, hq, hkv, d, problem.page_size, item_cap, page_cap, params, self._scalars, masked)
         replaced = previous if graph and previous is not None else None

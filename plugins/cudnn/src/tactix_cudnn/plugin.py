@@ -471,6 +471,17 @@ def _fixed_addresses(base: int, table: int, offsets: tuple[int, ...], ragged: bo
     return fixed
 
 
+def _held_shape(batch: PagedBatch, pages: int,
+                captured: tuple[int, int, int, int] | None) -> tuple[int, int, int, int]:  # fmt: skip
+    """A plan's (batch size, longest q, longest kv, container pages): the batch's own, or in
+    CUDA-graph mode at least the captured plan's, so a shorter batch keeps the captured graph (as
+    FlashInfer's CUDA-graph wrappers serve any batch their buffers hold)."""
+    if captured is None:
+        return batch.batch_size, batch.max_qo_len, batch.max_kv_len, pages
+    _, q, kv, container = captured
+    return batch.batch_size, max(batch.max_qo_len, q), max(batch.max_kv_len, kv), max(pages, container)
+
+
 class CudnnAttentionPlan:
     """Device metadata for one batch plus the graph(s) that read it.
 
@@ -502,14 +513,8 @@ class CudnnAttentionPlan:
             max_page = int(batch.kv_indices.max()) if batch.num_page_entries else 0
         pages = max_page + 1
         graph_mode = options["use_cuda_graph"] and isinstance(previous, CudnnAttentionPlan)
-        longest_q, longest_kv = batch.max_qo_len, batch.max_kv_len
-        if graph_mode:
-            assert isinstance(previous, CudnnAttentionPlan)
-            # keep the captured graph's container size and lengths: a shorter batch is served by the
-            # captured graph (as FlashInfer's CUDA-graph wrappers serve any batch their buffers hold)
-            _, old_q, old_kv, old_pages = previous._shape
-            pages, longest_q, longest_kv = max(pages, old_pages), max(longest_q, old_q), max(longest_kv, old_kv)
-        self._shape = (batch.batch_size, longest_q, longest_kv, pages)
+        captured = previous._shape if isinstance(previous, CudnnAttentionPlan) and graph_mode else None
+        self._shape = _held_shape(batch, pages, captured)
         self._requested = tactic
         base = self._key(_contiguous_strides(problem, problem.head_dim_qk),
                          _contiguous_strides(problem, problem.head_dim_vo))  # fmt: skip
@@ -554,11 +559,8 @@ class CudnnAttentionPlan:
         if max_page is None:
             return None
         key = self._base_key
-        pages, longest_q, longest_kv = max_page + 1, batch.max_qo_len, batch.max_kv_len
-        if self._graph_mode:  # the captured graph's sizes (see __init__)
-            pages, longest_q, longest_kv = max(pages, self._shape[3]), max(longest_q, self._shape[1]), \
-                max(longest_kv, self._shape[2])
-        b = batch.batch_size
+        shape = _held_shape(batch, max_page + 1, self._shape if self._graph_mode else None)
+        b, longest_q, longest_kv, pages = shape
         if key.ragged_q:
             same = key.batch == bucket_size(b) and key.max_q == bucket_size(max(longest_q, 1))
         else:
@@ -569,7 +571,7 @@ class CudnnAttentionPlan:
         # graph(s), handle, workspace, staging and tactic stay, the metadata is the batch's
         self._fill_metadata(batch, key, self if self._graph_mode else None)
         self.problem = problem
-        self._shape = (b, longest_q, longest_kv, pages)
+        self._shape = shape
         self.built = False
         return self
 
