@@ -396,11 +396,11 @@ def _fp8_case(lens: list[int], kw: dict[str, Any], seed: int = 1) -> tuple[Any, 
             inside[p, : min(page, n - i * page)] = True
     mask = ~inside[:, :, None, None] if layout == "NHD" else ~inside[:, None, :, None]
     k, v = (3 * k).masked_fill(mask, 448.0).to(kv), (3 * v).masked_fill(mask, 448.0).to(kv)
-    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
+    q = (torch.randn(len(lens), hq, d, generator=gen) * kw.get("q_scale", 1.0)).to(dtype)
     problem, batch = attention_problem(
         "decode", device=CPU, kv_layout=layout, qo_indptr=None, paged_kv_indptr=indptr, paged_kv_indices=indices,
         paged_kv_last_page_len=last, num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d, head_dim_vo=None,
-        page_size=page, causal=False, sm_scale=None, window_left=kw.get("window", -1),
+        page_size=page, causal=False, sm_scale=kw.get("sm_scale"), window_left=kw.get("window", -1),
         logits_soft_cap=kw.get("cap", 0.0), q_data_type=dtype, kv_data_type=kv, o_data_type=None, return_lse=True,
     )  # fmt: skip
 
@@ -426,6 +426,11 @@ FP8_CASES = [
                  "tactic": _T32}, True),
     # a 16-bit cache with scales: the same scale arguments of the kernel
     ([700, 5, 64], {"kv": torch.bfloat16, "scales": (0.5, 2.0), "tensor": True}, True),
+    # bfloat16 q beyond float16's range, above (2^20: inf in float16) and below (2^-30: zero), with
+    # logits of order one: Q K^T runs in float16, each row scaled by a power of two into its range
+    ([40, 300], {"kv": E4M3, "q_scale": 2.0**20, "sm_scale": 2.0**-23, "scales": (1.0, 1.0)}, False),
+    ([40, 300], {"kv": E5M2, "q_scale": 2.0**-30, "sm_scale": 2.0**27, "scales": (0.5, 1.0), "d": 128,
+                 "tactic": _T32}, True),
 ]  # fmt: skip
 
 

@@ -41,7 +41,10 @@
 // converted there (fp8.cuh): lane (grp, tig) of a warp loads 16 bytes of its token's row, dims
 // 64 g + 16 tig .. + 15, which are the B fragments of k-steps 4g .. 4g + 3 when the head dims of
 // Q and K are taken in the order phys() gives (a permutation of each 64 dims; Q's tile is loaded
-// in that order, so S = Q K^T is unchanged). V's rows of each warp's tokens are converted by that
+// in that order, so S = Q K^T is unchanged). Q K^T runs in float16 whatever TX_BF16 says (K's
+// codes take one conversion a pair into float16, four into bfloat16): a bfloat16 Q row is scaled
+// by a power of two into float16's range, exactly, and its logits back (fp8.cuh,
+// tx_f16_row_exponent). V's rows of each warp's tokens are converted by that
 // warp into a float16 tile after the ring (whatever TX_BF16 says: fp8 -> float16 is one
 // conversion, bfloat16 four), swizzled as the 16-bit path's (a warp barrier, no CTA barrier),
 // which ldmatrix.trans reads for P V, computed in float16 (P in [0, 1] is finer in float16).
@@ -213,7 +216,6 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
   const float k_scale = k_scale_p != nullptr ? __ldg(k_scale_p) : (float)k_scale_d;
   const float v_scale = v_scale_p != nullptr ? __ldg(v_scale_p) : (float)v_scale_d;
   const float scale_log2 = (float)scale_log2_d * k_scale;  // k_scale * sm_scale * log2(e)
-  const float scale_over_cap = cap > 0.f ? scale_log2 / (cap * LOG2E) : 0.f;  // k_scale sm_scale / cap
   const float cap_log2 = cap * LOG2E;
   // K/V rows are read once, unless several q tiles share a KV head (they read it in turn)
   const u64 policy = tx_l2_policy(TX_L2 != 0 && q_tiles == 1);
@@ -245,14 +247,36 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
   }
   // Q rows of this tile (rows past the group are zero)
   if (FP8) {
-    // logical dim pair (L, L + 1) of the Q tile holds head dims phys(L), + 1 (plain loads: a
-    // permutation; the empty group keeps the cp.async group count of the 16-bit path)
-    const u16* qrow0 = q + req * q_sb + head0 * q_sh;
-    for (int c = tid; c < 16 * (D / 2); c += NT) {
-      const int row = c / (D / 2), L = (c % (D / 2)) * 2;
-      const u32 val = row < nrows ? *reinterpret_cast<const u32*>(qrow0 + row * q_sh + phys(L)) : 0u;
+    // Q's tile in float16 (Q K^T runs in float16: fp8.cuh, tx_f16_row_exponent), NT / 16 lanes a
+    // row; a bfloat16 row scaled by 2^e (its exponent goes to `fin`, free until the end). Logical
+    // dim pair (L, L + 1) of the tile holds head dims phys(L), + 1 (plain loads: a permutation;
+    // the empty group keeps the cp.async group count of the 16-bit path).
+    constexpr int TPR = NT / 16, PPT = D / 2 / TPR;  // lanes a row, pairs a lane
+    const int row = tid / TPR, part = tid % TPR;
+    const bool ok = row < nrows;
+    const u16* qrow = q + req * q_sb + (head0 + (ok ? row : 0)) * q_sh;
+    int e = 0;
+    if (TX_BF16) {
+      float largest = 0.f;
+#pragma unroll 4
+      for (int i = 0; i < PPT; ++i) {
+        const u32 val = ok ? *reinterpret_cast<const u32*>(qrow + 2 * (part + i * TPR)) : 0u;
+        largest = fmaxf(largest, fmaxf(fabsf(tx_to_float((u16)(val & 0xffffu))), fabsf(tx_to_float((u16)(val >> 16)))));
+      }
+#pragma unroll
+      for (int o = 1; o < TPR; o <<= 1) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, o));
+      e = tx_f16_row_exponent(largest);
+    }
+#pragma unroll 4
+    for (int i = 0; i < PPT; ++i) {
+      const int L = 2 * (part + i * TPR);
+      u32 val = ok ? *reinterpret_cast<const u32*>(qrow + phys(L)) : 0u;
+      if (TX_BF16) {
+        val = tx_pack2_f16(tx_ldexp2(tx_to_float((u16)(val & 0xffffu)), e), tx_ldexp2(tx_to_float((u16)(val >> 16)), e));
+      }
       *reinterpret_cast<u32*>(q_s + tx_swz(row, L >> 3, ROW_BYTES) + (L & 7) * 2) = val;
     }
+    if (part == 0) fin[row] = (float)e;
     tx_cp_async_commit();
   } else {
     const u16* qrow0 = q + req * q_sb + head0 * q_sh;
@@ -380,6 +404,16 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
     }
   }
 
+  // the logit scales of this thread's rows grp and grp + 8 (fp8 under bfloat16 q: times 2^-e of
+  // the row's float16 Q; `fin` was written before the barrier after Q's loads)
+  float row_scale[2] = {scale_log2, scale_log2};
+  if (FP8 && TX_BF16) {
+    row_scale[0] = tx_ldexp2(scale_log2, -(int)fin[grp]);
+    row_scale[1] = tx_ldexp2(scale_log2, -(int)fin[grp + 8]);
+  }
+  const float row_over_cap[2] = {cap > 0.f ? row_scale[0] / (cap * LOG2E) : 0.f,  // k_scale sm_scale / cap
+                                 cap > 0.f ? row_scale[1] / (cap * LOG2E) : 0.f};
+
   float o[D / 8][4];
 #pragma unroll
   for (int t = 0; t < D / 8; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
@@ -445,8 +479,8 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
           u32 b0, b1;
-          tx_fp8x4_to_16<TX_KV_FP8>(words[jj], b0, b1);
-          tx_mma(sc[j], a[jj], b0, b1);
+          tx_fp8x4_to_f16<TX_KV_FP8>(words[jj], b0, b1);  // (float16 whatever TX_BF16: Q is float16)
+          tx_mma_f16(sc[j], a[jj], b0, b1);
         }
       }
     }
@@ -484,7 +518,7 @@ extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
       for (int c = 0; c < 4; ++c) {
         const int tok = t0 + row_token(wrow + j * 8 + tig * 2 + (c & 1));
         float x = sc[j][c];
-        x = cap > 0.f ? cap_log2 * tx_tanh(x * scale_over_cap) : x * scale_log2;
+        x = cap > 0.f ? cap_log2 * tx_tanh(x * row_over_cap[c >> 1]) : x * row_scale[c >> 1];
         x = tok < end && (!BULK || tok >= start) ? x : tx_neg_inf();
         sc[j][c] = x;
         if (c < 2) {

@@ -151,3 +151,26 @@ template <int FORMAT>
 TX_DEVICE void tx_fp8x4_to_f16(u32 w, u32& lo, u32& hi) {
   tx_fp8x4_to<FORMAT, false>(w, lo, hi);
 }
+
+// bfloat16 q against an fp8 cache: Q K^T runs in float16, where K's codes take one conversion a
+// pair (bfloat16 takes four, through float32, and that conversion pipe bounded the decode kernel).
+// A bfloat16 row of q is scaled by 2^e first, e the exponent that brings its largest magnitude into
+// [2^14, 2^15): every element within 2^-31 of that largest is then a float16 value exactly (float16
+// keeps bfloat16's 8 significant bits from 2^-17 up), and the rest, which move the row's dot
+// products by less than 2^-40 of their largest term, round; the logits are scaled back by 2^-e in
+// fp32, exactly. e is 0 for a row of zeros, an infinity or NaN (which the float16 value keeps).
+TX_DEVICE int tx_f16_row_exponent(float largest) {
+  if (!(largest > 0.f && largest < __int_as_float(0x7f800000))) return 0;
+  u32 b = __float_as_uint(largest);
+  int below = 0;
+  if (b < 0x00800000u) {  // a subnormal float (and bfloat16): 2^64 times it is normal, exactly
+    b = __float_as_uint(largest * 18446744073709551616.0f);
+    below = 64;
+  }
+  return 14 - ((int)(b >> 23) - 127 - below);
+}
+// x 2^e, exact where the result is a normal float, for e in [-260, 254] (two factors in range)
+TX_DEVICE float tx_ldexp2(float x, int e) {
+  const int a = e / 2;
+  return x * __uint_as_float((u32)(a + 127) << 23) * __uint_as_float((u32)(e - a + 127) << 23);
+}
