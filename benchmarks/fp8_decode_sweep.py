@@ -25,7 +25,8 @@ import tactix
 from tactix.autotune.policy import MeasurementPolicy
 from tactix.autotune.timing import measure_with_policy
 from tactix.bench import _attention_inputs, _attention_work, select_cases
-from tactix.testing import attention_reference, attention_tolerance, relative_error
+from tactix.testing import attention_reference, relative_error
+from tactix.testing.oracle import attention_tolerance
 
 CUDA = torch.device("cuda")
 
