@@ -41,7 +41,7 @@ def sweep(case_id: str, policy: MeasurementPolicy) -> list[dict[str, Any]]:
                                  v_scale=v_scale)  # fmt: skip
     amount, _ = _attention_work(case, dtype)
     hq, hkv = case.heads
-    kv_dtype = getattr(torch, case.kv_dtype)
+    kv_dtype = getattr(torch, case.kv_dtype) if case.kv_dtype else dtype
     tolerance = attention_tolerance(dtype, kv_dtype, dtype)
     rows: list[dict[str, Any]] = []
     params = [None, *(p.to_tactic() for p in decode_candidates(case.head_dim, device_info(0)))]

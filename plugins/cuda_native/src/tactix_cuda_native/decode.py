@@ -57,6 +57,7 @@ from tactix_cuda_native.tactics import TacticParams
 Q_TILE: Final = 16  # query heads of one GQA group per CTA (the mma's 16 rows)
 DECODE_ITEM_INTS: Final = 8  # ints per work item record (kernels/decode.cu)
 DECODE_BULK: Final = (0, 8, 16, 32)
+DECODE_CTAS: Final = (0, 2, 3, 4)
 # -- tactic parameters -----------------------------------------------------------------------
 
 
@@ -70,13 +71,15 @@ class DecodeParams(TacticParams):
     8, 16 or 32 copies that many tokens at a time with bulk copies (sm_90 and later; HND caches
     whose pages hold a multiple of ``bulk`` tokens, rows contiguous: kernels/decode.cu). ``tma``
     1 (with ``bulk``) copies those segments through tensor maps of the caches (the 128-byte
-    swizzle, any 16-byte strides) instead of linear bulk copies.
+    swizzle, any 16-byte strides) instead of linear bulk copies. ``ctas``: 0 (default) leaves the
+    registers a thread takes to the compiler; 2, 3 or 4 bounds them so that many CTAs fit an SM
+    (``__launch_bounds__``' second argument, TX_MIN_CTAS).
     """
 
     KERNEL: ClassVar[str] = "decode"
     # the default hint, cp.async (bulk 0) and linear bulk copies (tma 0) stay implicit, so tactics
     # stored before they existed still match
-    IMPLICIT: ClassVar[tuple[str, ...]] = ("l2", "bulk", "tma")
+    IMPLICIT: ClassVar[tuple[str, ...]] = ("l2", "bulk", "tma", "ctas")
 
     tile: int
     warps: int
@@ -85,6 +88,7 @@ class DecodeParams(TacticParams):
     l2: int = 1
     bulk: int = 0
     tma: int = 0
+    ctas: int = 0
 
     def reasons(self, head_dim: int, info: DeviceInfo) -> list[str]:
         out = []
@@ -99,6 +103,9 @@ class DecodeParams(TacticParams):
             out.append(f"tma must be 0 or 1 (got {self.tma})")
         elif self.tma and not self.bulk:
             out.append("tma 1 copies bulk segments through tensor maps: it needs bulk 8, 16 or 32")
+        if self.ctas not in DECODE_CTAS:
+            out.append(f"ctas must be 0 (no bound) or CTAs per SM to fit registers for, in {DECODE_CTAS[1:]} "
+                       f"(got {self.ctas})")  # fmt: skip
         if self.l2 not in L2_HINTS:
             out.append(
                 f"l2 must be 0 (evict_normal), 1 (evict_first) or 2 (evict_first + 256B prefetch) (got {self.l2})"
@@ -148,6 +155,8 @@ def decode_candidates(head_dim: int, info: DeviceInfo) -> list[DecodeParams]:
     # deep pipelines: most of a short work item's bytes in flight at once (latency-bound batches)
     out += [base.replace(stages=s, kv_chunk=c) for s in (4, 6) for c in (0, 256, 512, 1024)]
     out += [base.replace(l2=hint) for hint in L2_HINTS if hint != base.l2]
+    # registers bounded for 3 or 4 CTAs an SM (__launch_bounds__' second argument)
+    out += [base.replace(ctas=c) for c in (3, 4)] + [base.replace(stages=3, ctas=3)]
     # bulk copies (sm_90+; `decode_tactics` drops them for NHD caches and page sizes they do not divide)
     if arch_at_least(info.arch, 90):
         out += [DecodeParams(tile=t, warps=w, stages=s, l2=hint, bulk=bulk) for t, w, s, bulk in
@@ -439,6 +448,7 @@ def decode_variant(dtype: str, head_dim: int, params: DecodeParams, arch: str, k
         **_l2_defines(params.l2),
         **({"TX_BULK": params.bulk} if params.bulk else {}),  # absent when 0: the variants keep their keys
         **({"TX_TMA": params.tma} if params.tma else {}),
+        **({"TX_MIN_CTAS": params.ctas} if params.ctas else {}),  # absent when 0 (the variants keep their keys)
         **({"TX_KV_FP8": fp8} if fp8 else {}),  # absent for 16-bit caches (their variants keep their keys)
         **({"TX_FP8_CVT": fp8_cvt()} if fp8 else {}),
     )

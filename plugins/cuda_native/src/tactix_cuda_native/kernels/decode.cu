@@ -177,7 +177,10 @@ TX_DEVICE int phys(int L) {
 // Dynamic shared memory: [stages: K tile, V tile] [TX_KV_FP8: the converted K tile, V tile] [Q 16 rows]
 // [row addresses: stages x (K, V) x TILE; TX_BULK: an mbarrier per stage there instead]
 // [per-warp row max/sum: WARPS x 16 x 2] [final row max/sum: 16 x 2] [flag: 4 ints]
-extern "C" __global__ void __launch_bounds__(NT) tactix_decode(
+#ifndef TX_MIN_CTAS
+#define TX_MIN_CTAS 1
+#endif
+extern "C" __global__ void __launch_bounds__(NT, TX_MIN_CTAS) tactix_decode(
 #if TX_TMA
     // the K and V caches as [pages][heads][tokens][D] (dims innermost first: D, token, head, page),
     // boxes of 64 x TX_BULK tokens, the 128-byte swizzle
