@@ -204,7 +204,8 @@ class DecodePlan:
         attended_cap = longest_cap if problem.window_left < 0 else min(longest_cap, problem.window_left + 1)
         lengths = [attended_cap] * b if graph else [e - s for s, e in ranges]
         if tactic.is_default:
-            params = decode.default_decode_params(d, info, small=decode.decode_is_small(lengths, units, info))
+            params = decode.default_decode_params(d, info, small=decode.decode_is_small(lengths, units, info),
+                                                  fp8=problem.kv_dtype in decode.FP8_KV_DTYPES)  # fmt: skip
         else:
             params = decode.DecodeParams.from_tactic(tactic)
         self.params = params

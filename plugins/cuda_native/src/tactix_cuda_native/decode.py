@@ -170,7 +170,7 @@ def decode_candidates(head_dim: int, info: DeviceInfo) -> list[DecodeParams]:
 
 
 @functools.lru_cache(maxsize=256)  # plans ask per batch; the parameters are immutable
-def default_decode_params(head_dim: int, info: DeviceInfo, small: bool = False) -> DecodeParams:
+def default_decode_params(head_dim: int, info: DeviceInfo, small: bool = False, fp8: bool = False) -> DecodeParams:
     """The heuristic tactic.
 
     Measured on the H200 (d128, 32/8 heads): throughput follows the warps resident per SM, so the
@@ -178,6 +178,10 @@ def default_decode_params(head_dim: int, info: DeviceInfo, small: bool = False) 
     memory, 153 registers a thread: 3 CTAs, 12 warps per SM). A ``small`` batch (one wave of
     CTAs: latency, not bandwidth, decides) takes one stage more: two tiles in flight per CTA.
     d64 fits 4 CTAs of (64, 4, 3); d256 keeps 3 CTAs with (32, 2, 2).
+
+    An ``fp8`` cache at d128 bounds the registers for 3 CTAs (``ctas`` 3): left to itself the
+    compiler takes 191 a thread there, which fits 2. Measured on the H200 (fp8_decode_sweep, one
+    run): D1-fp8 188 us against 223, D3-fp8 298 against 349; within noise on D2-fp8.
     """
     preferred = {64: (64, 4, 3), 128: (64, 4, 2), 256: (32, 2, 2)}.get(head_dim, (64, 4, 2))
     tile, warps, stages = preferred
@@ -187,7 +191,7 @@ def default_decode_params(head_dim: int, info: DeviceInfo, small: bool = False) 
         stages -= 1
     while tile > 32 and decode_smem_bytes(head_dim, tile, warps, stages) > info.smem_per_block:
         tile, warps = tile // 2, max(2, warps // 2)
-    return DecodeParams(tile=tile, warps=warps, stages=stages)
+    return DecodeParams(tile=tile, warps=warps, stages=stages, ctas=3 if fp8 and head_dim == 128 else 0)
 
 
 # -- work list and grid ----------------------------------------------------------------------
@@ -511,7 +515,8 @@ class CudaNativeDecodePlan(StagedPlan):
         # in CUDA-graph mode sizes come from the bucket, so every batch of the bucket fits the captured grid
         lengths = [attended_cap] * b if graph else [e - s for s, e in ranges]
         if tactic.is_default:
-            params = default_decode_params(d, info, small=decode_is_small(lengths, units, info))
+            params = default_decode_params(d, info, small=decode_is_small(lengths, units, info),
+                                           fp8=problem.kv_dtype in FP8_KV_DTYPES)  # fmt: skip
         else:
             params = DecodeParams.from_tactic(tactic)
         kernel, self.built = _decode_kernel(index, problem.q_dtype, d, params, info, problem.kv_dtype)

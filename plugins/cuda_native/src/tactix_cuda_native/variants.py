@@ -58,7 +58,7 @@ def fp8_decode_variants(info: DeviceInfo = H200) -> list[Variant]:
         for kv in sorted(FP8_KV_DTYPES):
             for d in HEAD_DIMS:
                 for small in (False, True):
-                    out.append(decode_variant(dtype, d, default_decode_params(d, info, small), info.arch, kv))
+                    out.append(decode_variant(dtype, d, default_decode_params(d, info, small, fp8=True), info.arch, kv))
     return list(dict.fromkeys(out))
 
 
