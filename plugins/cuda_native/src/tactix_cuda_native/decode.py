@@ -179,9 +179,11 @@ def default_decode_params(head_dim: int, info: DeviceInfo, small: bool = False, 
     CTAs: latency, not bandwidth, decides) takes one stage more: two tiles in flight per CTA.
     d64 fits 4 CTAs of (64, 4, 3); d256 keeps 3 CTAs with (32, 2, 2).
 
-    An ``fp8`` cache at d128 bounds the registers for 3 CTAs (``ctas`` 3): left to itself the
-    compiler takes 191 a thread there, which fits 2. Measured on the H200 (fp8_decode_sweep, one
-    run): D1-fp8 188 us against 223, D3-fp8 298 against 349; within noise on D2-fp8.
+    An ``fp8`` cache at d128 bounds the registers for 4 CTAs (``ctas`` 4; its kernel reads Q from
+    shared memory there, which leaves 128 registers enough). Measured on the H200
+    (fp8_decode_sweep, one run each): with Q in registers the compiler took 191 (2 CTAs), and 3
+    CTAs gave D1-fp8 188 us against 223, D3-fp8 298 against 349; with Q in shared memory, 4 CTAs
+    gave 183.6 and 294.8 against 191.9 and 303.5 for 3 (D2-fp8 within noise).
     """
     preferred = {64: (64, 4, 3), 128: (64, 4, 2), 256: (32, 2, 2)}.get(head_dim, (64, 4, 2))
     tile, warps, stages = preferred
@@ -191,7 +193,7 @@ def default_decode_params(head_dim: int, info: DeviceInfo, small: bool = False, 
         stages -= 1
     while tile > 32 and decode_smem_bytes(head_dim, tile, warps, stages) > info.smem_per_block:
         tile, warps = tile // 2, max(2, warps // 2)
-    return DecodeParams(tile=tile, warps=warps, stages=stages, ctas=3 if fp8 and head_dim == 128 else 0)
+    return DecodeParams(tile=tile, warps=warps, stages=stages, ctas=4 if fp8 and head_dim == 128 else 0)
 
 
 # -- work list and grid ----------------------------------------------------------------------

@@ -118,7 +118,10 @@ constexpr int STAGE_BYTES = 2 * RING_TILE_BYTES;
 constexpr int CONV_BYTES = FP8 ? TILE_BYTES : 0;        // fp8: the converted V tile, after the ring
 constexpr int FP8_SWZ = KCH >= 8 ? 4 : 0;  // fp8 rows of 128+ bytes: odd rows' 64-byte halves swapped
 constexpr int KV_AREA = STAGES * STAGE_BYTES + CONV_BYTES;
-constexpr bool Q_IN_REGS = D <= 128;
+// Q's fragments live in registers at d64 and d128, except at d128 over an fp8 cache, where the
+// 32 registers they take are what keeps 4 CTAs an SM (TX_MIN_CTAS 4: 128 registers, no spill);
+// ldmatrix re-reads them from the Q tile each k-step instead (as at d256)
+constexpr bool Q_IN_REGS = D == 64 || (D == 128 && !FP8);
 constexpr int ROWS_PER_PASS = NT / KCH;        // tile rows one pass of the CTA's threads copies
 constexpr int PASSES = TILE / ROWS_PER_PASS;   // passes per K (or V) tile: a compile-time count
 constexpr int ITEM_INTS = 8;
