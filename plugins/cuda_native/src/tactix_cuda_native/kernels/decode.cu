@@ -63,7 +63,8 @@
 // Compile-time parameters: TX_BF16, TX_D (64, 128, 256), TX_TILE, TX_WARPS, TX_STAGES,
 // TX_L2 (1: K/V streamed with an L2 evict_first policy, 0: no hint), TX_L2_PREFETCH_256, TX_BULK,
 // TX_TMA, TX_KV_FP8, TX_FP8_CVT (1, the plugin's default: the hardware fp8 conversion on sm_89+,
-// see tx_fp8x2_cvt; 0: the bit arithmetic).
+// see tx_fp8x2_cvt; 0: the bit arithmetic), TX_MIN_CTAS (registers bounded for that many CTAs an
+// SM: __launch_bounds__' second argument; 1 when absent).
 #ifndef TX_BULK
 #define TX_BULK 0
 #endif
