@@ -155,8 +155,9 @@ def decode_candidates(head_dim: int, info: DeviceInfo) -> list[DecodeParams]:
     # deep pipelines: most of a short work item's bytes in flight at once (latency-bound batches)
     out += [base.replace(stages=s, kv_chunk=c) for s in (4, 6) for c in (0, 256, 512, 1024)]
     out += [base.replace(l2=hint) for hint in L2_HINTS if hint != base.l2]
-    # registers bounded for 3 or 4 CTAs an SM (__launch_bounds__' second argument)
-    out += [base.replace(ctas=c) for c in (3, 4)] + [base.replace(stages=3, ctas=3)]
+    # registers bounded for 3 CTAs an SM (__launch_bounds__' second argument; 4 spills the 16-bit
+    # kernel at d128, and the fp8 one's default already takes it)
+    out += [base.replace(ctas=3), base.replace(stages=3, ctas=3)]
     # bulk copies (sm_90+; `decode_tactics` drops them for NHD caches and page sizes they do not divide)
     if arch_at_least(info.arch, 90):
         out += [DecodeParams(tile=t, warps=w, stages=s, l2=hint, bulk=bulk) for t, w, s, bulk in
