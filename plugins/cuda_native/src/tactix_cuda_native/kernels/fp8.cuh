@@ -153,7 +153,7 @@ TX_DEVICE void tx_fp8x4_to_f16(u32 w, u32& lo, u32& hi) {
 }
 
 // bfloat16 q against an fp8 cache: Q K^T runs in float16, where K's codes take one conversion a
-// pair (bfloat16 takes four, through float32, and that conversion pipe bounded the decode kernel).
+// pair (bfloat16 takes four, through float32: on the H200 D1-fp8 went from 200 to 193 us).
 // A bfloat16 row of q is scaled by 2^e first, e the exponent that brings its largest magnitude into
 // [2^14, 2^15): every element within 2^-31 of that largest is then a float16 value exactly (float16
 // keeps bfloat16's 8 significant bits from 2^-17 up), and the rest, which move the row's dot
