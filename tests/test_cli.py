@@ -112,6 +112,8 @@ def test_bad_arguments_exit_2_with_a_message_not_a_traceback(capsys: pytest.Capt
         (["bench", "--device", MISSING_CUDA], f"'--device' must be {DEVICES_HERE} (got '{MISSING_CUDA}')"),
         (["bench", "--device", "foo"], "'--device' must be "),
         (["bench", "--warmup", "-1"], "argument --warmup: must be an integer >= 0 (got '-1')"),
+        (["bench", "--warmup-ms", "nan"], "argument --warmup-ms: must be a number >= 0 (got 'nan')"),
+        (["bench", "--settle-blocks", "0"], "argument --settle-blocks: must be an integer >= 1 (got '0')"),
         (["bench", "--backends", "torch,nosuch"], "'--backends' must be one of "),
         (["bench", "--suite", "cpu", "--json", "/nonexistent-dir/bench.json"],
          "'--json' must be a file path that can be written"),

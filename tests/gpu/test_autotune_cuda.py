@@ -46,3 +46,43 @@ def test_tune_on_the_gpu_times_graph_replays_and_serves_a_correct_winner(tmp_pat
         again = tactix.PagedDecode("HND", device="cuda")
         again.plan(i32(*indptr), i32(*indices), i32(*last), 32, 8, 128, 16, q_data_type=torch.bfloat16)
     assert again.tactic == wrapper.tactic and tactix.stats()["timer_calls"] == 0
+
+
+def test_gpu_timing_repeats_blocks_until_the_times_settle() -> None:
+    """On a GPU the timer takes at least two blocks (a single block cannot tell a slow phase after
+    freed memory from steady times) and at most ``settle_blocks``, keeping the last block's
+    samples."""
+    from tactix.autotune.policy import MeasurementPolicy
+    from tactix.autotune.timing import measure_with_policy
+
+    cuda = torch.device("cuda")
+    a = torch.randn(4096, 4096, device=cuda)
+    big = torch.empty(2 * 2**30, dtype=torch.uint8, device=cuda).fill_(1)
+    del big
+    torch.cuda.empty_cache()  # memory back to the driver: kernels run slower for a while
+    policy = MeasurementPolicy(repeat=15, settle_blocks=4)
+    timing = measure_with_policy(lambda: torch.mm(a, a), cuda, policy)
+    assert 2 <= timing.blocks <= 4 and len(timing.samples) == 15
+    assert timing.timed_as == "cuda_graph"
+
+
+def test_gpu_warmup_keeps_the_device_busy_for_warmup_ms() -> None:
+    """The time-based warm-up makes about ``warmup_ms`` of calls (judged by the first call's time)
+    before the counted warm-up and the timed blocks."""
+    from tactix.autotune.policy import MeasurementPolicy
+    from tactix.autotune.timing import measure_with_policy
+
+    cuda = torch.device("cuda")
+    a = torch.randn(4096, 4096, device=cuda)
+    torch.mm(a, a)  # the library's first-call set-up, outside what is counted
+    torch.cuda.synchronize()
+    calls = []
+
+    def fn() -> None:
+        calls.append(1)
+        torch.mm(a, a)
+
+    policy = MeasurementPolicy(warmup=0, repeat=5, settle_blocks=1, warmup_ms=20, execution="eager", cold_l2=False)
+    timing = measure_with_policy(fn, cuda, policy)
+    warm = len(calls) - 5
+    assert warm >= 2 and abs(warm * timing.median - 0.020) < 0.010, (warm, timing.median)

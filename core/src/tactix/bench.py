@@ -108,7 +108,8 @@ class BenchRow:
     timed_as: str | None = None
     detail: str = ""  # the whole message: the Markdown table shortens it, the JSON keeps it
     reasons: list[str] = field(default_factory=list)  # unsupported: each reason the backend gave
-    samples_us: list[float] = field(default_factory=list)
+    samples_us: list[float] = field(default_factory=list)  # the last block's, in the order taken
+    blocks: int | None = None  # blocks of timed calls until the times settled (MeasurementPolicy.settle_blocks)
     plan_host_us: float | None = None  # host time of a re-plan for new lengths (median; no device sync)
     run_host_us: float | None = None  # host time of an eager run() (median; enqueue only, no device sync)
 
@@ -331,7 +332,7 @@ def _ok_row(case: BenchCase, name: str, tactic: str, timing: Any, work: tuple[fl
     amount, unit = work
     return BenchRow(case.id, case.description, name, tactic, "ok", timing.median * 1e6, amount / timing.median / 1e12,
                     unit, error=error, timed_as=timing.timed_as, samples_us=[x * 1e6 for x in timing.samples],
-                    **extra)  # fmt: skip
+                    blocks=timing.blocks, **extra)  # fmt: skip
 
 
 def _plan_host_us(plan: Any, last: torch.Tensor, other: torch.Tensor, device: torch.device) -> float:

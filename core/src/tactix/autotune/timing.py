@@ -7,6 +7,7 @@ benchmark's policy (cold L2, CUDA-graph replay).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ class Timing:
     median: float
     samples: tuple[float, ...]
     timed_as: Literal["cuda_graph", "eager"] = "eager"
+    blocks: int = 1  # blocks of calls timed before the times settled; the samples are the last block's
 
     @property
     def spread(self) -> float:
@@ -88,15 +90,74 @@ def l2_flush(device: torch.device, nbytes: int) -> Callable[[], object] | None:
     return buf.zero_
 
 
+MAX_WARMUP_CALLS = 20_000
+
+
+def busy_warmup(
+    fn: Callable[[], object], device: torch.device, seconds: float, before_each: Callable[[], object] | None = None
+) -> int:
+    """Keep the GPU busy with ``fn`` (``before_each`` first, as when timed) for about ``seconds`` of
+    device time, judged by the first call's time; returns the number of calls made."""
+    if seconds <= 0:
+        return 0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    if before_each is not None:
+        before_each()
+    fn()
+    end.record()
+    end.synchronize()
+    one = max(start.elapsed_time(end) * 1e-3, 1e-6)
+    calls = min(MAX_WARMUP_CALLS, math.ceil(seconds / float(one)))
+    for _ in range(calls - 1):
+        if before_each is not None:
+            before_each()
+        fn()
+    return calls
+
+
+SETTLE_TOLERANCE = 0.015  # a block this much faster than the one before (or its own start) is not settled
+
+
+def settled(previous: Timing | None, block: Timing, tolerance: float = SETTLE_TOLERANCE) -> bool:
+    """Whether ``block`` shows times that have stopped falling: it is not faster than ``previous``
+    by more than ``tolerance``, and the median of its last third is not below the median of its
+    first third by more than that (blocks under 9 calls are judged by the first test alone)."""
+    if previous is not None and block.median < previous.median * (1 - tolerance):
+        return False
+    third = len(block.samples) // 3
+    if third >= 3:
+        head = statistics.median(block.samples[:third])
+        tail = statistics.median(block.samples[-third:])
+        if tail < head * (1 - tolerance):
+            return False
+    return previous is not None
+
+
 def measure_with_policy(fn: Callable[[], object], device: torch.device, policy: MeasurementPolicy) -> Timing:
-    """Time ``fn`` as ``policy`` says: replayed from a CUDA graph where it captures, else eagerly."""
+    """Time ``fn`` as ``policy`` says: replayed from a CUDA graph where it captures, else eagerly.
+
+    On a GPU, `busy_warmup` runs it for ``policy.warmup_ms`` of device time first, then blocks of
+    ``policy.repeat`` calls are timed until one has `settled` (at most ``policy.settle_blocks``, at
+    least two when more than one is allowed); the last block is kept."""
     flush = l2_flush(device, policy.l2_flush_bytes) if policy.cold_l2 else None
+    call: Callable[[], object] = fn
+    timed_as: Literal["cuda_graph", "eager"] = "eager"
     if device.type == "cuda" and policy.execution == "cuda_graph":
         graph = _capture(fn, device)
         if graph is not None:
-            timing = measure(graph.replay, device, warmup=policy.warmup, repeat=policy.repeat, before_each=flush)
-            return Timing(timing.median, timing.samples, "cuda_graph")
-    return measure(fn, device, warmup=policy.warmup, repeat=policy.repeat, before_each=flush)
+            call, timed_as = graph.replay, "cuda_graph"
+    if device.type == "cuda":
+        busy_warmup(call, device, policy.warmup_ms * 1e-3, flush)
+    timing = measure(call, device, warmup=policy.warmup, repeat=policy.repeat, before_each=flush)
+    blocks = 1
+    if device.type == "cuda":
+        previous: Timing | None = None
+        while blocks < policy.settle_blocks and not settled(previous, timing):
+            previous = timing
+            timing = measure(call, device, warmup=0, repeat=policy.repeat, before_each=flush)
+            blocks += 1
+    return Timing(timing.median, timing.samples, timed_as, blocks)
 
 
 def _capture(fn: Callable[[], object], device: torch.device) -> torch.cuda.CUDAGraph | None:

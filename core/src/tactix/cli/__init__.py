@@ -250,7 +250,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cases = [c.strip() for c in args.cases.split(",")] if args.cases else None
     select_cases(suite, cases, "--cases")  # an unknown id is refused before anything is measured
     backends = [_backend("--backends", n.strip()).name for n in args.backends.split(",")] if args.backends else None
-    policy = MeasurementPolicy(warmup=args.warmup, repeat=args.repeat, execution=args.execution)
+    policy = MeasurementPolicy(
+        warmup=args.warmup,
+        warmup_ms=args.warmup_ms,
+        repeat=args.repeat,
+        execution=args.execution,
+        settle_blocks=args.settle_blocks,
+    )
     report = run_bench(
         suite,
         device,
@@ -291,6 +297,17 @@ def _at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _non_negative(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (got {text!r})")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -350,6 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=_at_least(0), default=3, metavar="N", help="untimed calls first (default: 3)")
     p.add_argument("--repeat", type=_at_least(1), default=20, metavar="N",
                    help="timed calls; the median is reported (default: 20)")  # fmt: skip
+    p.add_argument("--warmup-ms", type=_non_negative, default=50.0, metavar="MS",
+                   help="on a GPU, untimed calls go on for at least MS of device time (default: 50)")  # fmt: skip
+    p.add_argument("--settle-blocks", type=_at_least(1), default=3, metavar="N",
+                   help="on a GPU, time up to N blocks of --repeat calls until the times stop falling "
+                   "(after other work kernels run slower for a while); 1: one block (default: 3)")  # fmt: skip
     p.add_argument("--execution", choices=["cuda_graph", "eager"], default="cuda_graph",
                    help="cuda_graph: replay a captured graph where the plan allows (kernel time); "
                    "eager: plain calls (host cost included) (default: cuda_graph)")  # fmt: skip
