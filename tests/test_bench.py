@@ -31,6 +31,7 @@ def test_cpu_suite_reports_checked_rows_for_every_backend_and_tuned_auto(
             assert r["time_us"] > 0 and r["rate"] > 0 and r["unit"] in ("TB/s", "TFLOP/s")
             # host cost of every implementation: a re-plan for new lengths and an eager run()
             assert r["plan_host_us"] > 0 and r["run_host_us"] > 0
+            assert r["round_kept"] in (1, 2) and len(r["samples_us"]) == 3 and "retime" not in r
     # the fp8-KV case reads one byte per cache element: its bytes (rate x time) are about a quarter
     # of the float32 case's over the same batch
     moved = {r["case"]: r["rate"] * r["time_us"] for r in rows if r["implementation"] == "torch"}
@@ -174,3 +175,21 @@ def test_a_windowed_decode_rate_counts_the_keys_the_window_reads() -> None:
     read = sum(min(n, case.window_left + 1) for n in case.kv_lens)
     assert unit == "TB/s" and min(case.kv_lens) > case.window_left + 1
     assert (windowed - q_and_out) * sum(case.kv_lens) == (whole - q_and_out) * read
+
+
+def test_the_second_round_keeps_the_faster_median_of_a_row() -> None:
+    """A row timed while the device was slow (first round) gets the second round's time, its
+    rate scaled with it; a row whose second round is slower keeps its first."""
+    import torch
+
+    from tactix.autotune.policy import MeasurementPolicy
+    from tactix.bench import BenchRow, _second_round
+
+    slow_first = BenchRow("x", "", "a", "-", "ok", time_us=1e9, rate=1.0, retime=lambda: None)
+    fast_first = BenchRow("x", "", "b", "-", "ok", time_us=1e-9, rate=5.0, retime=lambda: None)
+    unsupported = BenchRow("x", "", "c", "-", "unsupported")
+    _second_round([slow_first, fast_first, unsupported], torch.device("cpu"), MeasurementPolicy(warmup=0, repeat=3))
+    assert slow_first.round_kept == 2 and slow_first.time_us is not None and slow_first.time_us < 1e6
+    assert slow_first.rate == pytest.approx(1e9 / slow_first.time_us) and len(slow_first.samples_us) == 3
+    assert fast_first.time_us == 1e-9 and fast_first.rate == 5.0 and fast_first.round_kept is None
+    assert slow_first.retime is None and fast_first.retime is None
