@@ -6,7 +6,7 @@ refused at plan and listed), checks the output against the case's float64 oracle
 `tactix bench`'s method (CUDA-graph replay, a 256 MB L2 flush before each call, the median). The
 table shows what the tuner can choose from, and what the ring depth and tile shape are worth.
 
-    python benchmarks/fp8_decode_sweep.py [--cases D1-fp8,D3-fp8] [--repeat 20] [--json PATH]
+    python benchmarks/fp8_decode_sweep.py [--cases D1-fp8,D3-fp8] [--repeat 20] [--tactics T1;T2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ import tactix
 from tactix.autotune.policy import MeasurementPolicy
 from tactix.autotune.timing import measure_with_policy
 from tactix.bench import _attention_inputs, _attention_work, select_cases
+from tactix.tactics import parse_tactic
 from tactix.testing import attention_reference, relative_error
 from tactix.testing.oracle import attention_tolerance
 
 CUDA = torch.device("cuda")
 
 
-def sweep(case_id: str, policy: MeasurementPolicy) -> list[dict[str, Any]]:
+def sweep(case_id: str, policy: MeasurementPolicy, only: list[str] | None = None) -> list[dict[str, Any]]:
     (case,) = select_cases("gpu", [case_id])
     dtype = torch.bfloat16
     x = _attention_inputs(case, CUDA, dtype)
@@ -44,7 +45,10 @@ def sweep(case_id: str, policy: MeasurementPolicy) -> list[dict[str, Any]]:
     kv_dtype = getattr(torch, case.kv_dtype) if case.kv_dtype else dtype
     tolerance = attention_tolerance(dtype, kv_dtype, dtype)
     rows: list[dict[str, Any]] = []
-    params = [None, *(p.to_tactic() for p in decode_candidates(case.head_dim, device_info(0)))]
+    if only:
+        params = [None, *(parse_tactic(t) for t in only)]
+    else:
+        params = [None, *(p.to_tactic() for p in decode_candidates(case.head_dim, device_info(0), bool(case.kv_dtype)))]
     for tactic in params:
         w = tactix.PagedDecode("HND", backend="cuda_native", device=CUDA, run_extras=tuple(x.extras))
         try:
@@ -74,9 +78,11 @@ def main() -> None:
     parser.add_argument("--cases", default="D1-fp8,D2-fp8,D3-fp8")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--tactics", default=None, help="';'-separated tactics to time beside the default")
     args = parser.parse_args()
     policy = MeasurementPolicy(repeat=args.repeat)
-    rows = [r for c in args.cases.split(",") for r in sweep(c, policy)]
+    only = args.tactics.split(";") if args.tactics else None
+    rows = [r for c in args.cases.split(",") for r in sweep(c, policy, only)]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)

@@ -213,7 +213,7 @@ class DecodePlan:
         self.lib = _library("emu_decode.cpp", variant.defines)
         kv_bytes = 1 if problem.kv_dtype in paged.FP8_KV_DTYPES else 2
         self.smem = decode.decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk, params.tma,
-                                             kv_bytes)  # fmt: skip
+                                             kv_bytes, params.vreg)  # fmt: skip
         self.threads = 32 * params.warps
         slots = info.sms * device.ctas_per_sm(info, self.smem, self.threads)  # no driver here: the estimate
         chunk, work = decode.decode_plan_work(ranges, lengths, units, slots, params, graph)

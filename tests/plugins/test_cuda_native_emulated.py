@@ -431,6 +431,16 @@ FP8_CASES = [
     ([40, 300], {"kv": E4M3, "q_scale": 2.0**20, "sm_scale": 2.0**-23, "scales": (1.0, 1.0)}, False),
     ([40, 300], {"kv": E5M2, "q_scale": 2.0**-30, "sm_scale": 2.0**27, "scales": (0.5, 1.0), "d": 128,
                  "tactic": _T32}, True),
+    # vreg 1: V's fragments built in registers (byte-permuted pairs of keys, the output dims put
+    # back in the epilogue): 16 and 32 keys a warp per tile, d 128 and 256, both formats
+    ([1, 17, 700, 64], {"kv": E4M3, "d": 128, "scales": (0.5, 2.0), "tensor": True,
+                        "tactic": {"tile": 64, "warps": 4, "stages": 2, "ctas": 4, "vreg": 1}}, True),
+    ([33, 300], {"kv": E5M2, "dtype": torch.float16, "d": 128, "hq": 40, "hkv": 2, "scales": (0.25, 0.5),
+                 "tactic": {"tile": 64, "warps": 2, "stages": 3, "kv_chunk": 128, "vreg": 1}}, True),
+    ([33, 2], {"kv": E4M3, "d": 256, "page": 128, "scales": (1.0, 2.0),
+               "tactic": {"tile": 32, "warps": 2, "stages": 2, "vreg": 1}}, False),
+    ([40, 300], {"kv": E4M3, "q_scale": 2.0**20, "sm_scale": 2.0**-23, "scales": (1.0, 1.0), "d": 128,
+                 "tactic": {"tile": 64, "warps": 4, "stages": 2, "vreg": 1}}, False),
 ]  # fmt: skip
 
 

@@ -73,13 +73,17 @@ class DecodeParams(TacticParams):
     1 (with ``bulk``) copies those segments through tensor maps of the caches (the 128-byte
     swizzle, any 16-byte strides) instead of linear bulk copies. ``ctas``: 0 (default) leaves the
     registers a thread takes to the compiler; 2, 3 or 4 bounds them so that many CTAs fit an SM
-    (``__launch_bounds__``' second argument, TX_MIN_CTAS).
+    (``__launch_bounds__``' second argument, TX_MIN_CTAS). ``vreg`` (fp8 caches, head dim 128 or
+    256): 1 builds P V's B fragments from the fp8 V rows in registers (32-bit shared loads, a byte
+    permutation pairing two tokens' codes, one conversion a pair; the output dims permuted and put
+    back in the epilogue: TX_VREG) instead of converting the V tile into a float16 tile in shared
+    memory first (0).
     """
 
     KERNEL: ClassVar[str] = "decode"
     # the default hint, cp.async (bulk 0) and linear bulk copies (tma 0) stay implicit, so tactics
     # stored before they existed still match
-    IMPLICIT: ClassVar[tuple[str, ...]] = ("l2", "bulk", "tma", "ctas")
+    IMPLICIT: ClassVar[tuple[str, ...]] = ("l2", "bulk", "tma", "ctas", "vreg")
 
     tile: int
     warps: int
@@ -89,6 +93,7 @@ class DecodeParams(TacticParams):
     bulk: int = 0
     tma: int = 0
     ctas: int = 0
+    vreg: int = 0
 
     def reasons(self, head_dim: int, info: DeviceInfo) -> list[str]:
         out = []
@@ -106,6 +111,11 @@ class DecodeParams(TacticParams):
         if self.ctas not in DECODE_CTAS:
             out.append(f"ctas must be 0 (no bound) or CTAs per SM to fit registers for, in {DECODE_CTAS[1:]} "
                        f"(got {self.ctas})")  # fmt: skip
+        if self.vreg not in (0, 1):
+            out.append(f"vreg must be 0 or 1 (got {self.vreg})")
+        elif self.vreg and head_dim not in (128, 256):
+            out.append(f"vreg 1 reads V rows in 32-byte blocks for conflict-free banks: head dim 128 or 256 "
+                       f"(got {head_dim})")  # fmt: skip
         if self.l2 not in L2_HINTS:
             out.append(
                 f"l2 must be 0 (evict_normal), 1 (evict_first) or 2 (evict_first + 256B prefetch) (got {self.l2})"
@@ -121,32 +131,35 @@ class DecodeParams(TacticParams):
         if self.kv_chunk < 0 or (self.kv_chunk and self.kv_chunk % self.tile):
             out.append(f"kv_chunk must be 0 (auto) or a positive multiple of tile {self.tile} (got {self.kv_chunk})")
         if not out:
-            smem = decode_smem_bytes(head_dim, self.tile, self.warps, self.stages, self.bulk, self.tma)
+            smem = decode_smem_bytes(head_dim, self.tile, self.warps, self.stages, self.bulk, self.tma,
+                                     1 if self.vreg else 2, self.vreg)  # fmt: skip
             if smem > info.smem_per_block:
                 out.append(f"needs {smem} bytes of shared memory; this GPU allows {info.smem_per_block} per CTA")
         return out
 
 
 def decode_smem_bytes(head_dim: int, tile: int, warps: int, stages: int, bulk: int = 0, tma: int = 0,
-                      kv_bytes: int = 2) -> int:  # fmt: skip
+                      kv_bytes: int = 2, vreg: int = 0) -> int:  # fmt: skip
     """Dynamic shared memory of the decode kernel (see the layout in kernels/decode.cu): with
     ``bulk`` (linear copies, not ``tma``), each copy's segment of a tile is 16 bytes longer; with an
     fp8 cache (``kv_bytes`` 1) the ring holds fp8 rows and one converted 16-bit V tile follows (K is
-    converted in registers)."""
+    converted in registers), unless ``vreg`` converts V in registers too."""
     row = head_dim * 2
     tile_bytes = tile * row + (tile // bulk * 16 if bulk and not tma else 0)
-    ring = stages * 2 * tile_bytes if kv_bytes == 2 else stages * 2 * tile * head_dim + tile * row
+    ring = stages * 2 * tile_bytes if kv_bytes == 2 else stages * 2 * tile * head_dim + (0 if vreg else tile * row)
     return ring + 16 * row + stages * 2 * tile * 8 + warps * 32 * 4 + 32 * 4 + FLAG_BYTES
 
 
 # -- defaults and candidates -----------------------------------------------------------------
 
 
-def decode_candidates(head_dim: int, info: DeviceInfo) -> list[DecodeParams]:
+def decode_candidates(head_dim: int, info: DeviceInfo, fp8: bool = False) -> list[DecodeParams]:
     """The tactic space the tuner explores (every entry valid for ``head_dim`` on ``info``).
 
     Shapes by CTAs per SM on an H200 (d128): (64, 4, 2) 3, (64, 4, 3) 2, (32, 2, 2) 5,
     (32, 2, 3) 4, (128, 8, 2) 1; then the default shape with fixed chunks and other L2 hints.
+    With ``fp8`` (an fp8 cache) also the fp8 default with V's fragments built in registers
+    (``vreg``), with 2 and 3 stages.
     """
     shapes = [(64, 4, 2), (64, 4, 3), (32, 2, 2), (32, 2, 3), (128, 8, 2), (128, 8, 3)]
     out = [DecodeParams(tile=t, warps=w, stages=s) for t, w, s in shapes]
@@ -167,6 +180,9 @@ def decode_candidates(head_dim: int, info: DeviceInfo) -> list[DecodeParams]:
         # the two that led on the H200 (h200-decode-tma-sweep.log: D3 without the L2 hint, D2 with 3 stages)
         out += [DecodeParams(tile=64, warps=4, stages=2, l2=0, bulk=16, tma=1),
                 DecodeParams(tile=64, warps=4, stages=3, l2=1, bulk=16, tma=1)]  # fmt: skip
+    if fp8:
+        base8 = default_decode_params(head_dim, info, fp8=True)
+        out += [base8, base8.replace(vreg=1), base8.replace(vreg=1, stages=3), base8.replace(vreg=1, ctas=3)]
     return [p for p in dict.fromkeys(out) if not p.reasons(head_dim, info)]
 
 
@@ -418,6 +434,8 @@ def decode_reasons(problem: DecodeProblem, tactic: Tactic, info: DeviceInfo) -> 
     params = DecodeParams.from_tactic(tactic)
     if fp8 and (params.bulk or params.tma):
         out.append(f"an fp8 KV cache ({problem.kv_dtype}) is read with cp.async only: bulk and tma must be 0")
+    if params.vreg and not fp8:
+        out.append(f"vreg 1 converts fp8 V rows in registers: it needs an fp8 KV cache (got {problem.kv_dtype})")
     if params.bulk > 0:
         if problem.kv_layout != "HND":
             out.append(f"bulk {params.bulk} copies a head's rows of a page at once: it needs the HND layout")
@@ -430,7 +448,8 @@ def decode_reasons(problem: DecodeProblem, tactic: Tactic, info: DeviceInfo) -> 
 
 def decode_tactics(problem: DecodeProblem, info: DeviceInfo) -> list[Tactic]:
     """The tactics the tuner measures for ``problem``: the candidates the problem's cache can take."""
-    tactics = [p.to_tactic() for p in decode_candidates(problem.head_dim_qk, info)]
+    fp8 = problem.kv_dtype in FP8_KV_DTYPES
+    tactics = [p.to_tactic() for p in decode_candidates(problem.head_dim_qk, info, fp8)]
     return [t for t in tactics if not decode_reasons(problem, t, info)]
 
 
@@ -456,6 +475,7 @@ def decode_variant(dtype: str, head_dim: int, params: DecodeParams, arch: str, k
         **({"TX_BULK": params.bulk} if params.bulk else {}),  # absent when 0: the variants keep their keys
         **({"TX_TMA": params.tma} if params.tma else {}),
         **({"TX_MIN_CTAS": params.ctas} if params.ctas else {}),  # absent when 0 (the variants keep their keys)
+        **({"TX_VREG": 1} if params.vreg else {}),
         **({"TX_KV_FP8": fp8} if fp8 else {}),  # absent for 16-bit caches (their variants keep their keys)
         **({"TX_FP8_CVT": fp8_cvt()} if fp8 else {}),
     )
@@ -477,7 +497,8 @@ def _decode_kernel(index: int, dtype: str, d: int, params: DecodeParams, info: D
                    kv_dtype: str) -> tuple[Kernel, bool]:  # fmt: skip
     """The decode kernel of ``params`` on device ``index``, and whether NVRTC compiled it now."""
     kv_bytes = 1 if kv_dtype in FP8_KV_DTYPES else 2
-    smem = decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk, params.tma, kv_bytes)
+    smem = decode_smem_bytes(d, params.tile, params.warps, params.stages, params.bulk, params.tma, kv_bytes,
+                             params.vreg)  # fmt: skip
     key = ("decode", index, dtype, kv_dtype, d, params, info.arch, fp8_cvt())
     return load_kernel(key, lambda: decode_variant(dtype, d, params, info.arch, kv_dtype), "tactix_decode", smem,
                        32 * params.warps, params, index, info)  # fmt: skip
@@ -637,5 +658,3 @@ def plan_decode(problem: DecodeProblem, batch: PagedBatch, tactic: Tactic,
     if reasons:
         raise UnsupportedProblemError(NAME, problem, reasons)
     return CudaNativeDecodePlan(problem, batch, tactic, options)
-
-

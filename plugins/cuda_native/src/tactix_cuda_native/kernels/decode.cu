@@ -116,7 +116,12 @@ constexpr int SEG_PITCH = TMA ? SEG_BYTES : SEG_BYTES + 16;  // a segment's plac
 constexpr int TILE_BYTES = BULK ? NSEG * SEG_PITCH : TILE * ROW_BYTES;
 constexpr int RING_TILE_BYTES = FP8 ? TILE * KV_ROW_BYTES : TILE_BYTES;  // a K (or V) tile as copied
 constexpr int STAGE_BYTES = 2 * RING_TILE_BYTES;
-constexpr int CONV_BYTES = FP8 ? TILE_BYTES : 0;        // fp8: the converted V tile, after the ring
+#ifndef TX_VREG
+#define TX_VREG 0
+#endif
+// fp8 with TX_VREG: P V's B fragments come from the fp8 V rows in registers (below), no converted tile
+constexpr bool VREG = FP8 && TX_VREG != 0;
+constexpr int CONV_BYTES = FP8 && !VREG ? TILE_BYTES : 0;  // fp8: the converted V tile, after the ring
 constexpr int FP8_SWZ = KCH >= 8 ? 4 : 0;  // fp8 rows of 128+ bytes: odd rows' 64-byte halves swapped
 constexpr int KV_AREA = STAGES * STAGE_BYTES + CONV_BYTES;
 // Q's fragments live in registers at d64 and d128, except at d128 over an fp8 cache, where the
@@ -137,6 +142,7 @@ static_assert(NT % KCH == 0 && TILE % ROWS_PER_PASS == 0, "threads tile the rows
 static_assert(WARPS * 16 * D * 4 <= KV_AREA, "warp merge buffer must fit in the stage area");
 static_assert(TX_KV_FP8 >= 0 && TX_KV_FP8 <= 2, "TX_KV_FP8: 0 (16-bit cache), 1 (e4m3fn) or 2 (e5m2)");
 static_assert(!FP8 || !BULK, "fp8 caches: cp.async only");
+static_assert(!TX_VREG || (FP8 && (D == 128 || D == 256)), "TX_VREG: fp8 caches, head dim 128 or 256");
 static_assert(!FP8 || (TPW * KCH) % 32 == 0, "fp8: a warp's lanes convert its V rows evenly");
 static_assert(!BULK || (TILE % SEG == 0 && NSEG >= 4 && 2 * NSEG <= 32), "bulk: 4 to 16 segments a tile");
 static_assert(!TMA || (BULK && SEG % 8 == 0), "tensor maps: TX_BULK rows per box, 8 or more (1 KB swizzle atoms)");
@@ -159,6 +165,10 @@ TX_DEVICE int row_token(int row) { return BULK && !TMA ? (row % NSEG) * SEG + ro
 // the 16 bytes lane (grp, tig) reads for 4 k-steps are chunk 4 g + tig; with FP8_SWZ the eight
 // lanes of one ldmatrix-sized phase, rows r and r + 1, then hit eight different bank groups).
 TX_DEVICE u32 fp8_off(int row, int ch) { return (u32)(row * KV_ROW_BYTES + ((ch ^ ((row & 1) * FP8_SWZ)) << 4)); }
+// TX_VREG: chunk `ch` of V row `row`. Lane (grp, tig) reads 4 bytes at dim 32 b + 4 grp of rows
+// 2 tig (+ 1, + 8, + 9) of its k-step: the 16-byte chunks 2 b and 2 b + 1 of four rows whose
+// (row / 2) % 4 differ, moved to four different pairs of the eight 16-byte bank groups.
+TX_DEVICE u32 fp8_voff(int row, int ch) { return (u32)(row * KV_ROW_BYTES + ((ch ^ (((row >> 1) & 3) << 1)) << 4)); }
 // fp8: the head dim of the cache row that logical dim L of the mma fragments reads. Within k-step
 // kk = L / 16, fragment index i = L % 16 (tig = (i % 8) / 2; i / 8: the fragment's second register;
 // i % 2: the half) maps to byte 4 (kk % 4) + 2 (i / 8) + i % 2 of lane tig's 16 bytes, which start
@@ -330,7 +340,7 @@ extern "C" __global__ void __launch_bounds__(NT, TX_MIN_CTAS) tactix_decode(
       for (int p = 0; p < PASSES; ++p) src[p] = va[crow + p * ROWS_PER_PASS];
 #pragma unroll
       for (int p = 0; p < PASSES; ++p) {
-        tx_cp_async16_hint(vb + ring_off(crow + p * ROWS_PER_PASS),
+        tx_cp_async16_hint(vb + (VREG ? fp8_voff(crow + p * ROWS_PER_PASS, cch) : ring_off(crow + p * ROWS_PER_PASS)),
                            src[p] ? reinterpret_cast<const void*>(src[p] + cch * 16) : (const void*)vh,
                            src[p] ? 16 : 0, policy);
       }
@@ -568,7 +578,7 @@ extern "C" __global__ void __launch_bounds__(NT, TX_MIN_CTAS) tactix_decode(
       }
     }
 
-#if TX_KV_FP8
+#if TX_KV_FP8 && !TX_VREG
     // this warp's V rows (its tokens of the tile), converted into the 16-bit V tile; only this
     // warp reads them (and it is done with the previous tile's: its ldmatrix calls came first)
     {
@@ -596,6 +606,33 @@ extern "C" __global__ void __launch_bounds__(NT, TX_MIN_CTAS) tactix_decode(
       pa[1] = pv_pack2(sc[2 * ks][2], sc[2 * ks][3]);
       pa[2] = pv_pack2(sc[2 * ks + 1][0], sc[2 * ks + 1][1]);
       pa[3] = pv_pack2(sc[2 * ks + 1][2], sc[2 * ks + 1][3]);
+#if TX_VREG
+      // B fragments from the fp8 ring: lane (grp, tig) needs keys 2 tig, 2 tig + 1 (b0) and
+      // 2 tig + 8, 2 tig + 9 (b1) of the k-step at one dim per n8 tile. It loads 4 bytes (dims
+      // 32 b + 4 grp .. + 3) of each of the four rows; a byte permutation pairs the two keys'
+      // codes of one dim, and each pair converts into one float16x2 register. So n8 tile 4 b + e
+      // holds, at fragment column grp, cache dim 32 b + 4 grp + e: the epilogue puts them back.
+      {
+        const unsigned char* vring = smem + s * STAGE_BYTES + RING_TILE_BYTES;
+        const int r0 = wrow + ks * 16 + 2 * tig;
+#pragma unroll
+        for (int b = 0; b < D / 32; ++b) {
+          const int ch = 2 * b + (grp >> 2), in = 4 * (grp & 3);
+          const u32 w0 = *reinterpret_cast<const u32*>(vring + fp8_voff(r0, ch) + in);
+          const u32 w1 = *reinterpret_cast<const u32*>(vring + fp8_voff(r0 + 1, ch) + in);
+          const u32 w2 = *reinterpret_cast<const u32*>(vring + fp8_voff(r0 + 8, ch) + in);
+          const u32 w3 = *reinterpret_cast<const u32*>(vring + fp8_voff(r0 + 9, ch) + in);
+          u32 b0[4], b1[4];
+          tx_fp8x4_to_f16<TX_KV_FP8>(tx_prmt(w0, w1, 0x5140u), b0[0], b0[1]);  // dims +0, +1
+          tx_fp8x4_to_f16<TX_KV_FP8>(tx_prmt(w0, w1, 0x7362u), b0[2], b0[3]);  // dims +2, +3
+          tx_fp8x4_to_f16<TX_KV_FP8>(tx_prmt(w2, w3, 0x5140u), b1[0], b1[1]);
+          tx_fp8x4_to_f16<TX_KV_FP8>(tx_prmt(w2, w3, 0x7362u), b1[2], b1[3]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pv_mma(o[4 * b + e], pa, b0[e], b1[e]);
+        }
+      }
+      if (VREG) continue;
+#endif
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         const int row = wrow + ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
@@ -653,14 +690,17 @@ extern "C" __global__ void __launch_bounds__(NT, TX_MIN_CTAS) tactix_decode(
   float* red = reinterpret_cast<float*>(smem);  // [WARPS][16][D]
 #pragma unroll
   for (int t = 0; t < D / 8; ++t) {
-    const int dim = t * 8 + tig * 2;
+    // the dims of this thread's two accumulator columns (TX_VREG: n8 tile 4 b + e, column c is dim
+    // 32 b + 4 c + e)
+    const int dim = VREG ? 32 * (t >> 2) + 8 * tig + (t & 3) : t * 8 + tig * 2;
+    const int dim1 = VREG ? dim + 4 : dim + 1;
     if (grp < nrows) {
       red[(warp * 16 + grp) * D + dim] = o[t][0] * f0;
-      red[(warp * 16 + grp) * D + dim + 1] = o[t][1] * f0;
+      red[(warp * 16 + grp) * D + dim1] = o[t][1] * f0;
     }
     if (grp + 8 < nrows) {
       red[(warp * 16 + grp + 8) * D + dim] = o[t][2] * f1;
-      red[(warp * 16 + grp + 8) * D + dim + 1] = o[t][3] * f1;
+      red[(warp * 16 + grp + 8) * D + dim1] = o[t][3] * f1;
     }
   }
   if (warp == 0 && tig == 0) {
