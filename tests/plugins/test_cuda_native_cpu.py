@@ -128,8 +128,8 @@ def test_fp8_kv_decode_variants_compile_without_a_gpu(cache_root: Path) -> None:
         plain = dict(v.defines)
         plain.pop("TX_KV_FP8")
         assert plain.pop("TX_FP8_CVT") == "1"
-        if plain["TX_D"] == "128":  # registers bounded for 4 CTAs an SM (default_decode_params)
-            assert plain.pop("TX_MIN_CTAS") == "4"
+        if plain["TX_D"] == "128":  # registers bounded for 4 CTAs an SM, V in registers (default_decode_params)
+            assert plain.pop("TX_MIN_CTAS") == "4" and plain.pop("TX_VREG") == "1"
         assert any(dict(w.defines) == plain for w in default_variants(H200)), v.label()
     a100 = DeviceInfo(108, 166912, 167936, "sm_80")
     both = [*variants, *fp8_decode_variants(a100)[:2]]
@@ -154,7 +154,13 @@ def test_fp8_kv_decode_takes_cp_async_tactics_only() -> None:
         assert plugin._reasons(problem, tactic, H200) == []
         tactics = decode_op.decode_tactics(problem, H200)
         assert tactics and all(not t.params.get("bulk") and not t.params.get("tma") for t in tactics)
-        assert len(tactics) == sum(not t.params.get("bulk") for t in plain_tactics)
+        # the 16-bit candidates without bulk copies, and the fp8 default with V in registers (2 and 3
+        # stages, 3 CTAs), which no 16-bit problem takes
+        vreg = [t for t in tactics if t.params.get("vreg")]
+        assert len(vreg) == 3 and not [t for t in plain_tactics if t.params.get("vreg")]
+        assert len(tactics) - len(vreg) == sum(not t.params.get("bulk") for t in plain_tactics) + 1
+        vreg16 = tactix.Tactic(backend="cuda_native", kernel="decode", params={**ok, "vreg": 1})
+        assert "it needs an fp8 KV cache" in plugin._reasons(decode(), vreg16, H200)[-1]
         bulk = tactix.Tactic(backend="cuda_native", kernel="decode", params={**ok, "bulk": 16})
         assert "cp.async only: bulk and tma must be 0" in plugin._reasons(problem, bulk, H200)[0]
         maps = tactix.Tactic(backend="cuda_native", kernel="decode", params={**ok, "bulk": 16, "tma": 1})

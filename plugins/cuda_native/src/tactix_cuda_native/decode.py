@@ -158,8 +158,8 @@ def decode_candidates(head_dim: int, info: DeviceInfo, fp8: bool = False) -> lis
 
     Shapes by CTAs per SM on an H200 (d128): (64, 4, 2) 3, (64, 4, 3) 2, (32, 2, 2) 5,
     (32, 2, 3) 4, (128, 8, 2) 1; then the default shape with fixed chunks and other L2 hints.
-    With ``fp8`` (an fp8 cache) also the fp8 default with V's fragments built in registers
-    (``vreg``), with 2 and 3 stages.
+    With ``fp8`` (an fp8 cache) also the fp8 default with and without V's fragments built in
+    registers (``vreg``), and with them at 3 stages or registers for 3 CTAs.
     """
     shapes = [(64, 4, 2), (64, 4, 3), (32, 2, 2), (32, 2, 3), (128, 8, 2), (128, 8, 3)]
     out = [DecodeParams(tile=t, warps=w, stages=s) for t, w, s in shapes]
@@ -182,7 +182,8 @@ def decode_candidates(head_dim: int, info: DeviceInfo, fp8: bool = False) -> lis
                 DecodeParams(tile=64, warps=4, stages=3, l2=1, bulk=16, tma=1)]  # fmt: skip
     if fp8:
         base8 = default_decode_params(head_dim, info, fp8=True)
-        out += [base8, base8.replace(vreg=1), base8.replace(vreg=1, stages=3), base8.replace(vreg=1, ctas=3)]
+        out += [base8.replace(vreg=0), base8.replace(vreg=1), base8.replace(vreg=1, stages=3),
+                base8.replace(vreg=1, ctas=3)]  # fmt: skip
     return [p for p in dict.fromkeys(out) if not p.reasons(head_dim, info)]
 
 
@@ -200,7 +201,9 @@ def default_decode_params(head_dim: int, info: DeviceInfo, small: bool = False, 
     shared memory there, which leaves 128 registers enough). Measured on the H200
     (fp8_decode_sweep, one run each): with Q in registers the compiler took 191 (2 CTAs), and 3
     CTAs gave D1-fp8 188 us against 223, D3-fp8 298 against 349; with Q in shared memory, 4 CTAs
-    gave 183.6 and 294.8 against 191.9 and 303.5 for 3 (D2-fp8 within noise).
+    gave 183.6 and 294.8 against 191.9 and 303.5 for 3 (D2-fp8 within noise). It also builds V's
+    fragments in registers (``vreg`` 1, session 20, one run): D3-fp8 281.2 us against 291.8,
+    D1-fp8 180.7 against 181.6, D2-fp8 (3 stages) 19.7 against 20.3.
     """
     preferred = {64: (64, 4, 3), 128: (64, 4, 2), 256: (32, 2, 2)}.get(head_dim, (64, 4, 2))
     tile, warps, stages = preferred
@@ -210,7 +213,8 @@ def default_decode_params(head_dim: int, info: DeviceInfo, small: bool = False, 
         stages -= 1
     while tile > 32 and decode_smem_bytes(head_dim, tile, warps, stages) > info.smem_per_block:
         tile, warps = tile // 2, max(2, warps // 2)
-    return DecodeParams(tile=tile, warps=warps, stages=stages, ctas=4 if fp8 and head_dim == 128 else 0)
+    f128 = fp8 and head_dim == 128
+    return DecodeParams(tile=tile, warps=warps, stages=stages, ctas=4 if f128 else 0, vreg=1 if f128 else 0)
 
 
 # -- work list and grid ----------------------------------------------------------------------
