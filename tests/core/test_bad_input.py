@@ -36,6 +36,7 @@ class Spy:
     def __init__(self) -> None:
         self.plans = 0
         self.runs = 0
+        self.last_problem: Any = None  # the problem of the last attention plan
 
 
 @pytest.fixture
@@ -46,6 +47,7 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Spy]:
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         s.plans += 1
+        s.last_problem = args[0] if args else kwargs.get("problem")
         attn_init(self, *args, **kwargs)
 
     def run(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -587,18 +589,12 @@ def test_negative_page_index(spy: Spy) -> None:
     assert spy.plans == 0
 
 
-def test_causal_kv_shorter_than_q(spy: Spy) -> None:
-    # request 1 has 2 kv tokens and 4 query rows
-    with raises(
-        tactix.InvalidArgumentError,
-        "'paged_kv_last_page_len' must be large enough that each request has",
-        "at least as many kv tokens as query tokens",
-        "(got request 1: kv length 2 for 4 query tokens)",
-    ):
-        _plan_prefill(qo_indptr=i32(0, 3, 7), causal=True)
-    assert spy.plans == 0
-    _plan_prefill(qo_indptr=i32(0, 3, 7), causal=False)  # fine without the causal mask
-    assert spy.plans == 1
+def test_causal_kv_shorter_than_q_is_planned_with_rows_that_attend_no_key(spy: Spy) -> None:
+    # request 1 has 2 kv tokens and 4 query rows: its first 2 rows attend no key (tests/core/test_keyless_rows.py)
+    _plan_prefill(qo_indptr=i32(0, 3, 7), causal=True)
+    assert spy.plans == 1 and spy.last_problem.keyless_rows
+    _plan_prefill(qo_indptr=i32(0, 3, 7), causal=False)  # without the causal mask every row attends every key
+    assert spy.plans == 2 and not spy.last_problem.keyless_rows
 
 
 @pytest.mark.parametrize("qo_indptr", [i32(0, 0, 0), torch.tensor([0, 0, 0], dtype=torch.int64)], ids=["i32", "i64"])

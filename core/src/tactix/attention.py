@@ -73,6 +73,8 @@ def _sized(template: AttentionProblemBase, batch: Batch) -> Any:
     fields = dict(template.__dict__)
     for name in template.dynamic:
         fields[name] = getattr(batch, name)
+    if "keyless_rows" in fields:  # per batch, like the sizes (causal paged prefill only)
+        fields["keyless_rows"] = getattr(batch, "keyless_rows", False)
     object.__setattr__(new, "__dict__", fields)
     object.__setattr__(new, "__pydantic_fields_set__", template.__pydantic_fields_set__)
     object.__setattr__(new, "__pydantic_extra__", None)
@@ -243,6 +245,8 @@ def attention_problem(
         fields.update(causal=causal, num_qo_tokens=batch.num_qo_tokens, max_qo_len=batch.max_qo_len)
         if masked:
             fields.update(custom_mask=True)
+        if batch.keyless_rows:
+            fields.update(keyless_rows=True)
     elif q_len_per_req > 1:
         fields.update(q_len_per_req=q_len_per_req)
     if run_extras:

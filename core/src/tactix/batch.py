@@ -250,6 +250,8 @@ class PagedBatch(Batch):
     """Largest page index used, when the indices are on the host; None for device indices."""
     custom_mask: CustomMask | None = None
     """Prefill: the custom attention mask given at plan (`with_custom_mask`), else None."""
+    keyless_rows: bool = False
+    """Causal prefill: some request has more query rows than keys (its first rows attend none)."""
     _device_copies: dict[torch.device, DeviceBatch] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
@@ -345,21 +347,19 @@ class PagedBatch(Batch):
                 f"offsets that give kv lengths up to {_INT32_MAX} tokens (kernels index keys with int32)",
                 f"request {i}: kv length {max_kv_len}",
             )
-        if (causal and not decode) or q_len_per_req > 1:
+        keyless_rows = False
+        if decode and q_len_per_req > 1:
             for i, (q, kv) in enumerate(zip(qo_lens_list, kv_lens_list, strict=True)):
-                if kv < q and decode:
+                if kv < q:
                     raise InvalidArgumentError(
                         "q_len_per_req",
                         "at most each request's kv length (the rows are the requests' last tokens)",
                         f"{q_len_per_req} rows per request; request {i} has {kv} kv tokens",
                     )
-                if kv < q:
-                    raise InvalidArgumentError(
-                        last_page_len_name,
-                        "large enough that each request has at least as many kv tokens as query tokens "
-                        "(causal attention aligns the queries with the last keys)",
-                        f"request {i}: kv length {kv} for {q} query tokens",
-                    )
+        elif causal and not decode:
+            # the queries are aligned with the last keys: a request with more rows than keys has
+            # rows before its first key, which attend none (zeros, LSE -inf: the problem says so)
+            keyless_rows = any(map(operator.lt, kv_lens_list, qo_lens_list))
         if indices_t.numel() != nnz:
             indices_t = indices_t[:nnz]
         max_page_index: int | None = None
@@ -397,6 +397,7 @@ class PagedBatch(Batch):
             num_page_entries=nnz,
             max_page_index=max_page_index,
             custom_mask=None,
+            keyless_rows=keyless_rows,
             _device_copies={},
         )
         return batch

@@ -78,6 +78,7 @@ _ATTENTION = AttentionCapabilities(
     kv_layouts=frozenset({"NHD", "HND"}),
     max_q_len_per_req=None,  # decode: any rows per request (the prefill path's masks)
     custom_mask=True,  # prefill: the explicit kernel
+    keyless_rows=True,  # causal rows before a request's first key: the explicit kernel gives zeros, LSE -inf
 )
 
 _GEMM = GemmCapabilities(
@@ -162,6 +163,8 @@ def _attention_reasons(problem: _Attention, tactic: Tactic, batch: Batch | None)
         return [*out, f"sdpa params must be {{'impl': one of {list(_SDPA_IMPLS)}}} (got {tactic.params})"]
     if getattr(problem, "custom_mask", False):
         out.append("SDPA gives NaN for a row a custom mask leaves no key: the explicit kernel serves custom masks")
+    if getattr(problem, "keyless_rows", False):
+        out.append("SDPA gives NaN for a causal row with no key: the explicit kernel serves such batches")
     if problem.logits_soft_cap > 0:
         out.append("SDPA has no logits soft-cap")
     if problem.return_lse:
@@ -309,7 +312,8 @@ class _AttentionPlan:
             # a shorter batch than the captured one: it keeps the captured buffers' shapes (as
             # FlashInfer's CUDA-graph wrappers serve any batch their buffers hold)
             self.geometry = graph_previous.geometry
-        self._custom = bool(getattr(problem, "custom_mask", False))
+        # rows that may attend no key: a custom mask's, or causal rows before a request's first key
+        self._custom = bool(getattr(problem, "custom_mask", False) or getattr(problem, "keyless_rows", False))
         self.mask_needed = options["use_cuda_graph"] or self._custom or _needs_mask(problem, batch)
         self.is_causal = causal and not self.mask_needed
         self._sdpa = None
@@ -485,7 +489,7 @@ class _AttentionPlan:
         probs = torch.softmax(scores, dim=-1)
         if sinks is not None:
             probs = probs[..., :-1]
-        if self._custom:  # a row its mask leaves no key: zeros (softmax over no key is NaN), LSE -inf
+        if self._custom:  # a row left no key: zeros (softmax over no key is NaN), LSE -inf
             probs = probs.masked_fill(~self.mask[:, :, None].any(-1, keepdim=True), 0.0)
         probs = probs.view(g.batch_size, hkv, group * g.q_len, -1)
         o = torch.matmul(probs, v32).view(g.batch_size, p.num_qo_heads, g.q_len, p.head_dim_vo)

@@ -116,6 +116,8 @@ class AttentionProblemBase(ProblemBase):
             parts.append("causal")
         if getattr(self, "custom_mask", False):
             parts.append("mask")
+        if getattr(self, "keyless_rows", False):
+            parts.append("keyless")
         if self.window_left >= 0:
             parts.append(f"win{self.window_left}")
         if self.logits_soft_cap > 0:
@@ -201,6 +203,11 @@ class AttentionCapabilities(AttentionCapabilitiesBase):
     kv_layouts: frozenset[KVLayout]
     custom_mask: bool = Field(
         default=False, description="prefill: a custom mask per batch (FlashInfer's custom_mask / packed_custom_mask)"
+    )
+    keyless_rows: bool = Field(
+        default=False,
+        description="causal prefill with more query rows than keys in a request: the rows before its first key "
+        "give zeros and an LSE of -inf",
     )
     max_q_len_per_req: int | None = Field(
         default=1,

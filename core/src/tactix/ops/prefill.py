@@ -33,14 +33,21 @@ class PrefillProblem(AttentionProblem):
     ragged_queries: ClassVar[bool] = True
     dynamic: ClassVar[tuple[str, ...]] = ("batch_size", "num_qo_tokens", "max_qo_len", "max_kv_len")
 
-    implicit: ClassVar[tuple[str, ...]] = ("custom_mask", "run_extras")
+    implicit: ClassVar[tuple[str, ...]] = ("custom_mask", "keyless_rows", "run_extras")
 
     causal: bool
     num_qo_tokens: int = Field(ge=0)
     max_qo_len: int = Field(ge=0)
     custom_mask: bool = Field(default=False, description="a custom mask per batch decides which keys each row attends")
+    keyless_rows: bool = Field(
+        default=False,
+        description="causal, and a request of the batch has more query rows than keys: its first rows attend "
+        "no key (their output is zeros and their LSE -inf, as FlashInfer gives)",
+    )
 
     def masking_reasons(self, caps: AttentionCapabilities) -> list[str]:
+        if self.keyless_rows and not caps.keyless_rows:
+            return ["causal rows with no key (a request with more query rows than keys) not supported"]
         if self.custom_mask:
             return [] if caps.custom_mask else ["custom masks not supported"]
         if self.causal and not caps.causal:

@@ -657,6 +657,9 @@ def attention_cases(op: str, caps: AttentionCapabilities) -> list[AttentionCase]
     if _ragged(op):
         add(causal=False)
         add(causal=False, batch="q-longer", kv_lens=(40, 8), q_lens=(64, 16))
+        # causal with more rows than keys: each request's first rows come before its first key
+        # (zeros, LSE -inf; AttentionCapabilities.keyless_rows)
+        add(batch="q-longer", kv_lens=(40, 8), q_lens=(64, 16), return_lse=True)
         chunked_kv, chunked_q = (1061, 530, 48), (37, 530, 17)
         add(batch="chunked", kv_lens=chunked_kv, q_lens=chunked_q)
         add(batch="chunked", kv_lens=chunked_kv, q_lens=chunked_q, window_left=100)
