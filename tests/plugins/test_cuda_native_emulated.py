@@ -555,6 +555,24 @@ def test_emulated_prefill_with_attention_sinks(tactic: dict[str, Any] | None) ->
                      tactic=tactic, seed=23)  # fmt: skip
 
 
+@pytest.mark.parametrize("tactic", [None, {"q_tile": 128, "kv_tile": 32, "warps": 4, "stages": 2},
+                                    {"q_tile": 64, "kv_tile": 64, "warps": 4, "stages": 4, "mma": "wgmma"},
+                                    {"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma",
+                                     "persist": 1, "pingpong": 1}],
+                         ids=["default", "mma.sync", "wgmma", "wgmma-persist-pingpong"])  # fmt: skip
+def test_emulated_prefill_causal_rows_before_the_first_key(tactic: dict[str, Any] | None) -> None:
+    """Causal requests with more query rows than keys (FlashInfer's fully masked rows): the rows
+    before a request's first key give zeros and an LSE of -inf (with sinks, the LSE of the sink
+    alone), whole q tiles of them and tiles that straddle the first key, by both kernels, GQA
+    packing, a window, the soft cap."""
+    q_lens, kv_lens = [150, 7, 33, 64, 5], [3, 7, 1, 100, 2]
+    out, lse = prefill_case(q_lens, kv_lens, d=128, hq=8, hkv=2, tactic=tactic, seed=31)
+    first = 150 - 3  # request 0's rows before its first key
+    assert out[:first].float().abs().max() == 0 and torch.isneginf(lse[:first]).all()
+    assert torch.isfinite(lse[first:150]).all()
+    prefill_case(q_lens, kv_lens, d=128, hq=4, hkv=4, window=20, cap=10.0, sinks=True, tactic=tactic, seed=32)
+
+
 RAGGED_TACTICS = [
     None,
     {"q_tile": 128, "kv_tile": 32, "warps": 4, "stages": 2},

@@ -80,6 +80,7 @@ _PREFILL = tactix.AttentionCapabilities(
     non_causal=True,
     chunked=True,
     custom_mask=True,  # the mma.sync kernel (TX_MASK); tactics with mma 'wgmma' refuse it
+    keyless_rows=True,  # causal rows before a request's first key: both kernels give zeros, LSE -inf
     sliding_window=True,
     logits_soft_cap=True,
     lse=True,

@@ -509,7 +509,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       l[mt][h] = tx_warp_sum4(l[mt][h]);
-      const bool empty = TX_MASK && l[mt][h] == 0.f;  // a row the mask empties: zeros (and an LSE of the sink)
+      // a row that attends no key (the mask empties it, or causal: before its request's first
+      // key) has l 0: zeros (and an LSE of the sink, or -inf)
+      const bool empty = l[mt][h] == 0.f;
       float f = 1.f;
       if (sinks != nullptr) {  // the row's sink joins its denominator (its weight rescaled to the new max)
         const float before = m[mt][h];

@@ -767,7 +767,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
       f0 = tx_exp2(before0 - m0);
       f1 = tx_exp2(before1 - m1);
     }
-    const float inv0 = v_scale * f0 / l0, inv1 = v_scale * f1 / l1;
+    // a row that attends no key (causal, before its request's first key) has l 0: zeros, LSE -inf
+    const float inv0 = l0 > 0.f ? v_scale * f0 / l0 : 0.f, inv1 = l1 > 0.f ? v_scale * f1 / l1 : 0.f;
     tx_bar_sync(1 + wg, 128);  // every warp's wgmma reads of Q are complete before Q is overwritten
     tx_fence_proxy_async();
     const int lr0 = 16 * warp + grp;
