@@ -741,7 +741,8 @@ def test_a_bad_tactic_is_a_tactic_error_naming_its_params() -> None:
 
     with pytest.raises(tactix.TacticError, match=r"decode params must be integers .*; not integers: tile"):
         DecodeParams.from_tactic(tactic("decode", tile="64", warps=4, stages=2))
-    with pytest.raises(tactix.TacticError, match=r"with kv_chunk, l2, bulk, tma, ctas and vreg optional .*; missing: warps"):
+    optional = r"with kv_chunk, l2, bulk, tma, ctas and vreg optional .*; missing: warps"
+    with pytest.raises(tactix.TacticError, match=optional):
         DecodeParams.from_tactic(tactic("decode", tile=64, stages=2))
     with pytest.raises(tactix.TacticError, match=r"; unknown: hint"):
         GemmParams.from_tactic(tactic("gemm", bn=32, bk=128, wn=1, wk=4, stages=4, hint=1))
