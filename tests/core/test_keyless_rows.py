@@ -109,3 +109,22 @@ def test_multi_token_decode_still_needs_as_many_keys_as_rows() -> None:
     w = tactix.PagedDecode("HND", backend="torch")
     with pytest.raises(tactix.InvalidArgumentError, match="'q_len_per_req' must be at most each request's kv length"):
         w.plan(i32(0, 1), i32(0), i32(2), HQ, HKV, D, PAGE, q_data_type=torch.float32, q_len_per_req=4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_ragged_prefill_rows_before_the_first_key(backend: str) -> None:
+    """The same for keys and values packed per request (`tactix.RaggedPrefill`): zeros and an LSE
+    of -inf before a request's first key, the rest as the oracle says; the problem says so."""
+    from tactix.testing import ragged_reference
+
+    gen = torch.Generator().manual_seed(9)
+    kv_indptr, qo = i32(0, 2, 9, 14), i32(0, 6, 9, 14)
+    q = torch.randn(14, HQ, D, generator=gen)
+    k, v = torch.randn(14, HKV, D, generator=gen), torch.randn(14, HKV, D, generator=gen)
+    w = tactix.RaggedPrefill(backend=backend, device="cpu")
+    w.plan(qo, kv_indptr, HQ, HKV, D, causal=True, q_data_type=torch.float32, return_lse=True)
+    assert w._selection.problem.keyless_rows and "keyless_rows" in w._selection.problem.key()
+    out, lse = w.run(q, k, v, return_lse=True)
+    ref, ref_lse = ragged_reference(q, k, v, qo, kv_indptr, causal=True, sm_scale=1 / math.sqrt(D))
+    assert relative_error(out, ref) < 1e-5 and lse_error(lse, ref_lse) < 1e-5
+    assert out[:4].abs().max() == 0 and torch.isneginf(lse[:4]).all() and torch.isfinite(lse[4:]).all()

@@ -200,7 +200,7 @@ def test_a_re_plan_with_the_same_arguments_validates_the_new_batch_and_takes_its
         ref, _ = by_rows(q, k, v, q_lens, kv_lens, causal=True)
         assert relative(wrapper.run(q, k, v), ref) < 1e-5
     with pytest.raises(tactix.InvalidArgumentError, match="'kv_indptr'"):
-        wrapper.plan(i32(0, 4), i32(0, 3), 4, 2, 16, causal=True, q_data_type=F32)  # the memo still validates
+        wrapper.plan(i32(0, 4), i32(0, 0), 4, 2, 16, causal=True, q_data_type=F32)  # the memo still validates
 
 
 def test_bf16_within_the_kits_tolerance_and_the_problem_reads_like_an_id() -> None:

@@ -471,6 +471,8 @@ class RaggedBatch(Batch):
 
     kv_indptr_list: list[int]
     num_kv_tokens: int
+    keyless_rows: bool = False
+    """Causal: some request has more query rows than keys (its first rows attend none)."""
     _device_copies: dict[torch.device, RaggedDeviceBatch] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
@@ -479,8 +481,9 @@ class RaggedBatch(Batch):
 
     @classmethod
     def build(cls, *, qo_indptr: object, kv_indptr: object, device: torch.device, causal: bool) -> RaggedBatch:
-        """Check the two CSR arrays of a batch (``causal``: each request must then have at least as
-        many keys as query rows, which sit at the end of its keys)."""
+        """Check the two CSR arrays of a batch (``causal``: the query rows sit at the end of the
+        request's keys; a request with more rows than keys has rows that attend none:
+        ``keyless_rows``)."""
         qo_t = _index_array(qo_indptr, "qo_indptr", device)
         kv_t = _index_array(kv_indptr, "kv_indptr", device)
         qo_list, kv_list = _host_lists([qo_t, kv_t], device)
@@ -495,19 +498,12 @@ class RaggedBatch(Batch):
             raise InvalidArgumentError("kv_indptr", f"offsets up to {_INT32_MAX} (kernels index keys with int32)",
                                        f"kv_indptr[-1] = {kv_list[-1]}")  # fmt: skip
         # one C-level pass each; the loop that names the request runs only when a check fails
-        fewest = min(map(operator.sub, kv_lens_list, qo_lens_list)) if causal else 0
-        if fewest < 0 or 0 in kv_lens_list:
+        keyless_rows = causal and min(map(operator.sub, kv_lens_list, qo_lens_list)) < 0
+        if 0 in kv_lens_list:
             for i, (q, kv) in enumerate(zip(qo_lens_list, kv_lens_list, strict=True)):
                 if q and not kv:
                     raise InvalidArgumentError("kv_indptr", "to give every request with query rows at least one "
                                                "key", f"request {i}: {q} query rows, no key")  # fmt: skip
-                if causal and kv < q:
-                    raise InvalidArgumentError(
-                        "kv_indptr",
-                        "to give each request at least as many keys as query rows (causal attention aligns the "
-                        "queries with the last keys)",
-                        f"request {i}: {kv} keys for {q} query rows",
-                    )
         batch = cls.__new__(cls)  # as in PagedBatch.build: the fields set straight into the instance
         batch.__dict__.update(
             qo_indptr_list=qo_list,
@@ -519,6 +515,7 @@ class RaggedBatch(Batch):
             max_kv_len=max(kv_lens_list),
             kv_indptr_list=kv_list,
             num_kv_tokens=kv_list[-1],
+            keyless_rows=keyless_rows,
             _device_copies={},
         )
         return batch
@@ -547,6 +544,7 @@ class RaggedBatch(Batch):
             num_page_entries=nnz,
             max_page_index=nnz - 1,
             custom_mask=None,
+            keyless_rows=self.keyless_rows,
             _device_copies={},
         )
         return batch

@@ -70,6 +70,8 @@ def ragged_problem(
     batch = RaggedBatch.build(qo_indptr=qo_indptr, kv_indptr=kv_indptr, device=device, causal=causal)
     if run_extras:
         fields.update(run_extras=tuple(run_extras))
+    if batch.keyless_rows:
+        fields.update(keyless_rows=True)
     problem = make_problem(RaggedPrefillProblem.op, **fields, causal=causal,
                            **{name: getattr(batch, name) for name in RaggedPrefillProblem.dynamic})  # fmt: skip
     assert isinstance(problem, RaggedPrefillProblem)
@@ -138,8 +140,10 @@ class RaggedPrefill(_Attention):
             have none, the batch may not (an empty batch is refused: skip the call instead).
         kv_indptr : int32/int64 ``[batch_size + 1]``, CPU or device
             Keys and values of request ``b`` are rows ``kv_indptr[b]:kv_indptr[b + 1]`` of ``k``
-            and ``v``. A request with query rows needs at least one key; with ``causal``, at least
-            as many keys as query rows. Every offset must fit int32.
+            and ``v``. A request with query rows needs at least one key. With ``causal`` the
+            rows sit at the end of the keys; a request with more rows than keys has rows before
+            its first key, which give zeros and an LSE of -inf (on backends that declare
+            ``keyless_rows``; the others refuse the batch). Every offset must fit int32.
         num_qo_heads, num_kv_heads, head_dim_qk : int
             ``num_qo_heads`` must be a multiple of ``num_kv_heads`` (GQA).
         head_dim_vo : int, optional

@@ -68,6 +68,7 @@ _RAGGED = RaggedPrefillCapabilities(
     sliding_window=True,
     logits_soft_cap=True,
     lse=True,
+    keyless_rows=True,  # causal rows before a request's first key: the explicit kernel gives zeros, LSE -inf
     cuda_graph="fixed_buffers",
     run_extras=frozenset({"k_scale", "v_scale", "sinks"}),
 )
@@ -78,7 +79,6 @@ _ATTENTION = AttentionCapabilities(
     kv_layouts=frozenset({"NHD", "HND"}),
     max_q_len_per_req=None,  # decode: any rows per request (the prefill path's masks)
     custom_mask=True,  # prefill: the explicit kernel
-    keyless_rows=True,  # causal rows before a request's first key: the explicit kernel gives zeros, LSE -inf
 )
 
 _GEMM = GemmCapabilities(

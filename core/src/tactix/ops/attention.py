@@ -159,6 +159,11 @@ class AttentionCapabilitiesBase(CapabilitiesBase):
     sliding_window: bool = False
     logits_soft_cap: bool = False
     lse: bool = False
+    keyless_rows: bool = Field(
+        default=False,
+        description="causal prefill with more query rows than keys in a request: the rows before its first key "
+        "give zeros and an LSE of -inf",
+    )
 
     def _layout_reasons(self, problem: Any) -> list[str]:
         """Why the keys' storage falls outside these capabilities (paged: page size and layout)."""
@@ -204,11 +209,7 @@ class AttentionCapabilities(AttentionCapabilitiesBase):
     custom_mask: bool = Field(
         default=False, description="prefill: a custom mask per batch (FlashInfer's custom_mask / packed_custom_mask)"
     )
-    keyless_rows: bool = Field(
-        default=False,
-        description="causal prefill with more query rows than keys in a request: the rows before its first key "
-        "give zeros and an LSE of -inf",
-    )
+
     max_q_len_per_req: int | None = Field(
         default=1,
         ge=1,

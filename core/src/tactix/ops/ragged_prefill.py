@@ -50,14 +50,21 @@ class RaggedPrefillProblem(AttentionProblemBase):
     op: ClassVar[str] = "ragged_prefill"
     ragged_queries: ClassVar[bool] = True
     dynamic: ClassVar[tuple[str, ...]] = ("batch_size", "num_qo_tokens", "num_kv_tokens", "max_qo_len", "max_kv_len")
-    implicit: ClassVar[tuple[str, ...]] = ("run_extras",)
+    implicit: ClassVar[tuple[str, ...]] = ("keyless_rows", "run_extras")
 
     causal: bool
     num_qo_tokens: int = Field(ge=0)
     num_kv_tokens: int = Field(ge=1, description="rows of the packed k and v")
     max_qo_len: int = Field(ge=0)
+    keyless_rows: bool = Field(
+        default=False,
+        description="causal, and a request of the batch has more query rows than keys: its first rows attend "
+        "no key (zeros, LSE -inf)",
+    )
 
     def masking_reasons(self, caps: AttentionCapabilitiesBase) -> list[str]:
+        if self.keyless_rows and not caps.keyless_rows:
+            return ["causal rows with no key (a request with more query rows than keys) not supported"]
         if self.causal and not caps.causal:
             return ["causal masking not supported"]
         if not self.causal and not caps.non_causal:

@@ -761,6 +761,7 @@ def ragged_cases(op: str, caps: AttentionCapabilitiesBase) -> list[RaggedCase]:
         add(num_qo_heads=qo_heads, num_kv_heads=kv_heads)
     add(causal=False)
     add(causal=False, batch="q-longer", kv_lens=(40, 8), q_lens=(64, 16))
+    add(batch="q-longer", kv_lens=(40, 8), q_lens=(64, 16), return_lse=True)  # causal: rows before the first key
     # chunked prefill (MLA: the whole prefix expanded), requests with no query row (one with keys,
     # one with none), edges of the lengths, many short requests, a long prefix
     chunked_kv, chunked_q = (301, 130, 48), (37, 130, 17)
