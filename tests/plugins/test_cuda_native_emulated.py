@@ -537,11 +537,15 @@ def test_emulated_prefill_edge_batches() -> None:
     prefill_case(Q, KV, five_d=True, q_view=True, layout="HND", page=1, seed=6)
 
 
-@pytest.mark.parametrize("tactic", [None, {"q_tile": 128, "kv_tile": 32, "warps": 4, "stages": 2},
-                                    {"q_tile": 64, "kv_tile": 64, "warps": 4, "stages": 4, "mma": "wgmma"},
-                                    {"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma",
-                                     "persist": 1, "pingpong": 1}],
-                         ids=["default", "mma.sync", "wgmma", "wgmma-persist-pingpong"])  # fmt: skip
+# every prefill kernel shape: the default, mma.sync, wgmma, and wgmma with persistent CTAs and the ping-pong
+EVERY_PREFILL_KERNEL = pytest.mark.parametrize(
+    "tactic", [None, {"q_tile": 128, "kv_tile": 32, "warps": 4, "stages": 2},
+               {"q_tile": 64, "kv_tile": 64, "warps": 4, "stages": 4, "mma": "wgmma"},
+               {"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma", "persist": 1, "pingpong": 1}],
+    ids=["default", "mma.sync", "wgmma", "wgmma-persist-pingpong"])  # fmt: skip
+
+
+@EVERY_PREFILL_KERNEL
 def test_emulated_prefill_with_attention_sinks(tactic: dict[str, Any] | None) -> None:
     """Attention sinks folded into each row's softmax by the mma.sync and the Hopper wgmma kernels
     (with persistent CTAs and the ping-pong), against the oracle's sink term, the LSE including
@@ -555,11 +559,7 @@ def test_emulated_prefill_with_attention_sinks(tactic: dict[str, Any] | None) ->
                      tactic=tactic, seed=23)  # fmt: skip
 
 
-@pytest.mark.parametrize("tactic", [None, {"q_tile": 128, "kv_tile": 32, "warps": 4, "stages": 2},
-                                    {"q_tile": 64, "kv_tile": 64, "warps": 4, "stages": 4, "mma": "wgmma"},
-                                    {"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma",
-                                     "persist": 1, "pingpong": 1}],
-                         ids=["default", "mma.sync", "wgmma", "wgmma-persist-pingpong"])  # fmt: skip
+@EVERY_PREFILL_KERNEL
 def test_emulated_prefill_causal_rows_before_the_first_key(tactic: dict[str, Any] | None) -> None:
     """Causal requests with more query rows than keys (FlashInfer's fully masked rows): the rows
     before a request's first key give zeros and an LSE of -inf (with sinks, the LSE of the sink
