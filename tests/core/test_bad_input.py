@@ -1116,7 +1116,7 @@ def test_ragged_run_before_plan_and_lse_not_planned(spy: Spy) -> None:
 @pytest.mark.parametrize(
     ("qo", "kv", "kwargs", "fragments"),
     [
-        ([0, 3, 3, 5], [0, 3, 3, 4], {}, ["'kv_indptr'", "as many keys as query rows", "request 2: 1 keys for 2"]),
+        ([0, 3, 3, 5], [0, 3, 3, 3], {}, ["'kv_indptr'", "at least one key", "request 2: 2 query rows, no key"]),
         ([0, 3, 3, 5], [0, 3, 3, 3], {"causal": False}, ["'kv_indptr'", "at least one key", "request 2: 2 query rows"]),
         ([0, 0, 0], [0, 2, 4], {}, ["'qo_indptr'", "at least one query row", "qo_indptr[-1] = 0"]),
         ([0, 3, 2, 5], [0, 3, 3, 7], {}, ["'qo_indptr'", "non-decreasing", "qo_indptr[1] = 3 > qo_indptr[2] = 2"]),
@@ -1126,7 +1126,7 @@ def test_ragged_run_before_plan_and_lse_not_planned(spy: Spy) -> None:
         ([0], [0], {}, ["'kv_indptr'", "batch_size + 1 >= 2"]),
         ([0, 3], [0, 2**31], {"causal": False}, ["'kv_indptr'", "offsets up to 2147483647"]),
     ],
-    ids=["causal-short", "no-key", "empty-batch", "qo-decreasing", "kv-decreasing", "qo-start", "lengths",
+    ids=["causal-no-key", "no-key", "empty-batch", "qo-decreasing", "kv-decreasing", "qo-start", "lengths",
          "no-request", "beyond-int32"],
 )  # fmt: skip
 def test_ragged_plan_refuses_bad_indptrs(
