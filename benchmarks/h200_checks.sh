@@ -23,6 +23,9 @@
 #   fp8-prefill-probe    benchmarks/fp8_prefill_probe.py: the wgmma prefill over fp8 and 16-bit caches on P1
 #   bench-attention      tactix bench on the attention cases (bf16, fp8, V1), FlashInfer anchors
 #   bench-open-models    tactix bench on R1-R3 (ragged, DeepSeek 192/128) and O1 (gpt-oss sinks), anchors
+#   bench-eager          tactix bench --execution eager (EAGER_CASES: some case ids; EAGER_ARGS: more options,
+#                        e.g. --no-tune): rows ranked by eager cost, auto (untuned) against the best; its
+#                        JSON rebuilds the untuned order table (tactix untuned-order build)
 #   ab                   benchmarks/host_ab.py: plan() and run() host times of an older commit's
 #                        wheels (.gpu/old) and of the checkout, interleaved (run it alone; AB_ROUNDS,
 #                        AB_BACKENDS, AB_RUN_BACKENDS: trtllm's first use compiles its modules for
@@ -88,6 +91,8 @@ job() {
       --markdown "$OUT/bench-attention-h200.md" ;;
     bench-open-models) t python -m tactix bench --cases "$OPEN_MODELS" --json "$OUT/bench-open-models-h200.json" \
       --markdown "$OUT/bench-open-models-h200.md" ;;
+    bench-eager) t python -m tactix bench --execution eager ${EAGER_CASES:+--cases "$EAGER_CASES"} ${EAGER_ARGS:-} \
+      --json "$OUT/bench-eager-h200.json" --markdown "$OUT/bench-eager-h200.md" ;;
     ab) old_site && t python3 benchmarks/host_ab.py --old /tmp/old-site --new "$PYTHONPATH" \
       --rounds "${AB_ROUNDS:-20}" --budget-s $((LIMIT - 60)) ${AB_CONTROL:+--control} --backends "${AB_BACKENDS:-cudnn,cuda_native,trtllm}" \
       --run-backends "${AB_RUN_BACKENDS:-cudnn,cuda_native,trtllm,torch}" --json "$OUT/host-ab-h200.json" ;;

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tactix.cli import main
 
@@ -23,7 +24,8 @@ def test_cpu_suite_reports_checked_rows_for_every_backend_and_tuned_auto(
     assert cases == {"d1", "d2", "p1", "p4", "d1-fp8", "v1", "r1", "o1", "g1", "g2"}
     for case in cases:
         mine = [r for r in rows if r["case"] == case]
-        assert {"torch", "auto (tuned)"} <= {r["implementation"] for r in mine}
+        assert {"torch", "auto (untuned)", "auto (tuned)"} <= {r["implementation"] for r in mine}
+        assert len({(r["op"], r["shape_class"]) for r in mine}) == 1 and mine[0]["shape_class"]
         ok = [r for r in mine if r["status"] == "ok"]
         assert ok and max(r["ratio_to_best"] for r in ok) == 1.0
         for r in ok:
@@ -31,6 +33,7 @@ def test_cpu_suite_reports_checked_rows_for_every_backend_and_tuned_auto(
             assert r["time_us"] > 0 and r["rate"] > 0 and r["unit"] in ("TB/s", "TFLOP/s")
             # host cost of every implementation: a re-plan for new lengths and an eager run()
             assert r["plan_host_us"] > 0 and r["run_host_us"] > 0
+            assert r["eager_us"] == max(r["time_us"], r["run_host_us"])  # what an eager caller pays a call
             assert r["round_kept"] in (1, 2) and len(r["samples_us"]) == 3 and "retime" not in r
     # the fp8-KV case reads one byte per cache element: its bytes (rate x time) are about a quarter
     # of the float32 case's over the same batch
@@ -42,7 +45,8 @@ def test_cpu_suite_reports_checked_rows_for_every_backend_and_tuned_auto(
     decode = [r for r in rows if r["case"] == "d1"]
     assert {r["implementation"] for r in decode} >= {"naive"}  # a third-party backend is benchmarked too
     # FlashInfer's wrappers are anchors only where they can run (a GPU with flashinfer installed)
-    assert report["environment"]["flashinfer"] is None
+    assert report["environment"]["flashinfer"] is None and report["environment"]["arch"] == "cpu"
+    assert {r["shape_class"] for r in rows if r["case"] == "g2"} == {"fp32, m <= 64"}
     assert not [r for r in rows if r["implementation"].startswith("flashinfer")]
     text = md.read_text()
     assert "| d1 | decode b8, kv 64-512 |" in text and "auto (tuned)" in text
@@ -59,7 +63,8 @@ def test_direct_library_calls_get_checked_rows_of_their_own(tmp_path: Path) -> N
     with plugins_on_path(root):
         import torch
 
-        report = run_bench("cpu", torch.device("cpu"), cases=["d2"], backends=["refs", "torch"], tune=False)
+        report = run_bench("cpu", torch.device("cpu"), cases=["d2"], backends=["refs", "torch"], tune=False,
+                           untuned=False)  # fmt: skip
     rows = {r["implementation"]: r for r in report["rows"]}
     assert set(rows) == {"refs", "torch", "refs (direct)"}
     direct = rows["refs (direct)"]
@@ -67,6 +72,21 @@ def test_direct_library_calls_get_checked_rows_of_their_own(tmp_path: Path) -> N
     assert "fastest of 1 variants" in direct["detail"]
     assert "wrong: wrong result" in direct["detail"] and "boom: RuntimeError: no such plan" in direct["detail"]
     assert direct["rate"] > 0 and direct["ratio_to_best"] is not None
+
+
+def test_eager_execution_ranks_rows_by_their_eager_cost() -> None:
+    """``--execution eager``: the rows of a case best first by the longer of device and host time,
+    each with the cheapest's cost over its own; the untuned `auto` row is there to compare."""
+    from tactix.autotune.policy import MeasurementPolicy
+    from tactix.bench import run_bench
+
+    policy = MeasurementPolicy(execution="eager", warmup=0, warmup_ms=0, repeat=3, settle_blocks=1)
+    report = run_bench("cpu", torch.device("cpu"), cases=["g2"], backends=["torch"], tune=False, policy=policy)
+    ok = [r for r in report["rows"] if r["status"] == "ok"]
+    assert {r["implementation"] for r in ok} == {"torch", "auto (untuned)"}
+    costs = [r["eager_us"] for r in ok]
+    assert costs == sorted(costs) and ok[0]["ratio_to_best"] == 1.0
+    assert ok[1]["ratio_to_best"] == pytest.approx(costs[0] / costs[1])
 
 
 def test_unknown_case_ids_are_an_error_listing_the_valid_ones(capsys: pytest.CaptureFixture[str]) -> None:
@@ -116,7 +136,7 @@ def test_unsupported_reasons_stay_whole_in_json_and_end_at_a_word_in_markdown(tm
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
     with plugins_on_path(root):
         argv = ["bench", "--suite", "cpu", "--device", "cpu", "--cases", "d2", "--backends", "refusing", "--no-tune",
-                "--json", str(out), "--markdown", str(md)]  # fmt: skip
+                "--no-untuned", "--json", str(out), "--markdown", str(md)]  # fmt: skip
         assert main(argv) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["status"] == "unsupported"

@@ -1,4 +1,5 @@
-"""``tactix bench``: the shape suite of benchmarks/README.md for every backend and for tuned ``auto``.
+"""``tactix bench``: the shape suite of benchmarks/README.md for every backend and for ``auto``,
+untuned (what a process without stored tactics plans: `tactix.untuned_order`) and tuned.
 
 Backends that offer direct calls of the library they wrap (``tactix_references``; cuDNN does)
 get extra "NAME (direct)" rows: the library called by hand, same inputs, same timer, so the
@@ -10,7 +11,10 @@ against the float64 oracle, and is timed by the tuner's timer under one policy (
 before each timed call, CUDA-event medians, CUDA-graph replay where the plan captures). Decode
 is reported in TB/s (bytes of K and V actually read, plus q and out), prefill and GEMM in
 TFLOP/s (4·h·d per attended (q, k) pair; 2·m·n·k), each with its ratio to the best row of the
-case. A quick CPU suite runs the same code on small shapes.
+case. Each row also gets the host time of a re-plan and of an eager ``run()``, and its eager cost,
+the longer of its device and ``run()`` host times (`eager_cost`); with ``--execution eager`` the
+rows are timed eagerly and ranked by that cost. A quick CPU suite runs the same code on small
+shapes.
 """
 
 from __future__ import annotations
@@ -30,15 +34,15 @@ from typing import Any, Final
 import torch
 
 import tactix
-from tactix import bench_flashinfer
-from tactix.attention import PagedDecode, PagedPrefill
+from tactix import bench_flashinfer, untuned_order
+from tactix.attention import PagedDecode, PagedPrefill, attention_problem
 from tactix.autotune.context import autotune
 from tactix.autotune.policy import MeasurementPolicy
 from tactix.autotune.timing import measure_with_policy
 from tactix.dtypes import to_torch_dtype
 from tactix.errors import TactixError
-from tactix.gemm import Gemm
-from tactix.ragged import RaggedPrefill
+from tactix.gemm import Gemm, gemm_problem
+from tactix.ragged import RaggedPrefill, ragged_problem
 from tactix.registry import get_registry
 from tactix.testing.oracle import (
     attention_reference,
@@ -114,6 +118,9 @@ class BenchRow:
     retime: Any = field(default=None, repr=False, compare=False)  # the timed call, until the second round
     plan_host_us: float | None = None  # host time of a re-plan for new lengths (median; no device sync)
     run_host_us: float | None = None  # host time of an eager run() (median; enqueue only, no device sync)
+    eager_us: float | None = None  # max(time_us, run_host_us): a call's cost to an eager caller (`eager_cost`)
+    op: str = ""  # the case's op and its shape class (`tactix.untuned_order`)
+    shape_class: str = ""
 
 
 HOST_CALLS: Final = 40
@@ -337,6 +344,31 @@ def _ok_row(case: BenchCase, name: str, tactic: str, timing: Any, work: tuple[fl
                     blocks=timing.blocks, round_kept=1, retime=call, **extra)  # fmt: skip
 
 
+def eager_cost(time_us: float | None, run_host_us: float | None) -> float | None:
+    """What one call costs a caller that enqueues calls back to back without a CUDA graph: the
+    longer of its device time and its ``run()`` host time (`tactix.untuned_order` ranks by it)."""
+    if time_us is None:
+        return None
+    return max(time_us, run_host_us or 0.0)
+
+
+def _rank(rows: list[BenchRow], eager: bool) -> None:
+    """Each row's ratio to the case's best, and the rows best first: by rate (work per device
+    time), or with ``eager`` (``--execution eager``) by `eager_cost`, host time included."""
+    if eager:
+        cheapest = min((r.eager_us for r in rows if r.status == "ok" and r.eager_us), default=None)
+        for r in rows:
+            if r.status == "ok" and r.eager_us and cheapest:
+                r.ratio_to_best = cheapest / r.eager_us
+        rows.sort(key=lambda r: r.eager_us if r.status == "ok" and r.eager_us else math.inf)
+        return
+    best = max((r.rate for r in rows if r.status == "ok" and r.rate), default=None)
+    for r in rows:
+        if r.rate and best:
+            r.ratio_to_best = r.rate / best
+    rows.sort(key=lambda r: -(r.rate or 0))
+
+
 def _second_round(rows: list[BenchRow], device: torch.device, policy: MeasurementPolicy) -> None:
     """Time every timed row of a case again, in the same order, and keep the faster median.
 
@@ -380,8 +412,9 @@ def _unsupported(case: BenchCase, name: str, exc: TactixError) -> BenchRow:
     return BenchRow(case.id, case.description, name, "-", "failed", detail=str(exc))
 
 
-def _attention_inputs(case: BenchCase, device: torch.device, dtype: torch.dtype) -> _Attention:
-    gen = torch.Generator().manual_seed(1)
+def _attention_index(case: BenchCase, gen: torch.Generator) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A case's batch metadata: ``qo_indptr``, ``kv_indptr`` (pages; rows for a ragged case), the
+    page indices (in random order) and the last pages' lengths."""
     page = case.page_size
     pages = [-(-n // page) for n in case.kv_lens]
     order = torch.randperm(sum(pages), generator=gen).tolist()
@@ -398,10 +431,47 @@ def _attention_inputs(case: BenchCase, device: torch.device, dtype: torch.dtype)
     qo = [0]
     for n in q_lens:
         qo.append(qo[-1] + n)
+    return qo, indptr, indices, last
+
+
+def case_problem(case: BenchCase, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """The problem a case's plans are made for (on a CUDA device, ``dtype`` queries; no tensor
+    data is made): what `tactix.untuned_order` classifies it by."""
+    device = torch.device("cuda")
+    if case.op == "gemm":
+        a = torch.float8_e4m3fn if case.fp8 else dtype
+        return gemm_problem(case.m, case.n, case.k, batch=None, a_dtype=a, b_dtype=None,
+                            out_dtype=torch.bfloat16 if case.fp8 else None, a_k_major=True, b_k_major=True,
+                            bias_dtype=None, device=device)  # fmt: skip
+    qo, indptr, indices, last = _attention_index(case, torch.Generator().manual_seed(1))
+    i32 = torch.int32
+    common: dict[str, Any] = dict(
+        device=device, num_qo_heads=case.heads[0], num_kv_heads=case.heads[1], head_dim_qk=case.head_dim,
+        head_dim_vo=case.head_dim_vo or None, causal=case.op != "decode" or case.q_len_per_req > 1, sm_scale=None,
+        window_left=case.window_left, logits_soft_cap=None, q_data_type=dtype,
+        kv_data_type=case.kv_dtype or dtype, o_data_type=None, return_lse=False,
+        run_extras=("sinks",) if case.sinks else ())  # fmt: skip
+    if case.op == "ragged_prefill":
+        ragged, _ = ragged_problem(qo_indptr=torch.tensor(qo, dtype=i32), kv_indptr=torch.tensor(indptr, dtype=i32),
+                                   **common)  # fmt: skip
+        return ragged
+    decode = case.op == "decode"
+    problem, _ = attention_problem(case.op, kv_layout="HND", qo_indptr=None if decode else torch.tensor(qo, dtype=i32),
+                                   paged_kv_indptr=torch.tensor(indptr, dtype=i32),
+                                   paged_kv_indices=torch.tensor(indices, dtype=i32),
+                                   paged_kv_last_page_len=torch.tensor(last, dtype=i32), page_size=case.page_size,
+                                   q_len_per_req=case.q_len_per_req, **common)  # fmt: skip
+    return problem
+
+
+def _attention_inputs(case: BenchCase, device: torch.device, dtype: torch.dtype) -> _Attention:
+    gen = torch.Generator().manual_seed(1)
+    qo, indptr, indices, last = _attention_index(case, gen)
     hq, hkv = case.heads
     # HND pages; a ragged case packs its keys and values per request instead, [kv_tokens, heads, d]
     ragged = case.op == "ragged_prefill"
-    shape = (sum(case.kv_lens), hkv, case.head_dim) if ragged else (sum(pages), hkv, page, case.head_dim)
+    pages, page = len(indices), case.page_size
+    shape = (sum(case.kv_lens), hkv, case.head_dim) if ragged else (pages, hkv, page, case.head_dim)
     v_shape = (*shape[:-1], case.dim_vo)
     extras: dict[str, torch.Tensor] = {}
     if case.kv_dtype:
@@ -454,8 +524,9 @@ def _measure_attention(
     backend: str,
     reference: torch.Tensor,
     deterministic: bool,
+    name: str | None = None,
 ) -> BenchRow:
-    name = "auto (tuned)" if backend == "auto" else backend
+    name = name or backend
     hq, hkv = case.heads
     kw: dict[str, Any] = {"q_data_type": dtype, "deterministic": deterministic,
                           **({"causal": True} if case.op != "decode" else {})}  # fmt: skip
@@ -537,8 +608,9 @@ def _measure_gemm(
     dtype: torch.dtype,
     backend: str,
     reference: torch.Tensor,
+    name: str | None = None,
 ) -> BenchRow:
-    name = "auto (tuned)" if backend == "auto" else backend
+    name = name or backend
     g = Gemm(backend=backend, device=device)
     try:
         with warnings.catch_warnings():
@@ -666,6 +738,7 @@ def run_bench(
     cases: list[str] | None = None,
     backends: list[str] | None = None,
     tune: bool = True,
+    untuned: bool = True,
     references: bool = True,
     flashinfer: bool = True,
     deterministic: bool = False,
@@ -676,7 +749,8 @@ def run_bench(
 
     Attention is planned with ``deterministic=False`` unless asked otherwise: the suite compares
     speed with the libraries' fastest plans, which need not be run-to-run deterministic.
-    ``flashinfer`` adds FlashInfer's own wrappers as anchor rows where flashinfer is installed.
+    ``flashinfer`` adds FlashInfer's own wrappers as anchor rows where flashinfer is installed;
+    ``untuned`` an ``auto (untuned)`` row (planned from an empty store), ``tune`` an ``auto (tuned)``.
     """
     policy = policy or MeasurementPolicy(warmup=3, repeat=20)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -695,9 +769,10 @@ def run_bench(
             )
 
             def measure_one(
-                backend: str, inputs: Any = inputs_g, ref: torch.Tensor = ref, c: BenchCase = case
-            ) -> BenchRow:
-                return _measure_gemm(c, inputs, device, policy, dtype, backend, ref)
+                backend: str, name: str | None = None, inputs: Any = inputs_g, ref: torch.Tensor = ref,
+                c: BenchCase = case,
+            ) -> BenchRow:  # fmt: skip
+                return _measure_gemm(c, inputs, device, policy, dtype, backend, ref, name)
 
             out_dtype = torch.bfloat16 if case.fp8 else dtype
             ref_inputs: dict[str, Any] = {
@@ -729,9 +804,10 @@ def run_bench(
                                              **masking)  # fmt: skip
 
             def measure_one(
-                backend: str, inputs: Any = inputs_a, ref: torch.Tensor = ref, c: BenchCase = case
-            ) -> BenchRow:
-                return _measure_attention(c, inputs, device, policy, dtype, backend, ref, deterministic)
+                backend: str, name: str | None = None, inputs: Any = inputs_a, ref: torch.Tensor = ref,
+                c: BenchCase = case,
+            ) -> BenchRow:  # fmt: skip
+                return _measure_attention(c, inputs, device, policy, dtype, backend, ref, deterministic, name)
 
             ref_inputs = {
                 "q": inputs_a.q,
@@ -759,21 +835,27 @@ def run_bench(
                 case_rows += _measure_references(case, name, ref_inputs, device, policy, ref, tolerance, work)
         if anchor_version and case.op != "gemm":
             case_rows += _measure_flashinfer(case, ref_inputs, device, policy, ref, tolerance, work)
+        # untuned `auto`: what a process without stored tactics plans (the untuned order), from a
+        # store that has none
+        if untuned:
+            with autotune(mode="off", cache_dir=tempfile.mkdtemp(prefix="tactix-bench-empty-"), policy=policy):
+                case_rows.append(measure_one("auto", "auto (untuned)"))
         if tune:
             with autotune(mode="tune", cache_dir=store, policy=policy):
-                case_rows.append(measure_one("auto"))
+                case_rows.append(measure_one("auto", "auto (tuned)"))
         _second_round(case_rows, device, policy)
         del ref
-        ok = [r for r in case_rows if r.status == "ok" and r.rate]
-        best = max((r.rate for r in ok if r.rate), default=None)
+        problem = case_problem(case, dtype)
         for r in case_rows:
-            if r.rate and best:
-                r.ratio_to_best = r.rate / best
-        rows += sorted(case_rows, key=lambda r: -(r.rate or 0))
+            r.eager_us = eager_cost(r.time_us, r.run_host_us)
+            r.op, r.shape_class = problem.op, untuned_order.shape_class(problem)
+        _rank(case_rows, policy.execution == "eager")
+        rows += case_rows
         if device.type == "cuda":
             torch.cuda.empty_cache()
     env = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
+        "arch": untuned_order.arch_of(device),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
@@ -798,8 +880,8 @@ def markdown(report: dict[str, Any]) -> str:
         + f". Policy: {env['policy']}.",
         "",
         "| case | shape | implementation | tactic | time (us) | rate | vs best | plan host (us) | run host (us) "
-        "| rel. error | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| eager (us) | rel. error | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         time_s = f"{r['time_us']:,.1f}" if r["time_us"] else "-"
@@ -808,11 +890,12 @@ def markdown(report: dict[str, Any]) -> str:
         err = f"{r['error']:.1e}" if r["error"] is not None else "-"
         plan_host = f"{r['plan_host_us']:,.1f}" if r.get("plan_host_us") else "-"
         run_host = f"{r['run_host_us']:,.1f}" if r.get("run_host_us") else "-"
+        eager = f"{r['eager_us']:,.1f}" if r.get("eager_us") else "-"
         why = "; ".join(r.get("reasons") or []) or r["detail"]
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {_cell(why, 100)}"
         lines.append(
             f"| {r['case']} | {r['description']} | {r['implementation']} | `{r['tactic']}` | {time_s} | "
-            f"{rate} | {ratio} | {plan_host} | {run_host} | {err} | {status} |"
+            f"{rate} | {ratio} | {plan_host} | {run_host} | {eager} | {err} | {status} |"
         )
     return "\n".join(lines) + "\n"
 

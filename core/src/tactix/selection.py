@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from tactix import untuned_order
 from tactix.autotune.stats import bump, stored_epoch, stored_tactics_changed
 from tactix.batch import Batch
 from tactix.errors import (
@@ -216,7 +217,7 @@ def select_and_plan(
         _require(b, problem, tactic, batch)
         return Selection(b, _plan_or_raise(b, tactic, problem, batch, plan), "explicit", problem)
 
-    candidates = _candidates(registry, problem, batch, backend)
+    candidates = _candidates(registry, problem, batch, backend, options["device"])
     unsupported: list[str] = []
     failure: tuple[Tactic, BaseException] | None = None
     for index, (b, t, source) in enumerate(candidates):
@@ -267,7 +268,7 @@ def replan_selection(previous: Selection, problem: AnyProblem, batch: Batch, bac
     checked = note.remembered if note is not None else None
     same = note is not None and note.buckets == buckets
     # the same buckets: the entry checked last time (the same static problem: see the caller)
-    found = checked if same else _remembered.get((backend, problem.bucket_key()))
+    found = checked if same else _remembered.get((backend, problem.bucket_key(), options["device"]))
     if found is None or found.epoch != stored_epoch() or found.registry is not get_registry():
         return None  # (`_Remembered.current`, inline: a call costs about 0.1 us)
     if found is not checked:
@@ -305,13 +306,16 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _candidates(registry: Registry, problem: AnyProblem, batch: Batch | None, backend: str) -> tuple[Candidate, ...]:
-    """(backend, tactic, source) to try in order: the stored tactic first, then defaults.
+def _candidates(registry: Registry, problem: AnyProblem, batch: Batch | None, backend: str,
+                device: Any) -> tuple[Candidate, ...]:  # fmt: skip
+    """(backend, tactic, source) to try in order: the stored tactic first, then defaults (for
+    ``auto``, every active backend's, in the untuned order of ``problem`` on ``device``:
+    `tactix.untuned_order`).
 
-    Remembered per backend and problem bucket while the epoch and the registry stay the same,
-    unless the answer may change without either (a store miss that asks the disk each time)."""
+    Remembered per backend, problem bucket and device while the epoch and the registry stay the
+    same, unless the answer may change without either (a store miss that asks the disk each time)."""
     named = None if backend == "auto" else registry.get(backend)  # an unknown name fails before any lookup
-    key = (backend, problem.bucket_key())
+    key = (backend, problem.bucket_key(), device)
     epoch = stored_epoch()
     found = _remembered.get(key)
     if found is not None and found.epoch == epoch and found.registry is registry:
@@ -332,7 +336,8 @@ def _candidates(registry: Registry, problem: AnyProblem, batch: Batch | None, ba
             except TactixError as exc:
                 warn_fallback(problem, stored, str(exc), "the untuned choice")
                 stable = False  # the warning (and its count) is the caller's on every plan
-        candidates += [Candidate(b, Tactic.default(b.name), "default") for b in registry.active(problem.op)]
+        untuned = untuned_order.ordered(registry.active(problem.op), problem, device)
+        candidates += [Candidate(b, Tactic.default(b.name), "default") for b in untuned]
     chosen = tuple(candidates)
     if stable:
         if len(_remembered) >= 1024:

@@ -23,6 +23,7 @@ import torch
 import tactix
 from tactix.cli._output import add_json_option, check_output_path, json_to_stdout, write_json
 from tactix.cli.cache import add_cache_parser
+from tactix.cli.untuned_order import add_untuned_order_parser
 from tactix.devices import named_device
 from tactix.registry import Backend, get_registry
 
@@ -263,6 +264,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cases=cases,
         backends=backends,
         tune=not args.no_tune,
+        untuned=not args.no_untuned,
         flashinfer=not args.no_flashinfer,
         deterministic=args.deterministic,
         policy=policy,
@@ -357,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", metavar="IDS", help=f"comma-separated case ids (default: all of the suite); {ids}")
     p.add_argument("--backends", metavar="NAMES", help="comma-separated backends (default: every active one)")
     p.add_argument("--no-tune", action="store_true", help="leave out the tuned 'auto' rows")
+    p.add_argument("--no-untuned", action="store_true",
+                   help="leave out the untuned 'auto' rows (auto from an empty store: the untuned order)")  # fmt: skip
     p.add_argument("--no-flashinfer", action="store_true",
                    help="leave out the FlashInfer anchor rows (added where flashinfer is installed)")  # fmt: skip
     p.add_argument(
@@ -381,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     add_cache_parser(cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub))  # it makes _Parser ones
+
+    add_untuned_order_parser(cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub))
 
     p = sub.add_parser("warmup", help="compile a backend's kernels ahead of time (its default tactics)")
     p.add_argument("backend", help="backend name, e.g. cuda_native")

@@ -226,6 +226,22 @@ class AttentionCapabilities(AttentionCapabilitiesBase):
         return out
 
 
+def attention_class(problem: AttentionProblemBase) -> list[str]:
+    """The shape-class words every attention op starts its `OpDefinition.untuned_class` with: the
+    cache's element kind and, where they differ, the head dims."""
+    kv = (
+        "fp8 kv"
+        if problem.kv_dtype.startswith("float8")
+        else "fp32 kv"
+        if problem.kv_dtype == "float32"
+        else "16-bit kv"
+    )
+    words = [kv]
+    if problem.head_dim_vo != problem.head_dim_qk:
+        words.append(f"head dims {problem.head_dim_qk}/{problem.head_dim_vo}")
+    return words
+
+
 def query_tensors(
     problem: AttentionProblemBase, rows: int, device: torch.device, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

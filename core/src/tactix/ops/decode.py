@@ -23,6 +23,7 @@ from tactix.ops.attention import (
     AttentionCapabilities,
     AttentionPlan,
     AttentionProblem,
+    attention_class,
     attention_tuner_inputs,
 )
 from tactix.ops.definition import OpDefinition
@@ -101,6 +102,20 @@ def tactix_plan_decode(  # type: ignore[empty-body]
     where the backend's decode capabilities declare ``max_q_len_per_req``)."""
 
 
+SMALL_BATCH = 8
+"""Decode batches of at most this many requests are latency-bound (one short wave): a shape
+class of their own in the untuned order (a power of two, so that a class is a class of buckets)."""
+
+
+def untuned_class(problem: DecodeProblem) -> str:
+    """Decode's shape class for the untuned order (`OpDefinition.untuned_class`): the cache's
+    kind, one row or several per request, a small batch or not."""
+    words = attention_class(problem)
+    words.append("1 row" if problem.q_len_per_req == 1 else "rows > 1")
+    words.append(f"batch <= {SMALL_BATCH}" if problem.batch_size <= SMALL_BATCH else f"batch > {SMALL_BATCH}")
+    return ", ".join(words)
+
+
 DEFINITION = OpDefinition(
     name="decode",
     problem=DecodeProblem,
@@ -113,5 +128,6 @@ DEFINITION = OpDefinition(
     kit_cases_path="tactix.testing.cases:attention_cases",
     tuner_inputs=attention_tuner_inputs,
     served_through=("prefill", as_prefill),
+    untuned_class=untuned_class,
     summary="paged-KV attention of one query row per request (or a few: multi-token decode)",
 )

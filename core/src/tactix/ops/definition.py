@@ -114,6 +114,11 @@ class OpDefinition:
     problem). The registry then asks the backend's hooks of the other op (check, tactics, plan)
     about it: decode's multi-token problems through prefill (`tactix.ops.decode.as_prefill`)."""
 
+    untuned_class: Callable[[Any], str] | None = None
+    """``untuned_class(problem)``: the coarse shape class of a problem (a few words, such as
+    ``"16-bit kv, 1 row, batch > 8"``) under which the untuned order table (`tactix.untuned_order`)
+    keeps the measured order of backends that ``auto`` tries first; None: one class for the op."""
+
     def wrapper(self) -> type:
         """The op's user-facing wrapper class (`tactix.PagedPrefill`, ...)."""
         import importlib

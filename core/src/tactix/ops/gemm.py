@@ -166,6 +166,15 @@ def tactix_plan_gemm(  # type: ignore[empty-body]
     """Plan a GEMM."""
 
 
+def untuned_class(problem: GemmProblem) -> str:
+    """GEMM's shape class for the untuned order (`OpDefinition.untuned_class`): the operands' kind
+    and the rows (``m <= 64``: a decode step's skinny products, where host cost decides; the
+    bounds are powers of two, so that a class is a class of buckets)."""
+    kind = "fp8" if problem.a_dtype.startswith("float8") else "fp32" if problem.a_dtype == "float32" else "16-bit"
+    rows = "m <= 64" if problem.m <= 64 else "m <= 1024" if problem.m <= 1024 else "m > 1024"
+    return f"{kind}, {rows}"
+
+
 DEFINITION = OpDefinition(
     name="gemm",
     problem=GemmProblem,
@@ -177,5 +186,6 @@ DEFINITION = OpDefinition(
     kit_family="gemm",
     kit_cases_path="tactix.testing.cases:gemm_cases",
     tuner_inputs=gemm_tuner_inputs,
+    untuned_class=untuned_class,
     summary="dense matrix products (bf16/fp16/fp32, fp8 with per-tensor scales)",
 )

@@ -18,6 +18,7 @@ from tactix.ops.attention import (
     AttentionCapabilities,
     AttentionPlan,
     AttentionProblem,
+    attention_class,
     attention_tuner_inputs,
 )
 from tactix.ops.definition import OpDefinition
@@ -68,6 +69,12 @@ def tactix_plan_prefill(  # type: ignore[empty-body]
     """Plan a prefill batch. May allocate, build graphs or compile; ``run`` may not."""
 
 
+def untuned_class(problem: PrefillProblem) -> str:
+    """Prefill's shape class for the untuned order (`OpDefinition.untuned_class`): the cache's
+    kind, the head dims where they differ, a custom mask."""
+    return ", ".join([*attention_class(problem), *(["custom mask"] if problem.custom_mask else [])])
+
+
 DEFINITION = OpDefinition(
     name="prefill",
     problem=PrefillProblem,
@@ -79,5 +86,6 @@ DEFINITION = OpDefinition(
     kit_family="attention",
     kit_cases_path="tactix.testing.cases:attention_cases",
     tuner_inputs=attention_tuner_inputs,
+    untuned_class=untuned_class,
     summary="paged-KV attention of ragged query rows (prefill, append, chunked prefill)",
 )

@@ -25,6 +25,7 @@ from tactix.ops.attention import (
     AttentionCapabilitiesBase,
     AttentionPlan,
     AttentionProblemBase,
+    attention_class,
     query_tensors,
 )
 from tactix.ops.definition import OpDefinition, TunerInputs, random_tensor
@@ -145,6 +146,7 @@ DEFINITION = OpDefinition(
     kit_family="attention",
     kit_cases_path="tactix.testing.cases:ragged_cases",
     tuner_inputs=ragged_tuner_inputs,
+    untuned_class=lambda problem: ", ".join(attention_class(problem)),
     summary="attention of ragged query rows over keys and values packed per request (no pages: a chunk's "
     "new tokens, MLA's expanded prefill), merged with the paged part through the LSE",
 )
