@@ -58,6 +58,22 @@ def make_batch(kv_lens: list[int], q_lens: list[int] | None, seed: int = 0) -> t
     return batch, indices.tolist()
 
 
+def _written(batch: tactix.PagedBatch, g: Geometry, host_table: bool) -> tuple[list[int], Any, int]:
+    """What a plan sends: `metadata.write_metadata` into a CPU buffer as into the pinned staging
+    buffer (filled with -7 first, so entries it leaves alone show), its layout and the count a
+    plan transfers."""
+    layout = metadata.metadata_sections(g)
+    buf = torch.full((layout.total,), -7, dtype=torch.int32)
+    indices = batch.kv_indices.contiguous()
+    metadata.write_metadata(buf.data_ptr(), batch, g, layout, indices.data_ptr() if host_table else None)
+    return buf.tolist(), layout, metadata.metadata_entries(layout, g, batch, host_table)
+
+
+def _table(written: list[int], layout: Any, g: Geometry) -> list[list[int]]:
+    at = layout.offset("pages")
+    return [written[at + r * g.width : at + (r + 1) * g.width] for r in range(g.rows)]
+
+
 # -- metadata conversion -------------------------------------------------------------------------
 
 
@@ -65,7 +81,7 @@ def test_exact_geometry_block_table_and_lengths_of_a_ragged_prefill() -> None:
     batch, indices = make_batch(KV_LENS, Q_LENS)
     g = metadata.geometry(batch, decode=False, graph=False)
     assert g == Geometry(rows=5, width=4, max_q=53, max_kv=53, tokens=sum(Q_LENS))
-    table = list(metadata.block_table(batch.kv_indices, batch.kv_indptr_list, g.rows, g.width))
+    written, layout, _ = _written(batch, g, host_table=True)
     # by hand: pages 1, 1, 1, 2, 4 -> rows of the indices in order, zero-padded to 4 columns
     expected = [
         [*indices[0:1], 0, 0, 0],
@@ -74,7 +90,7 @@ def test_exact_geometry_block_table_and_lengths_of_a_ragged_prefill() -> None:
         [*indices[3:5], 0, 0],
         indices[5:9],
     ]
-    assert [table[r * 4 : r * 4 + 4] for r in range(5)] == expected
+    assert _table(written, layout, g) == expected
     assert metadata.sequence_lengths(batch, g.rows) == [1, 15, 16, 17, 53]
     assert metadata.cumulative_q_lengths(batch, g.rows) == [0, 1, 8, 24, 26, 79]
     assert metadata.cumulative_kv_lengths(batch, g.rows) == [0, 1, 16, 32, 49, 102]
@@ -90,8 +106,9 @@ def test_cuda_graph_geometry_pads_prefill_rows_and_keeps_decode_rows_exact() -> 
     assert metadata.cumulative_q_lengths(batch, 8) == [0, 1, 8, 24, 26, 79, 79, 79, 79]
     assert metadata.cumulative_kv_lengths(batch, 8) == [0, 1, 16, 32, 49, 102, 102, 102, 102]
     assert metadata.row_starts(batch, 8) == [0, 1, 2, 3, 5, 9, 9, 9]
-    table = list(metadata.block_table(batch.kv_indices, batch.kv_indptr_list, 8, 4))
-    assert table[4 * 4 : 5 * 4] == indices[5:9] and not any(table[5 * 4 :])  # padding rows are empty
+    written, layout, _ = _written(batch, g, host_table=True)
+    table = _table(written, layout, g)
+    assert table[4] == indices[5:9] and not any(any(row) for row in table[5:])  # padding rows are empty
 
     dec, _ = make_batch([PAGE + 1, 100], None)
     assert metadata.geometry(dec, decode=True, graph=True) == Geometry(rows=2, width=8, max_q=1, max_kv=128, tokens=2)
@@ -119,32 +136,47 @@ def test_a_graph_replan_must_fit_the_captured_sizes() -> None:
 def test_packed_metadata_sections_are_aligned_and_hold_each_array() -> None:
     batch, _ = make_batch(KV_LENS, Q_LENS)
     g = metadata.geometry(batch, decode=False, graph=True)
-    s = metadata.sections(g)
-    offsets = [s.table, s.seq_lens, s.cum_q, s.cum_kv, s.row_starts]
-    assert all(o % metadata.ALIGN == 0 for o in offsets) and offsets == sorted(offsets)
-    packed = list(metadata.host_metadata(batch, g, with_table=True))
-    assert len(packed) == s.total
-    assert packed[s.table : s.table + 32] == list(metadata.block_table(batch.kv_indices, batch.kv_indptr_list, 8, 4))
-    assert packed[s.seq_lens : s.seq_lens + 8] == metadata.sequence_lengths(batch, 8)
-    assert packed[s.cum_q : s.cum_q + 9] == metadata.cumulative_q_lengths(batch, 8)
-    assert packed[s.cum_kv : s.cum_kv + 9] == metadata.cumulative_kv_lengths(batch, 8)
-    assert packed[s.row_starts : s.row_starts + 8] == metadata.row_starts(batch, 8)
-    without = list(metadata.host_metadata(batch, g, with_table=False))
-    assert not any(without[s.table : s.table + 32]) and without[s.seq_lens :] == packed[s.seq_lens :]
+    written, layout, count = _written(batch, g, host_table=True)
+    names = ("seq_lens", "cum_q", "cum_kv", "row_starts", "pages")
+    offsets = [layout.offset(n) for n in names]
+    assert all(o % 32 == 0 for o in offsets) and offsets == sorted(offsets)  # 128-byte aligned, in order
+    at = dict(zip(names, offsets, strict=True))
+    assert written[at["seq_lens"] : at["seq_lens"] + 8] == metadata.sequence_lengths(batch, 8)
+    assert written[at["cum_q"] : at["cum_q"] + 9] == metadata.cumulative_q_lengths(batch, 8)
+    assert written[at["cum_kv"] : at["cum_kv"] + 9] == metadata.cumulative_kv_lengths(batch, 8)
+    assert written[at["row_starts"] : at["row_starts"] + 8] == metadata.row_starts(batch, 8)
+    assert count == at["pages"] + 8 * 4  # the transfer ends with the table
+    # sized by the geometry alone (a CUDA-graph re-plan keeps the captured one, and every address)
+    assert layout.total == at["pages"] + 8 * 4 + 4 + (-(8 * 4 + 4) % 32)
+
+
+def test_device_indices_leave_the_table_to_the_gather_and_end_with_width_zeros() -> None:
+    """With page indices on the device the plan copies them after the transfer: the host writes
+    the small arrays and the ``width`` zeros after where the indices go, and sends no more."""
+    batch, indices = make_batch(KV_LENS, Q_LENS)
+    g = metadata.geometry(batch, decode=False, graph=False)
+    written, layout, count = _written(batch, g, host_table=False)
+    pages, nnz = layout.offset("pages"), len(indices)
+    assert count == pages + nnz + g.width
+    assert written[pages : pages + nnz] == [-7] * nnz  # left to the device copy
+    assert written[pages + nnz : pages + nnz + g.width] == [0] * g.width
 
 
 def test_the_device_gather_lays_out_the_same_rows_as_the_host_table() -> None:
+    """`Staging.gather`'s rule (`tactix.plugin.gather_table`) over what the plan's slot holds
+    (the indices, then `width` zeros) gives each request's pages as the host table does."""
+    from tactix.plugin import gather_table
+
     batch, indices = make_batch(KV_LENS, Q_LENS, seed=3)
-    rows, width = 8, 4
-    out = torch.full((rows, width), -1, dtype=torch.int32)
-    starts = torch.tensor(metadata.row_starts(batch, rows), dtype=torch.int32)
-    metadata.gather_block_table(batch.kv_indices, starts, width, out=out)
-    host = torch.tensor(list(metadata.block_table(batch.kv_indices, batch.kv_indptr_list, rows, width))).view(
-        rows, width
-    )
+    g = Geometry(rows=8, width=4, max_q=64, max_kv=64, tokens=sum(Q_LENS))
+    written, layout, _ = _written(batch, g, host_table=True)
+    host = _table(written, layout, g)
+    ext = torch.cat([batch.kv_indices, torch.zeros(g.width, dtype=torch.int32)])
+    out = torch.full((g.rows, g.width), -1, dtype=torch.int32)
+    gather_table(ext, torch.tensor(metadata.row_starts(batch, g.rows), dtype=torch.int32), out)
     pages = [-(-n // PAGE) for n in KV_LENS]
     for r, n in enumerate(pages):  # a request's own pages agree; entries past them are valid page numbers
-        assert out[r, :n].tolist() == host[r, :n].tolist()
+        assert out[r, :n].tolist() == host[r][:n]
     assert int(out.min()) >= 0 and set(out.flatten().tolist()) <= {*indices, 0}
     assert not out[len(pages) :].any()  # padding rows start past the last entry: all zero
 

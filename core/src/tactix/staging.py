@@ -12,7 +12,8 @@ few thousand entries. The pieces here do the same in a few:
   pinned buffer, enqueues one copy into the slot on torch's current stream and returns the
   slot's device address; ``view(slot, start, count)`` is a device tensor over part of a slot
   (to copy device-resident data into it after ``send``); ``gather(...)`` builds a padded page
-  table in the slot's table buffer from CSR indices that ``send`` put there.
+  table in the slot's table buffer from CSR indices that ``send`` put there (``gathered(...)``:
+  that table as a tensor).
 * `sections(("name", capacity), ...)`: a layout of named, 128-byte aligned int32 sections in
   one buffer (memoised); ``Sections.write(address, pieces)`` writes each piece (a list of ints,
   an ``array``, or an int32 CPU tensor) at its section with one C-level copy and zeroes the
@@ -387,3 +388,8 @@ class Staging:
         windows, starts, table = views
         torch.index_select(windows, 0, starts, out=table)
         return table.data_ptr()
+
+    def gathered(self, slot: int, rows: int, width: int) -> torch.Tensor:
+        """The page table ``gather`` writes for ``slot`` (``[rows, width]``), as a device tensor (for
+        kernels whose bindings take tensors rather than addresses)."""
+        return self._tables[slot][: rows * width].view(rows, width)

@@ -3,9 +3,9 @@
 tactix describes a batch with FlashInfer's CSR arrays (``qo_indptr``, ``kv_indptr`` /
 ``kv_indices``, ``kv_last_page_len``). XQA and FMHAv2 read a block table ``[rows, width]`` (row
 ``r``: request ``r``'s pages in sequence order, zero past them), per-request kv lengths and, for
-FMHAv2, cumulative q and kv lengths. Everything here is host arithmetic or plain torch ops, so it
-is tested without a GPU; the plugin packs the result into one int32 buffer and sends it to the
-device in one transfer.
+FMHAv2, cumulative q and kv lengths. Everything here is host arithmetic, so it is tested without
+a GPU: `write_metadata` writes it into the wrapper's pinned staging buffer (`tactix.plugin.Staging`)
+with C-level copies, and the plan sends it to the device in one transfer.
 
 The second half maps a KV cache onto what FMHAv2 can address: every K and V page is found from
 one base pointer as ``base + offset * page_bytes`` (TMA over a 4-D pool), so a cache is served
@@ -15,7 +15,6 @@ pages; any other cache is gathered page by page into a staging pool.
 
 from __future__ import annotations
 
-import array
 import ctypes
 import itertools
 from dataclasses import dataclass
@@ -24,32 +23,26 @@ from typing import Final, Literal
 import torch
 
 from tactix import PagedBatch, bucket_size
-from tactix.plugin import cache_axes, dense_strides
+from tactix.plugin import Sections, cache_axes, dense_strides, sections, write_int32, write_table
 
 __all__ = [
-    "ALIGN",
     "Geometry",
     "PoolMapping",
-    "Sections",
-    "block_table",
     "cumulative_kv_lengths",
     "cumulative_q_lengths",
     "expand_offsets",
-    "gather_block_table",
     "gather_offsets",
     "geometry",
-    "host_metadata",
+    "metadata_entries",
+    "metadata_sections",
     "pages_for",
     "pool_mapping",
     "refit_reasons",
     "row_starts",
-    "sections",
     "sequence_lengths",
+    "write_metadata",
     "xqa_cache_reasons",
 ]
-
-ALIGN: Final = 32
-"""int32 elements (128 bytes) between the sections of the packed metadata."""
 
 INT32_MAX: Final = 2**31 - 1
 
@@ -134,72 +127,40 @@ def row_starts(batch: PagedBatch, rows: int) -> list[int]:
     return batch.kv_indptr_list[:-1] + [batch.num_page_entries] * (rows - batch.batch_size)
 
 
-def block_table(indices: torch.Tensor, indptr: list[int], rows: int, width: int) -> array.array[int]:
-    """The block table ``[rows, width]`` (flat) from host page indices, zero past each request's pages.
-
-    Each request's pages are copied as one slice (C-level copies; building a tensor from a Python
-    list costs about 90 ns per element on the H200's host).
-    """
-    source = array.array("i")
-    nnz = indptr[-1] if len(indptr) > 1 else 0
-    if nnz:
-        dense = indices[:nnz].to(torch.int32).contiguous()
-        source.frombytes(ctypes.string_at(dense.data_ptr(), nnz * 4))
-    table = array.array("i", bytes(4 * rows * width))
-    for r in range(len(indptr) - 1):
-        start, end = indptr[r], indptr[r + 1]
-        table[r * width : r * width + end - start] = source[start:end]
-    return table
+def metadata_sections(g: Geometry) -> Sections:
+    """Where a plan's int32 metadata lies in its staging slot (`tactix.plugin.sections`): the kv
+    lengths, the cumulative q and kv lengths, the row starts, then ``pages``: the block table
+    ``[rows, width]`` laid out on the host, or (device page indices) the CSR indices followed by
+    ``width`` zeros, from which the table is gathered on the device. Sized by the geometry alone,
+    so that a CUDA-graph re-plan keeps every address."""
+    return sections(("seq_lens", g.rows), ("cum_q", g.rows + 1), ("cum_kv", g.rows + 1), ("row_starts", g.rows),
+                    ("pages", g.rows * g.width + g.width))  # fmt: skip
 
 
-def gather_block_table(indices: torch.Tensor, starts: torch.Tensor, width: int, out: torch.Tensor) -> None:
-    """``out[r] = indices[starts[r] : starts[r] + width]`` with zeros past the end: the block table
-    from device-resident page indices, on the device (no host sync).
-
-    Entries past a request's own pages hold the next request's pages, valid page numbers that the
-    kernels never read (they read ``ceil(kv_len / page_size)`` pages of each row).
-    """
-    ext = torch.cat([indices, torch.zeros(width, dtype=indices.dtype, device=indices.device)])
-    torch.index_select(ext.unfold(0, width, 1), 0, starts, out=out)
+def metadata_entries(layout: Sections, g: Geometry, batch: PagedBatch, host_table: bool) -> int:
+    """The int32 entries of ``layout`` a plan transfers: up to the end of the block table laid out
+    on the host, or of the ``width`` zeros after the CSR indices copied on the device."""
+    pages = layout.offset("pages")
+    return pages + (g.rows * g.width if host_table else batch.num_page_entries + g.width)
 
 
-@dataclass(frozen=True)
-class Sections:
-    """Offsets (int32 elements) of each array in the packed metadata buffer."""
-
-    table: int
-    seq_lens: int
-    cum_q: int
-    cum_kv: int
-    row_starts: int
-    total: int
-
-
-def sections(g: Geometry) -> Sections:
-    sizes = (g.rows * g.width, g.rows, g.rows + 1, g.rows + 1, g.rows)
-    offsets, at = [], 0
-    for n in sizes:
-        offsets.append(at)
-        at += n + (-n % ALIGN)
-    table, seq_lens, cum_q, cum_kv, starts = offsets
-    return Sections(table, seq_lens, cum_q, cum_kv, starts, total=at)
-
-
-def host_metadata(batch: PagedBatch, g: Geometry, *, with_table: bool) -> array.array[int]:
-    """The packed int32 metadata of a plan (the table section left zero unless ``with_table``)."""
-    s = sections(g)
-    packed = array.array("i", bytes(4 * s.total))
-    if with_table:
-        packed[s.table : s.table + g.rows * g.width] = block_table(batch.kv_indices, batch.kv_indptr_list, g.rows,
-                                                                   g.width)  # fmt: skip
-    for offset, values in (
-        (s.seq_lens, sequence_lengths(batch, g.rows)),
-        (s.cum_q, cumulative_q_lengths(batch, g.rows)),
-        (s.cum_kv, cumulative_kv_lengths(batch, g.rows)),
-        (s.row_starts, row_starts(batch, g.rows)),
+def write_metadata(dst: int, batch: PagedBatch, g: Geometry, layout: Sections, indices_at: int | None) -> None:
+    """Write a plan's metadata at address ``dst`` (a pinned staging buffer) with C-level copies.
+    ``indices_at``: the address of the batch's int32 host page indices, laid out here as the
+    block table; None for device indices, which the plan copies after the transfer (only the
+    ``width`` zeros after them are written here)."""
+    for name, values in (
+        ("seq_lens", sequence_lengths(batch, g.rows)),
+        ("cum_q", cumulative_q_lengths(batch, g.rows)),
+        ("cum_kv", cumulative_kv_lengths(batch, g.rows)),
+        ("row_starts", row_starts(batch, g.rows)),
     ):
-        packed[offset : offset + len(values)] = array.array("i", values)
-    return packed
+        write_int32(dst + 4 * layout.offset(name), values)
+    pages = layout.offset("pages")
+    if indices_at is not None:
+        write_table(dst + 4 * pages, indices_at, batch.kv_indptr_list, g.rows, g.width)
+    else:
+        ctypes.memset(dst + 4 * (pages + batch.num_page_entries), 0, 4 * g.width)
 
 
 # -- caches: what the kernels can address ------------------------------------------------------

@@ -26,6 +26,7 @@ how. No tactic is refused for ``deterministic=True``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -48,20 +49,28 @@ from tactix import (
     Tactic,
     UnsupportedProblemError,
 )
-from tactix.plugin import STALE_SLOTS, ReferenceCall, compute_capability, cuda_available, stale_slot_failures
+from tactix.plugin import (
+    STALE_SLOTS,
+    ReferenceCall,
+    Sections,
+    Staging,
+    compute_capability,
+    cuda_available,
+    stale_slot_failures,
+)
 from tactix_trtllm import __version__
 from tactix_trtllm.library import ARCHES, FmhaKey, ModuleKey, XqaKey, compile_ahead, load, status, target
 from tactix_trtllm.metadata import (
     Geometry,
     PoolMapping,
     expand_offsets,
-    gather_block_table,
     gather_offsets,
     geometry,
-    host_metadata,
+    metadata_entries,
+    metadata_sections,
     pool_mapping,
     refit_reasons,
-    sections,
+    write_metadata,
     xqa_cache_reasons,
 )
 
@@ -318,13 +327,14 @@ def _sm_count(device: torch.device) -> int:
 
 
 class _Plan:
-    """What both plans share: the device metadata buffer (block table, kv lengths, cumulative
-    lengths), the workspace, a packed-q buffer, and the caches run() has accepted."""
+    """What both plans share: the metadata (block table, kv lengths, cumulative lengths) in a
+    slot of the wrapper's staging (`tactix.plugin.Staging`, handed from plan to plan), the
+    workspace, a packed-q buffer, and the caches run() has accepted."""
 
     tactic: Tactic
     built: bool
     geometry: Geometry
-    _meta: torch.Tensor
+    _staging: Staging
     _workspace: torch.Tensor
     _q_packed: torch.Tensor | None
 
@@ -333,7 +343,8 @@ class _Plan:
         """Geometry, metadata, workspace and q buffer; returns the plan this one takes buffers from."""
         self.problem = problem
         self.device = options["device"]
-        previous = options["previous"] if options["use_cuda_graph"] else None
+        graph = bool(options["use_cuda_graph"])
+        previous = options["previous"] if graph else None
         if previous is not None and not isinstance(previous, type(self)):
             previous = None
         if previous is not None:
@@ -345,14 +356,15 @@ class _Plan:
                     + " (use one wrapper per captured shape)"])  # fmt: skip
             self.geometry = previous.geometry
         else:
-            self.geometry = geometry(batch, decode=decode, graph=options["use_cuda_graph"])
-        self._fill_metadata(batch, previous)
+            self.geometry = geometry(batch, decode=decode, graph=graph)
+        old = getattr(options["previous"], "_staging", None)
+        self._fill_metadata(problem, batch, old if isinstance(old, Staging) else None, graph, previous)
         # Zeroed: XQA's semaphores and FMHAv2's tile counter must start at 0 (each launch leaves them
         # at 0 again). A previous plan's workspace is reused (stream-ordered: this plan replaces it)
         # and zeroed again, since its scratch may now lie where this plan keeps its semaphores.
-        old = getattr(options["previous"], "_workspace", None)
-        if isinstance(old, torch.Tensor) and old.device == self.device and old.numel() >= workspace_bytes:
-            self._workspace = old.zero_()
+        old_ws = getattr(options["previous"], "_workspace", None)
+        if isinstance(old_ws, torch.Tensor) and old_ws.device == self.device and old_ws.numel() >= workspace_bytes:
+            self._workspace = old_ws.zero_()
         else:
             self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         # made at the first run with a strided q (a captured graph keeps reading the same one)
@@ -368,26 +380,45 @@ class _Plan:
         buf.copy_(q)
         return buf
 
-    def _fill_metadata(self, batch: PagedBatch, previous: _Plan | None) -> None:
+    def _fill_metadata(self, problem: PrefillProblem | DecodeProblem, batch: PagedBatch, old: Staging | None,
+                       graph: bool, previous: _Plan | None) -> None:  # fmt: skip
+        """The metadata written into a pinned buffer of the wrapper's staging with C-level copies
+        and sent in one transfer into a slot (`metadata.write_metadata`): the block table laid out
+        on the host for host page indices, else gathered on the device from the indices copied
+        after the transfer. Eager plans alternate between the two slots (the slot the previous
+        plan's runs read is left alone); CUDA-graph plans keep slot 0, sized by the captured
+        geometry, whose addresses the captured kernels read."""
         g = self.geometry
-        s = sections(g)
+        layout = metadata_sections(g)
         on_host = batch.indices_on_host
-        packed = host_metadata(batch, g, with_table=on_host)
-        staging = torch.empty(len(packed), dtype=torch.int32, pin_memory=True)
-        staging.copy_(torch.frombuffer(packed, dtype=torch.int32))
-        if previous is not None:  # CUDA-graph mode: same addresses, new contents
-            meta = previous._meta
-            meta.copy_(staging, non_blocking=True)
+        staging = Staging.reuse(old, self.device, layout.total, 0 if on_host else g.rows * g.width)
+        if previous is not None and staging is not previous._staging:
+            raise UnsupportedProblemError(NAME, problem, [
+                "in CUDA-graph mode a re-plan must keep the metadata buffers of the captured kernels"])  # fmt: skip
+        self._staging = staging
+        indices = batch.kv_indices
+        if on_host and not indices.is_contiguous():
+            indices = indices.contiguous()
+        at = indices.data_ptr() if on_host else None
+        slot = staging.slot(graph)
+        staging.send(slot, metadata_entries(layout, g, batch, on_host), functools.partial(_fill, batch, g, layout, at))
+        pages = layout.offset("pages")
+        if on_host:
+            table = staging.view(slot, pages, g.rows * g.width).view(g.rows, g.width)
         else:
-            meta = staging.to(self.device, non_blocking=True)
-        table = meta[s.table : s.table + g.rows * g.width].view(g.rows, g.width)
-        if not on_host:
-            gather_block_table(batch.kv_indices, meta[s.row_starts : s.row_starts + g.rows], g.width, out=table)
-        self._meta = meta
+            if batch.num_page_entries:  # after the transfer, on its stream
+                staging.view(slot, pages, batch.num_page_entries).copy_(indices, non_blocking=True)
+            staging.gather(slot, pages, g.rows, g.width, layout.offset("row_starts"))
+            table = staging.gathered(slot, g.rows, g.width)
         self._table = table
-        self._seq_lens = meta[s.seq_lens : s.seq_lens + g.rows]
-        self._cum_q = meta[s.cum_q : s.cum_q + g.rows + 1]
-        self._cum_kv = meta[s.cum_kv : s.cum_kv + g.rows + 1]
+        self._seq_lens = staging.view(slot, layout.offset("seq_lens"), g.rows)
+        self._cum_q = staging.view(slot, layout.offset("cum_q"), g.rows + 1)
+        self._cum_kv = staging.view(slot, layout.offset("cum_kv"), g.rows + 1)
+
+
+def _fill(batch: PagedBatch, g: Geometry, layout: Sections, indices_at: int | None, dst: int) -> None:
+    """`Staging.send`'s fill: the plan's metadata at ``dst`` (`metadata.write_metadata`)."""
+    write_metadata(dst, batch, g, layout, indices_at)
 
 
 _MEMO_LIMIT: Final = 1024
