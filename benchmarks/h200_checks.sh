@@ -23,6 +23,8 @@
 #   fp8-prefill-probe    benchmarks/fp8_prefill_probe.py: the wgmma prefill over fp8 and 16-bit caches on P1
 #   bench-attention      tactix bench on the attention cases (bf16, fp8, V1), FlashInfer anchors
 #   bench-open-models    tactix bench on R1-R3 (ragged, DeepSeek 192/128) and O1 (gpt-oss sinks), anchors
+#   tp-step              examples/tensor_parallel_step.py under torchrun (TP_RANKS, default 2: nvidia-h200-x2)
+#   gpu-nccl             tests/gpu/test_distributed_nccl.py: rank-consistent tuning and failures over NCCL (2 GPUs)
 #   bench-eager          tactix bench --execution eager (EAGER_CASES: some case ids; EAGER_ARGS: more options,
 #                        e.g. --no-tune): rows ranked by eager cost, auto (untuned) against the best; its
 #                        JSON rebuilds the untuned order table (tactix untuned-order build)
@@ -91,6 +93,9 @@ job() {
       --markdown "$OUT/bench-attention-h200.md" ;;
     bench-open-models) t python -m tactix bench --cases "$OPEN_MODELS" --json "$OUT/bench-open-models-h200.json" \
       --markdown "$OUT/bench-open-models-h200.md" ;;
+    tp-step) t python -m torch.distributed.run --standalone --nproc-per-node "${TP_RANKS:-2}" \
+      examples/tensor_parallel_step.py --json "$OUT/tp-step-h200.json" ;;
+    gpu-nccl) t python -m pytest -q -p no:cacheprovider --durations=10 tests/gpu/test_distributed_nccl.py ;;
     bench-eager) t python -m tactix bench --execution eager ${EAGER_CASES:+--cases "$EAGER_CASES"} ${EAGER_ARGS:-} \
       --json "$OUT/bench-eager-h200.json" --markdown "$OUT/bench-eager-h200.md" ;;
     ab) old_site && t python3 benchmarks/host_ab.py --old /tmp/old-site --new "$PYTHONPATH" \

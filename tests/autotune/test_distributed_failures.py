@@ -1,7 +1,8 @@
 """Ranks that differ, die, hang or fail while tuning: every rank ends with a clear error in bounded time.
 
-Two processes on the CPU with the gloo backend (the code path NCCL groups take too). A rank that
-dies is killed with SIGKILL in the middle of tuning: no cleanup of any kind runs in it.
+Two processes on the CPU with the gloo backend (the code path NCCL groups take too; the same
+scenarios run over NCCL on two GPUs in tests/gpu/test_distributed_nccl.py). A rank that dies is
+killed with SIGKILL in the middle of tuning: no cleanup of any kind runs in it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ RANK = textwrap.dedent(
     """
     import json, os, signal, sys, time, warnings, torch, torch.distributed as dist, tactix
     from tactix.autotune import context
-    rank, rendezvous, root, scenario = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    rank, (rendezvous, root, scenario, group_backend) = int(sys.argv[1]), sys.argv[2:6]
+    device, dtype = ("cuda", torch.bfloat16) if group_backend == "nccl" else ("cpu", torch.float32)
+    if group_backend == "nccl":
+        torch.cuda.set_device(rank)
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
     policy = tactix.MeasurementPolicy(warmup=1, repeat=3)
     real_tune = context.tune
@@ -36,8 +40,8 @@ RANK = textwrap.dedent(
 
     context.tune = tune
     def plan():
-        d = tactix.PagedDecode("HND", device="cpu")
-        d.plan(i32(0, 2, 4), i32(0, 1, 2, 3), i32(5, 16), 8, 2, 64, 16, q_data_type=torch.float32)
+        d = tactix.PagedDecode("HND", device=device)
+        d.plan(i32(0, 2, 4), i32(0, 1, 2, 3), i32(5, 16), 8, 2, 64, 16, q_data_type=dtype)
         return d
 
     if scenario == "corrupt-entry" and rank == 0:  # rank 0's entry for the problem, hand-edited
@@ -47,7 +51,7 @@ RANK = textwrap.dedent(
         entry = json.loads(path.read_text())
         entry["key"]["op"] = ["gemm"]
         path.write_text(json.dumps(entry))
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    dist.init_process_group(group_backend, init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     start = time.monotonic()
     outcome = {"rank": rank}
     try:
@@ -69,16 +73,25 @@ RANK = textwrap.dedent(
 
 
 def run_ranks(
-    tmp_path: Path, scenario: str, env1: dict[str, str] | None = None, first: int | None = None
-) -> list[dict[str, Any] | None]:
+    tmp_path: Path, scenario: str, env1: dict[str, str] | None = None, first: int | None = None,
+    group_backend: str = "gloo",
+) -> list[dict[str, Any] | None]:  # fmt: skip
     """Each rank's outcome (None for a rank that printed none); with ``first``, the other rank is
-    killed once rank ``first`` has finished."""
+    killed once rank ``first`` has finished. ``group_backend`` "nccl": rank r on GPU r."""
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     base = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(r), str(tmp_path / "rendezvous"), str(tmp_path / "store"), scenario],
+            [
+                sys.executable,
+                str(script),
+                str(r),
+                str(tmp_path / "rendezvous"),
+                str(tmp_path / "store"),
+                scenario,
+                group_backend,
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
