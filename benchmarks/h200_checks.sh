@@ -23,6 +23,8 @@
 #   fp8-prefill-probe    benchmarks/fp8_prefill_probe.py: the wgmma prefill over fp8 and 16-bit caches on P1
 #   bench-attention      tactix bench on the attention cases (bf16, fp8, V1), FlashInfer anchors
 #   bench-open-models    tactix bench on R1-R3 (ragged, DeepSeek 192/128) and O1 (gpt-oss sinks), anchors
+#   plan-device          plan_time.py for cuda_native with decode work lists made on the device and on the host
+#                        (TACTIX_CUDA_NATIVE_HOST_PLAN=1), alternating twice
 #   tp-step              examples/tensor_parallel_step.py under torchrun (TP_RANKS, default 2: nvidia-h200-x2)
 #   gpu-nccl             tests/gpu/test_distributed_nccl.py: rank-consistent tuning and failures over NCCL (2 GPUs)
 #   bench-eager          tactix bench --execution eager (EAGER_CASES: some case ids; EAGER_ARGS: more options,
@@ -93,6 +95,10 @@ job() {
       --markdown "$OUT/bench-attention-h200.md" ;;
     bench-open-models) t python -m tactix bench --cases "$OPEN_MODELS" --json "$OUT/bench-open-models-h200.json" \
       --markdown "$OUT/bench-open-models-h200.md" ;;
+    plan-device) for side in device host device host; do  # cuda_native decode plans: work list on the device or the host
+        TACTIX_CUDA_NATIVE_HOST_PLAN=$([ $side = host ] && echo 1 || echo 0) t python benchmarks/plan_time.py \
+          --backends cuda_native --json "/tmp/plan-$side-$RANDOM.json" || return 1
+      done && python3 -c "import glob, json, sys; json.dump({f: json.load(open(f)) for f in sorted(glob.glob('/tmp/plan-*.json'))}, open(sys.argv[1], 'w'), indent=1)" "$OUT/plan-device-host-h200.json" ;;
     tp-step) t python -m torch.distributed.run --standalone --nproc-per-node "${TP_RANKS:-2}" \
       examples/tensor_parallel_step.py --json "$OUT/tp-step-h200.json" ;;
     gpu-nccl) t python -m pytest -q -p no:cacheprovider --durations=10 tests/gpu/test_distributed_nccl.py ;;

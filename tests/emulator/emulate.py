@@ -216,24 +216,37 @@ class DecodePlan:
                                              kv_bytes, params.vreg)  # fmt: skip
         self.threads = 32 * params.warps
         slots = info.sms * device.ctas_per_sm(info, self.smem, self.threads)  # no driver here: the estimate
-        chunk, work = decode.decode_plan_work(ranges, lengths, units, slots, params, graph)
+        chunk = params.kv_chunk or decode.decode_chunk(lengths, units, params.tile, slots)
+        attended = [e - s for s, e in ranges] if graph else lengths
+        items, slot_count = decode.decode_piece_counts(attended, chunk)
+        self.on_device = decode.decode_plan_on_device(attended, chunk, items, units, slots, params, graph)
+        work = None
+        if not self.on_device:
+            chunk, work = decode.decode_plan_work(ranges, lengths, units, slots, params, graph)
+            items, slot_count = len(work.items), work.slots
         item_cap, slot_cap, page_cap = decode.decode_buffer_sizes(
-            work, batch.num_page_entries, graph=graph, batch=b, attended_cap=attended_cap, longest_cap=longest_cap,
-            chunk=chunk, page_size=problem.page_size)  # fmt: skip
-        self.work = work
+            items, slot_count, batch.num_page_entries, graph=graph, batch=b, attended_cap=attended_cap,
+            longest_cap=longest_cap, chunk=chunk, page_size=problem.page_size)  # fmt: skip
+        self.work = work if work is not None else decode.decode_work(ranges, chunk)
         self.chunk = chunk
         self._geometry = (b, hq, hkv, d, problem.page_size, item_cap, slot_cap, page_cap, params)
 
         # the plan's layout and writer: what its staging buffer holds before the transfer
         host_indices = batch.indices_on_host
         copied = host_indices or graph
-        layout = decode.decode_sections(item_cap, page_cap if copied else None)
-        pieces: list[Any] = [decode.decode_items(work, batch.kv_indptr_list), [len(work.items)]]
+        layout = decode.decode_sections(item_cap, page_cap if copied else None, b if self.on_device else None)
+        pieces: list[Any] = [decode.decode_items(work, batch.kv_indptr_list) if work is not None else [], [items]]
+        if self.on_device:
+            pieces += [batch.kv_indptr_list, batch.kv_lens_list]
         if copied:
             pieces.append(batch.kv_indices if host_indices else [])
         host = torch.full((layout.total,), -1, dtype=torch.int32)  # every entry must be written
         layout.write(host.data_ptr(), pieces)
         where = {name: (o, n) for name, o, n in zip(layout.names, layout.offsets, layout.capacities, strict=True)}
+        if self.on_device:  # the records, made by the device plan's kernel (after the transfer, in the slot)
+            o = layout.offset("items")
+            decode_plan_records(host[where["kv_indptr"][0] :], host[where["kv_lens"][0] :], host[o:], b, chunk,
+                                problem.window_left)  # fmt: skip
         if graph and previous is not None:
             assert previous._geometry == self._geometry, "the plugin refuses this re-plan"
             previous.packed.copy_(host)
@@ -286,6 +299,21 @@ class DecodePlan:
                                   ctypes.c_longlong(self.smem), *schedule.args(), *args)  # fmt: skip
         if err:
             raise RuntimeError(f"emulated kernel misuse: {err.decode()}")
+
+
+def decode_plan_records(kv_indptr: torch.Tensor, kv_lens: torch.Tensor, items: torch.Tensor, batch: int, chunk: int,
+                        window_left: int) -> None:  # fmt: skip
+    """kernels/decode_plan.cu on the emulation: the work records of ``batch`` requests written into
+    ``items`` (int32 CPU tensors; the launch `decode.CudaNativeDecodePlan` makes)."""
+    from tactix_cuda_native import decode
+
+    lib = _library("emu_decode_plan.cpp", decode.decode_plan_variant("sm_90").defines)
+    lib.emu_decode_plan.restype = ctypes.c_char_p
+    smem = ctypes.c_longlong(decode.decode_plan_smem(batch))
+    err = lib.emu_decode_plan(ctypes.c_int(decode.DECODE_PLAN_THREADS), smem,
+                              *_args([kv_indptr, kv_lens, items, batch, chunk, window_left]))  # fmt: skip
+    if err:
+        raise RuntimeError(f"emulated kernel misuse: {err.decode()}")
 
 
 TXE_MAP_MAGIC = 0x5458454D4150  # tx_emulate.h: opaque[1] is this << 8 | the rank

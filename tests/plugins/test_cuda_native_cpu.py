@@ -79,19 +79,21 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
     persistent = sum(prefill_op.default_prefill_params(d, H200).pingpong for d in HEAD_DIMS)
     assert persistent == 2  # d64 and d128
     # (and the decode variants for fp8 caches: two fp8 dtypes, each head dim, large and small batches,
-    # and DeepSeek's 192/128 prefill: the wgmma kernel with its own dims, with and without persistent CTAs)
+    # and DeepSeek's 192/128 prefill: the wgmma kernel with its own dims, with and without persistent CTAs;
+    # and one kernel that makes decode work lists on the device)
     fp8 = 2 * 2 * len(HEAD_DIMS) * 2
-    assert len(variants) == len(set(variants)) == 2 * (3 * len(HEAD_DIMS) + persistent + 2) + fp8 + 2
+    assert len(variants) == len(set(variants)) == 2 * (3 * len(HEAD_DIMS) + persistent + 2) + fp8 + 2 + 1
     deepseek = [v for v in variants if ("TX_DVO", "128") in v.defines]
     assert len(deepseek) == 4 and all(v.source == "prefill_sm90.cu" and ("TX_D", "192") in v.defines
                                       for v in deepseek)  # fmt: skip
     assert sum(("TX_PERSIST", "1") in v.defines for v in variants) == 2 * (persistent + 1)
     # prefill and GEMM on the H200 are the wgmma kernels, compiled for the arch-specific sm_90a
     assert {(v.source, v.arch) for v in variants} == {
-        ("decode.cu", "sm_90"), ("gemm_sm90.cu", "sm_90a"), ("prefill_sm90.cu", "sm_90a")}  # fmt: skip
+        ("decode.cu", "sm_90"), ("decode_plan.cu", "sm_90"), ("gemm_sm90.cu", "sm_90a"), ("prefill_sm90.cu", "sm_90a")
+    }  # fmt: skip
     # elsewhere (sm_80) the mma.sync kernels, GEMM for 1, 2 and 4 m-tiles, DeepSeek's zero-filled to 256
     a100 = DeviceInfo(108, 166912, 167936, "sm_80")
-    assert {v.source for v in default_variants(a100)} == {"decode.cu", "gemm.cu", "prefill.cu"}
+    assert {v.source for v in default_variants(a100)} == {"decode.cu", "decode_plan.cu", "gemm.cu", "prefill.cu"}
     assert sum(("TX_DQK", "192") in v.defines and ("TX_D", "256") in v.defines for v in default_variants(a100)) == 2
     assert sum(v.source == "gemm.cu" for v in default_variants(a100)) == 2 * 3
     seen = []
@@ -108,7 +110,8 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
     for variant in variants:
         cubin, _ = runtime.compile_variant(variant, root=cache_root)
         name = {"decode.cu": b"tactix_decode", "prefill.cu": b"tactix_prefill", "prefill_sm90.cu": b"tactix_prefill",
-                "gemm.cu": b"tactix_gemm", "gemm_sm90.cu": b"tactix_gemm"}[variant.source]  # fmt: skip
+                "gemm.cu": b"tactix_gemm", "gemm_sm90.cu": b"tactix_gemm",
+                "decode_plan.cu": b"tactix_decode_plan"}[variant.source]  # fmt: skip
         assert name in cubin, f"{name!r} missing from {variant.label()}"
         assert b"_merge" not in cubin and b"_reduce" not in cubin, variant.label()
 
@@ -329,6 +332,9 @@ def test_no_variant_gets_the_ldgsts_form_ptxas_miscompiles(cache_root: Path) -> 
     for variant in variants:
         cubin, _ = runtime.compile_variant(variant, root=cache_root)
         plain, uniform = _ldgsts_forms(cubin)
+        if variant.source == "decode_plan.cu":  # the decode plan's work-list kernel copies nothing asynchronously
+            assert plain == uniform == 0, f"{variant.label()}: LDGSTS in a kernel without cp.async"
+            continue
         if dict(variant.defines).get("TX_TMA") == "2":  # both operands through tensor maps: no cp.async at all
             assert plain == uniform == 0, f"{variant.label()}: LDGSTS in a kernel without cp.async"
             continue
@@ -439,6 +445,7 @@ def test_cache_key_covers_every_compile_input() -> None:
     assert set(runtime.sources()) == {
         "common.cuh",
         "decode.cu",
+        "decode_plan.cu",
         "fp8.cuh",
         "gemm.cu",
         "gemm_sm90.cu",
@@ -1717,3 +1724,51 @@ def test_the_default_prefill_goes_persistent_for_batches_of_short_work_items(d: 
     sync = prefill_op.default_prefill_params(d, H200, "sync")
     assert prefill_op.prefill_default_persist(sync, [1] * 100, d, H200) == sync
     assert prefill_op.prefill_default_persist(base, [], d, H200) == base  # an empty batch launches nothing
+
+
+def test_decode_work_lists_are_made_on_the_device_where_the_host_would_not_change_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decode plan makes its work list on the device (kernels/decode_plan.cu) unless the batch is
+    larger than the kernel takes, `decode_balance_tail` may recut the list (an eager plan with the
+    automatic chunk and a short last wave of whole requests), or TACTIX_CUDA_NATIVE_HOST_PLAN=1; its
+    shared memory stays within the 48 KB a launch gets without asking."""
+    params = decode_op.default_decode_params(128, H200)
+    slots = H200.sms * 3
+    on = decode_op.decode_plan_on_device
+    d1 = [(n + 1023) % 8192 + 1 for n in range(0, 64 * 997, 997)]  # 64 ragged requests, a short last wave
+    chunk = decode_op.decode_chunk(d1, 8, params.tile, slots)
+    items, _ = decode_op.decode_piece_counts(d1, chunk)
+    assert 0 < (items * 8) % slots <= slots // 2  # the wave test alone would send it to the host
+    assert on(d1, chunk, items, 8, slots, params, graph=False)
+    # D3: 256 requests of 2048 keys, 2048 CTAs = 5 waves of 396 and 68: the host recuts the tail
+    d3 = [2048] * 256
+    d3_items, _ = decode_op.decode_piece_counts(d3, 2048)
+    assert not on(d3, 2048, d3_items, 8, slots, params, graph=False)
+    assert on(d3, 2048, d3_items, 8, slots, params, graph=True)  # a captured grid is never recut
+    assert on(d3, 2048, d3_items, 8, slots, params.model_copy(update={"kv_chunk": 1024}), graph=False)
+    assert not on([5] * (decode_op.DECODE_PLAN_MAX_BATCH + 1), 64, 1, 8, slots, params, graph=True)
+    monkeypatch.setenv(decode_op.HOST_PLAN_ENV, "1")
+    assert not on(d1, chunk, items, 8, slots, params, graph=False)
+    assert decode_op.decode_plan_smem(decode_op.DECODE_PLAN_MAX_BATCH) <= 48 * 1024
+    assert decode_op.decode_plan_smem(5) == 8 * 8 + 8 * 5 + 8 * decode_op.DECODE_PLAN_THREADS
+
+
+def test_the_tail_test_without_a_list_never_misses_a_recut() -> None:
+    """`decode_tail_may_balance` (no work list) says "may" for every batch whose list
+    `decode_balance_tail` actually recuts, over ragged and uniform batches, windows and chunks."""
+    rng = random.Random(13)
+    recut = kept = 0
+    for _ in range(3000):
+        uniform = rng.random() < 0.5
+        n = rng.randint(1, 400)
+        lens = [rng.choice([1000, 2048, 700])] * n if uniform else [rng.randint(1, 9000) for _ in range(n)]
+        units, tile, slots = rng.choice([8, 16]), 64, rng.choice([264, 396])
+        chunk = decode_op.decode_chunk(lens, units, tile, slots)
+        work = decode_op.decode_work([(0, x) for x in lens], chunk)
+        changed = decode_op.decode_balance_tail(work, units, slots, tile) is not work
+        may = decode_op.decode_tail_may_balance(lens, chunk, len(work.items), units, slots)
+        assert may or not changed, (lens[:8], len(lens), chunk, units, slots)
+        recut += changed
+        kept += not may
+    assert recut > 20 and kept > 1000  # both kinds of batch were seen

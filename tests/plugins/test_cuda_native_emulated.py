@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from typing import Any
 
 import pytest
@@ -359,6 +360,52 @@ def test_emulated_decode_graph_mode_replays_and_replans() -> None:
             assert lse is not None
             assert relative_error(out, ref) <= tolerance_for(q.dtype), f"{lens} {schedule}"
             assert lse_error(lse, ref_lse) <= LSE_TOLERANCE["bfloat16"], f"{lens} {schedule}"
+
+
+def test_device_plan_makes_the_work_list_the_host_makes() -> None:
+    """kernels/decode_plan.cu (the work list a plan makes on the device) writes exactly the records
+    `decode_items(decode_work(...))` gives on the host, for ragged batches up to the largest it
+    takes, windows and chunks around the lengths, and nothing past them."""
+    from tactix_cuda_native import decode
+
+    rng = random.Random(5)
+    for _ in range(24):
+        b = rng.choice([1, 2, 3, 7, 64, 255, 256, 300, 1000, decode.DECODE_PLAN_MAX_BATCH])
+        lens = [rng.choice([1, 2, 15, 16, 17, 63, 64, 65, 511, 512, 513, rng.randint(1, 9000)]) for _ in range(b)]
+        window = rng.choice([-1, -1, 0, 1, 63, 300])
+        chunk = rng.choice([1, 16, 64, 128, 512, 1024, 8192])
+        ranges = decode.effective_lengths(lens, window)
+        indptr = [0, *itertools.accumulate(-(-n // 16) for n in lens)]
+        work = decode.decode_work(ranges, chunk)
+        want = decode.decode_items(work, indptr)
+        items = torch.full((len(want) + 16,), -5, dtype=torch.int32)
+        i32 = torch.int32
+        emulate.decode_plan_records(torch.tensor(indptr, dtype=i32), torch.tensor(lens, dtype=i32), items, b, chunk,
+                                    window)  # fmt: skip
+        assert items[: len(want)].tolist() == want, (b, window, chunk)
+        assert items[len(want) :].tolist() == [-5] * 16
+        assert decode.decode_piece_counts([e - s for s, e in ranges], chunk) == (len(work.items), work.slots)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_emulated_decode_is_the_same_with_the_work_list_made_on_either_side(
+    graph: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode whose work list the device plan made gives the bits of the same decode planned on
+    the host (`TACTIX_CUDA_NATIVE_HOST_PLAN=1`), split requests and their merge included."""
+    from tactix_cuda_native import decode
+
+    kw: dict[str, Any] = {"tactic": {"tile": 64, "warps": 4, "stages": 2}, "hq": 8, "hkv": 2}
+    problem, batch, q, k, v, ref, _ = _decode_case([700, 5, 260, 1500, 33], kw, seed=3)
+    t = Tactic(backend="cuda_native", kernel="decode", params=kw["tactic"])
+    on_device = emulate.DecodePlan(problem, batch, t, graph=graph)  # type: ignore[arg-type]
+    monkeypatch.setenv(decode.HOST_PLAN_ENV, "1")
+    on_host = emulate.DecodePlan(problem, batch, t, graph=graph)  # type: ignore[arg-type]
+    assert on_device.on_device and not on_host.on_device and on_device.work.needs_merge
+    assert torch.equal(on_device.packed[: on_host.packed.numel()][:8], on_host.packed[:8])
+    a, _ = _decode_run(on_device, q, k, v, lse=False, schedule=emulate.SCHEDULES[2])
+    b, _ = _decode_run(on_host, q, k, v, lse=False, schedule=emulate.SCHEDULES[2])
+    assert relative_error(a, ref) <= tolerance_for(q.dtype) and torch.equal(a, b)
 
 
 # -- fp8 KV caches (decode) ------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
@@ -36,7 +37,7 @@ from tactix import (
     Tactic,
     UnsupportedProblemError,
 )
-from tactix.plugin import Sections, bucket_size, raw_stream, sections
+from tactix.plugin import Piece, Sections, bucket_size, raw_stream, sections
 from tactix_cuda_native import NAME
 from tactix_cuda_native.device import DeviceInfo, arch_at_least, cuda_device, device_index, device_info
 from tactix_cuda_native.kernel import FLAG_BYTES, L2_HINTS, Kernel, TensorMaps, bf16, launcher, load_kernel
@@ -51,7 +52,7 @@ from tactix_cuda_native.paged import (
     log2_exact,
     scale_args,
 )
-from tactix_cuda_native.runtime import Variant, launch_config, stream_for, tensor_map, tensor_maps_status
+from tactix_cuda_native.runtime import Variant, launch_config, load, stream_for, tensor_map, tensor_maps_status
 from tactix_cuda_native.tactics import TacticParams
 
 Q_TILE: Final = 16  # query heads of one GQA group per CTA (the mma's 16 rows)
@@ -247,6 +248,14 @@ def q_tiles(gqa: int) -> int:
     return -(-gqa // Q_TILE)
 
 
+def attended_lengths(kv_lens: list[int], window_left: int) -> list[int]:
+    """Each request's attended keys: its kv length (the list itself, no copy), or at most
+    ``window_left + 1`` (C-level map)."""
+    if window_left < 0:
+        return kv_lens
+    return list(map(min, kv_lens, itertools.repeat(window_left + 1)))
+
+
 def effective_lengths(kv_lens: list[int], window_left: int) -> list[tuple[int, int]]:
     """Each request's attended key range ``[start, end)``: all keys, or the last ``window_left + 1``."""
     if window_left < 0:
@@ -382,20 +391,99 @@ def decode_plan_work(ranges: list[tuple[int, int]], lengths: list[int], units: i
     return chunk, work
 
 
+DECODE_PLAN_THREADS: Final = 256
+"""Threads of the CTA that makes a work list on the device (kernels/decode_plan.cu)."""
+DECODE_PLAN_MAX_BATCH: Final = 2048
+"""The most requests a work list is made for on the device (its shared memory: 35 KB at 2048);
+larger batches are planned on the host."""
+HOST_PLAN_ENV: Final = "TACTIX_CUDA_NATIVE_HOST_PLAN"
+"""Set to 1: every decode work list is made on the host (`decode_work`, `decode_items`), as before
+the device plan existed (to compare the two, or to rule the device plan out)."""
+
+
+def decode_piece_counts(lengths: list[int], chunk: int) -> tuple[int, int]:
+    """The work items `decode_work` cuts requests of ``lengths`` attended keys into at ``chunk``
+    keys, and the partial slots of the split ones, in C-level maps (no Python frame a request)."""
+    pieces = _ceils(lengths, chunk)
+    items = sum(pieces)
+    return items, items - pieces.count(1)
+
+
+def decode_tail_may_balance(lengths: list[int], chunk: int, items: int, units: int, slots: int) -> bool:
+    """Whether `decode_balance_tail` may change the work list of requests of ``lengths`` attended
+    keys cut at ``chunk`` (``items`` items of ``units`` CTAs, ``slots`` resident CTAs), from two of
+    its tests that need no list: the last wave is short (at most half the slots) and not the only
+    one, and the list's last item, which it must be able to recut, is a whole request at least
+    3/4 as long as the longest item. That item is the shortest last piece (ties: the later
+    request), or with no short pieces the last request's last piece. C-level maps only; a list it
+    leaves alone may be made on the device."""
+    ctas = items * units
+    tail = ctas % slots
+    if ctas <= slots or tail == 0 or 2 * tail > slots:
+        return False
+    rems = list(map(operator.mod, lengths, itertools.repeat(chunk)))
+    shortest = min(filter(None, rems), default=0)
+    if shortest == 0:  # every piece is a whole chunk: the last item is the last request's last piece
+        return lengths[-1] <= chunk
+    last = len(rems) - 1 - rems[::-1].index(shortest)
+    longest = chunk if max(lengths) >= chunk else max(lengths)
+    return lengths[last] <= chunk and shortest * 4 >= longest * 3
+
+
+def decode_plan_on_device(lengths: list[int], chunk: int, items: int, units: int, slots: int, params: DecodeParams,
+                          graph: bool) -> bool:  # fmt: skip
+    """Whether a plan makes its work list on the device (kernels/decode_plan.cu): batches of at most
+    `DECODE_PLAN_MAX_BATCH` requests (``lengths``: their attended keys) whose list
+    `decode_balance_tail` leaves alone (CUDA-graph plans and forced chunks are never balanced),
+    unless `HOST_PLAN_ENV` says otherwise. The list is then the same records
+    `decode_items(decode_work(...))` gives, and a plan's host work no longer grows with its items
+    (the kernel runs once per plan, before the layers' runs)."""
+    if len(lengths) > DECODE_PLAN_MAX_BATCH or os.environ.get(HOST_PLAN_ENV) == "1":
+        return False
+    return graph or bool(params.kv_chunk) or not decode_tail_may_balance(lengths, chunk, items, units, slots)
+
+
+def decode_plan_smem(batch: int) -> int:
+    """Dynamic shared memory of the device plan for ``batch`` requests (kernels/decode_plan.cu):
+    its sort keys (8 bytes, the batch rounded up to a power of two), two ints a request, and the
+    scan's two ints a thread."""
+    return 8 * (1 << max(batch - 1, 0).bit_length()) + 8 * batch + 8 * DECODE_PLAN_THREADS
+
+
+def decode_plan_variant(arch: str) -> Variant:
+    """The device plan's kernel (one per architecture: it has no dtype or tactic)."""
+    return Variant.make("decode_plan.cu", arch, TX_PLAN_THREADS=DECODE_PLAN_THREADS,
+                        TX_PLAN_MAX_BATCH=DECODE_PLAN_MAX_BATCH)  # fmt: skip
+
+
+_plan_kernels: dict[tuple[int, str], Any] = {}
+
+
+def _plan_kernel(index: int, arch: str) -> tuple[Any, bool]:
+    """The device plan's kernel on device ``index`` (memoised) and whether NVRTC compiled it now."""
+    found = _plan_kernels.get((index, arch))
+    if found is not None:
+        return found, False
+    module, built = load(decode_plan_variant(arch), index)
+    kernel = _plan_kernels[(index, arch)] = module.kernel("tactix_decode_plan", decode_plan_smem(DECODE_PLAN_MAX_BATCH))
+    return kernel, built
+
+
 def decode_capacity(batch: int, max_len: int, chunk: int) -> int:
     """Most work items any batch of ``batch`` requests up to ``max_len`` keys can need at ``chunk``."""
     return batch * max(1, -(-max_len // chunk))
 
 
-def decode_buffer_sizes(work: DecodeWork, num_page_entries: int, *, graph: bool, batch: int, attended_cap: int,
-                        longest_cap: int, chunk: int, page_size: int) -> tuple[int, int, int]:  # fmt: skip
+def decode_buffer_sizes(items: int, slots: int, num_page_entries: int, *, graph: bool, batch: int,
+                        attended_cap: int, longest_cap: int, chunk: int,
+                        page_size: int) -> tuple[int, int, int]:  # fmt: skip
     """Work items, partial-output slots and page entries a decode plan's buffers hold: the batch's
-    own, or in CUDA-graph mode the most any batch of its buckets needs (the captured grid and
-    buffers must fit every re-plan)."""
+    own (``items`` and ``slots`` of its work list), or in CUDA-graph mode the most any batch of its
+    buckets needs (the captured grid and buffers must fit every re-plan)."""
     if graph:
-        items = decode_capacity(batch, attended_cap, chunk)
-        return items, items, batch * -(-longest_cap // page_size)
-    return len(work.items), work.slots, num_page_entries
+        cap = decode_capacity(batch, attended_cap, chunk)
+        return cap, cap, batch * -(-longest_cap // page_size)
+    return items, slots, num_page_entries
 
 
 def decode_units(num_kv_heads: int, gqa: int) -> int:
@@ -488,13 +576,18 @@ def decode_variant(dtype: str, head_dim: int, params: DecodeParams, arch: str, k
 # -- plan ------------------------------------------------------------------------------------
 
 
-def decode_sections(item_cap: int, page_cap: int | None) -> Sections:
+def decode_sections(item_cap: int, page_cap: int | None, device_plan: int | None = None) -> Sections:
     """Where a decode plan's int32 metadata lies in its staging slot: the work records
-    (`decode_items`, ``item_cap`` of them), the item count and, unless the kernel reads
-    the caller's device indices in place (``page_cap`` None), the page indices."""
-    if page_cap is None:
-        return sections(("items", DECODE_ITEM_INTS * item_cap), ("num_items", 1))
-    return sections(("items", DECODE_ITEM_INTS * item_cap), ("num_items", 1), ("indices", page_cap))
+    (`decode_items`, ``item_cap`` of them), the item count, for a work list made on the device
+    (``device_plan``: the batch size) the requests' page offsets and kv lengths it reads, and,
+    unless the kernel reads the caller's device indices in place (``page_cap`` None), the page
+    indices."""
+    layout: list[tuple[str, int]] = [("items", DECODE_ITEM_INTS * item_cap), ("num_items", 1)]
+    if device_plan is not None:
+        layout += [("kv_indptr", device_plan + 1), ("kv_lens", device_plan)]
+    if page_cap is not None:
+        layout.append(("indices", page_cap))
+    return sections(*layout)
 
 
 def _decode_kernel(index: int, dtype: str, d: int, params: DecodeParams, info: DeviceInfo,
@@ -519,6 +612,8 @@ class CudaNativeDecodePlan(StagedPlan):
     _part_lse: torch.Tensor
     _counters: torch.Tensor  # one per request and (KV head, q tile): partials merged so far; zero between runs
     _longest_cap: int  # the kv-length capacity the buffers are sized for (CUDA-graph mode: a bucket)
+    _work: DecodeWork | None  # the host-made work list (None: made on the device, `work` recomputes it)
+    planned_on_device: bool  # the work records were made by the device plan (kernels/decode_plan.cu)
 
     def __init__(self, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
         index = device_index(options["device"])
@@ -532,7 +627,7 @@ class CudaNativeDecodePlan(StagedPlan):
         b, hq, hkv, d = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim_qk
         gqa = problem.gqa_ratio
         units = decode_units(hkv, gqa)
-        ranges = effective_lengths(batch.kv_lens_list, problem.window_left)
+        attended = attended_lengths(batch.kv_lens_list, problem.window_left)
         longest_cap = bucket_size(batch.max_kv_len) if graph else batch.max_kv_len
         if graph and isinstance(previous, CudaNativeDecodePlan) and previous._graph:
             # a batch shorter than the captured one keeps the captured bucket: the same chunk, grid
@@ -541,7 +636,7 @@ class CudaNativeDecodePlan(StagedPlan):
         self._longest_cap = longest_cap
         attended_cap = longest_cap if problem.window_left < 0 else min(longest_cap, problem.window_left + 1)
         # in CUDA-graph mode sizes come from the bucket, so every batch of the bucket fits the captured grid
-        lengths = [attended_cap] * b if graph else [e - s for s, e in ranges]
+        lengths = [attended_cap] * b if graph else attended
         if tactic.is_default:
             params = default_decode_params(d, info, small=decode_is_small(lengths, units, info),
                                            fp8=problem.kv_dtype in FP8_KV_DTYPES)  # fmt: skip
@@ -552,12 +647,20 @@ class CudaNativeDecodePlan(StagedPlan):
         self._kernel = kernel.kernel
         self.ctas_per_sm = kernel.ctas_per_sm
         slots = info.sms * self.ctas_per_sm
-        chunk, work = decode_plan_work(ranges, lengths, units, slots, params, bool(graph))
+        chunk = params.kv_chunk or decode_chunk(lengths, units, params.tile, slots)
+        items, slot_count = decode_piece_counts(attended, chunk)
+        on_device = decode_plan_on_device(attended, chunk, items, units, slots, params, bool(graph))
+        work: DecodeWork | None = None
+        if not on_device:
+            ranges = effective_lengths(batch.kv_lens_list, problem.window_left)
+            chunk, work = decode_plan_work(ranges, lengths, units, slots, params, bool(graph))
+            items, slot_count = len(work.items), work.slots
         item_cap, slot_cap, page_cap = decode_buffer_sizes(
-            work, batch.num_page_entries, graph=graph, batch=b, attended_cap=attended_cap, longest_cap=longest_cap,
-            chunk=chunk, page_size=problem.page_size)  # fmt: skip
-        self.work = work
+            items, slot_count, batch.num_page_entries, graph=graph, batch=b, attended_cap=attended_cap,
+            longest_cap=longest_cap, chunk=chunk, page_size=problem.page_size)  # fmt: skip
+        self._work, self._kv_lens = work, batch.kv_lens_list
         self.chunk = chunk
+        self.planned_on_device = on_device
         self._geometry = (b, hq, hkv, d, problem.page_size, item_cap, slot_cap, page_cap, params)
         self._bulk = params.bulk
         self._tma = params.tma
@@ -575,10 +678,22 @@ class CudaNativeDecodePlan(StagedPlan):
                 "kv-length bucket (the captured grid and buffers depend on them); capture with the longest "
                 "batch, or use one wrapper per captured shape"])  # fmt: skip
 
-        layout, base, indices_ptr = self._send(problem, batch, previous, graph,
-                                               functools.partial(decode_sections, item_cap),
-                                               [decode_items(work, batch.kv_indptr_list), [len(work.items)]],
-                                               page_cap)  # fmt: skip
+        if work is None:  # the records are made on the device from the requests' offsets and lengths
+            requests: list[Piece] = [[], [items], batch.kv_indptr_list, batch.kv_lens_list]
+            layout, base, indices_ptr = self._send(problem, batch, previous, graph,
+                                                   lambda cap: decode_sections(item_cap, cap, b),
+                                                   requests, page_cap)  # fmt: skip
+            plan_kernel, plan_built = _plan_kernel(index, info.arch)
+            self.built = self.built or plan_built
+            launcher().launch(stream_for(index, raw_stream(index)),
+                              launch_config((1, 1, 1), DECODE_PLAN_THREADS, decode_plan_smem(b)), plan_kernel,
+                              base + 4 * layout.offset("kv_indptr"), base + 4 * layout.offset("kv_lens"),
+                              base + 4 * layout.offset("items"), b, chunk, problem.window_left)  # fmt: skip
+        else:
+            records: list[Piece] = [decode_items(work, batch.kv_indptr_list), [items]]
+            layout, base, indices_ptr = self._send(problem, batch, previous, graph,
+                                                   functools.partial(decode_sections, item_cap),
+                                                   records, page_cap)  # fmt: skip
         if isinstance(replaced, CudaNativeDecodePlan):  # CUDA-graph re-plan: the captured workspace
             self._part_o, self._part_lse = replaced._part_o, replaced._part_lse
             self._counters = replaced._counters
@@ -615,6 +730,14 @@ class CudaNativeDecodePlan(StagedPlan):
         self._strides: tuple[int, ...] = ()
         self._q_copy: torch.Tensor | None = None
         self._inherit_accepted(previous)
+
+    @property
+    def work(self) -> DecodeWork:
+        """The work list in its host form: the plan's own, or for records made on the device
+        (`planned_on_device`) the same list recomputed here (for inspection: plans do not use it)."""
+        if self._work is None:
+            self._work = decode_work(effective_lengths(self._kv_lens, self.problem.window_left), self.chunk)
+        return self._work
 
     def _accept(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Check the cache strides and q's once per new set of strides; keep the stride arguments."""
