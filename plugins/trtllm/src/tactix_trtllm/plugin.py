@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import operator
 import os
 import weakref
 from collections.abc import Callable
@@ -334,6 +335,8 @@ class _Plan:
     tactic: Tactic
     built: bool
     geometry: Geometry
+    _requested: Tactic  # the tactic the plan was made for (the default, or a tuned one): what `replan` makes
+    _graph: bool  # made for CUDA-graph mode
     _staging: Staging
     _workspace: torch.Tensor
     _q_packed: torch.Tensor | None
@@ -343,7 +346,7 @@ class _Plan:
         """Geometry, metadata, workspace and q buffer; returns the plan this one takes buffers from."""
         self.problem = problem
         self.device = options["device"]
-        graph = bool(options["use_cuda_graph"])
+        graph = self._graph = bool(options["use_cuda_graph"])
         previous = options["previous"] if graph else None
         if previous is not None and not isinstance(previous, type(self)):
             previous = None
@@ -370,6 +373,19 @@ class _Plan:
         # made at the first run with a strided q (a captured graph keeps reading the same one)
         self._q_packed = previous._q_packed if previous is not None else None
         return previous
+
+    def replan(self, problem: Problem, batch: PagedBatch, options: PlanOptions) -> _Plan | None:
+        """The plan of a new batch with this plan's static problem and tactic (the core's fast
+        re-plan, `tactix.selection.replan_selection`): made as the plan hook would make it, without
+        the selection, the check and the hook dispatch in front of it. ``tactix_check``'s answer
+        depends on the static problem and the tactic, except FMHAv2's rule that every request holds
+        at least its query rows as keys, checked here; None for such a batch, another device or
+        another mode (the full path decides, and says why)."""
+        if options["device"] != self.device or bool(options["use_cuda_graph"]) != self._graph:
+            return None
+        if isinstance(problem, PrefillProblem) and any(map(operator.gt, batch.qo_lens_list, batch.kv_lens_list)):
+            return None
+        return type(self)(problem, batch, self._requested, {**options, "previous": self})  # type: ignore[arg-type, call-arg]
 
     def _packed(self, q: torch.Tensor) -> torch.Tensor:
         """A strided q (a view of a fused QKV output) copied into packed rows: the kernels read
@@ -453,6 +469,7 @@ class XqaDecodePlan(_Plan):
         device = options["device"]
         sms = _sm_count(device)
         fp8 = problem.kv_dtype == FP8_CACHE
+        self._requested = tactic
         if tactic.is_default:  # flashinfer's own choice: split to fill the SMs once, PDL on SM90+
             multi_block, pdl, fp8_mma = "auto", True, False
         else:
@@ -484,7 +501,11 @@ class XqaDecodePlan(_Plan):
         self._q_scale, self._fp8 = q_scale, fp8
         # the device q scale of device k/v scales: made here, so run() allocates nothing (a graph
         # captures its address)
-        self._q_buf = torch.empty(1, dtype=torch.float32, device=self.device)
+        old_buf = getattr(options["previous"], "_q_buf", None)  # (a captured graph reads its address)
+        if isinstance(old_buf, torch.Tensor) and old_buf.device == self.device:
+            self._q_buf: torch.Tensor = old_buf
+        else:
+            self._q_buf = torch.empty(1, dtype=torch.float32, device=self.device)
         semaphores = self._workspace[:semaphore_bytes]
         scratch = self._workspace[semaphore_bytes:]
         # xqa_wrapper(run_sm90_fp8_mha, sm_count, num_kv_heads, sliding_win_size, q_scale, q_scale_tensor,
@@ -589,6 +610,7 @@ class FmhaPrefillPlan(_Plan):
 
     def __init__(self, problem: PrefillProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
         self.tactic = FMHA_TACTIC
+        self._requested = tactic
         previous = self._setup(problem, batch, options, decode=False, workspace_bytes=self.WORKSPACE_BYTES)
         module, self.built = load(FmhaKey(problem.kv_layout, problem.q_dtype))
         self._fn: Callable[..., Any] = module.run
