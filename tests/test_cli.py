@@ -47,6 +47,7 @@ def test_demo_checks_every_op_against_float64_and_names_its_backend(
         assert row["ok"] and 0 < row["error"] <= row["tolerance"], row
         assert row["backend"] == "torch" and row["tactic"].startswith("torch:")
         assert row["tactic"] in printed
+        assert row["graph_us"] is None and row["eager_over_graph"] is None  # no CUDA graph on the CPU
     assert f"{len(rows)}/{len(rows)} ops within tolerance" in printed
     header = printed.splitlines()[0].split()
     assert header[-1] == "check", header  # the ok/FAIL column has a name like every other

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,16 +235,21 @@ def test_gemm_kernels_on_cuda(kernel: str) -> None:
     assert relative_error(out, ref) < tolerance_for(torch.bfloat16)
 
 
-def test_demo_runs_the_llama_layer_on_the_gpu() -> None:
+def test_demo_runs_the_llama_layer_on_the_gpu(tmp_path: Path) -> None:
+    """The demo on the GPU: every op checked, and timed eagerly and as a CUDA-graph replay (each
+    op's run() captures), so the eager cost over the graph is reported per op."""
+    report = tmp_path / "demo.json"
     done = subprocess.run(
-        [sys.executable, "-m", "tactix", "demo", "--device", "cuda"],
+        [sys.executable, "-m", "tactix", "demo", "--device", "cuda", "--json", str(report)],
         capture_output=True,
         text=True,
         timeout=600,
     )
     print(done.stdout)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "ops within tolerance" in done.stdout
+    assert "ops within tolerance" in done.stdout and "of their CUDA-graph replay when called eagerly" in done.stdout
+    rows = json.loads(report.read_text())["rows"]
+    assert all(r["graph_us"] and r["graph_us"] > 0 and r["eager_over_graph"] > 0 for r in rows), rows
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:0"])

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from tactix.attention import PagedDecode, PagedPrefill
-from tactix.autotune.timing import measure
+from tactix.autotune.policy import MeasurementPolicy
+from tactix.autotune.timing import measure, measure_with_policy
 from tactix.errors import InvalidArgumentError
 from tactix.gemm import Gemm
 from tactix.testing.oracle import attention_reference, gemm_reference, relative_error, tolerance_for
@@ -55,10 +56,19 @@ class DemoRow:
     time_us: float
     error: float
     tolerance: float
+    graph_us: float | None = None
+    """The same call replayed from a CUDA graph (kernel time, no host cost); None on the CPU or
+    where the call does not capture."""
 
     @property
     def ok(self) -> bool:
         return self.error <= self.tolerance
+
+    @property
+    def eager_over_graph(self) -> float | None:
+        """``time_us / graph_us``: what calling eagerly costs over a graph replay (host cost that a
+        graph hides, where it is larger than the kernel)."""
+        return self.time_us / self.graph_us if self.graph_us else None
 
 
 class _PagedCache:
@@ -111,8 +121,21 @@ class _PagedCache:
         )
 
 
-def _time_us(fn: Any, device: torch.device) -> float:
-    return measure(fn, device, warmup=1, repeat=5).median * 1e6
+EAGER_OVER_GRAPH_TARGET = 1.25
+"""Issue 25's bound for a decode step's ops: eager time at most this much over the graph replay's."""
+_GRAPH_POLICY = MeasurementPolicy(warmup=1, warmup_ms=0, repeat=5, cold_l2=False, execution="cuda_graph",
+                                  settle_blocks=1)  # fmt: skip
+
+
+def _time_us(fn: Any, device: torch.device) -> tuple[float, float | None]:
+    """Median eager time of ``fn`` (calls back to back, CUDA events around each: host cost shows
+    where the GPU waits for it) and, on a GPU, of its replay from a CUDA graph (None where it
+    does not capture), in microseconds."""
+    eager = measure(fn, device, warmup=1, repeat=5).median * 1e6
+    if device.type != "cuda":
+        return eager, None
+    replay = measure_with_policy(fn, device, _GRAPH_POLICY)
+    return eager, replay.median * 1e6 if replay.timed_as == "cuda_graph" else None
 
 
 def run_demo(device: torch.device, decode_steps: int = 3, seed: int = 0) -> list[DemoRow]:
@@ -143,7 +166,7 @@ def run_demo(device: torch.device, decode_steps: int = 3, seed: int = 0) -> list
             g.plan(m, n, k, a_dtype=cfg.dtype)
         y = g.run(x, w.t())
         err = relative_error(y, gemm_reference(x, w.t()))
-        t = _time_us(lambda: g.run(x, w.t(), out=y), device)
+        t, graph_t = _time_us(lambda: g.run(x, w.t(), out=y), device)
         rows.append(
             DemoRow(
                 step,
@@ -154,6 +177,7 @@ def run_demo(device: torch.device, decode_steps: int = 3, seed: int = 0) -> list
                 t,
                 err,
                 tolerance_for(cfg.dtype),
+                graph_t,
             )
         )
         return y
@@ -184,9 +208,10 @@ def run_demo(device: torch.device, decode_steps: int = 3, seed: int = 0) -> list
             sm_scale=1 / math.sqrt(d),
         )
         err = relative_error(out, ref)
-        t = _time_us(lambda: wrapper.run(q, (cache.k, cache.v), out=out), device)
+        t, graph_t = _time_us(lambda: wrapper.run(q, (cache.k, cache.v), out=out), device)
         shape = f"b{len(cache.lengths)} q{q.shape[0]} kv<={max(cache.lengths)} h{hq}/{hkv} d{d}"
-        rows.append(DemoRow(step, op, shape, wrapper.backend, str(wrapper.tactic), t, err, tolerance_for(cfg.dtype)))
+        rows.append(DemoRow(step, op, shape, wrapper.backend, str(wrapper.tactic), t, err, tolerance_for(cfg.dtype),
+                            graph_t))  # fmt: skip
         assert isinstance(out, torch.Tensor)
         return out
 
@@ -241,7 +266,8 @@ def run_demo(device: torch.device, decode_steps: int = 3, seed: int = 0) -> list
 
 
 def format_rows(rows: list[DemoRow], device: torch.device) -> str:
-    header = ("step", "op", "shape", "backend", "tactic", "time", "rel. error", "tolerance", "check")
+    header = ("step", "op", "shape", "backend", "tactic", "time", "graph", "eager/graph", "rel. error", "tolerance",
+              "check")  # fmt: skip
     table = [header] + [
         (
             r.step,
@@ -250,6 +276,8 @@ def format_rows(rows: list[DemoRow], device: torch.device) -> str:
             r.backend,
             r.tactic,
             f"{r.time_us:,.1f} us",
+            f"{r.graph_us:,.1f} us" if r.graph_us else "-",
+            f"{r.eager_over_graph:.2f}" if r.eager_over_graph else "-",
             f"{r.error:.2e}",
             f"{r.tolerance:.0e}",
             "ok" if r.ok else "FAIL",
@@ -266,9 +294,15 @@ def format_rows(rows: list[DemoRow], device: torch.device) -> str:
         f"{len(rows) - bad}/{len(rows)} ops within tolerance of the float64 oracle on {device} "
         f"(times: median of 5, {timer})"
     )
+    decode = [r for r in rows if r.step.startswith("decode") and r.eager_over_graph]
+    if decode:
+        within = sum(r.eager_over_graph <= EAGER_OVER_GRAPH_TARGET for r in decode if r.eager_over_graph)
+        lines.append(f"{within}/{len(decode)} decode-step ops within {EAGER_OVER_GRAPH_TARGET}x of their CUDA-graph "
+                     "replay when called eagerly")  # fmt: skip
     return "\n".join(lines)
 
 
 def rows_report(rows: list[DemoRow], device: torch.device) -> dict[str, Any]:
     """The rows as the JSON of ``tactix demo --json``."""
-    return {"device": str(device), "rows": [asdict(r) | {"ok": r.ok} for r in rows]}
+    return {"device": str(device),
+            "rows": [asdict(r) | {"ok": r.ok, "eager_over_graph": r.eager_over_graph} for r in rows]}  # fmt: skip
