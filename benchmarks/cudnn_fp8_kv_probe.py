@@ -64,11 +64,9 @@ def graph(cudnn: Any, handle: Any, variant: str) -> tuple[Any, list[str]]:
     return g, []
 
 
-def probe(cudnn: Any, handle: Any, variant: str) -> dict[str, str]:
-    try:
-        g, _ = graph(cudnn, handle, variant)
-    except Exception as exc:  # the frontend refuses the node itself
-        return {"reached": "graph construction", "error": f"{type(exc).__name__}: {exc}"[:400]}
+def run_stages(cudnn: Any, g: Any) -> dict[str, str]:
+    """Take a graph through cuDNN's stages (`STAGES`): how far it got, and where it failed with
+    cuDNN's message (also used by cudnn_sinks_probe.py)."""
     reached = "graph construction"
     for stage in STAGES:
         try:
@@ -82,6 +80,14 @@ def probe(cudnn: Any, handle: Any, variant: str) -> dict[str, str]:
             return {"reached": reached, "failed_at": stage, "error": f"{type(exc).__name__}: {exc}"[:400]}
         reached = stage
     return {"reached": reached, "error": ""}
+
+
+def probe(cudnn: Any, handle: Any, variant: str) -> dict[str, str]:
+    try:
+        g, _ = graph(cudnn, handle, variant)
+    except Exception as exc:  # the frontend refuses the node itself
+        return {"reached": "graph construction", "error": f"{type(exc).__name__}: {exc}"[:400]}
+    return run_stages(cudnn, g)
 
 
 def main() -> None:

@@ -21,6 +21,7 @@
 #                        (the hardware conversion) and 2 (the integer placement), one after the other (run
 #                        it alone; FP8_CVT_CASES picks other cases)
 #   fp8-prefill-probe    benchmarks/fp8_prefill_probe.py: the wgmma prefill over fp8 and 16-bit caches on P1
+#   cudnn-sinks-probe    benchmarks/cudnn_sinks_probe.py: does cuDNN's paged SDPA take sink_token (prefill, decode)?
 #   bench-attention      tactix bench on the attention cases (bf16, fp8, V1), FlashInfer anchors
 #   bench-open-models    tactix bench on R1-R3 (ragged, DeepSeek 192/128) and O1 (gpt-oss sinks), anchors
 #   plan-device          plan_time.py for cuda_native with decode work lists made on the device and on the host
@@ -91,6 +92,7 @@ job() {
           --backends cuda_native --no-tune --no-flashinfer --json "$OUT/bench-fp8-cvt$mode.json" || return 1
       done ;;
     fp8-prefill-probe) t python benchmarks/fp8_prefill_probe.py --json "$OUT/fp8-prefill-probe-h200.json" ;;
+    cudnn-sinks-probe) t python benchmarks/cudnn_sinks_probe.py --json "$OUT/cudnn-sinks-probe-h200.json" ;;
     bench-attention) t python -m tactix bench --cases "$ATTENTION" --json "$OUT/bench-attention-h200.json" \
       --markdown "$OUT/bench-attention-h200.md" ;;
     bench-open-models) t python -m tactix bench --cases "$OPEN_MODELS" --json "$OUT/bench-open-models-h200.json" \
