@@ -9,8 +9,9 @@ page 16, padding mask and bottom-right diagonal bounds; a sink logit per query h
 ``sink_token`` ``[1, heads, 1, 1]`` float32) and reports how far it gets through
 cudnn_fp8_kv_probe.py's stages (validate ... build_plans), with cuDNN's message where it stops.
 Where every stage passes, the graph runs once on random data and its output is compared with
-tactix's float64 oracle (the sink term in each row's softmax denominator: `tactix.testing.attention_reference`), so a graph cuDNN accepts
-but computes differently shows as a wrong result, not as support. Variants:
+tactix's float64 oracle (the sink term in each row's softmax denominator:
+`tactix.testing.attention_reference`), so a graph cuDNN accepts but computes differently shows
+as a wrong result, not as support. Variants:
 
 * ``prefill causal``: 4 requests of 256 new tokens over 256 cached (q 256, kv 512);
 * ``prefill causal, window 127``: the same with a sliding window (gpt-oss's alternate layers);
