@@ -4,13 +4,15 @@ attention over a cached prefix and over the new tokens, merged, is the attention
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 import tactix
 from tactix.compat import flashinfer as compat
-from tactix.testing import lse_error, relative_error
+from tactix.testing import lse_error, merge_reference, relative_error
 
 H, D = 4, 16
 
@@ -121,3 +123,56 @@ def test_bad_states_name_the_argument(call: object, argument: str) -> None:
     v, s = torch.randn(3, H, D), torch.randn(3, H)
     with pytest.raises(tactix.InvalidArgumentError, match=f"'{argument}'"):
         call(v, s)  # type: ignore[operator]
+
+
+def test_merge_is_an_op_planned_through_auto_and_tunable(tmp_path: Path) -> None:
+    """The functions plan the registry's merge op (the torch backend here); a wrapper plans once
+    and serves any number of rows; tuning stores its choice like any op's."""
+    m = tactix.MergeStates(device="cpu")
+    m.plan(num_states=3, num_heads=2, head_dim=8, v_dtype=torch.float32)
+    assert (m.backend, str(m.tactic), m.problem.op) == ("torch", "torch:ops", "merge_states")
+    for rows in (1, 7, 300):
+        vs = [torch.randn(rows, 2, 8) for _ in range(3)]
+        ss = [torch.randn(rows, 2) for _ in range(3)]
+        v, s = m.run(vs, ss)
+        ref_v, ref_s = merge_reference(vs, ss)
+        assert relative_error(v, ref_v) < 1e-5 and float((s.double() - ref_s).abs().max()) < 1e-5
+    with tactix.autotune(mode="tune", cache_dir=tmp_path) as state:
+        tuned = tactix.MergeStates(device="cpu")
+        tuned.plan(num_states=2, num_heads=4, head_dim=16, v_dtype=torch.bfloat16, rows=64)
+        assert tuned.selection_source == "store" and [e.key["op"] for e in state.store.entries()] == ["merge_states"]
+
+
+@pytest.mark.parametrize(
+    ("change", "argument", "fragment"),
+    [
+        ({"vs": "short"}, "vs", "3 output tensors"),
+        ({"vs": "dtype"}, "vs[1]", "torch.float32 tensor"),
+        ({"ss": "rows"}, "ss[2]", "float32 tensor of shape (5, 2)"),
+        ({"mask": "given"}, "mask", "None (planned without a mask)"),
+        ({"out_v": "shape"}, "out_v", "of shape (5, 2, 8)"),
+    ],
+    ids=["count", "dtype", "lse-shape", "mask", "out"],
+)
+def test_the_wrapper_names_the_bad_argument(change: dict[str, str], argument: str, fragment: str) -> None:
+    m = tactix.MergeStates(device="cpu")
+    with pytest.raises(tactix.TactixError, match="call plan"):
+        m.run([], [])
+    m.plan(num_states=3, num_heads=2, head_dim=8, v_dtype="float32")
+    vs = [torch.randn(5, 2, 8) for _ in range(3)]
+    ss = [torch.randn(5, 2) for _ in range(3)]
+    kwargs: dict[str, object] = {}
+    if "vs" in change:
+        vs = vs[:2] if change["vs"] == "short" else [vs[0], vs[1].half(), vs[2]]
+    if "ss" in change:
+        ss = [ss[0], ss[1], torch.randn(4, 2)]
+    if "mask" in change:
+        kwargs["mask"] = torch.ones(5, dtype=torch.bool)
+    if "out_v" in change:
+        kwargs["out_v"] = torch.empty(5, 2, 9)
+    with pytest.raises(
+        tactix.InvalidArgumentError, match=re.escape(f"'{argument}' must be") + ".*" + re.escape(fragment)
+    ):
+        m.run(vs, ss, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(tactix.InvalidArgumentError, match="'num_states' must be an int >= 2"):
+        m.plan(num_states=1, num_heads=2, head_dim=8, v_dtype="float32")

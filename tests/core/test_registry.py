@@ -63,7 +63,13 @@ def test_torch_backend_is_active_by_default() -> None:
     record = {r.name: r for r in get_registry().records()}["torch"]
     assert record.status == "active"
     assert record.distribution == "tactix"
-    assert record.spec is not None and set(record.spec.ops) == {"prefill", "decode", "ragged_prefill", "gemm"}
+    assert record.spec is not None and set(record.spec.ops) == {
+        "prefill",
+        "decode",
+        "ragged_prefill",
+        "gemm",
+        "merge_states",
+    }
 
 
 def test_broken_plugins_are_recorded_and_skipped(broken_plugins: Path) -> None:
@@ -104,7 +110,7 @@ def test_cli_lists_failed_plugin_with_its_error(broken_plugins: Path) -> None:
     rows = {r["name"]: r for r in json.loads(as_json.stdout)}
     assert rows["broken"]["status"] == "failed" and rows["broken"]["runs_here"] is False
     assert rows["torch"]["status"] == "active" and rows["torch"]["runs_here"] is True
-    assert rows["torch"]["ops"] == ["prefill", "decode", "ragged_prefill", "gemm"]
+    assert rows["torch"]["ops"] == ["prefill", "decode", "ragged_prefill", "gemm", "merge_states"]
 
 
 def test_duplicate_names_fail_naming_both_distributions(tmp_path: Path) -> None:

@@ -316,6 +316,29 @@ def decode_plan_records(kv_indptr: torch.Tensor, kv_lens: torch.Tensor, items: t
         raise RuntimeError(f"emulated kernel misuse: {err.decode()}")
 
 
+def merge_states(vs: Any, ss: Any, out_v: torch.Tensor, out_s: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """kernels/merge.cu on the emulation, launched as `merge.CudaNativeMergePlan.run` launches it
+    (`merge.merge_args`: the states by their address differences; CPU tensors)."""
+    from tactix_cuda_native import merge
+
+    args = merge.merge_args(vs, ss, out_v, out_s, mask)
+    if args is None:  # as the plan does: one stacked copy of states that lie at no common stride
+        stacked_v, stacked_s = torch.stack(list(vs), dim=1), torch.stack(list(ss), dim=1)
+        n = len(vs)
+        args = merge.merge_args([stacked_v[:, i] for i in range(n)], [stacked_s[:, i] for i in range(n)], out_v,
+                                out_s, mask)  # fmt: skip
+        assert args is not None
+    dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}[vs[0].dtype]
+    lib = _library("emu_merge.cpp", merge.merge_variant(dtype, "sm_90").defines)
+    lib.emu_merge.restype = ctypes.c_char_p
+    rows, heads = vs[0].shape[0], vs[0].shape[1]
+    blocks = -(-rows * heads // merge.MERGE_WARPS)
+    err = lib.emu_merge(ctypes.c_uint(blocks), ctypes.c_int(32 * merge.MERGE_WARPS),
+                        *(ctypes.c_longlong(a) for a in args))  # fmt: skip
+    if err:
+        raise RuntimeError(f"emulated kernel misuse: {err.decode()}")
+
+
 TXE_MAP_MAGIC = 0x5458454D4150  # tx_emulate.h: opaque[1] is this << 8 | the rank
 
 

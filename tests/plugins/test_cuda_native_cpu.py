@@ -80,20 +80,22 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
     assert persistent == 2  # d64 and d128
     # (and the decode variants for fp8 caches: two fp8 dtypes, each head dim, large and small batches,
     # and DeepSeek's 192/128 prefill: the wgmma kernel with its own dims, with and without persistent CTAs;
-    # and one kernel that makes decode work lists on the device)
+    # one kernel that makes decode work lists on the device, and the state merge for 3 dtypes)
     fp8 = 2 * 2 * len(HEAD_DIMS) * 2
-    assert len(variants) == len(set(variants)) == 2 * (3 * len(HEAD_DIMS) + persistent + 2) + fp8 + 2 + 1
+    assert len(variants) == len(set(variants)) == 2 * (3 * len(HEAD_DIMS) + persistent + 2) + fp8 + 2 + 1 + 3
     deepseek = [v for v in variants if ("TX_DVO", "128") in v.defines]
     assert len(deepseek) == 4 and all(v.source == "prefill_sm90.cu" and ("TX_D", "192") in v.defines
                                       for v in deepseek)  # fmt: skip
     assert sum(("TX_PERSIST", "1") in v.defines for v in variants) == 2 * (persistent + 1)
     # prefill and GEMM on the H200 are the wgmma kernels, compiled for the arch-specific sm_90a
     assert {(v.source, v.arch) for v in variants} == {
-        ("decode.cu", "sm_90"), ("decode_plan.cu", "sm_90"), ("gemm_sm90.cu", "sm_90a"), ("prefill_sm90.cu", "sm_90a")
+        ("decode.cu", "sm_90"), ("decode_plan.cu", "sm_90"), ("gemm_sm90.cu", "sm_90a"), ("prefill_sm90.cu", "sm_90a"),
+        ("merge.cu", "sm_90"),
     }  # fmt: skip
     # elsewhere (sm_80) the mma.sync kernels, GEMM for 1, 2 and 4 m-tiles, DeepSeek's zero-filled to 256
     a100 = DeviceInfo(108, 166912, 167936, "sm_80")
-    assert {v.source for v in default_variants(a100)} == {"decode.cu", "decode_plan.cu", "gemm.cu", "prefill.cu"}
+    assert {v.source for v in default_variants(a100)} == {"decode.cu", "decode_plan.cu", "gemm.cu", "prefill.cu",
+                                                          "merge.cu"}  # fmt: skip
     assert sum(("TX_DQK", "192") in v.defines and ("TX_D", "256") in v.defines for v in default_variants(a100)) == 2
     assert sum(v.source == "gemm.cu" for v in default_variants(a100)) == 2 * 3
     seen = []
@@ -110,10 +112,11 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
     for variant in variants:
         cubin, _ = runtime.compile_variant(variant, root=cache_root)
         name = {"decode.cu": b"tactix_decode", "prefill.cu": b"tactix_prefill", "prefill_sm90.cu": b"tactix_prefill",
-                "gemm.cu": b"tactix_gemm", "gemm_sm90.cu": b"tactix_gemm",
-                "decode_plan.cu": b"tactix_decode_plan"}[variant.source]  # fmt: skip
+                "gemm.cu": b"tactix_gemm", "gemm_sm90.cu": b"tactix_gemm", "decode_plan.cu": b"tactix_decode_plan",
+                "merge.cu": b"tactix_merge_states"}[variant.source]  # fmt: skip
         assert name in cubin, f"{name!r} missing from {variant.label()}"
-        assert b"_merge" not in cubin and b"_reduce" not in cubin, variant.label()
+        if variant.source != "merge.cu":  # (the state merge's own kernel is named for it)
+            assert b"_merge" not in cubin and b"_reduce" not in cubin, variant.label()
 
 
 def test_fp8_kv_decode_variants_compile_without_a_gpu(cache_root: Path) -> None:
@@ -332,7 +335,7 @@ def test_no_variant_gets_the_ldgsts_form_ptxas_miscompiles(cache_root: Path) -> 
     for variant in variants:
         cubin, _ = runtime.compile_variant(variant, root=cache_root)
         plain, uniform = _ldgsts_forms(cubin)
-        if variant.source == "decode_plan.cu":  # the decode plan's work-list kernel copies nothing asynchronously
+        if variant.source in ("decode_plan.cu", "merge.cu"):  # kernels that copy nothing asynchronously
             assert plain == uniform == 0, f"{variant.label()}: LDGSTS in a kernel without cp.async"
             continue
         if dict(variant.defines).get("TX_TMA") == "2":  # both operands through tensor maps: no cp.async at all
@@ -449,6 +452,7 @@ def test_cache_key_covers_every_compile_input() -> None:
         "fp8.cuh",
         "gemm.cu",
         "gemm_sm90.cu",
+        "merge.cu",
         "prefill.cu",
         "prefill_sm90.cu",
         "sm90.cuh",

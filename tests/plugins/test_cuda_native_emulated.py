@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -40,10 +41,12 @@ from tactix.testing import (
     attention_reference,
     gemm_reference,
     lse_error,
+    merge_reference,
     ragged_reference,
     relative_error,
     tolerance_for,
 )
+from tactix.testing.cases import MergeCase, build_merge_inputs
 from tactix.testing.cases import _mask as mask_of
 from tactix.testing.cases import _packbits as packbits
 from tactix.testing.oracle import attention_lse_tolerance, attention_tolerance
@@ -1275,3 +1278,46 @@ def test_the_hopper_gemm_enumerates_a_real_choice_of_tactics() -> None:
 def test_emulated_wgmma_gemm_every_enumerated_tactic(p: gemm.GemmWgmmaParams) -> None:
     """Every Hopper GEMM tactic the backend enumerates, on one skinny shape with a bias."""
     _gemm_run(40, 256, 1024, (p.bw, p.bk, p.stages, p.splits, p.tma), bias=True, seed=p.bw + p.stages + p.splits)
+
+
+# -- merging attention states ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        MergeCase("bfloat16"),
+        MergeCase("float16", empty=True),
+        MergeCase("float32", head_dim=64, heads=4),
+        MergeCase("bfloat16", form="stacked", num_states=5, empty=True, head_dim=40, rows=9),
+        MergeCase("bfloat16", num_states=40, rows=3, heads=2, head_dim=33),  # more states than lanes, an odd dim
+        MergeCase("float16", form="in_place", masked=True, empty=True, rows=20),
+    ],
+    ids=lambda c: c.id,
+)
+def test_emulated_merge_matches_the_float64_merge(case: MergeCase) -> None:
+    """kernels/merge.cu (cuda_native's merge_states) against the float64 merge on the kit's inputs:
+    separate tensors (passed by their address difference), stacked views, 40 states (more than a
+    warp's lanes), empty states and rows (zeros, -inf), and the in-place form with a mask (rows
+    it leaves out untouched)."""
+    inputs = build_merge_inputs(replace(case, seed=7), CPU)
+    ref_v, ref_s = merge_reference(inputs.vs, inputs.ss)
+    if case.form == "in_place":
+        before_v, before_s = inputs.vs[0].clone(), inputs.ss[0].clone()
+        out_v, out_s = inputs.vs[0], inputs.ss[0]
+    else:
+        out_v = torch.full_like(inputs.vs[0], float("nan"))
+        out_s = torch.full(inputs.ss[0].shape, float("nan"))
+    emulate.merge_states(inputs.vs, inputs.ss, out_v, out_s, inputs.mask)
+    empty = torch.isneginf(ref_s)  # rows of states all over no key (where the merge wrote them)
+    if inputs.mask is not None:
+        empty &= inputs.mask[:, None]
+        keep = ~inputs.mask
+        assert torch.equal(out_v[keep], before_v[keep]) and torch.equal(out_s[keep], before_s[keep])
+        ref_v = torch.where(keep[:, None, None], before_v.double(), ref_v)
+        ref_s = torch.where(keep[:, None], before_s.double(), ref_s)
+    assert relative_error(out_v, ref_v) <= tolerance_for(out_v.dtype)
+    assert lse_error(out_s, ref_s) <= 1e-5
+    if inputs.mask is None:
+        assert bool(empty.any()) == case.empty
+    assert not bool(out_v[empty].float().abs().sum())

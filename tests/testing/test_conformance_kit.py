@@ -54,7 +54,7 @@ def test_torch_backend_passes_the_kit(tmp_path: Path) -> None:
     got = outcomes(tmp_path / "torch.json")
     assert not got["failed"] and len(got["passed"]) > 150
     ops = {r["op"] for r in got["passed"]}
-    assert ops == {"prefill", "decode", "ragged_prefill", "gemm"}
+    assert ops == {"prefill", "decode", "ragged_prefill", "gemm", "merge_states"}
 
 
 def test_example_plugin_passes_the_kit_and_skips_what_it_does_not_claim(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from tactix.errors import (
 )
 from tactix.gemm import Gemm, gemm
 from tactix.hookspecs import PlanOptions, hookimpl
-from tactix.merge import merge_state, merge_state_in_place, merge_states
+from tactix.merge import MergeStates, merge_state, merge_state_in_place, merge_states
 from tactix.ops import (
     AttentionCapabilities,
     AttentionPlan,
@@ -38,6 +38,8 @@ from tactix.ops import (
     GemmDTypes,
     GemmPlan,
     GemmProblem,
+    MergeCapabilities,
+    MergeProblem,
     PrefillProblem,
     Problem,
     RaggedPrefillCapabilities,
@@ -68,6 +70,9 @@ __all__ = [
     "GemmProblem",
     "InvalidArgumentError",
     "MeasurementPolicy",
+    "MergeCapabilities",
+    "MergeProblem",
+    "MergeStates",
     "PagedBatch",
     "PagedDecode",
     "PagedPrefill",

@@ -29,8 +29,7 @@ from tactix.errors import InvalidArgumentError, TactixError
 from tactix.hookspecs import PlanOptions
 from tactix.ops import GemmProblem
 from tactix.problems import make_problem
-from tactix.registry import get_registry
-from tactix.selection import Planned, Selection, select_and_plan
+from tactix.selection import PlannedOp, select_and_plan
 from tactix.tactics import Tactic, parse_tactic
 
 __all__ = ["Gemm", "gemm", "gemm_problem"]
@@ -119,7 +118,7 @@ def gemm_problem(
     return problem
 
 
-class Gemm(Planned):
+class Gemm(PlannedOp):
     """A planned GEMM, reusable across calls of the same shape.
 
     Examples
@@ -133,14 +132,7 @@ class Gemm(Planned):
     """
 
     def __init__(self, *, backend: str = "auto", device: torch.device | str | None = None) -> None:
-        if not isinstance(backend, str):
-            raise InvalidArgumentError("backend", "'auto' or a backend name", repr(backend))
-        if backend != "auto":
-            get_registry().get(backend)
-        self._backend = backend
-        self._device = torch.device(device) if device is not None else None
-        self._selection: Selection | None = None
-        self._run: Any = None
+        super().__init__(backend=backend, device=device)
 
     def plan(
         self,

@@ -22,6 +22,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import torch
+
 from tactix import untuned_order
 from tactix.autotune.stats import bump, stored_epoch, stored_tactics_changed
 from tactix.batch import Batch
@@ -122,7 +124,9 @@ class Selection:
 
 
 class Planned:
-    """What a planned wrapper reports about its current plan (shared by attention and GEMM)."""
+    """What a planned wrapper reports about its current plan (shared by attention, GEMM and the
+    state merge); `_Planned.__init__` is the constructor of the wrappers that take only a backend
+    and a device."""
 
     _selection: Selection | None = None
 
@@ -157,6 +161,21 @@ class Planned:
         if self._selection is None:
             raise TactixError(f"{type(self).__name__}: call plan() first")
         return self._selection
+
+
+class PlannedOp(Planned):
+    """A wrapper constructed from a backend name and a device only (`tactix.Gemm`,
+    `tactix.MergeStates`): both checked here, the plan made by the subclass's ``plan``."""
+
+    def __init__(self, *, backend: str = "auto", device: Any = None) -> None:
+        if not isinstance(backend, str):
+            raise InvalidArgumentError("backend", "'auto' or a backend name", repr(backend))
+        if backend != "auto":
+            get_registry().get(backend)
+        self._backend = backend
+        self._device = torch.device(device) if device is not None else None
+        self._selection: Selection | None = None
+        self._run: Any = None
 
 
 def warn_fallback(problem: AnyProblem, tactic: Tactic, cause: str, instead: str) -> None:

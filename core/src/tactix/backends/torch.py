@@ -41,6 +41,8 @@ from tactix.ops import (
     GemmCapabilities,
     GemmDTypes,
     GemmProblem,
+    MergeCapabilities,
+    MergeProblem,
     PrefillProblem,
     RaggedPrefillCapabilities,
     RaggedPrefillProblem,
@@ -98,6 +100,13 @@ _GEMM = GemmCapabilities(
 )
 
 
+_MERGE: Final = MergeCapabilities(
+    devices=frozenset({"cpu", "cuda"}),
+    v_dtypes=frozenset({"float16", "bfloat16", "float32"}),
+    cuda_graph="fixed_buffers",
+)
+
+
 @hookimpl
 def tactix_backends() -> list[BackendSpec]:
     return [
@@ -109,6 +118,7 @@ def tactix_backends() -> list[BackendSpec]:
             decode=_ATTENTION,
             ragged_prefill=_RAGGED,
             gemm=_GEMM,
+            merge_states=_MERGE,
             preference=-100,  # the fallback: every other backend is tried first
         )
     ]
@@ -121,6 +131,8 @@ def tactix_environment() -> list[str] | None:
 
 @hookimpl
 def tactix_tactics(problem: AnyProblem) -> list[Tactic] | None:
+    if isinstance(problem, MergeProblem):
+        return [Tactic(backend=NAME, kernel="ops")]
     if isinstance(problem, GemmProblem):
         kernels = ["matmul"] if problem.scale_mode == "none" else ["scaled_mm", "dequant"]
         candidates = [Tactic(backend=NAME, kernel=k) for k in kernels]
@@ -143,6 +155,9 @@ _Attention = PrefillProblem | DecodeProblem | RaggedPrefillProblem
 
 
 def _reasons(problem: AnyProblem, tactic: Tactic, batch: Batch | None) -> list[str]:
+    if isinstance(problem, MergeProblem):
+        ok = tactic.is_default or (tactic.kernel == "ops" and not tactic.params)
+        return [] if ok else [f"merges take the kernel 'ops' without params (got {tactic})"]
     if isinstance(problem, GemmProblem):
         return _gemm_reasons(problem, tactic)
     return _attention_reasons(problem, tactic, batch)
@@ -231,6 +246,8 @@ def _concrete(problem: AnyProblem, tactic: Tactic, batch: Batch | None) -> Tacti
     """Resolve the default tactic to the kernel it stands for on this problem."""
     if not tactic.is_default:
         return tactic
+    if isinstance(problem, MergeProblem):
+        return Tactic(backend=NAME, kernel="ops")
     if isinstance(problem, GemmProblem):
         if problem.scale_mode == "none":
             return Tactic(backend=NAME, kernel="matmul")
@@ -660,3 +677,31 @@ def tactix_plan_gemm(problem: GemmProblem, tactic: Tactic, options: PlanOptions)
     if reasons:
         raise UnsupportedProblemError(NAME, problem, reasons)
     return _GemmPlan(problem, concrete)
+
+
+class _MergePlan:
+    """The merge in torch ops (`tactix.merge.combine_states`), written into the caller's outputs."""
+
+    def __init__(self, problem: MergeProblem, tactic: Tactic) -> None:
+        self.problem = problem
+        self.tactic = tactic
+        self.built = False
+
+    def run(self, vs: Any, ss: Any, out_v: torch.Tensor, out_s: torch.Tensor, mask: torch.Tensor | None) -> None:
+        from tactix.merge import combine_states
+
+        merged_v, merged_s = combine_states(vs, ss)
+        if mask is not None:  # (out_v / out_s may be the first state's own tensors: the in-place form)
+            merged_v = torch.where(mask[:, None, None], merged_v, out_v.float())
+            merged_s = torch.where(mask[:, None], merged_s, out_s)
+        out_v.copy_(merged_v)
+        out_s.copy_(merged_s)
+
+
+@hookimpl
+def tactix_plan_merge_states(problem: MergeProblem, tactic: Tactic, options: PlanOptions) -> _MergePlan | None:
+    concrete = _concrete(problem, tactic, None)
+    reasons = _reasons(problem, concrete, None)
+    if reasons:
+        raise UnsupportedProblemError(NAME, problem, reasons)
+    return _MergePlan(problem, concrete)

@@ -12,6 +12,7 @@ prefill         `PrefillProblem` (ops/prefill.py)                `AttentionCapab
 decode          `DecodeProblem` (ops/decode.py)                  `AttentionCapabilities`
 ragged_prefill  `RaggedPrefillProblem` (ops/ragged_prefill.py)   `RaggedPrefillCapabilities`
 gemm            `GemmProblem` (ops/gemm.py)                      `GemmCapabilities`
+merge_states    `MergeProblem` (ops/merge_states.py)             `MergeCapabilities`
 ==============  ===============================================  ============================
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 from typing import Final, Literal
 
 from tactix.errors import InvalidArgumentError
-from tactix.ops import decode, gemm, prefill, ragged_prefill
+from tactix.ops import decode, gemm, merge_states, prefill, ragged_prefill
 from tactix.ops.attention import (
     AttentionCapabilities,
     AttentionCapabilitiesBase,
@@ -31,6 +32,7 @@ from tactix.ops.attention import (
 from tactix.ops.decode import DecodeProblem
 from tactix.ops.definition import OpDefinition
 from tactix.ops.gemm import GemmCapabilities, GemmDTypes, GemmPlan, GemmProblem
+from tactix.ops.merge_states import MergeCapabilities, MergePlan, MergeProblem
 from tactix.ops.prefill import PrefillProblem
 from tactix.ops.ragged_prefill import RaggedPrefillCapabilities, RaggedPrefillPlan, RaggedPrefillProblem
 
@@ -48,6 +50,9 @@ __all__ = [
     "GemmDTypes",
     "GemmPlan",
     "GemmProblem",
+    "MergeCapabilities",
+    "MergePlan",
+    "MergeProblem",
     "Op",
     "OpDefinition",
     "PrefillProblem",
@@ -58,10 +63,12 @@ __all__ = [
     "definition",
 ]
 
-OPS: Final[dict[str, OpDefinition]] = {m.DEFINITION.name: m.DEFINITION for m in (prefill, decode, ragged_prefill, gemm)}
+OPS: Final[dict[str, OpDefinition]] = {
+    m.DEFINITION.name: m.DEFINITION for m in (prefill, decode, ragged_prefill, gemm, merge_states)
+}
 """Every op, by name, in the order listings show them."""
 
-Op = Literal["prefill", "decode", "ragged_prefill", "gemm"]
+Op = Literal["prefill", "decode", "ragged_prefill", "gemm", "merge_states"]
 """An op's name (for type checkers; `OPS` is the registry)."""
 Problem = PrefillProblem | DecodeProblem | GemmProblem
 """The problem of a paged-attention or GEMM op: what a backend that implements only those ops
@@ -69,9 +76,9 @@ receives in its shared hooks (``tactix_check``, ``tactix_tactics``), and how the
 annotate them. It does not grow with the registry: a wider union would fail the type checks of
 every plugin that tells its problems apart with ``isinstance`` and none of which serves the new
 op, where a new op must cost only the plugins that serve it."""
-AnyProblem = Problem | RaggedPrefillProblem
+AnyProblem = Problem | RaggedPrefillProblem | MergeProblem
 """The problem of any op of the registry (what the core's annotations take)."""
-Capabilities = AttentionCapabilities | RaggedPrefillCapabilities | GemmCapabilities
+Capabilities = AttentionCapabilities | RaggedPrefillCapabilities | GemmCapabilities | MergeCapabilities
 
 assert tuple(OPS) == Op.__args__, "Op must list the registry's ops"  # type: ignore[attr-defined]
 

@@ -58,7 +58,7 @@ _STANDARD_PAGE_SIZES = (1, 16, 64)
 OUTSIDE = 1000.0
 """Magnitude written to every cache slot that belongs to no request of the batch."""
 Stale = Literal["large", "nan", "inf"]
-_C = TypeVar("_C", "AttentionCase", "RaggedCase", "GemmCase")
+_C = TypeVar("_C", "AttentionCase", "RaggedCase", "GemmCase", "MergeCase")
 """What the cache slots no request owns hold: ``OUTSIDE``-sized values, NaN, or infinities."""
 
 
@@ -927,3 +927,93 @@ def gemm_cases(op: str, caps: GemmCapabilities) -> list[GemmCase]:
             cases.append(replace(base, m=127, stale=True))
             cases.append(replace(base, a_k_major=False, b_k_major=False, m=1, stale=True))
     return _unique(cases, first_seed=2000)
+
+
+# -- merging attention states (`tactix.ops.merge_states`) ---------------------------------------
+
+
+@dataclass(frozen=True)
+class MergeCase:
+    """States to merge: ``num_states`` outputs ``[rows, heads, head_dim]`` in ``v_dtype`` with their
+    float32 LSEs. ``empty``: some states are over no key (LSE -inf), one row's states all are;
+    ``form``: ``"separate"`` tensors (merge_state's), ``"stacked"`` views of one ``[rows, n, heads,
+    dim]`` tensor (merge_states'), ``"in_place"`` (the first state's tensors are the outputs,
+    ``masked``: only the rows of a mask are merged)."""
+
+    v_dtype: str
+    num_states: int = 2
+    rows: int = 37
+    heads: int = 8
+    head_dim: int = 128
+    form: Literal["separate", "stacked", "in_place"] = "separate"
+    empty: bool = False
+    masked: bool = False
+    seed: int = 0
+
+    op: ClassVar[str] = "merge_states"
+
+    @property
+    def id(self) -> str:
+        parts = [SHORT_NAMES[self.v_dtype], f"n{self.num_states}", f"r{self.rows}", f"h{self.heads}",
+                 f"d{self.head_dim}", self.form]  # fmt: skip
+        if self.empty:
+            parts.append("empty")
+        if self.masked:
+            parts.append("masked")
+        return "merge_states[" + "-".join(parts) + "]"
+
+    def features(self) -> list[str]:
+        """Tags for the support matrix."""
+        form = {"separate": "separate states", "stacked": "stacked states", "in_place": "in place"}[self.form]
+        tags = [f"dtype {SHORT_NAMES[self.v_dtype]}", f"head dim {self.head_dim}", f"{self.num_states} states", form]
+        if self.empty:
+            tags.append("empty states")
+        if self.masked:
+            tags.append("masked rows")
+        return tags
+
+
+@dataclass
+class MergeInputs:
+    vs: tuple[torch.Tensor, ...]
+    ss: tuple[torch.Tensor, ...]
+    mask: torch.Tensor | None
+
+
+def build_merge_inputs(case: MergeCase, device: torch.device) -> MergeInputs:
+    """The case's states on ``device`` (drawn on the CPU from its seed), LSEs spread over a few
+    units so that every state weighs in; stacked cases are views of one tensor."""
+    gen = torch.Generator().manual_seed(case.seed)
+    n, shape = case.num_states, (case.rows, case.heads, case.head_dim)
+    dtype = to_torch_dtype(case.v_dtype)
+    v = torch.randn(case.rows, n, case.heads, case.head_dim, generator=gen)
+    s = torch.randn(case.rows, n, case.heads, generator=gen) * 3
+    if case.empty:
+        s[:, 0, : case.heads // 2] = float("-inf")  # the first state is over no key for half the heads
+        s[min(3, case.rows - 1)] = float("-inf")  # and one row has no key in any state
+    v, s = v.to(device, dtype), s.to(device)
+    if case.form == "stacked":
+        return MergeInputs(tuple(v[:, i] for i in range(n)), tuple(s[:, i] for i in range(n)), None)
+    vs = tuple(v[:, i].contiguous() for i in range(n))
+    ss = tuple(s[:, i].contiguous() for i in range(n))
+    mask = None
+    if case.masked:
+        mask = (torch.rand(case.rows, generator=gen) < 0.6).to(device)
+    assert all(t.shape == shape for t in vs)
+    return MergeInputs(vs, ss, mask)
+
+
+def merge_cases(op: str, caps: Any) -> list[MergeCase]:
+    """The cases of the state-merge op: every declared v dtype, two to five states, separate,
+    stacked and in-place forms, empty states, masks, small and large head dims and a single row."""
+    del op
+    cases: list[MergeCase] = []
+    for dtype in sorted(set(caps.v_dtypes) | set(_STANDARD_DTYPES)):
+        base = MergeCase(dtype)
+        cases += [base, replace(base, empty=True), replace(base, form="stacked", num_states=3),
+                  replace(base, form="in_place"), replace(base, form="in_place", masked=True, empty=True)]  # fmt: skip
+    bf16 = MergeCase("bfloat16")
+    cases += [replace(bf16, head_dim=64, heads=32), replace(bf16, head_dim=256, rows=5),
+              replace(bf16, head_dim=512, rows=3, heads=2), replace(bf16, rows=1),
+              replace(bf16, form="stacked", num_states=5, empty=True), replace(bf16, rows=1000, heads=4)]  # fmt: skip
+    return _unique(cases, first_seed=5000)

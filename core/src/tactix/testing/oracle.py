@@ -9,7 +9,7 @@ inputs are on.
 from __future__ import annotations
 
 import math
-from typing import Final
+from typing import Any, Final
 
 import torch
 
@@ -24,6 +24,7 @@ __all__ = [
     "attention_tolerance",
     "gemm_reference",
     "lse_error",
+    "merge_reference",
     "ragged_reference",
     "relative_error",
     "tolerance_for",
@@ -284,3 +285,14 @@ def gemm_reference(
     if bias is not None:
         result = result + bias.to(torch.float64)
     return result
+
+
+def merge_reference(vs: Any, ss: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge of attention states ``(vs[i], ss[i])`` in float64: ``s = log(sum exp(s_i))``,
+    ``v = sum v_i exp(s_i - s)``; rows whose states are all over no key give zeros and -inf."""
+    v = torch.stack([x.detach().to("cpu", torch.float64) for x in vs])
+    s = torch.stack([x.detach().to("cpu", torch.float64) for x in ss])
+    merged_s = torch.logsumexp(s, dim=0)
+    finite = torch.isfinite(merged_s)
+    weights = torch.where(finite, torch.exp(s - torch.where(finite, merged_s, 0.0)), 0.0)
+    return (v * weights.unsqueeze(-1)).sum(dim=0), merged_s

@@ -173,6 +173,7 @@ KIT_FIXTURES: Final[dict[str, tuple[str, Callable[[list[Any]], list[Any]] | None
     "graph_case": ("attention", _graph_cases),
     "gemm_case": ("gemm", None),
     "gemm_edge_case": ("gemm", lambda cases: cases[:3]),
+    "merge_case": ("merge", None),
 }
 """The suite's case fixtures: the kit family (`OpDefinition.kit_family`) whose cases each takes,
 and the subset of them (None: all)."""

@@ -28,6 +28,7 @@ from tactix.batch import Batch
 from tactix.errors import FallbackWarning, InvalidArgumentError, TactixError
 from tactix.gemm import Gemm, gemm_problem
 from tactix.ops import OPS, AnyProblem, GemmProblem
+from tactix.problems import make_problem
 from tactix.ragged import ragged_problem
 from tactix.registry import Backend
 from tactix.tactics import Tactic
@@ -36,18 +37,22 @@ from tactix.testing.cases import (
     AttentionInputs,
     GemmCase,
     GemmInputs,
+    MergeCase,
     RaggedCase,
     RaggedInputs,
     build_attention_inputs,
     build_gemm_inputs,
+    build_merge_inputs,
     build_ragged_inputs,
 )
 from tactix.testing.oracle import (
+    LSE_TOLERANCE,
     attention_lse_tolerance,
     attention_reference,
     attention_tolerance,
     gemm_reference,
     lse_error,
+    merge_reference,
     ragged_reference,
     relative_error,
     tolerance_for,
@@ -457,3 +462,61 @@ def test_gemm_tactics(backend: Backend | None, gemm_case: GemmCase, device: torc
         except (AssertionError, TactixError, FallbackWarning) as exc:
             failures.append(f"{tactic}: {exc}")
     assert not failures, "\n".join(failures)
+
+
+# -- merging attention states ----------------------------------------------------------------
+
+
+def test_merge_states(backend: Backend | None, merge_case: MergeCase, device: torch.device) -> None:
+    """The states' merge against the float64 oracle: outputs poisoned first (every element
+    written; with a mask, the rows it leaves out untouched), empty states and rows exact (zeros,
+    -inf), the same bits on a second run, and a plan that serves another number of rows."""
+    from tactix.merge import MergeStates
+
+    backend = _require(backend)
+    case = merge_case
+    problem = make_problem("merge_states", device_type=device.type, v_dtype=case.v_dtype,
+                           num_states=case.num_states, num_heads=case.heads, head_dim=case.head_dim, rows=case.rows,
+                           masked=case.masked)  # fmt: skip
+    _skip_unless_claimed(backend, problem, None)
+    m = MergeStates(backend=backend.name, device=device)
+    m.plan(num_states=case.num_states, num_heads=case.heads, head_dim=case.head_dim, v_dtype=case.v_dtype,
+           rows=case.rows, masked=case.masked)  # fmt: skip
+    assert m.backend == backend.name, f"served by '{m.backend}', not '{backend.name}'"
+    what = f"{case.id} with tactic {m.tactic}"
+    tol = tolerance_for(case.v_dtype)
+    for rows in (case.rows, max(1, case.rows // 3)):  # the plan serves any number of rows
+        inputs = build_merge_inputs(case, device)  # (afresh: an in-place run changed the first state)
+        ref_v, ref_s = merge_reference(inputs.vs, inputs.ss)
+        vs, ss = tuple(v[:rows] for v in inputs.vs), tuple(x[:rows] for x in inputs.ss)
+        mask = None if inputs.mask is None else inputs.mask[:rows]
+        if case.form == "in_place":
+            before_v, before_s = vs[0].clone(), ss[0].clone()
+            out_v, out_s = m.run(vs, ss, out_v=vs[0], out_s=ss[0], mask=mask)
+            assert out_v is vs[0] and out_s is ss[0], f"{what}: run(out_v=..., out_s=...) must return them"
+        else:
+            out_v = torch.full_like(vs[0], float("nan"))
+            out_s = torch.full(ss[0].shape, float("nan"), device=device)
+            m.run(vs, ss, out_v=out_v, out_s=out_s, mask=mask)
+        want_v, want_s = ref_v[:rows], ref_s[:rows]
+        if mask is not None:
+            keep = ~mask.cpu()
+            kept = keep.to(device)
+            unchanged = torch.equal(out_v[kept], before_v[kept]) and torch.equal(out_s[kept], before_s[kept])
+            assert unchanged, f"{what}: rows outside the mask changed"
+            want_v = torch.where(keep[:, None, None], before_v.cpu().double(), want_v)
+            want_s = torch.where(keep[:, None], before_s.cpu().double(), want_s)
+        assert not bool(torch.isnan(out_v).any()) and not bool(torch.isnan(out_s).any()), f"{what}: NaN in the output"
+        err = relative_error(out_v, want_v)
+        assert err <= tol, f"{what}, {rows} rows: relative error {err:.3e} above {tol:.0e}"
+        assert lse_error(out_s, want_s) <= LSE_TOLERANCE["float32"], f"{what}, {rows} rows: LSE off"
+        empty = torch.isneginf(ref_s[:rows])  # rows the merge wrote whose states are all over no key
+        if mask is not None:
+            empty &= mask.cpu()[:, None]
+        if bool(empty.any()):
+            assert bool(torch.isneginf(out_s.cpu()[empty]).all()), f"{what}: a row of empty states must give -inf"
+            assert not bool(out_v.cpu()[empty].float().abs().sum()), f"{what}: a row of empty states must give zeros"
+    if case.form != "in_place":
+        again = torch.full_like(out_v, float("nan"))
+        m.run(vs, ss, out_v=again, out_s=torch.empty_like(out_s), mask=mask)
+        assert torch.equal(again, out_v), f"{what}: the same states gave different output"

@@ -26,6 +26,7 @@ import tactix
 from tactix import (
     DecodeProblem,
     GemmProblem,
+    MergeProblem,
     PagedBatch,
     PlanOptions,
     PrefillProblem,
@@ -35,7 +36,7 @@ from tactix import (
     Tactic,
 )
 from tactix.plugin import compute_capability
-from tactix_cuda_native import NAME, __version__, decode, gemm, prefill, ragged
+from tactix_cuda_native import NAME, __version__, decode, gemm, merge, prefill, ragged
 from tactix_cuda_native.device import DeviceInfo, info_for
 from tactix_cuda_native.kernel import DTYPES
 from tactix_cuda_native.paged import FP8_KV_DTYPES, HEAD_DIMS
@@ -109,6 +110,14 @@ _GEMM = tactix.GemmCapabilities(
 )
 
 
+_MERGE: Final = tactix.MergeCapabilities(
+    devices=frozenset({"cuda"}),
+    compute_capabilities=_CCS,
+    v_dtypes=frozenset(merge.MERGE_TYPES),
+    cuda_graph="fixed_buffers",
+)
+
+
 @tactix.hookimpl
 def tactix_backends() -> list[tactix.BackendSpec]:
     return [
@@ -121,6 +130,7 @@ def tactix_backends() -> list[tactix.BackendSpec]:
             decode=_DECODE,
             ragged_prefill=_RAGGED,
             gemm=_GEMM,
+            merge_states=_MERGE,
             preference=5,
             # decode: ahead of cudnn untuned. Measured on the H200 (benchmarks/results/
             # h200-bench-deterministic.json): deterministic and faster than cuDNN's deterministic
@@ -148,7 +158,9 @@ def tactix_environment() -> list[str] | None:
     return reasons
 
 
-def _reasons(problem: Problem | RaggedPrefillProblem, tactic: Tactic, info: DeviceInfo) -> list[str]:
+def _reasons(problem: Problem | RaggedPrefillProblem | MergeProblem, tactic: Tactic, info: DeviceInfo) -> list[str]:
+    if isinstance(problem, MergeProblem):
+        return merge.merge_reasons(problem, tactic)
     if isinstance(problem, RaggedPrefillProblem):
         return prefill.prefill_reasons(problem.as_paged_prefill(), tactic, info)
     if isinstance(problem, PrefillProblem):
@@ -159,14 +171,16 @@ def _reasons(problem: Problem | RaggedPrefillProblem, tactic: Tactic, info: Devi
 
 
 @tactix.hookimpl
-def tactix_check(problem: Problem | RaggedPrefillProblem, tactic: Tactic,
+def tactix_check(problem: Problem | RaggedPrefillProblem | MergeProblem, tactic: Tactic,
                  batch: PagedBatch | RaggedBatch | None) -> list[str] | None:  # fmt: skip
     return _reasons(problem, tactic, info_for(None))
 
 
 @tactix.hookimpl
-def tactix_tactics(problem: Problem | RaggedPrefillProblem) -> list[Tactic] | None:
+def tactix_tactics(problem: Problem | RaggedPrefillProblem | MergeProblem) -> list[Tactic] | None:
     info = info_for(None)
+    if isinstance(problem, MergeProblem):
+        return [merge.MERGE_TACTIC]
     if isinstance(problem, RaggedPrefillProblem):
         return prefill.prefill_tactics(problem.as_paged_prefill(), info)
     if isinstance(problem, PrefillProblem):
@@ -208,3 +222,9 @@ def tactix_plan_ragged_prefill(problem: RaggedPrefillProblem, batch: RaggedBatch
 def tactix_plan_gemm(problem: GemmProblem, tactic: Tactic,
                      options: PlanOptions) -> gemm.CudaNativeGemmPlan | None:  # fmt: skip
     return gemm.plan_gemm(problem, tactic, options)
+
+
+@tactix.hookimpl
+def tactix_plan_merge_states(problem: MergeProblem, tactic: Tactic,
+                             options: PlanOptions) -> merge.CudaNativeMergePlan | None:  # fmt: skip
+    return merge.plan_merge(problem, tactic, options)

@@ -9,6 +9,7 @@ from tactix_cuda_native.decode import decode_candidates, decode_plan_variant, de
 from tactix_cuda_native.device import H200, WGMMA_ARCHS, DeviceInfo
 from tactix_cuda_native.gemm import GEMM_MAX_M, default_gemm_params, gemm_params_variant, gemm_tactic_params
 from tactix_cuda_native.kernel import DTYPES
+from tactix_cuda_native.merge import MERGE_TYPES, merge_variant
 from tactix_cuda_native.paged import FP8_KV_DTYPES, HEAD_DIMS
 from tactix_cuda_native.prefill import (
     default_prefill_params,
@@ -25,8 +26,9 @@ def default_variants(info: DeviceInfo = H200) -> list[Variant]:
     """Every kernel variant the default tactics use on a GPU like ``info`` (what `warmup` compiles):
     prefill for each head dim, with persistent CTAs where the default takes them for batches of
     short work items, and DeepSeek's 192/128; decode for each head dim, large and small batches, over 16-bit and fp8
-    caches (`fp8_decode_variants`), and the decode plan's work-list kernel; GEMM for 1, 2 and 4 m-tiles."""
-    out = [decode_plan_variant(info.arch)]
+    caches (`fp8_decode_variants`), and the decode plan's work-list kernel; GEMM for 1, 2 and 4 m-tiles;
+    the state merge for each of its dtypes."""
+    out = [decode_plan_variant(info.arch), *(merge_variant(t, info.arch) for t in sorted(MERGE_TYPES))]
     for dtype in sorted(DTYPES):
         for d in HEAD_DIMS:
             prefill = default_prefill_params(d, info)
