@@ -319,6 +319,7 @@ BULK_CASES = [
 ]
 
 
+@pytest.mark.exhaustive(sample=8)  # (bulk cases x copies x maps: a sample per CI run)
 @pytest.mark.parametrize("tma", [0, 1], ids=["linear", "tensor-maps"])
 @pytest.mark.parametrize("eager", [False, True], ids=["late-copies", "eager-copies"])
 @pytest.mark.parametrize(("lens", "kw"), BULK_CASES)
@@ -981,7 +982,7 @@ def test_emulated_prefill_concurrent_ctas(tactic: dict[str, Any], schedule: emul
 PERSIST_SHAPES = [(128, 128, 8, 2), (128, 64, 8, 3), (64, 128, 4, 3), (64, 64, 4, 2)]
 
 
-@pytest.mark.exhaustive(sample=4)  # (8 points, about 50 s on 2 cores: a sample per CI run)
+@pytest.mark.exhaustive(sample=3)  # (8 points, about 50 s on 2 cores: a sample per CI run)
 @pytest.mark.parametrize("eager", [False, True], ids=["late-copies", "eager-copies"])
 @pytest.mark.parametrize("shape", PERSIST_SHAPES, ids=lambda s: "q{}-kv{}-s{}".format(*s[:2], s[3]))
 def test_emulated_persistent_ctas_loop_over_items(shape: tuple[int, int, int, int], eager: bool,
@@ -1090,7 +1091,7 @@ def test_emulated_persistent_concurrent_ctas_and_graph_capacity(shape: tuple[int
 PINGPONG_SHAPES = [(128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3)]
 
 
-@pytest.mark.exhaustive(sample=6)  # (12 points, about 70 s on 2 cores: a sample per CI run)
+@pytest.mark.exhaustive(sample=4)  # (12 points, about 70 s on 2 cores: a sample per CI run)
 @pytest.mark.parametrize("persist", [0, 1], ids=["one-cta-per-item", "persistent"])
 @pytest.mark.parametrize("eager", [False, True], ids=["late-copies", "eager-copies"])
 @pytest.mark.parametrize("shape", PINGPONG_SHAPES, ids=lambda s: "q{}-kv{}-s{}".format(*s[:2], s[3]))
