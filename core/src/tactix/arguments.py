@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tactix.errors import InvalidArgumentError
 
-__all__ = ["flag", "positive_int"]
+__all__ = ["described", "flag", "positive_int"]
 
 
 def flag(value: object, argument: str) -> bool:
@@ -21,3 +21,12 @@ def positive_int(value: object, argument: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidArgumentError(argument, "a positive int", repr(value))
     return value
+
+
+def described(value: object) -> str:
+    """What an error says was given for a tensor argument: dtype, shape and device, else the type."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    return "None" if value is None else type(value).__name__

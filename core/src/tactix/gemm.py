@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 
-from tactix.arguments import flag, positive_int
+from tactix.arguments import described, flag, positive_int
 from tactix.devices import resolve_device
 from tactix.dtypes import parse_dtype, to_torch_dtype
 from tactix.errors import InvalidArgumentError, TactixError
@@ -131,9 +131,6 @@ class Gemm(PlannedOp):
     torch.Size([8, 96])
     """
 
-    def __init__(self, *, backend: str = "auto", device: torch.device | str | None = None) -> None:
-        super().__init__(backend=backend, device=device)
-
     def plan(
         self,
         m: int,
@@ -227,7 +224,7 @@ class Gemm(PlannedOp):
                     raise InvalidArgumentError(
                         name,
                         f"a one-element float32 tensor on {device} (fp8 operands need per-tensor scales)",
-                        _describe(s),
+                        described(s),
                     )
         elif scale_a is not None or scale_b is not None:
             raise InvalidArgumentError("scale_a", "None for non-fp8 operands", "a scale")
@@ -245,12 +242,6 @@ class Gemm(PlannedOp):
         return out
 
 
-def _describe(t: object) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
-    return type(t).__name__ if t is not None else "None"
-
-
 def _reject(
     name: str,
     t: object,
@@ -260,7 +251,7 @@ def _reject(
     contiguous: bool = False,
 ) -> None:
     expected = f"a {'contiguous ' if contiguous else ''}{dtype} tensor of shape {tuple(shape)} on {device}"
-    got = _describe(t)
+    got = described(t)
     if contiguous and isinstance(t, torch.Tensor) and not t.is_contiguous():
         got = "non-contiguous " + got
     raise InvalidArgumentError(name, expected, got)
@@ -291,7 +282,7 @@ def gemm(
     """
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor) or t.dim() not in (2, 3):
-            raise InvalidArgumentError(name, "a 2-D or 3-D (batched) torch.Tensor", _describe(t))
+            raise InvalidArgumentError(name, "a 2-D or 3-D (batched) torch.Tensor", described(t))
     if a.dim() != b.dim():
         raise InvalidArgumentError("b", f"{a.dim()}-D like a", f"{b.dim()}-D")
     if a.shape[-1] != b.shape[-2]:
@@ -299,7 +290,7 @@ def gemm(
     if a.dim() == 3 and a.shape[0] != b.shape[0]:
         raise InvalidArgumentError("b", f"batch {a.shape[0]} like a", b.shape[0])
     if bias is not None and not isinstance(bias, torch.Tensor):
-        raise InvalidArgumentError("bias", "None or a torch.Tensor [n]", _describe(bias))
+        raise InvalidArgumentError("bias", "None or a torch.Tensor [n]", described(bias))
     if a.device != b.device:
         raise InvalidArgumentError("b", f"on {a.device} like a", b.device)
     a_layout, b_layout = _a_layout(a), _b_layout(b)

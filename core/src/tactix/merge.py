@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from tactix.arguments import positive_int
+from tactix.arguments import described, flag, positive_int
 from tactix.devices import resolve_device
-from tactix.dtypes import parse_dtype
+from tactix.dtypes import parse_dtype, to_torch_dtype
 from tactix.errors import InvalidArgumentError, TactixError
 from tactix.hookspecs import PlanOptions
 from tactix.ops import MergeProblem
@@ -95,9 +95,6 @@ class MergeStates(PlannedOp):
     (torch.Size([3, 4, 8]), torch.Size([3, 4]))
     """
 
-    def __init__(self, *, backend: str = "auto", device: torch.device | str | None = None) -> None:
-        super().__init__(backend=backend, device=device)
-
     def plan(self, *, num_states: int, num_heads: int, head_dim: int, v_dtype: torch.dtype | str,
              rows: int = 1, masked: bool = False, backend: str | None = None,
              tactic: Tactic | dict[str, Any] | str | None = None) -> None:  # fmt: skip
@@ -107,10 +104,9 @@ class MergeStates(PlannedOp):
         if isinstance(num_states, bool) or not isinstance(num_states, int) or num_states < 2:
             raise InvalidArgumentError("num_states", "an int >= 2 (states to merge)", repr(num_states))
         name = parse_dtype(v_dtype, "v_dtype")
-        if name not in _V_NAMES:
+        if to_torch_dtype(name) not in _V_DTYPES:
             raise InvalidArgumentError("v_dtype", "float16, bfloat16 or float32", name)
-        if not isinstance(masked, bool):
-            raise InvalidArgumentError("masked", "a bool", repr(masked))
+        flag(masked, "masked")
         device = resolve_device(self._device)
         problem = make_problem(
             "merge_states", device_type=device.type, v_dtype=name, num_states=num_states,
@@ -138,7 +134,7 @@ class MergeStates(PlannedOp):
                 or len(ss) != p.num_states:  # fmt: skip
             raise InvalidArgumentError("vs", f"{p.num_states} output tensors and as many LSEs (ss), as planned",
                                        f"{_count(vs)} and {_count(ss)}")  # fmt: skip
-        dtype = _V_DTYPES[_V_NAMES.index(p.v_dtype)]
+        dtype = to_torch_dtype(p.v_dtype)
         first = _check_state(vs[0], ss[0], 0, p, dtype, self._device_now)
         for i in range(1, p.num_states):
             v = _check_state(vs[i], ss[i], i, p, dtype, self._device_now)
@@ -151,35 +147,26 @@ class MergeStates(PlannedOp):
         elif not isinstance(out_v, torch.Tensor) or tuple(out_v.shape) != shape or out_v.dtype != dtype \
                 or out_v.device != self._device_now or out_v.stride(-1) != 1:  # fmt: skip
             raise InvalidArgumentError("out_v", f"a {dtype} tensor of shape {shape} on {self._device_now}, last dim "
-                                       "contiguous", _describe(out_v))  # fmt: skip
+                                       "contiguous", described(out_v))  # fmt: skip
         if out_s is None:
             out_s = torch.empty(shape[:2], dtype=torch.float32, device=self._device_now)
         elif not isinstance(out_s, torch.Tensor) or tuple(out_s.shape) != shape[:2] \
                 or out_s.dtype != torch.float32 or out_s.device != self._device_now:  # fmt: skip
             raise InvalidArgumentError("out_s", f"a float32 tensor of shape {shape[:2]} on {self._device_now}",
-                                       _describe(out_s))  # fmt: skip
+                                       described(out_s))  # fmt: skip
         if p.masked:
             if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (rows,) \
                     or mask.device != self._device_now:  # fmt: skip
                 raise InvalidArgumentError("mask", f"a bool tensor of shape ({rows},) on {self._device_now} (planned "
-                                           "masked)", _describe(mask))  # fmt: skip
+                                           "masked)", described(mask))  # fmt: skip
         elif mask is not None:
-            raise InvalidArgumentError("mask", "None (planned without a mask)", _describe(mask))
+            raise InvalidArgumentError("mask", "None (planned without a mask)", described(mask))
         self._run(tuple(vs), tuple(ss), out_v, out_s, mask)
         return out_v, out_s
 
 
-_V_NAMES = ("float16", "bfloat16", "float32")
-
-
 def _count(x: object) -> str:
     return str(len(x)) if isinstance(x, Sequence) else type(x).__name__
-
-
-def _describe(t: object) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
-    return "None" if t is None else type(t).__name__
 
 
 def _check_state(v: object, s: object, i: int, p: MergeProblem, dtype: torch.dtype,
@@ -187,11 +174,11 @@ def _check_state(v: object, s: object, i: int, p: MergeProblem, dtype: torch.dty
     if not isinstance(v, torch.Tensor) or v.dim() != 3 or tuple(v.shape[1:]) != (p.num_heads, p.head_dim) \
             or v.dtype != dtype or v.device != device or v.stride(-1) != 1:  # fmt: skip
         raise InvalidArgumentError(f"vs[{i}]", f"a {dtype} tensor [rows, {p.num_heads}, {p.head_dim}] on {device}, "
-                                   "last dim contiguous", _describe(v))  # fmt: skip
+                                   "last dim contiguous", described(v))  # fmt: skip
     if not isinstance(s, torch.Tensor) or tuple(s.shape) != tuple(v.shape[:2]) or s.dtype != torch.float32 \
             or s.device != device:  # fmt: skip
         raise InvalidArgumentError(f"ss[{i}]", f"a float32 tensor of shape {tuple(v.shape[:2])} on {device} "
-                                   f"(the LSE of vs[{i}])", _describe(s))  # fmt: skip
+                                   f"(the LSE of vs[{i}])", described(s))  # fmt: skip
     return v
 
 

@@ -125,8 +125,8 @@ class Selection:
 
 class Planned:
     """What a planned wrapper reports about its current plan (shared by attention, GEMM and the
-    state merge); `_Planned.__init__` is the constructor of the wrappers that take only a backend
-    and a device."""
+    state merge; `PlannedOp` adds the constructor of the wrappers that take only a backend and a
+    device)."""
 
     _selection: Selection | None = None
 
@@ -167,7 +167,7 @@ class PlannedOp(Planned):
     """A wrapper constructed from a backend name and a device only (`tactix.Gemm`,
     `tactix.MergeStates`): both checked here, the plan made by the subclass's ``plan``."""
 
-    def __init__(self, *, backend: str = "auto", device: Any = None) -> None:
+    def __init__(self, *, backend: str = "auto", device: torch.device | str | None = None) -> None:
         if not isinstance(backend, str):
             raise InvalidArgumentError("backend", "'auto' or a backend name", repr(backend))
         if backend != "auto":

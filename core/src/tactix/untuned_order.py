@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from tactix.devices import compute_capability
 from tactix.errors import InvalidArgumentError
@@ -90,17 +90,14 @@ class OrderTable(BaseModel):
     sources: list[dict[str, Any]] = Field(default_factory=list, description="the reports it was derived from")
     entries: list[OrderEntry] = Field(default_factory=list)
 
+    _by_key: dict[tuple[str, str, str], tuple[str, ...]] = PrivateAttr(default_factory=dict)
+
+    def model_post_init(self, context: Any, /) -> None:
+        self._by_key = {(e.arch, e.op, e.shape_class): e.order for e in self.entries}
+
     def lookup(self, arch: str, op: str, shape_class: str) -> tuple[str, ...] | None:
         """The measured order for a problem of ``op`` and ``shape_class`` on ``arch``, or None."""
-        return self._index.get((arch, op, shape_class))
-
-    @property
-    def _index(self) -> dict[tuple[str, str, str], tuple[str, ...]]:
-        found: dict[tuple[str, str, str], tuple[str, ...]] | None = self.__dict__.get("_index_cache")
-        if found is None:
-            found = {(e.arch, e.op, e.shape_class): e.order for e in self.entries}
-            object.__setattr__(self, "_index_cache", found)  # frozen model: a memo, not a field
-        return found
+        return self._by_key.get((arch, op, shape_class))
 
 
 EMPTY: Final = OrderTable(format=FORMAT)
