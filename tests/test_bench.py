@@ -213,3 +213,30 @@ def test_the_second_round_keeps_the_faster_median_of_a_row() -> None:
     assert slow_first.rate == pytest.approx(1e9 / slow_first.time_us) and len(slow_first.samples_us) == 3
     assert fast_first.time_us == 1e-9 and fast_first.rate == 5.0 and fast_first.round_kept is None
     assert slow_first.retime is None and fast_first.retime is None
+
+
+def test_an_interrupted_run_still_writes_the_cases_it_finished(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bench stopped by SIGINT (Ctrl-C, or `timeout -s INT` on a device with a time limit) keeps
+    the cases finished before it in its JSON and Markdown, marks where it stopped, and exits 130."""
+    import tactix.bench as bench
+
+    real = bench._bench_case
+
+    def stop_at_d2(case, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if case.id == "d2":
+            raise KeyboardInterrupt  # what SIGINT raises in the main thread, mid-case
+        return real(case, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "_bench_case", stop_at_d2)
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    rc = main(["bench", "--suite", "cpu", "--device", "cpu", "--cases", "d1,d2,g2", "--backends", "torch", "--no-tune",
+               "--repeat", "2", "--json", str(out), "--markdown", str(md)])  # fmt: skip
+    assert rc == 130
+    report = json.loads(out.read_text())
+    assert report["environment"]["interrupted"] == "d2"
+    assert {r["case"] for r in report["rows"]} == {"d1"} and all(r["status"] == "ok" for r in report["rows"])
+    assert "Interrupted during d2" in md.read_text()
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "tactix: interrupted during case d2; the report holds the cases finished before it"

@@ -731,6 +731,116 @@ def _gemm_work(case: BenchCase, inputs: dict[str, Any]) -> tuple[float, str]:
     return 2.0 * case.m * case.n * case.k, "TFLOP/s"
 
 
+def _bench_case(
+    case: BenchCase,
+    device: torch.device,
+    dtype: torch.dtype,
+    names: list[str],
+    policy: MeasurementPolicy,
+    store: str,
+    references: bool,
+    anchor_version: str | None,
+    untuned: bool,
+    tune: bool,
+    deterministic: bool,
+    progress: Any,
+) -> list[BenchRow]:
+    """One case's rows: every serving backend, the references, FlashInfer's anchors, untuned and tuned `auto`."""
+    if progress:
+        progress(f"{case.id}: {case.description}")
+    if case.op == "gemm":
+        inputs_g = _gemm_inputs(case, device, dtype)
+        ref = gemm_reference(
+            inputs_g["a"], inputs_g["b"], scale_a=inputs_g.get("scale_a"), scale_b=inputs_g.get("scale_b")
+        )
+
+        def measure_one(
+            backend: str, name: str | None = None, inputs: Any = inputs_g, ref: torch.Tensor = ref,
+            c: BenchCase = case,
+        ) -> BenchRow:  # fmt: skip
+            return _measure_gemm(c, inputs, device, policy, dtype, backend, ref, name)
+
+        out_dtype = torch.bfloat16 if case.fp8 else dtype
+        ref_inputs: dict[str, Any] = {
+            "a": inputs_g["a"],
+            "b": inputs_g["b"],
+            "scale_a": inputs_g.get("scale_a"),
+            "scale_b": inputs_g.get("scale_b"),
+            "out": torch.empty(case.m, case.n, dtype=out_dtype, device=device),
+        }
+        tolerance = tolerance_for(out_dtype, inputs_g["a"].dtype)
+        work = _gemm_work(case, inputs_g)
+    else:
+        inputs_a = _attention_inputs(case, device, dtype)
+        qo = inputs_a.qo_indptr
+        k_scale, v_scale = inputs_a.scale_values()
+        masking: dict[str, Any] = {
+            "causal": case.op != "decode" or case.q_len_per_req > 1,
+            "sm_scale": 1 / math.sqrt(case.head_dim),
+            "window_left": case.window_left,
+            "k_scale": k_scale,
+            "v_scale": v_scale,
+            "sinks": inputs_a.extras.get("sinks"),
+        }
+        a = inputs_a
+        if case.op == "ragged_prefill":
+            ref, _ = ragged_reference(a.q, a.k, a.v, qo, a.kv_indptr, **masking)
+        else:
+            ref, _ = attention_reference(a.q, a.k, a.v, qo, a.kv_indptr, a.kv_indices, a.last, kv_layout="HND",
+                                         **masking)  # fmt: skip
+
+        def measure_one(
+            backend: str, name: str | None = None, inputs: Any = inputs_a, ref: torch.Tensor = ref,
+            c: BenchCase = case,
+        ) -> BenchRow:  # fmt: skip
+            return _measure_attention(c, inputs, device, policy, dtype, backend, ref, deterministic, name)
+
+        ref_inputs = {
+            "q": inputs_a.q,
+            "k_cache": inputs_a.k,
+            "v_cache": inputs_a.v,
+            "qo_indptr": inputs_a.qo_indptr,
+            "kv_indptr": inputs_a.kv_indptr,
+            "kv_indices": inputs_a.kv_indices,
+            "kv_last_page_len": inputs_a.last,
+            "causal": case.op != "decode" or case.q_len_per_req > 1,
+            "q_len_per_req": case.q_len_per_req,
+            "sm_scale": 1 / math.sqrt(case.head_dim),
+            "window_left": case.window_left,
+            "out": inputs_a.out,
+            **inputs_a.extras,
+        }
+        tolerance = attention_tolerance(dtype, case.kv_dtype or dtype, dtype)
+        work = _attention_work(case, dtype)
+
+    registry = get_registry()
+    serving = [n for n in names if registry.get(n).spec.capabilities(case.op) is not None]  # type: ignore[arg-type]
+    case_rows = [measure_one(name) for name in serving]
+    if references:
+        for name in serving:
+            case_rows += _measure_references(case, name, ref_inputs, device, policy, ref, tolerance, work)
+    if anchor_version and case.op != "gemm":
+        case_rows += _measure_flashinfer(case, ref_inputs, device, policy, ref, tolerance, work)
+    # untuned `auto`: what a process without stored tactics plans (the untuned order), from a
+    # store that has none
+    if untuned:
+        with autotune(mode="off", cache_dir=tempfile.mkdtemp(prefix="tactix-bench-empty-"), policy=policy):
+            case_rows.append(measure_one("auto", "auto (untuned)"))
+    if tune:
+        with autotune(mode="tune", cache_dir=store, policy=policy):
+            case_rows.append(measure_one("auto", "auto (tuned)"))
+    _second_round(case_rows, device, policy)
+    del ref
+    problem = case_problem(case, dtype)
+    for r in case_rows:
+        r.eager_us = eager_cost(r.time_us, r.run_host_us)
+        r.op, r.shape_class = problem.op, untuned_order.shape_class(problem)
+    _rank(case_rows, policy.execution == "eager")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return case_rows
+
+
 def run_bench(
     suite_name: str,
     device: torch.device,
@@ -759,100 +869,17 @@ def run_bench(
     rows: list[BenchRow] = []
     store = tempfile.mkdtemp(prefix="tactix-bench-store-")
     anchor_version = bench_flashinfer.version(device) if flashinfer else None
-    for case in chosen:
+    interrupted: str | None = None
+    try:
+        for case in chosen:
+            interrupted = case.id
+            rows += _bench_case(case, device, dtype, names, policy, store, references, anchor_version, untuned, tune,
+                                deterministic, progress)  # fmt: skip
+        interrupted = None
+    except KeyboardInterrupt:
+        # a stopped run (Ctrl-C, `timeout -s INT`) still reports the cases it finished
         if progress:
-            progress(f"{case.id}: {case.description}")
-        if case.op == "gemm":
-            inputs_g = _gemm_inputs(case, device, dtype)
-            ref = gemm_reference(
-                inputs_g["a"], inputs_g["b"], scale_a=inputs_g.get("scale_a"), scale_b=inputs_g.get("scale_b")
-            )
-
-            def measure_one(
-                backend: str, name: str | None = None, inputs: Any = inputs_g, ref: torch.Tensor = ref,
-                c: BenchCase = case,
-            ) -> BenchRow:  # fmt: skip
-                return _measure_gemm(c, inputs, device, policy, dtype, backend, ref, name)
-
-            out_dtype = torch.bfloat16 if case.fp8 else dtype
-            ref_inputs: dict[str, Any] = {
-                "a": inputs_g["a"],
-                "b": inputs_g["b"],
-                "scale_a": inputs_g.get("scale_a"),
-                "scale_b": inputs_g.get("scale_b"),
-                "out": torch.empty(case.m, case.n, dtype=out_dtype, device=device),
-            }
-            tolerance = tolerance_for(out_dtype, inputs_g["a"].dtype)
-            work = _gemm_work(case, inputs_g)
-        else:
-            inputs_a = _attention_inputs(case, device, dtype)
-            qo = inputs_a.qo_indptr
-            k_scale, v_scale = inputs_a.scale_values()
-            masking: dict[str, Any] = {
-                "causal": case.op != "decode" or case.q_len_per_req > 1,
-                "sm_scale": 1 / math.sqrt(case.head_dim),
-                "window_left": case.window_left,
-                "k_scale": k_scale,
-                "v_scale": v_scale,
-                "sinks": inputs_a.extras.get("sinks"),
-            }
-            a = inputs_a
-            if case.op == "ragged_prefill":
-                ref, _ = ragged_reference(a.q, a.k, a.v, qo, a.kv_indptr, **masking)
-            else:
-                ref, _ = attention_reference(a.q, a.k, a.v, qo, a.kv_indptr, a.kv_indices, a.last, kv_layout="HND",
-                                             **masking)  # fmt: skip
-
-            def measure_one(
-                backend: str, name: str | None = None, inputs: Any = inputs_a, ref: torch.Tensor = ref,
-                c: BenchCase = case,
-            ) -> BenchRow:  # fmt: skip
-                return _measure_attention(c, inputs, device, policy, dtype, backend, ref, deterministic, name)
-
-            ref_inputs = {
-                "q": inputs_a.q,
-                "k_cache": inputs_a.k,
-                "v_cache": inputs_a.v,
-                "qo_indptr": inputs_a.qo_indptr,
-                "kv_indptr": inputs_a.kv_indptr,
-                "kv_indices": inputs_a.kv_indices,
-                "kv_last_page_len": inputs_a.last,
-                "causal": case.op != "decode" or case.q_len_per_req > 1,
-                "q_len_per_req": case.q_len_per_req,
-                "sm_scale": 1 / math.sqrt(case.head_dim),
-                "window_left": case.window_left,
-                "out": inputs_a.out,
-                **inputs_a.extras,
-            }
-            tolerance = attention_tolerance(dtype, case.kv_dtype or dtype, dtype)
-            work = _attention_work(case, dtype)
-
-        registry = get_registry()
-        serving = [n for n in names if registry.get(n).spec.capabilities(case.op) is not None]  # type: ignore[arg-type]
-        case_rows = [measure_one(name) for name in serving]
-        if references:
-            for name in serving:
-                case_rows += _measure_references(case, name, ref_inputs, device, policy, ref, tolerance, work)
-        if anchor_version and case.op != "gemm":
-            case_rows += _measure_flashinfer(case, ref_inputs, device, policy, ref, tolerance, work)
-        # untuned `auto`: what a process without stored tactics plans (the untuned order), from a
-        # store that has none
-        if untuned:
-            with autotune(mode="off", cache_dir=tempfile.mkdtemp(prefix="tactix-bench-empty-"), policy=policy):
-                case_rows.append(measure_one("auto", "auto (untuned)"))
-        if tune:
-            with autotune(mode="tune", cache_dir=store, policy=policy):
-                case_rows.append(measure_one("auto", "auto (tuned)"))
-        _second_round(case_rows, device, policy)
-        del ref
-        problem = case_problem(case, dtype)
-        for r in case_rows:
-            r.eager_us = eager_cost(r.time_us, r.run_host_us)
-            r.op, r.shape_class = problem.op, untuned_order.shape_class(problem)
-        _rank(case_rows, policy.execution == "eager")
-        rows += case_rows
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            progress(f"interrupted during {interrupted}: the report holds the cases before it")
     env = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
         "arch": untuned_order.arch_of(device),
@@ -866,6 +893,8 @@ def run_bench(
         "suite": suite_name,
         "deterministic": deterministic,
     }
+    if interrupted is not None:
+        env["interrupted"] = interrupted
     return {"environment": env, "rows": [{k: v for k, v in asdict(r).items() if k != "retime"} for r in rows]}
 
 
@@ -877,7 +906,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"torch {env['torch']} (CUDA {env['cuda']}), tactix {env['tactix']}, backends "
         + ", ".join(f"{k} {v}" for k, v in env["backends"].items())
         + (f"; anchors: flashinfer {env['flashinfer']}" if env.get("flashinfer") else "")
-        + f". Policy: {env['policy']}.",
+        + f". Policy: {env['policy']}."
+        + (f" **Interrupted during {env['interrupted']}**: the cases before it." if env.get("interrupted") else ""),
         "",
         "| case | shape | implementation | tactic | time (us) | rate | vs best | plan host (us) | run host (us) "
         "| eager (us) | rel. error | status |",

@@ -275,6 +275,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     write_outputs(report, None, args.markdown, args.png)
     if not json_to_stdout(args):
         print(markdown(report), end="")
+    if report["environment"].get("interrupted"):
+        print(f"tactix: interrupted during case {report['environment']['interrupted']}; the report holds the cases"
+              " finished before it", file=sys.stderr)  # fmt: skip
+        return 130
     wrong = [r for r in report["rows"] if r["status"] == "wrong"]
     return 1 if wrong else 0
 
