@@ -267,3 +267,45 @@ def test_fast_re_plans_serve_each_batch_and_leave_the_full_path_for_a_new_bucket
     if not graph:  # a longer batch: another kv bucket, the full path (and another graph)
         plan([3000, 1000, 600, 700], 9)
         assert wrapper.plan_object is not plan_object
+
+
+@pytest.mark.parametrize("planned", [True, False], ids=["run_extras", "first_run"])
+def test_prefill_sinks_match_the_oracle_for_one_row_requests_and_replay_new_sinks(planned: bool) -> None:
+    """cuDNN's sink_token serves prefill sinks, also for a batch of one query row per request
+    (cuDNN has no engine for one row with sinks: the graph takes two, the padding mask leaves the
+    second untouched). Planned with ``run_extras=("sinks",)`` the graph is built in plan and a
+    captured CUDA graph replays with the sink values of the moment; otherwise the first run with
+    sinks builds it."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [300, 47, 129]
+    indptr, indices, last, pool = _batch(lens, seed=3)
+    k = torch.randn(int(pool), 8, 16, 128, generator=gen).cuda().bfloat16()
+    v = torch.randn(int(pool), 8, 16, 128, generator=gen).cuda().bfloat16()
+    for q_rows, window in (([1, 1, 1], -1), ([7, 1, 33], 63)):
+        qo = torch.tensor([0, *torch.tensor(q_rows).cumsum(0).tolist()], dtype=torch.int32)
+        wrapper = tactix.PagedPrefill("HND", backend="cudnn", device="cuda", use_cuda_graph=planned,
+                                      run_extras=("sinks",) if planned else ())  # fmt: skip
+        wrapper.plan(qo, indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16, causal=True,
+                     window_left=window)  # fmt: skip
+        q = torch.randn(int(qo[-1]), 32, 128, generator=gen).cuda().bfloat16()
+        out = torch.full_like(q, float("nan"))
+        sinks = (torch.randn(32, generator=gen) * 3).cuda()
+        if planned:
+            wrapper.run(q, (k, v), out=out, sinks=sinks)  # warm outside the capture
+            torch.cuda.synchronize()
+            captured = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured):
+                wrapper.run(q, (k, v), out=out, sinks=sinks)
+            sinks.copy_((torch.randn(32, generator=gen) * 3).cuda())
+            out.fill_(float("nan"))
+            captured.replay()
+        else:
+            wrapper.run(q, (k, v), out=out, sinks=sinks)
+        torch.cuda.synchronize()
+        assert wrapper.plan_object.tactic.backend == "cudnn"
+        ref, _ = attention_reference(q, k, v, qo, indptr, indices, last, kv_layout="HND", causal=True,
+                                     sm_scale=1 / math.sqrt(128), window_left=window, sinks=sinks)  # fmt: skip
+        plain, _ = attention_reference(q, k, v, qo, indptr, indices, last, kv_layout="HND", causal=True,
+                                       sm_scale=1 / math.sqrt(128), window_left=window)  # fmt: skip
+        assert relative_error(out, ref) < tolerance_for(torch.bfloat16), (q_rows, window)
+        assert relative_error(plain, ref) > 10 * tolerance_for(torch.bfloat16)  # the sinks changed the result

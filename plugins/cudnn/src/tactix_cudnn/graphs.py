@@ -2,7 +2,7 @@
 
 One graph serves prefill and decode: ragged (packed) queries ``[tokens, heads, dim]`` with
 per-request offsets, K/V read through page tables, a padding mask from per-request lengths,
-bottom-right causal alignment, optional sliding window, and softmax stats (natural-log LSE)
+bottom-right causal alignment, optional sliding window and attention sinks, and softmax stats (natural-log LSE)
 written packed ``[tokens, heads]``. What a built graph bakes in — batch size, maximum query and
 kv lengths, page-table width, container page count, strides, dtypes, masks, the scale — is the
 graph key. Dynamic sizes enter it bucketed (next power of two): a new batch of the same bucket
@@ -37,6 +37,7 @@ _CACHE_SIZE: Final = 64
 
 UID_Q, UID_K, UID_V, UID_O, UID_STATS = 1, 2, 3, 4, 5
 UID_SEQ_Q, UID_SEQ_KV, UID_TABLE, UID_Q_OFF, UID_O_OFF, UID_STATS_OFF = 6, 7, 8, 9, 10, 11
+UID_SINKS = 12
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class GraphKey:
     knobs: tuple[tuple[str, int], ...]
     ragged_q: bool = True  # decode reads q [batch, heads, dim] directly (exact batch, no offsets)
     deterministic: bool = True  # plans that reduce in a run-dependent order are excluded
+    sinks: bool = False  # a sink logit per query head in each row's softmax (cuDNN's sink_token)
 
 
 def _cudnn_dtype(cudnn: Any, name: str) -> Any:
@@ -134,6 +136,8 @@ def _operation_graph(key: GraphKey, handle: Any) -> Any:
         kwargs["diagonal_band_right_bound"] = 0
     if key.window >= 0:
         kwargs["diagonal_band_left_bound"] = key.window + 1  # cuDNN counts the diagonal itself
+    if key.sinks:  # float32 [1, heads, 1, 1]: cuDNN's only layout for it
+        kwargs["sink_token"] = tensor(UID_SINKS, "sinks", (1, hq, 1, 1), (hq, 1, 1, 1), cudnn.data_type.FLOAT)
     o, stats = g.sdpa(**kwargs)
     o.set_uid(UID_O).set_output(True).set_dim([b, hq, sq, dv]).set_stride([sq * hq * dv, dv, hq * dv, 1])
     if key.ragged_q:

@@ -22,6 +22,7 @@ FEATURES: Final[dict[str, int]] = {
     "sliding_window": 90600,
     "matmul": 90000,
     "fp8_matmul": 90000,
+    "attention_sinks": 91300,  # SDPA's sink_token (frontend 1.14.1 and newer; cuDNN 9.13.0)
     "shape_override": 92100,  # graphs built with is_override_shape_enabled, executed with per-call shapes
 }
 """Library versions that introduced what the plugin relies on (from cuDNN's release notes)."""

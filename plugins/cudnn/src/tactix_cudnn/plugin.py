@@ -58,6 +58,7 @@ from tactix_cudnn.graphs import (
     UID_SCALE_B,
     UID_SEQ_KV,
     UID_SEQ_Q,
+    UID_SINKS,
     UID_STATS,
     UID_STATS_OFF,
     UID_TABLE,
@@ -91,9 +92,12 @@ _ATTENTION = tactix.AttentionCapabilities(
     lse=True,
     cuda_graph="fixed_buffers",
 )
-_PREFILL = _ATTENTION.model_copy(update={"different_vo_head_dim": True})
+_PREFILL = _ATTENTION.model_copy(update={"different_vo_head_dim": True, "run_extras": frozenset({"sinks"})})
 """Prefill also takes a value head dim other than the query/key one (DeepSeek's 192/128: cuDNN's
-SDPA graph has separate dims for K and V); decode keeps them equal."""
+SDPA graph has separate dims for K and V), and attention sinks (cuDNN's ``sink_token``, library
+9.13 and newer). Decode keeps the dims equal and takes no sinks: cuDNN 9.19 offers no engine for a
+graph with one query row and a sink token ("decode only mode ... not supported with sink_token",
+`benchmarks/cudnn_sinks_probe.py`, results in ``benchmarks/results/cudnn-sinks-probe-*.json``)."""
 
 
 _GEMM = tactix.GemmCapabilities(
@@ -167,7 +171,7 @@ def _static_sig(problem: PrefillProblem | DecodeProblem) -> tuple[Any, ...]:
     return (problem.__class__, problem.q_dtype, problem.kv_dtype, problem.out_dtype, problem.num_qo_heads,
             problem.num_kv_heads, problem.head_dim_qk, problem.head_dim_vo, problem.page_size, problem.kv_layout,
             problem.window_left, problem.sm_scale, problem.logits_soft_cap, problem.return_lse,
-            problem.deterministic, problem.causal)  # fmt: skip
+            problem.deterministic, problem.causal, problem.run_extras)  # fmt: skip
 
 
 _reasons_memo: dict[tuple[Any, ...], tuple[str, ...]] = {}
@@ -200,6 +204,8 @@ def _attention_reasons_now(problem: PrefillProblem | DecodeProblem) -> list[str]
         # LSE of all but one query head per GQA group unwritten
         out.append("LSE from GQA decode: cuDNN's decode engine writes it for one query head per group only")
     features = ["sdpa", "paged_kv", "ragged_paged"]
+    if "sinks" in problem.run_extras:
+        features.append("attention_sinks")
     if problem.causal or problem.window_left >= 0:
         features.append("bottom_right_causal")
     if problem.window_left >= 0:
@@ -306,17 +312,30 @@ def _knob_items(tactic: Tactic) -> tuple[tuple[str, int], ...]:
 _keys_memo: dict[tuple[Any, ...], tuple[Tactic, GraphKey]] = {}
 
 
+def _graph_max_q(decode: bool, max_q: int, sinks: bool) -> int:
+    """The graph's query rows per request: the bucket of the longest request's; at least 2 with
+    sinks (cuDNN has no engine for one query row with a sink token; the padding mask leaves the
+    rows past a request's own untouched, as for every request shorter than the bucket)."""
+    if decode:
+        return 1
+    rows = bucket_size(max(max_q, 1))
+    return max(rows, 2) if sinks else rows
+
+
 def _key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: int, max_kv: int, pages: int,
-         k_strides: Strides, v_strides: Strides, tactic: Tactic) -> GraphKey:  # fmt: skip
-    """The graph key of a batch's buckets, remembered (a 21-field frozen dataclass costs microseconds)."""
+         k_strides: Strides, v_strides: Strides, tactic: Tactic, sinks: bool | None = None) -> GraphKey:  # fmt: skip
+    """The graph key of a batch's buckets, remembered (a 21-field frozen dataclass costs microseconds).
+    ``sinks``: whether the graph takes them (None: if the problem plans for them)."""
     decode = isinstance(problem, DecodeProblem)
+    if sinks is None:
+        sinks = "sinks" in problem.run_extras
     sig = (_static_sig(problem), batch_size if decode else bucket_size(batch_size),
-           1 if decode else bucket_size(max(max_q, 1)), bucket_size(max_kv), bucket_size(pages), k_strides, v_strides,
-           id(tactic))  # fmt: skip
+           _graph_max_q(decode, max_q, sinks), bucket_size(max_kv), bucket_size(pages), k_strides, v_strides,
+           id(tactic), sinks)  # fmt: skip
     found = _keys_memo.get(sig)
     if found is not None and found[0] is tactic:  # the entry holds the tactic: its id is not reused
         return found[1]
-    key = _make_key(problem, batch_size, max_q, max_kv, pages, k_strides, v_strides, tactic)
+    key = _make_key(problem, batch_size, max_q, max_kv, pages, k_strides, v_strides, tactic, sinks)
     if len(_keys_memo) >= 4096:
         _keys_memo.clear()
     _keys_memo[sig] = (tactic, key)
@@ -324,7 +343,7 @@ def _key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: int, m
 
 
 def _make_key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: int, max_kv: int, pages: int,
-              k_strides: Strides, v_strides: Strides, tactic: Tactic) -> GraphKey:  # fmt: skip
+              k_strides: Strides, v_strides: Strides, tactic: Tactic, sinks: bool) -> GraphKey:  # fmt: skip
     max_kv_b = bucket_size(max_kv)
     decode = isinstance(problem, DecodeProblem)
     return GraphKey(
@@ -339,7 +358,7 @@ def _make_key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: i
         container_pages=bucket_size(pages),
         # decode reads q in place, one row per request: its batch is exact, not bucketed
         batch=batch_size if decode else bucket_size(batch_size),
-        max_q=1 if decode else bucket_size(max(max_q, 1)),
+        max_q=_graph_max_q(decode, max_q, sinks),
         max_kv=max_kv_b,
         table_width=-(-max_kv_b // problem.page_size),
         causal=problem.causal,
@@ -350,6 +369,7 @@ def _make_key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: i
         knobs=() if tactic.is_default else _knob_items(tactic),
         ragged_q=not decode,
         deterministic=problem.deterministic,
+        sinks=sinks,
     )
 
 
@@ -535,9 +555,10 @@ class CudnnAttentionPlan:
         self._table: torch.Tensor | None = None
         self._fill_metadata(batch, base, previous if graph_mode else None)  # type: ignore[arg-type]
         graph, self.built = graph_cache.get(base, self.handle)
-        self._graphs: dict[tuple[tuple[int, ...], tuple[int, ...]], BuiltGraph] = {}
-        self._graphs[(base.k_strides, base.v_strides)] = graph
-        self._by_strides: dict[tuple[tuple[int, ...], tuple[int, ...]], BuiltGraph] = {}  # by the tensors' strides
+        # by (container strides, sinks); _by_strides by the tensors' own strides and sinks
+        self._graphs: dict[tuple[tuple[int, ...], tuple[int, ...], bool], BuiltGraph] = {}
+        self._graphs[(base.k_strides, base.v_strides, base.sinks)] = graph
+        self._by_strides: dict[tuple[tuple[int, ...], tuple[int, ...], bool], BuiltGraph] = {}
         self.tactic = graph.tactic
         workspace = getattr(previous, "_workspace", None)
         if not isinstance(workspace, torch.Tensor) or workspace.numel() < graph.workspace_size:
@@ -562,7 +583,7 @@ class CudnnAttentionPlan:
         shape = _held_shape(batch, max_page + 1, self._shape if self._graph_mode else None)
         b, longest_q, longest_kv, pages = shape
         if key.ragged_q:
-            same = key.batch == bucket_size(b) and key.max_q == bucket_size(max(longest_q, 1))
+            same = key.batch == bucket_size(b) and key.max_q == _graph_max_q(False, longest_q, key.sinks)
         else:
             same = key.batch == b
         if not (same and key.max_kv == bucket_size(longest_kv) and key.container_pages == bucket_size(pages)):
@@ -575,9 +596,10 @@ class CudnnAttentionPlan:
         self.built = False
         return self
 
-    def _key(self, k_strides: tuple[int, int, int, int], v_strides: tuple[int, int, int, int]) -> GraphKey:
+    def _key(self, k_strides: tuple[int, int, int, int], v_strides: tuple[int, int, int, int],
+             sinks: bool | None = None) -> GraphKey:  # fmt: skip
         b, q, kv, pages = self._shape
-        return _key(self.problem, b, q, kv, pages, k_strides, v_strides, self._requested)
+        return _key(self.problem, b, q, kv, pages, k_strides, v_strides, self._requested, sinks)
 
     def _fill_metadata(self, batch: PagedBatch, key: GraphKey, previous: CudnnAttentionPlan | None) -> None:
         b, width, nnz = key.batch, key.table_width, batch.num_page_entries
@@ -644,16 +666,17 @@ class CudnnAttentionPlan:
         self._small, self._table = small, table
         self._fixed = _fixed_addresses(small.data_ptr(), table.data_ptr(), offsets, key.ragged_q, key.lse)
 
-    def _graph_for(self, k: torch.Tensor, v: torch.Tensor) -> BuiltGraph:
-        seen = (k.stride(), v.stride())
+    def _graph_for(self, k: torch.Tensor, v: torch.Tensor, sinks: bool) -> BuiltGraph:
+        seen = (k.stride(), v.stride(), sinks)
         graph = self._by_strides.get(seen)  # (run() asks every call: the raw strides, no conversion)
         if graph is not None:
             return graph
         strides = (_container_strides(seen[0], self.problem.kv_layout),
-                   _container_strides(seen[1], self.problem.kv_layout))  # fmt: skip
+                   _container_strides(seen[1], self.problem.kv_layout), sinks)  # fmt: skip
         graph = self._graphs.get(strides)
         if graph is None:
-            graph, _ = graph_cache.get(self._key(*strides), self.handle)
+            # other strides, or sinks the plan was not told of (run_extras): built at this run
+            graph, _ = graph_cache.get(self._key(strides[0], strides[1], sinks), self.handle)
             if graph.workspace_size > self._workspace.numel():
                 self._workspace = torch.empty(graph.workspace_size, dtype=torch.uint8, device=self.device)
             self._graphs[strides] = graph
@@ -663,8 +686,8 @@ class CudnnAttentionPlan:
         return graph
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-            lse: torch.Tensor | None) -> None:  # fmt: skip
-        graph = self._graph_for(k_cache, v_cache)
+            lse: torch.Tensor | None, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
+        graph = self._graph_for(k_cache, v_cache, sinks is not None)
         if not q.is_contiguous():  # the graph reads packed rows: copy a strided view once per call
             if self._q_packed is None or self._q_packed.shape != q.shape:
                 self._q_packed = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -677,6 +700,8 @@ class CudnnAttentionPlan:
         pack[UID_O] = out.data_ptr()
         if lse is not None:
             pack[UID_STATS] = lse.data_ptr()
+        if sinks is not None:
+            pack[UID_SINKS] = sinks.data_ptr()
         _bind_stream(self.handle, self.device)
         graph.graph.execute(pack, self._workspace, handle=self.handle)
 
