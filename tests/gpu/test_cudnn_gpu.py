@@ -289,14 +289,14 @@ def test_prefill_sinks_match_the_oracle_for_one_row_requests_and_replay_new_sink
                      window_left=window)  # fmt: skip
         q = torch.randn(int(qo[-1]), 32, 128, generator=gen).cuda().bfloat16()
         out = torch.full_like(q, float("nan"))
-        sinks = (torch.randn(32, generator=gen) * 3).cuda()
+        sinks = (torch.rand(32, generator=gen) * 7 - 1).cuda()  # as the kit's: negligible to most of a row
         if planned:
             wrapper.run(q, (k, v), out=out, sinks=sinks)  # warm outside the capture
             torch.cuda.synchronize()
             captured = torch.cuda.CUDAGraph()
             with torch.cuda.graph(captured):
                 wrapper.run(q, (k, v), out=out, sinks=sinks)
-            sinks.copy_((torch.randn(32, generator=gen) * 3).cuda())
+            sinks.copy_((torch.rand(32, generator=gen) * 7 - 1).cuda())
             out.fill_(float("nan"))
             captured.replay()
         else:
@@ -308,4 +308,4 @@ def test_prefill_sinks_match_the_oracle_for_one_row_requests_and_replay_new_sink
         plain, _ = attention_reference(q, k, v, qo, indptr, indices, last, kv_layout="HND", causal=True,
                                        sm_scale=1 / math.sqrt(128), window_left=window)  # fmt: skip
         assert relative_error(out, ref) < tolerance_for(torch.bfloat16), (q_rows, window)
-        assert relative_error(plain, ref) > 10 * tolerance_for(torch.bfloat16)  # the sinks changed the result
+        assert relative_error(plain, ref) > 5 * tolerance_for(torch.bfloat16)  # the sinks changed the result

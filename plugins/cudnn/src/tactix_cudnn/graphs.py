@@ -2,8 +2,8 @@
 
 One graph serves prefill and decode: ragged (packed) queries ``[tokens, heads, dim]`` with
 per-request offsets, K/V read through page tables, a padding mask from per-request lengths,
-bottom-right causal alignment, optional sliding window and attention sinks, and softmax stats (natural-log LSE)
-written packed ``[tokens, heads]``. What a built graph bakes in — batch size, maximum query and
+bottom-right causal alignment, optional sliding window and attention sinks, and softmax stats
+(natural-log LSE) written packed ``[tokens, heads]``. What a built graph bakes in — batch size, maximum query and
 kv lengths, page-table width, container page count, strides, dtypes, masks, the scale — is the
 graph key. Dynamic sizes enter it bucketed (next power of two): a new batch of the same bucket
 reuses the graph; requests past the real batch get length 0 and are skipped. (cuDNN's shape
