@@ -11,7 +11,15 @@ import torch
 
 import tactix
 from tactix.selection import set_tactic_source
-from tactix.testing import attention_reference, gemm_reference, relative_error, tolerance_for
+from tactix.testing import (
+    LSE_TOLERANCE,
+    attention_reference,
+    gemm_reference,
+    lse_error,
+    ragged_reference,
+    relative_error,
+    tolerance_for,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -309,3 +317,52 @@ def test_prefill_sinks_match_the_oracle_for_one_row_requests_and_replay_new_sink
                                        sm_scale=1 / math.sqrt(128), window_left=window)  # fmt: skip
         assert relative_error(out, ref) < tolerance_for(torch.bfloat16), (q_rows, window)
         assert relative_error(plain, ref) > 5 * tolerance_for(torch.bfloat16)  # the sinks changed the result
+
+
+def _csr(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+def test_ragged_prefill_deepseek_dims_from_fused_views_with_lse_and_same_bucket_re_plans(graph: bool) -> None:
+    """Ragged-KV prefill through cuDNN's packed K/V (no page table): DeepSeek's 192/128 head dims,
+    keys and values as strided views of one fused tensor, a request with neither queries nor keys,
+    the LSE; a re-plan of a batch of the same buckets keeps the plan and its graph (and, in
+    CUDA-graph mode, the captured graph's addresses: a replay serves the new batch)."""
+    gen = torch.Generator().manual_seed(5)
+    wrapper = tactix.RaggedPrefill(backend="cudnn", device="cuda", use_cuda_graph=graph)
+    # the same totals (342 query rows, 464 keys) and buckets, other lengths
+    batches = [([37, 0, 300, 5], [100, 0, 300, 64]), ([20, 3, 260, 59], [70, 9, 320, 65])]
+    fused = torch.randn(464, 4, 192 + 128, generator=gen).cuda().bfloat16()
+    k, v = fused[:, :, :192], fused[:, :, 192:]
+    assert not k.is_contiguous() and not v.is_contiguous()
+    q = torch.empty(342, 16, 192, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(342, 16, 128, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(342, 16, device="cuda")
+    plans, captured = [], None
+    for i, (q_lens, kv_lens) in enumerate(batches):
+        qo, kv = _csr(q_lens), _csr(kv_lens)
+        wrapper.plan(qo, kv, 16, 4, 192, 128, causal=True, q_data_type=torch.bfloat16, return_lse=True)
+        plans.append(wrapper.plan_object)
+        q.copy_(torch.randn(342, 16, 192, generator=gen))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        if not graph:
+            wrapper.run(q, k, v, out=out, lse=lse)
+        elif captured is None:  # warm, then capture the first batch; the second batch replays it
+            wrapper.run(q, k, v, out=out, lse=lse)
+            torch.cuda.synchronize()
+            captured = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured):
+                wrapper.run(q, k, v, out=out, lse=lse)
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+            captured.replay()
+        else:
+            captured.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = ragged_reference(q, k, v, qo, kv, causal=True, sm_scale=1 / math.sqrt(192))
+        assert wrapper.plan_object.tactic.backend == "cudnn"
+        assert relative_error(out, ref) < tolerance_for(torch.bfloat16), f"batch {i}"
+        assert lse_error(lse, ref_lse) < LSE_TOLERANCE, f"batch {i}"
+    assert plans[0] is plans[1]  # the same buckets: the fast re-plan kept the plan (and its graph)

@@ -309,3 +309,39 @@ def test_direct_references_offer_no_call_for_sinks_or_a_window(extra: dict[str, 
               "kv_indptr": torch.tensor([0, 2, 4], dtype=i32), "kv_indices": torch.arange(4, dtype=i32),
               "kv_last_page_len": torch.tensor([16, 5], dtype=i32), **extra}  # fmt: skip
     assert direct.attention_references("decode", inputs) == []
+
+
+def test_ragged_prefill_metadata_addresses_each_requests_packed_rows() -> None:
+    """cudnn's ragged-KV prefill: the block a plan sends holds the lengths and, per tensor, the
+    element offset of each request's first row in the packed q, out, LSE, k and v (the graph has
+    no page table); requests past the real batch (the bucket's padding) are empty, at the end."""
+    from tactix_cudnn import ragged
+    from tactix_cudnn.graphs import UID_K_OFF, UID_O_OFF, UID_Q_OFF, UID_SEQ_KV, UID_SEQ_Q, UID_STATS_OFF, UID_V_OFF
+
+    qo, kv = [0, 37, 37, 337], [0, 100, 100, 400]
+    problem, batch = tactix.ragged.ragged_problem(
+        device=torch.device("cpu"), qo_indptr=torch.tensor(qo), kv_indptr=torch.tensor(kv), num_qo_heads=16,
+        num_kv_heads=4, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=None, window_left=-1,
+        logits_soft_cap=None, q_data_type=torch.bfloat16, kv_data_type=None, o_data_type=None, return_lse=True,
+    )  # fmt: skip
+    key = ragged.ragged_key(problem, batch.batch_size, batch.max_qo_len, batch.max_kv_len,
+                            tactix.Tactic.default("cudnn"), False, 512)  # fmt: skip
+    assert key.ragged_kv and key.batch == 4 and key.max_kv == 512 and (key.head_dim_qk, key.head_dim_vo) == (192, 128)
+    flat, at = ragged.ragged_metadata(problem, batch, key)
+    assert all(entry % 32 == 0 for entry in at.values())  # 128-byte aligned sections
+
+    def section(uid: int, n: int) -> list[int]:
+        return flat[at[uid] : at[uid] + n]
+
+    assert section(UID_SEQ_Q, 4) == [37, 0, 300, 0] and section(UID_SEQ_KV, 4) == [100, 0, 300, 0]
+    assert section(UID_Q_OFF, 5) == [r * 16 * 192 for r in [*qo, 337]]
+    assert section(UID_O_OFF, 5) == [r * 16 * 128 for r in [*qo, 337]]
+    assert section(UID_STATS_OFF, 5) == [r * 16 for r in [*qo, 337]]
+    assert section(UID_K_OFF, 5) == [r * 4 * 192 for r in [*kv, 400]]
+    assert section(UID_V_OFF, 5) == [r * 4 * 128 for r in [*kv, 400]]
+    # the static reasons of a ragged problem read no page size; a bad head dim is still refused
+    bad = problem.model_copy(update={"head_dim_vo": 260})
+    assert any("head_dim_vo 260" in r for r in plugin._attention_reasons_now(bad))
+    spec = tactix.get_registry().get("cudnn").spec
+    on_gpu = problem.model_copy(update={"device_type": "cuda"})
+    assert spec.ragged_prefill is not None and spec.ragged_prefill.reasons(on_gpu) == []

@@ -1,7 +1,8 @@
 """cuDNN frontend graphs for paged attention, and the bounded cache that keeps them.
 
 One graph serves prefill and decode: ragged (packed) queries ``[tokens, heads, dim]`` with
-per-request offsets, K/V read through page tables, a padding mask from per-request lengths,
+per-request offsets, K/V read through page tables (or, for ragged-KV prefill, packed like the
+queries, with offsets of their own), a padding mask from per-request lengths,
 bottom-right causal alignment, optional sliding window and attention sinks, and softmax stats
 (natural-log LSE) written packed ``[tokens, heads]``. What a built graph bakes in — batch size, maximum query and
 kv lengths, page-table width, container page count, strides, dtypes, masks, the scale — is the
@@ -38,6 +39,7 @@ _CACHE_SIZE: Final = 64
 UID_Q, UID_K, UID_V, UID_O, UID_STATS = 1, 2, 3, 4, 5
 UID_SEQ_Q, UID_SEQ_KV, UID_TABLE, UID_Q_OFF, UID_O_OFF, UID_STATS_OFF = 6, 7, 8, 9, 10, 11
 UID_SINKS = 12
+UID_K_OFF, UID_V_OFF = 13, 14  # ragged (packed) K and V: per-request element offsets
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class GraphKey:
     ragged_q: bool = True  # decode reads q [batch, heads, dim] directly (exact batch, no offsets)
     deterministic: bool = True  # plans that reduce in a run-dependent order are excluded
     sinks: bool = False  # a sink logit per query head in each row's softmax (cuDNN's sink_token)
+    ragged_kv: bool = False  # K and V packed [tokens, heads, dim] with per-request offsets (no page table)
 
 
 def _cudnn_dtype(cudnn: Any, name: str) -> Any:
@@ -110,26 +113,31 @@ def _operation_graph(key: GraphKey, handle: Any) -> Any:
     q = tensor(UID_Q, "q", (b, hq, sq, dq), (sq * hq * dq, dq, hq * dq, 1), io)
     if key.ragged_q:
         q.set_ragged_offset(i32(UID_Q_OFF, "q_offsets", (b + 1, 1, 1, 1)))
-    k = tensor(UID_K, "k", (key.container_pages, hkv, key.page_size, dq), key.k_strides, io)
-    v = tensor(UID_V, "v", (key.container_pages, hkv, key.page_size, dv), key.v_strides, io)
-    table = i32(UID_TABLE, "page_table", (b, 1, key.table_width, 1))
     seq_q = i32(UID_SEQ_Q, "seq_len_q", (b, 1, 1, 1))
     seq_kv = i32(UID_SEQ_KV, "seq_len_kv", (b, 1, 1, 1))
     kwargs: dict[str, Any] = dict(
         name="sdpa",
         q=q,
-        k=k,
-        v=v,
         attn_scale=key.scale,
         generate_stats=key.lse,
         use_padding_mask=True,
         seq_len_q=seq_q,
         seq_len_kv=seq_kv,
-        paged_attention_k_table=table,
-        paged_attention_v_table=table,
-        paged_attention_max_seq_len_kv=key.max_kv,
         compute_data_type=cudnn.data_type.FLOAT,
     )
+    if key.ragged_kv:  # packed rows: key t of request r at offset k_off[r] + t * hkv * dq, as q
+        skv = key.max_kv
+        k = tensor(UID_K, "k", (b, hkv, skv, dq), (skv * hkv * dq, dq, hkv * dq, 1), io)
+        v = tensor(UID_V, "v", (b, hkv, skv, dv), (skv * hkv * dv, dv, hkv * dv, 1), io)
+        k.set_ragged_offset(i32(UID_K_OFF, "k_offsets", (b + 1, 1, 1, 1)))
+        v.set_ragged_offset(i32(UID_V_OFF, "v_offsets", (b + 1, 1, 1, 1)))
+    else:
+        k = tensor(UID_K, "k", (key.container_pages, hkv, key.page_size, dq), key.k_strides, io)
+        v = tensor(UID_V, "v", (key.container_pages, hkv, key.page_size, dv), key.v_strides, io)
+        table = i32(UID_TABLE, "page_table", (b, 1, key.table_width, 1))
+        kwargs.update(paged_attention_k_table=table, paged_attention_v_table=table,
+                      paged_attention_max_seq_len_kv=key.max_kv)  # fmt: skip
+    kwargs.update(k=k, v=v)
     if key.causal or key.window >= 0:
         kwargs["diagonal_alignment"] = cudnn.diagonal_alignment.BOTTOM_RIGHT
     if key.causal:

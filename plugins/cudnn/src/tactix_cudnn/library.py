@@ -18,6 +18,7 @@ FEATURES: Final[dict[str, int]] = {
     "sdpa": 90000,
     "paged_kv": 90500,  # paged K/V caches through page tables
     "ragged_paged": 90700,  # ragged (packed) Q together with paged K/V
+    "ragged_kv": 90000,  # ragged (packed) Q, K, V and O with per-request offsets (the THD layout)
     "bottom_right_causal": 90300,
     "sliding_window": 90600,
     "matmul": 90000,

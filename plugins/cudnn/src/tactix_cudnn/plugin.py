@@ -25,6 +25,8 @@ from tactix import (
     PlanOptions,
     PrefillProblem,
     Problem,
+    RaggedBatch,
+    RaggedPrefillProblem,
     Tactic,
     UnsupportedProblemError,
 )
@@ -43,7 +45,7 @@ from tactix.plugin import (
     write_int32,
     write_table,
 )
-from tactix_cudnn import __version__
+from tactix_cudnn import __version__, ragged
 from tactix_cudnn.graphs import (
     UID_A,
     UID_B,
@@ -100,6 +102,13 @@ graph with one query row and a sink token ("decode only mode ... not supported w
 `benchmarks/cudnn_sinks_probe.py`, results in ``benchmarks/results/cudnn-sinks-probe-*.json``)."""
 
 
+_RAGGED = tactix.RaggedPrefillCapabilities.model_validate(
+    {name: value for name, value in _PREFILL.model_dump().items()
+     if name in tactix.RaggedPrefillCapabilities.model_fields}
+)  # fmt: skip
+"""Ragged-KV prefill: what paged prefill declares, with K and V packed like the queries (ragged
+offsets, no page table: `tactix_cudnn.ragged`)."""
+
 _GEMM = tactix.GemmCapabilities(
     devices=frozenset({"cuda"}),
     dtypes=frozenset(
@@ -126,6 +135,7 @@ def tactix_backends() -> list[tactix.BackendSpec]:
             description="cuDNN frontend graphs (paged SDPA); tactics are cuDNN engines and knobs",
             prefill=_PREFILL,
             decode=_ATTENTION,
+            ragged_prefill=_RAGGED,
             gemm=_GEMM,
             preference=10,
         )
@@ -166,10 +176,15 @@ def _params_reasons(tactic: Tactic, kernel: str = "sdpa") -> list[str]:
     return []
 
 
-def _static_sig(problem: PrefillProblem | DecodeProblem) -> tuple[Any, ...]:
+AttentionProblem = PrefillProblem | DecodeProblem | RaggedPrefillProblem
+
+
+def _static_sig(problem: AttentionProblem) -> tuple[Any, ...]:
     """Every field of an attention problem but its batch sizes (what reasons and graph keys read)."""
+    paged = not isinstance(problem, RaggedPrefillProblem)
     return (problem.__class__, problem.q_dtype, problem.kv_dtype, problem.out_dtype, problem.num_qo_heads,
-            problem.num_kv_heads, problem.head_dim_qk, problem.head_dim_vo, problem.page_size, problem.kv_layout,
+            problem.num_kv_heads, problem.head_dim_qk, problem.head_dim_vo, problem.page_size if paged else 0,  # type: ignore[union-attr]
+            problem.kv_layout if paged else None,  # type: ignore[union-attr]
             problem.window_left, problem.sm_scale, problem.logits_soft_cap, problem.return_lse,
             problem.deterministic, problem.causal, problem.run_extras)  # fmt: skip
 
@@ -177,7 +192,7 @@ def _static_sig(problem: PrefillProblem | DecodeProblem) -> tuple[Any, ...]:
 _reasons_memo: dict[tuple[Any, ...], tuple[str, ...]] = {}
 
 
-def _attention_reasons(problem: PrefillProblem | DecodeProblem) -> list[str]:
+def _attention_reasons(problem: AttentionProblem) -> list[str]:
     """Why cuDNN cannot serve ``problem`` (none of it depends on the batch), remembered per set of
     static fields and device: checks and plans ask for every batch."""
     sig = (_static_sig(problem), torch.cuda.current_device() if cuda_available() else -1)
@@ -189,7 +204,7 @@ def _attention_reasons(problem: PrefillProblem | DecodeProblem) -> list[str]:
     return list(found)
 
 
-def _attention_reasons_now(problem: PrefillProblem | DecodeProblem) -> list[str]:
+def _attention_reasons_now(problem: AttentionProblem) -> list[str]:
     out = []
     if problem.kv_dtype != problem.q_dtype or problem.out_dtype != problem.q_dtype:
         out.append("q, kv and out dtypes must be the same")
@@ -197,13 +212,14 @@ def _attention_reasons_now(problem: PrefillProblem | DecodeProblem) -> list[str]
         d = getattr(problem, name)
         if d % 8 or d > 256:
             out.append(f"{name} {d} must be a multiple of 8 up to 256")
-    if problem.page_size & (problem.page_size - 1):
+    paged = not isinstance(problem, RaggedPrefillProblem)
+    if not isinstance(problem, RaggedPrefillProblem) and problem.page_size & (problem.page_size - 1):
         out.append(f"page size {problem.page_size} must be a power of two")
     if isinstance(problem, DecodeProblem) and problem.return_lse and problem.gqa_ratio > 1:
         # seen on an H200 with cuDNN 9.19 (conformance kit): its only decode engine (8) leaves the
         # LSE of all but one query head per GQA group unwritten
         out.append("LSE from GQA decode: cuDNN's decode engine writes it for one query head per group only")
-    features = ["sdpa", "paged_kv", "ragged_paged"]
+    features = ["sdpa", "paged_kv", "ragged_paged"] if paged else ["sdpa", "ragged_kv"]
     if "sinks" in problem.run_extras:
         features.append("attention_sinks")
     if problem.causal or problem.window_left >= 0:
@@ -225,8 +241,7 @@ def tactix_check(problem: Problem, tactic: Tactic) -> list[str] | None:
         return _params_reasons(tactic, "matmul") + _gemm_reasons(problem)
     reasons = _params_reasons(tactic) + _attention_reasons(problem)
     if not reasons and not tactic.is_default:
-        probe = _key(problem, problem.batch_size, problem.max_qo_len, problem.max_kv_len, 1,
-                     (0, 0, 0, 0), (0, 0, 0, 0), Tactic.default(NAME))  # fmt: skip
+        probe = _probe_key(problem)
         why = exclusion(excluded_plans(probe), int(tactic.params["engine"]), _knob_items(tactic))  # type: ignore[arg-type]
         if why:
             reasons.append(why)
@@ -383,12 +398,25 @@ def tactix_tactics(problem: Problem) -> list[Tactic] | None:
         return _tactics("matmul", gemm_key)
     if tactix_environment() or _attention_reasons(problem):
         return []
-    max_q = problem.max_qo_len
-    key = _key(problem, problem.batch_size, max_q, problem.max_kv_len,
+    if isinstance(problem, RaggedPrefillProblem):
+        return _tactics("sdpa", _probe_key(problem))
+    key = _key(problem, problem.batch_size, problem.max_qo_len, problem.max_kv_len,
                problem.batch_size * -(-problem.max_kv_len // problem.page_size),
                _contiguous_strides(problem, problem.head_dim_qk), _contiguous_strides(problem, problem.head_dim_vo),
                Tactic.default(NAME))  # fmt: skip
     return _tactics("sdpa", key)
+
+
+def _probe_key(problem: AttentionProblem) -> GraphKey:
+    """A graph key of the problem's sizes with the default tactic (what the exclusions and
+    cuDNN's plan list depend on)."""
+    sinks = "sinks" in problem.run_extras
+    if isinstance(problem, RaggedPrefillProblem):
+        max_q = problem.max_qo_len
+        return ragged.ragged_key(problem, problem.batch_size, max_q, problem.max_kv_len, Tactic.default(NAME),
+                                 sinks, _graph_max_q(False, max_q, sinks))  # fmt: skip
+    return _key(problem, problem.batch_size, problem.max_qo_len, problem.max_kv_len, 1,
+                (0, 0, 0, 0), (0, 0, 0, 0), Tactic.default(NAME))  # fmt: skip
 
 
 def _tactics(kernel: str, key: GraphKey | GemmKey) -> list[Tactic]:
@@ -718,6 +746,15 @@ def _plan(problem: PrefillProblem | DecodeProblem, batch: PagedBatch, tactic: Ta
 def tactix_plan_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Tactic,
                         options: PlanOptions) -> CudnnAttentionPlan | None:  # fmt: skip
     return _plan(problem, batch, tactic, options)
+
+
+@tactix.hookimpl
+def tactix_plan_ragged_prefill(problem: RaggedPrefillProblem, batch: RaggedBatch, tactic: Tactic,
+                               options: PlanOptions) -> ragged.CudnnRaggedPrefillPlan | None:  # fmt: skip
+    reasons = _params_reasons(tactic) + _attention_reasons(problem)
+    if reasons:
+        raise UnsupportedProblemError(NAME, problem, reasons)
+    return ragged.CudnnRaggedPrefillPlan(problem, batch, tactic, options)
 
 
 @tactix.hookimpl
