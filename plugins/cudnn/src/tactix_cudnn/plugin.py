@@ -721,17 +721,26 @@ class CudnnAttentionPlan:
                 self._q_packed = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             self._q_packed.copy_(q)
             q = self._q_packed
-        pack = dict(self._fixed)
-        pack[UID_Q] = q.data_ptr()
-        pack[UID_K] = k_cache.data_ptr()
-        pack[UID_V] = v_cache.data_ptr()
-        pack[UID_O] = out.data_ptr()
-        if lse is not None:
-            pack[UID_STATS] = lse.data_ptr()
-        if sinks is not None:
-            pack[UID_SINKS] = sinks.data_ptr()
-        _bind_stream(self.handle, self.device)
-        graph.graph.execute(pack, self._workspace, handle=self.handle)
+        execute_sdpa(graph, self._fixed, self.handle, self.device, self._workspace, q, k_cache, v_cache, out, lse,
+                     sinks)  # fmt: skip
+
+
+def execute_sdpa(graph: BuiltGraph, fixed: dict[int, int], handle: Any, device: torch.device,
+                 workspace: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor | None, sinks: torch.Tensor | None) -> None:  # fmt: skip
+    """Execute an attention graph: the plan's metadata addresses (``fixed``, by uid, not modified)
+    plus the tensors' own, on torch's current stream."""
+    pack = dict(fixed)
+    pack[UID_Q] = q.data_ptr()
+    pack[UID_K] = k.data_ptr()
+    pack[UID_V] = v.data_ptr()
+    pack[UID_O] = out.data_ptr()
+    if lse is not None:
+        pack[UID_STATS] = lse.data_ptr()
+    if sinks is not None:
+        pack[UID_SINKS] = sinks.data_ptr()
+    _bind_stream(handle, device)
+    graph.graph.execute(pack, workspace, handle=handle)
 
 
 def _plan(problem: PrefillProblem | DecodeProblem, batch: PagedBatch, tactic: Tactic,

@@ -24,18 +24,12 @@ import torch
 from tactix import PlanOptions, RaggedBatch, RaggedPrefillProblem, Tactic, UnsupportedProblemError
 from tactix.plugin import Staging, bucket_size, write_int32
 from tactix_cudnn.graphs import (
-    UID_K,
     UID_K_OFF,
-    UID_O,
     UID_O_OFF,
-    UID_Q,
     UID_Q_OFF,
     UID_SEQ_KV,
     UID_SEQ_Q,
-    UID_SINKS,
-    UID_STATS,
     UID_STATS_OFF,
-    UID_V,
     UID_V_OFF,
     BuiltGraph,
     GraphKey,
@@ -239,17 +233,8 @@ class CudnnRaggedPrefillPlan:
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
             sinks: torch.Tensor | None = None) -> None:  # fmt: skip
-        from tactix_cudnn.plugin import _bind_stream
+        from tactix_cudnn.plugin import execute_sdpa
 
         graph = self._graph(sinks is not None)
-        pack: dict[int, Any] = dict(self._fixed)
-        pack[UID_Q] = self._dense("q", q).data_ptr()
-        pack[UID_K] = self._dense("k", k).data_ptr()
-        pack[UID_V] = self._dense("v", v).data_ptr()
-        pack[UID_O] = out.data_ptr()
-        if lse is not None:
-            pack[UID_STATS] = lse.data_ptr()
-        if sinks is not None:
-            pack[UID_SINKS] = sinks.data_ptr()
-        _bind_stream(self.handle, self.device)
-        graph.graph.execute(pack, self._workspace, handle=self.handle)
+        execute_sdpa(graph, self._fixed, self.handle, self.device, self._workspace, self._dense("q", q),
+                     self._dense("k", k), self._dense("v", v), out, lse, sinks)  # fmt: skip
