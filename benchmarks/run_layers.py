@@ -8,8 +8,10 @@ enqueue-only host time per call, the fastest of 7 blocks:
 * ``wrapper``: ``PagedDecode.run(q, (k, v), out=out)``, what a caller pays;
 * ``plan``: the backend's plan object called directly, ``plan.run(q, k, v, out, None)``;
 * cudnn only: ``execute``, the cuDNN frontend's ``graph.execute(pack, workspace, handle=...)``
-  with the plan's own variant pack, and ``pack``: building that pack (a dict copy and five
-  pointers) and binding the stream, without executing.
+  with the plan's own variant pack; ``execute_at_index``, its ``execute_plan_at_index`` (what
+  ``cudnn (direct)`` calls); ``execute_entry``, the plugin's `BuiltGraph.execute` (the lowered
+  graph's own entry); and ``pack``: building that pack (a dict copy and five pointers) and
+  binding the stream, without executing.
 
 ``wrapper - plan`` is the core's share, ``plan - execute`` the plugin's, ``execute`` cuDNN's. It
 reads the plan object through the wrapper's private binding (``_bound`` now, ``_fast`` in the
@@ -58,7 +60,12 @@ def layers(backend: str, calls: int) -> dict[str, Any]:
         from tactix_cudnn import plugin as cp
         from tactix_cudnn.graphs import UID_K, UID_O, UID_Q, UID_V
 
-        graph = plan._graph_for(k, v)
+        try:
+            graph = plan._graph_for(k, v, False)
+            graph_for = lambda: plan._graph_for(k, v, False)  # noqa: E731
+        except TypeError:  # before attention sinks
+            graph = plan._graph_for(k, v)
+            graph_for = lambda: plan._graph_for(k, v)  # noqa: E731
         pack = dict(plan._fixed)
         pack.update({UID_Q: q.data_ptr(), UID_K: k.data_ptr(), UID_V: v.data_ptr(), UID_O: out.data_ptr()})
         info["pack_entries"] = len(pack)
@@ -73,8 +80,14 @@ def layers(backend: str, calls: int) -> dict[str, Any]:
             cp._bind_stream(plan.handle, plan.device)
 
         fns["execute"] = lambda: graph.graph.execute(pack, plan._workspace, handle=plan.handle)
+        index = getattr(graph, "index", None)
+        if index is not None:  # the public call by plan index (cudnn (direct)'s) and the plugin's own
+            fns["execute_at_index"] = lambda: graph.graph.execute_plan_at_index(pack, plan._workspace, index,
+                                                                                handle=plan.handle)  # fmt: skip
+            fns["execute_entry"] = lambda: graph.execute(pack, plan._workspace, plan.handle)
+            info["backend_entry"] = graph._backend_entry is not None
         fns["pack"] = build
-        fns["graph_for"] = lambda: plan._graph_for(k, v)
+        fns["graph_for"] = graph_for
     for fn in fns.values():
         for _ in range(3):
             per_call_us(fn, 100)

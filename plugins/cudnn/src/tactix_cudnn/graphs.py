@@ -75,17 +75,61 @@ def _cudnn_dtype(cudnn: Any, name: str) -> Any:
     return {"float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16}[name]
 
 
+EXECUTE_ENV: Final = "TACTIX_CUDNN_EXECUTE"
+"""Set to ``public``: every graph runs through the frontend's public ``execute_plan_at_index``
+(what ``cudnn (direct)`` calls), not the backend plan's own entry (`BuiltGraph.execute`)."""
+
+
 class BuiltGraph:
     """A built graph with its workspace size and the (engine, knobs) of the plan it runs."""
 
     def __init__(self, key: GraphKey | GemmKey, graph: Any, engine: int, knobs: dict[str, int], workspace: int,
-                 kernel: str = "sdpa") -> None:  # fmt: skip
+                 kernel: str = "sdpa", index: int = 0) -> None:  # fmt: skip
         self.key = key
         self.graph = graph
         self.engine = engine
         self.knobs = knobs
         self.workspace_size = workspace
+        self.index = index
         self.tactic = Tactic(backend="cudnn", kernel=kernel, params={"engine": engine, "knobs": knobs})
+        self._backend_entry = _backend_entry(graph, index)
+
+    def execute(self, pack: dict[int, int], workspace: torch.Tensor, handle: Any) -> None:
+        """Run the built plan on ``pack`` (uid -> device address) on the handle's stream.
+
+        The frontend's public ``execute`` and ``execute_plan_at_index`` (1.32) walk the variant
+        pack in Python on every call (uid lookups, a native pack, layout checks: tens of
+        microseconds of host time, NVIDIA/cudnn-frontend#1086). A plan of a backend engine is
+        run here through the lowered graph's own execute-by-index entry with the uid -> address
+        map, which is what the public call ends in; anything else (a Python engine, a frontend
+        without that entry, `EXECUTE_ENV`) takes the public call."""
+        entry = self._backend_entry
+        if entry is not None:
+            call, cpp_index = entry
+            try:
+                call(pack, workspace.data_ptr(), cpp_index, getattr(handle, "backend_handle", handle))
+                return
+            except TypeError:  # the entry takes other arguments here (raised before anything ran)
+                self._backend_entry = None
+        self.graph.execute_plan_at_index(pack, workspace, self.index, handle=handle)
+
+
+def _backend_entry(graph: Any, index: int) -> tuple[Any, int] | None:
+    """The lowered graph's execute-by-index call and the backend's index of plan ``index``, when
+    the plan is a backend engine's and this frontend has them (else None: the public call)."""
+    import os
+
+    if os.environ.get(EXECUTE_ENV) == "public":
+        return None
+    try:
+        lowered = graph.__dict__.get("_lowered_graph")
+        call = getattr(lowered, "_execute_plan_at_index", None)
+        if call is None or not getattr(graph, "_planning_done", False) or graph._engine_for(graph._plans[index]):
+            return None
+        cpp_index = graph._materialize_backend_plan(index).cpp_index
+    except Exception:  # another frontend's internals: the public call serves
+        return None
+    return (call, int(cpp_index)) if isinstance(cpp_index, int) else None
 
 
 def _operation_graph(key: GraphKey, handle: Any) -> Any:
@@ -254,7 +298,7 @@ def build_attention_graph(key: GraphKey, handle: Any) -> BuiltGraph:
     g = _operation_graph(key, handle)
     index, engine, knobs = _choose_plan(g, key.engine, key.knobs, excluded_plans(key))
     workspace = int(g.get_workspace_size_plan_at_index(index))
-    return BuiltGraph(key, g, engine, knobs, workspace)
+    return BuiltGraph(key, g, engine, knobs, workspace, index=index)
 
 
 # -- GEMM --------------------------------------------------------------------------------------
@@ -326,7 +370,7 @@ def build_gemm_graph(key: GemmKey, handle: Any) -> BuiltGraph:
     g = _gemm_graph(key, handle)
     index, engine, knobs = _choose_plan(g, key.engine, key.knobs, {})
     workspace = int(g.get_workspace_size_plan_at_index(index))
-    return BuiltGraph(key, g, engine, knobs, workspace, kernel="matmul")
+    return BuiltGraph(key, g, engine, knobs, workspace, kernel="matmul", index=index)
 
 
 class GraphCache:

@@ -740,7 +740,7 @@ def execute_sdpa(graph: BuiltGraph, fixed: dict[int, int], handle: Any, device: 
     if sinks is not None:
         pack[UID_SINKS] = sinks.data_ptr()
     _bind_stream(handle, device)
-    graph.graph.execute(pack, workspace, handle=handle)
+    graph.execute(pack, workspace, handle)
 
 
 def _plan(problem: PrefillProblem | DecodeProblem, batch: PagedBatch, tactic: Tactic,
@@ -857,7 +857,7 @@ class CudnnGemmPlan:
             pack[UID_SCALE_A] = scale_a.data_ptr()
             pack[UID_SCALE_B] = scale_b.data_ptr()
         _bind_stream(self.handle, self.device)
-        graph.graph.execute(pack, self._workspace, handle=self.handle)
+        graph.execute(pack, self._workspace, self.handle)
 
 
 @tactix.hookimpl
