@@ -364,5 +364,5 @@ def test_ragged_prefill_deepseek_dims_from_fused_views_with_lse_and_same_bucket_
         ref, ref_lse = ragged_reference(q, k, v, qo, kv, causal=True, sm_scale=1 / math.sqrt(192))
         assert wrapper.plan_object.tactic.backend == "cudnn"
         assert relative_error(out, ref) < tolerance_for(torch.bfloat16), f"batch {i}"
-        assert lse_error(lse, ref_lse) < LSE_TOLERANCE, f"batch {i}"
+        assert lse_error(lse, ref_lse) <= LSE_TOLERANCE["bfloat16"], f"batch {i}"
     assert plans[0] is plans[1]  # the same buckets: the fast re-plan kept the plan (and its graph)

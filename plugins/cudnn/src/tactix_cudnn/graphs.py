@@ -212,7 +212,7 @@ Excluded = dict[tuple[int, Knobs | None], str]
 def excluded_plans(key: GraphKey) -> Excluded:
     """Plans known to compute something else for this key, or to break a promise it makes.
 
-    Both seen on an H200 with cuDNN 9.19 (conformance kit, tests/gpu):
+    Seen with cuDNN 9.19 (conformance kit, tests/gpu; H200, and H100 for the sinks):
 
     * engine 8 (cuDNN's decode kernel) writes the softmax stats of only one query head per KV
       head group when GQA is used, leaving the others unwritten; its attention output is right;
@@ -223,6 +223,10 @@ def excluded_plans(key: GraphKey) -> Excluded:
       problem allows non-determinism.
     """
     out: Excluded = {}
+    if key.sinks:
+        # seen on an H100 with cuDNN 9.19 (conformance kit, session 23): the runtime-compiled
+        # engine fails NVRTC compilation for every SDPA graph with a sink token
+        out[(2, None)] = "engine 2 (runtime-compiled) fails to compile SDPA with a sink token (NVRTC error)"
     if key.lse and key.num_qo_heads != key.num_kv_heads:
         out[(8, None)] = "engine 8 writes the LSE of one query head per GQA group only"
     if key.deterministic and not key.ragged_q:
@@ -279,10 +283,18 @@ def _choose_plan(g: Any, engine: int | None, knobs: Knobs, excluded: Excluded) -
         candidates = [i for i in range(g.get_execution_plan_count()) if not exclusion(excluded, *_plan_at(g, i))]
         if not candidates:
             raise RuntimeError(f"cuDNN offers no plan for this graph but excluded ones: {sorted(excluded.values())}")
-        index = candidates[0]
-        g.build_plan_at_index(index)
-        chosen_engine, chosen_knobs = _plan_at(g, index)
-        return index, chosen_engine, dict(chosen_knobs)
+        # the first that builds, in the heuristic's order (as cuDNN's own build_plans does): a plan
+        # may fail to build where it is proposed (a runtime compilation that fails)
+        failures = []
+        for index in candidates:
+            try:
+                g.build_plan_at_index(index)
+            except Exception as exc:  # cuDNN's errors have no common base class here
+                failures.append(f"engine {_plan_at(g, index)[0]}: {type(exc).__name__}: {exc}"[:300])
+                continue
+            chosen_engine, chosen_knobs = _plan_at(g, index)
+            return index, chosen_engine, dict(chosen_knobs)
+        raise RuntimeError(f"no plan cuDNN proposes for this graph builds: {'; '.join(failures)}")
     why = exclusion(excluded, engine, knobs)
     if why:
         raise ValueError(why)
