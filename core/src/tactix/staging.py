@@ -144,18 +144,35 @@ class Sections:
             raise TactixError(f"staging: {len(self.names)} sections {self.names} take one piece each "
                               f"(got {len(pieces)})")  # fmt: skip
         ends = (*self.offsets[1:], self.total)
+        # one byte view of the whole buffer (memoised: a process writes few staging buffers); list
+        # pieces are packed into it and padding is zeroed by slice assignment, each ~0.2 us where a
+        # ctypes call costs ~0.5-1
+        view = _bytes_at(dst, 4 * self.total)
         for name, start, end, capacity, piece in zip(self.names, self.offsets, ends, self.capacities, pieces,
                                                      strict=True):  # fmt: skip
-            at = dst + 4 * start
-            if isinstance(piece, torch.Tensor | array.array):
+            if isinstance(piece, (torch.Tensor, array.array)):
                 src, count, _alive = _int32_source(piece)
                 _check_fits(name, capacity, count)
-                ctypes.memmove(at, src, 4 * count)
+                ctypes.memmove(dst + 4 * start, src, 4 * count)
             else:
-                _check_fits(name, capacity, len(piece))
-                count = write_int32(at, piece)
-            if end - start > count:
-                ctypes.memset(at + 4 * count, 0, 4 * (end - start - count))
+                count = len(piece)
+                _check_fits(name, capacity, count)
+                if count:
+                    try:
+                        _int32_struct(count).pack_into(view, 4 * start, *piece)
+                    except struct.error as exc:
+                        raise TactixError(f"staging: metadata must be int32 values ({exc})") from None
+            pad = 4 * (end - start - count)
+            if pad > 0:
+                at = 4 * (start + count)
+                if pad <= len(_ZERO_BYTES):
+                    view[at : at + pad] = _ZERO_BYTES[:pad]
+                else:
+                    ctypes.memset(dst + at, 0, pad)
+
+
+_ZERO_BYTES: Final = memoryview(bytes(1 << 16))
+"""Zeros to pad sections from (larger padding takes a memset)."""
 
 
 @functools.lru_cache(maxsize=256)
