@@ -63,6 +63,8 @@ def attention_references(op: str, inputs: dict[str, Any]) -> list[tuple[str, Cal
         return []  # a multi-token decode step: the decode graph here takes one row per request
     if inputs.get("sinks") is not None or int(inputs.get("window_left", -1)) >= 0:
         return []  # the graphs here take neither attention sinks nor a window (they would compute without them)
+    if op == "ragged_prefill":
+        return _ragged_references(inputs)
     cudnn = frontend()
     handle = cudnn.create_handle()
     qo, kv_indptr, indices, last = (inputs[n].long() for n in ("qo_indptr", "kv_indptr", "kv_indices",
@@ -150,6 +152,59 @@ def gemm_references(inputs: dict[str, Any]) -> list[tuple[str, Callable[[], obje
             tc = g.mul(name=f"mul_{name}", a=tc, b=ts, compute_data_type=cudnn.data_type.FLOAT)
     bind(tc, out).set_output(True).set_data_type(_dtype(cudnn, out.dtype))
     tc.set_dim([1, m, n]).set_stride([m * n, n, 1])
+    g.validate()
+    g.build_operation_graph()
+    return _plans(g, pack, handle)
+
+
+def _ragged_references(inputs: dict[str, Any]) -> list[tuple[str, Callable[[], object]]]:
+    """SDPA over packed ``q``, ``k`` and ``v`` (``[tokens, heads, dim]``, request ``r``'s rows from
+    its CSR offsets) through ragged offsets, one graph for exactly this batch; head dims may
+    differ (DeepSeek's 192/128)."""
+    q, k, v, out = inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["out"]
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        return []  # the offsets below count packed rows
+    cudnn = frontend()
+    handle = cudnn.create_handle()
+    qo, kv = inputs["qo_indptr"].long(), inputs["kv_indptr"].long()
+    device, b = q.device, kv.numel() - 1
+    hq, dq, hkv, dv = q.shape[1], q.shape[2], k.shape[1], v.shape[2]
+    q_lens, kv_lens = qo[1:] - qo[:-1], kv[1:] - kv[:-1]
+    sq, skv = int(q_lens.max()), int(kv_lens.max())
+    io = _dtype(cudnn, q.dtype)
+    g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT, handle=handle)  # fmt: skip
+    pack: dict[int, torch.Tensor] = {}
+
+    def bind(t: Any, data: torch.Tensor) -> Any:
+        t.set_uid(100 + len(pack))
+        pack[100 + len(pack)] = data
+        return t
+
+    def i32(name: str, data: torch.Tensor) -> Any:
+        data = data.to(torch.int32).reshape(-1, 1, 1, 1).to(device)
+        t = g.tensor(name=name, dim=list(data.shape), stride=list(data.stride()), data_type=cudnn.data_type.INT32)
+        return bind(t, data)
+
+    def packed(name: str, data: torch.Tensor, heads: int, dim: int, rows: int, offsets: torch.Tensor) -> Any:
+        t = g.tensor(name=name, dim=[b, heads, rows, dim], stride=[rows * heads * dim, dim, heads * dim, 1],
+                     data_type=io)  # fmt: skip
+        bind(t, data).set_ragged_offset(i32(f"{name}_off", offsets * heads * dim))
+        return t
+
+    tq = packed("q", q, hq, dq, sq, qo)
+    tk = packed("k", k, hkv, dq, skv, kv)
+    tv = packed("v", v, hkv, dv, skv, kv)
+    kwargs: dict[str, Any] = dict(
+        name="sdpa", q=tq, k=tk, v=tv, attn_scale=float(inputs["sm_scale"]), generate_stats=False,
+        use_padding_mask=True, seq_len_q=i32("seq_q", q_lens), seq_len_kv=i32("seq_kv", kv_lens),
+        compute_data_type=cudnn.data_type.FLOAT,
+    )  # fmt: skip
+    if inputs["causal"]:
+        kwargs.update(diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT, diagonal_band_right_bound=0)
+    to, _ = g.sdpa(**kwargs)
+    bind(to, out).set_output(True).set_dim([b, hq, sq, dv]).set_stride([sq * hq * dv, dv, hq * dv, 1])
+    to.set_ragged_offset(i32("o_off", qo * hq * dv))
     g.validate()
     g.build_operation_graph()
     return _plans(g, pack, handle)
