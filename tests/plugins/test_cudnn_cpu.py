@@ -324,9 +324,10 @@ def test_ragged_prefill_metadata_addresses_each_requests_packed_rows() -> None:
         num_kv_heads=4, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=None, window_left=-1,
         logits_soft_cap=None, q_data_type=torch.bfloat16, kv_data_type=None, o_data_type=None, return_lse=True,
     )  # fmt: skip
-    key = ragged.ragged_key(problem, batch.batch_size, batch.max_qo_len, batch.max_kv_len,
-                            tactix.Tactic.default("cudnn"), False, 512)  # fmt: skip
-    assert key.ragged_kv and key.batch == 4 and key.max_kv == 512 and (key.head_dim_qk, key.head_dim_vo) == (192, 128)
+    key = plugin._key(problem, batch.batch_size, batch.max_qo_len, batch.max_kv_len, 0, plugin.NO_STRIDES,
+                      plugin.NO_STRIDES, tactix.Tactic.default("cudnn"))  # fmt: skip
+    assert key.ragged_kv and key.table_width == 0 and key.page_size == 0
+    assert (key.batch, key.max_q, key.max_kv, key.head_dim_qk, key.head_dim_vo) == (4, 512, 512, 192, 128)
     flat, at = ragged.ragged_metadata(problem, batch, key)
     assert all(entry % 32 == 0 for entry in at.values())  # 128-byte aligned sections
 

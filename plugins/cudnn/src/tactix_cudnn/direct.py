@@ -28,6 +28,27 @@ def _dtype(cudnn: Any, t: torch.dtype) -> Any:
     }[t]
 
 
+class _Binder:
+    """A direct graph's tensors bound to their data: uids from 100 in binding order, and the
+    variant pack they make."""
+
+    def __init__(self, graph: Any) -> None:
+        self.graph = graph
+        self.pack: dict[int, torch.Tensor] = {}
+
+    def bind(self, t: Any, data: torch.Tensor) -> Any:
+        uid = 100 + len(self.pack)
+        t.set_uid(uid)
+        self.pack[uid] = data
+        return t
+
+    def i32(self, name: str, data: torch.Tensor) -> Any:
+        """An int32 graph tensor of ``data``'s shape and strides, bound to it."""
+        t = self.graph.tensor(name=name, dim=list(data.shape), stride=list(data.stride()),
+                              data_type=frontend().data_type.INT32)  # fmt: skip
+        return self.bind(t, data)
+
+
 def _plans(graph: Any, pack: dict[int, torch.Tensor], handle: Any) -> list[tuple[str, Callable[[], object]]]:
     cudnn = frontend()
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
@@ -90,16 +111,8 @@ def attention_references(op: str, inputs: dict[str, Any]) -> list[tuple[str, Cal
                       compute_data_type=cudnn.data_type.FLOAT, handle=handle)  # fmt: skip
     ragged = op == "prefill"
     q_dims, q_strides = [b, hq, max_q, d], [max_q * hq * d, d, hq * d, 1]
-    pack: dict[int, torch.Tensor] = {}
-
-    def bind(t: Any, data: torch.Tensor) -> Any:
-        t.set_uid(100 + len(pack))
-        pack[100 + len(pack)] = data
-        return t
-
-    def i32(name: str, data: torch.Tensor) -> Any:
-        t = g.tensor(name=name, dim=list(data.shape), stride=list(data.stride()), data_type=cudnn.data_type.INT32)
-        return bind(t, data)
+    binder = _Binder(g)
+    bind, i32 = binder.bind, binder.i32
 
     tq = bind(g.tensor(name="q", dim=q_dims, stride=q_strides, data_type=io), q)
     if ragged:
@@ -122,7 +135,7 @@ def attention_references(op: str, inputs: dict[str, Any]) -> list[tuple[str, Cal
         to.set_ragged_offset(i32("o_off", q_off.clone()))
     g.validate()
     g.build_operation_graph()
-    return _plans(g, pack, handle)
+    return _plans(g, binder.pack, handle)
 
 
 def gemm_references(inputs: dict[str, Any]) -> list[tuple[str, Callable[[], object]]]:
@@ -134,12 +147,8 @@ def gemm_references(inputs: dict[str, Any]) -> list[tuple[str, Callable[[], obje
     n = b.shape[1]
     g = cudnn.pygraph(io_data_type=_dtype(cudnn, out.dtype), intermediate_data_type=cudnn.data_type.FLOAT,
                       compute_data_type=cudnn.data_type.FLOAT, handle=handle)  # fmt: skip
-    pack: dict[int, torch.Tensor] = {}
-
-    def bind(t: Any, data: torch.Tensor) -> Any:
-        t.set_uid(100 + len(pack))
-        pack[100 + len(pack)] = data
-        return t
+    binder = _Binder(g)
+    bind = binder.bind
 
     ta = bind(g.tensor(name="a", dim=[1, m, kk], stride=[m * kk, *a.stride()], data_type=_dtype(cudnn, a.dtype)), a)
     tb = bind(g.tensor(name="b", dim=[1, kk, n], stride=[kk * n, *b.stride()], data_type=_dtype(cudnn, b.dtype)), b)
@@ -154,7 +163,7 @@ def gemm_references(inputs: dict[str, Any]) -> list[tuple[str, Callable[[], obje
     tc.set_dim([1, m, n]).set_stride([m * n, n, 1])
     g.validate()
     g.build_operation_graph()
-    return _plans(g, pack, handle)
+    return _plans(g, binder.pack, handle)
 
 
 def _ragged_references(inputs: dict[str, Any]) -> list[tuple[str, Callable[[], object]]]:
@@ -174,17 +183,11 @@ def _ragged_references(inputs: dict[str, Any]) -> list[tuple[str, Callable[[], o
     io = _dtype(cudnn, q.dtype)
     g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                       compute_data_type=cudnn.data_type.FLOAT, handle=handle)  # fmt: skip
-    pack: dict[int, torch.Tensor] = {}
+    binder = _Binder(g)
+    bind = binder.bind
 
-    def bind(t: Any, data: torch.Tensor) -> Any:
-        t.set_uid(100 + len(pack))
-        pack[100 + len(pack)] = data
-        return t
-
-    def i32(name: str, data: torch.Tensor) -> Any:
-        data = data.to(torch.int32).reshape(-1, 1, 1, 1).to(device)
-        t = g.tensor(name=name, dim=list(data.shape), stride=list(data.stride()), data_type=cudnn.data_type.INT32)
-        return bind(t, data)
+    def i32(name: str, data: torch.Tensor) -> Any:  # one int32 per request, [n, 1, 1, 1] on the device
+        return binder.i32(name, data.to(torch.int32).reshape(-1, 1, 1, 1).to(device))
 
     def packed(name: str, data: torch.Tensor, heads: int, dim: int, rows: int, offsets: torch.Tensor) -> Any:
         t = g.tensor(name=name, dim=[b, heads, rows, dim], stride=[rows * heads * dim, dim, heads * dim, 1],
@@ -207,4 +210,4 @@ def _ragged_references(inputs: dict[str, Any]) -> list[tuple[str, Callable[[], o
     to.set_ragged_offset(i32("o_off", qo * hq * dv))
     g.validate()
     g.build_operation_graph()
-    return _plans(g, pack, handle)
+    return _plans(g, binder.pack, handle)

@@ -14,6 +14,7 @@ override, which would avoid buckets, needs library 9.21 or newer for graphs; see
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -117,8 +118,6 @@ class BuiltGraph:
 def _backend_entry(graph: Any, index: int) -> tuple[Any, int] | None:
     """The lowered graph's execute-by-index call and the backend's index of plan ``index``, when
     the plan is a backend engine's and this frontend has them (else None: the public call)."""
-    import os
-
     if os.environ.get(EXECUTE_ENV) == "public":
         return None
     try:

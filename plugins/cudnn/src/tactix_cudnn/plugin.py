@@ -337,10 +337,15 @@ def _graph_max_q(decode: bool, max_q: int, sinks: bool) -> int:
     return max(rows, 2) if sinks else rows
 
 
-def _key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: int, max_kv: int, pages: int,
+NO_STRIDES: Final = (0, 0, 0, 0)
+"""The cache strides of a key whose K and V are packed rows (ragged-KV prefill: no container)."""
+
+
+def _key(problem: AttentionProblem, batch_size: int, max_q: int, max_kv: int, pages: int,
          k_strides: Strides, v_strides: Strides, tactic: Tactic, sinks: bool | None = None) -> GraphKey:  # fmt: skip
     """The graph key of a batch's buckets, remembered (a 21-field frozen dataclass costs microseconds).
-    ``sinks``: whether the graph takes them (None: if the problem plans for them)."""
+    ``sinks``: whether the graph takes them (None: if the problem plans for them). Ragged-KV
+    prefill has no pages: ``pages`` 0 and `NO_STRIDES`."""
     decode = isinstance(problem, DecodeProblem)
     if sinks is None:
         sinks = "sinks" in problem.run_extras
@@ -357,17 +362,18 @@ def _key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: int, m
     return key
 
 
-def _make_key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: int, max_kv: int, pages: int,
+def _make_key(problem: AttentionProblem, batch_size: int, max_q: int, max_kv: int, pages: int,
               k_strides: Strides, v_strides: Strides, tactic: Tactic, sinks: bool) -> GraphKey:  # fmt: skip
-    max_kv_b = bucket_size(max_kv)
+    max_kv_b = bucket_size(max(max_kv, 1))
     decode = isinstance(problem, DecodeProblem)
+    page = 0 if isinstance(problem, RaggedPrefillProblem) else problem.page_size
     return GraphKey(
         dtype=problem.q_dtype,
         num_qo_heads=problem.num_qo_heads,
         num_kv_heads=problem.num_kv_heads,
         head_dim_qk=problem.head_dim_qk,
         head_dim_vo=problem.head_dim_vo,
-        page_size=problem.page_size,
+        page_size=page,
         k_strides=k_strides,
         v_strides=v_strides,
         container_pages=bucket_size(pages),
@@ -375,7 +381,7 @@ def _make_key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: i
         batch=batch_size if decode else bucket_size(batch_size),
         max_q=_graph_max_q(decode, max_q, sinks),
         max_kv=max_kv_b,
-        table_width=-(-max_kv_b // problem.page_size),
+        table_width=-(-max_kv_b // page) if page else 0,
         causal=problem.causal,
         window=problem.window_left,
         scale=problem.sm_scale,
@@ -385,6 +391,7 @@ def _make_key(problem: PrefillProblem | DecodeProblem, batch_size: int, max_q: i
         ragged_q=not decode,
         deterministic=problem.deterministic,
         sinks=sinks,
+        ragged_kv=not page,
     )
 
 
@@ -410,13 +417,9 @@ def tactix_tactics(problem: Problem) -> list[Tactic] | None:
 def _probe_key(problem: AttentionProblem) -> GraphKey:
     """A graph key of the problem's sizes with the default tactic (what the exclusions and
     cuDNN's plan list depend on)."""
-    sinks = "sinks" in problem.run_extras
-    if isinstance(problem, RaggedPrefillProblem):
-        max_q = problem.max_qo_len
-        return ragged.ragged_key(problem, problem.batch_size, max_q, problem.max_kv_len, Tactic.default(NAME),
-                                 sinks, _graph_max_q(False, max_q, sinks))  # fmt: skip
-    return _key(problem, problem.batch_size, problem.max_qo_len, problem.max_kv_len, 1,
-                (0, 0, 0, 0), (0, 0, 0, 0), Tactic.default(NAME))  # fmt: skip
+    pages = 0 if isinstance(problem, RaggedPrefillProblem) else 1
+    return _key(problem, problem.batch_size, problem.max_qo_len, problem.max_kv_len, pages, NO_STRIDES, NO_STRIDES,
+                Tactic.default(NAME))  # fmt: skip
 
 
 def _tactics(kernel: str, key: GraphKey | GemmKey) -> list[Tactic]:
@@ -592,7 +595,9 @@ class CudnnAttentionPlan:
         if not isinstance(workspace, torch.Tensor) or workspace.numel() < graph.workspace_size:
             workspace = torch.empty(max(graph.workspace_size, 1), dtype=torch.uint8, device=self.device)
         self._workspace = workspace  # stream-ordered reuse: the previous plan is replaced by this one
-        self._q_packed: torch.Tensor | None = None  # for a strided q (a view of a fused QKV projection)
+        # for a strided q (a view of a fused QKV projection); taken over from the replaced plan, as the
+        # workspace is (a captured CUDA graph keeps reading the buffer it was captured with)
+        self._q_packed: torch.Tensor | None = prev._q_packed if prev is not None else None
 
     def replan(self, problem: PrefillProblem | DecodeProblem, batch: PagedBatch,
                options: PlanOptions) -> CudnnAttentionPlan | None:  # fmt: skip

@@ -22,7 +22,8 @@ from typing import Any, Final
 import torch
 
 from tactix import PlanOptions, RaggedBatch, RaggedPrefillProblem, Tactic, UnsupportedProblemError
-from tactix.plugin import Staging, bucket_size, write_int32
+from tactix.plugin import Staging, write_int32
+from tactix_cudnn import plugin  # (plugin imports this module: attributes are read at call time)
 from tactix_cudnn.graphs import (
     UID_K_OFF,
     UID_O_OFF,
@@ -36,7 +37,7 @@ from tactix_cudnn.graphs import (
     graph_cache,
 )
 
-__all__ = ["CudnnRaggedPrefillPlan", "ragged_key", "ragged_metadata"]
+__all__ = ["CudnnRaggedPrefillPlan", "ragged_metadata"]
 
 _ALIGN: Final = 32  # int32 entries: 128 bytes
 _INT32_MAX: Final = 2**31 - 1
@@ -45,39 +46,6 @@ _NO_ROWS: Final = [0] * 4096
 
 def _span(n: int) -> int:
     return n + (-n % _ALIGN)
-
-
-def ragged_key(problem: RaggedPrefillProblem, batch_size: int, max_q: int, max_kv: int, tactic: Tactic,
-               sinks: bool, max_q_rows: int) -> GraphKey:  # fmt: skip
-    """The graph key of a ragged batch's buckets (``max_q_rows``: the graph's query rows per
-    request, `plugin._graph_max_q`)."""
-    from tactix_cudnn.plugin import _knob_items  # the plugin imports this module
-
-    return GraphKey(
-        dtype=problem.q_dtype,
-        num_qo_heads=problem.num_qo_heads,
-        num_kv_heads=problem.num_kv_heads,
-        head_dim_qk=problem.head_dim_qk,
-        head_dim_vo=problem.head_dim_vo,
-        page_size=0,
-        k_strides=(0, 0, 0, 0),
-        v_strides=(0, 0, 0, 0),
-        container_pages=0,
-        batch=bucket_size(batch_size),
-        max_q=max_q_rows,
-        max_kv=bucket_size(max(max_kv, 1)),
-        table_width=0,
-        causal=problem.causal,
-        window=problem.window_left,
-        scale=problem.sm_scale,
-        lse=problem.return_lse,
-        engine=None if tactic.is_default else int(tactic.params["engine"]),  # type: ignore[arg-type]
-        knobs=() if tactic.is_default else _knob_items(tactic),
-        ragged_q=True,
-        deterministic=problem.deterministic,
-        sinks=sinks,
-        ragged_kv=True,
-    )
 
 
 def ragged_metadata(problem: RaggedPrefillProblem, batch: RaggedBatch,
@@ -131,8 +99,6 @@ class CudnnRaggedPrefillPlan:
 
     def __init__(self, problem: RaggedPrefillProblem, batch: RaggedBatch, tactic: Tactic,
                  options: PlanOptions) -> None:  # fmt: skip
-        from tactix_cudnn.plugin import handle_for
-
         reasons = _offsets_reasons(problem, batch)
         if reasons:
             raise UnsupportedProblemError("cudnn", problem, reasons)
@@ -140,7 +106,7 @@ class CudnnRaggedPrefillPlan:
         self.device = options["device"]
         previous = options["previous"]
         prev = previous if isinstance(previous, CudnnRaggedPrefillPlan) and previous.device == self.device else None
-        self.handle = prev.handle if prev is not None else handle_for(self.device)
+        self.handle = prev.handle if prev is not None else plugin.handle_for(self.device)
         self._graph_mode = bool(options["use_cuda_graph"])
         self._requested = tactic
         held = prev._shape if prev is not None and self._graph_mode else None
@@ -162,7 +128,9 @@ class CudnnRaggedPrefillPlan:
         if workspace is None or workspace.numel() < graph.workspace_size:
             workspace = torch.empty(max(graph.workspace_size, 1), dtype=torch.uint8, device=self.device)
         self._workspace = workspace
-        self._packed: dict[str, torch.Tensor] = {}  # packed copies of strided views, by argument
+        # packed copies of strided views, by argument: taken over from the replaced plan, as the
+        # workspace is (a captured CUDA graph keeps reading the buffers it was captured with)
+        self._packed: dict[str, torch.Tensor] = prev._packed if prev is not None else {}
 
     @staticmethod
     def _held(batch: RaggedBatch, held: tuple[int, int, int] | None) -> tuple[int, int, int]:
@@ -173,10 +141,8 @@ class CudnnRaggedPrefillPlan:
         return batch.batch_size, max(batch.max_qo_len, held[1]), max(batch.max_kv_len, held[2])
 
     def _key(self, sinks: bool) -> GraphKey:
-        from tactix_cudnn.plugin import _graph_max_q
-
         b, q, kv = self._shape
-        return ragged_key(self.problem, b, q, kv, self._requested, sinks, _graph_max_q(False, q, sinks))
+        return plugin._key(self.problem, b, q, kv, 0, plugin.NO_STRIDES, plugin.NO_STRIDES, self._requested, sinks)
 
     def _fill(self, batch: RaggedBatch, key: GraphKey, graph_replan: bool) -> None:
         flat, at = ragged_metadata(self.problem, batch, key)
@@ -233,8 +199,6 @@ class CudnnRaggedPrefillPlan:
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
             sinks: torch.Tensor | None = None) -> None:  # fmt: skip
-        from tactix_cudnn.plugin import execute_sdpa
-
         graph = self._graph(sinks is not None)
-        execute_sdpa(graph, self._fixed, self.handle, self.device, self._workspace, self._dense("q", q),
+        plugin.execute_sdpa(graph, self._fixed, self.handle, self.device, self._workspace, self._dense("q", q),
                      self._dense("k", k), self._dense("v", v), out, lse, sinks)  # fmt: skip
