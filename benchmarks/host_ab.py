@@ -28,7 +28,10 @@ spread an A/A, control against old, by up to 8 % over 41 rounds). The report: pe
 row, both sides' medians over the rounds and the median of the per-round new/old ratios (with
 their spread), which is what "within 3 %" is judged on.
 
-``--backends`` picks the plan rows' backends (default cudnn,cuda_native,trtllm), ``--run-backends``
+Each decode plan row is measured again with the page indices on the device (`DEVICE_INDEX_ROWS`,
+"dev-idx"). ``--backends`` picks the plan rows' backends (default cudnn,cuda_native,trtllm; with
+``flashinfer``, FlashInfer's own wrappers, device page indices, as a reference that both sides
+measure alike), ``--run-backends``
 the run rows' (default cudnn,cuda_native,trtllm,torch); a row a side cannot measure says why.
 On a machine without CUDA the run rows are left out and ``--device cpu`` plans with the torch
 backend (a check of the harness, not a host-cost result).
@@ -51,6 +54,10 @@ from typing import Any
 
 PREFIX = "@@ab "  # a worker's replies (anything else it prints, a library's log line, is passed over)
 PLAN_ROWS = (("decode", 64, 4100, 8000), ("decode", 8, 900, 1000), ("prefill", 16, 4100, 4200))
+DEVICE_INDEX_ROWS = ("decode b64", "decode b8")
+"""Plan rows measured a second time with the page indices on the device (row name + " dev-idx"),
+the CSR offsets and last-page lengths on the host: what an engine that keeps its page table on the
+GPU passes (vLLM), and what `flashinfer` rows always get."""
 RUN_ROWS = ("decode b8", "decode b64", "prefill b4x64", "gemm m4 4096^2")
 
 
@@ -78,16 +85,22 @@ class Worker:
 
     def _plan_setup(self, backend: str, row: str) -> Callable[[int], float]:
         torch, tactix = self.torch, self.tactix
-        op, count, low, high = next(r for r in PLAN_ROWS if f"{r[0]} b{r[1]}" == row)
+        on_device = row.endswith(" dev-idx") or backend == "flashinfer"
+        op, count, low, high = next(r for r in PLAN_ROWS if row.startswith(f"{r[0]} b{r[1]}"))
         from plan_time import batch  # the same batches as plan_time.py
 
-        spec = tactix.get_registry().get(backend).spec
-        if spec.capabilities(op) is None:
-            raise LookupError(f"{backend} does not implement {op}")
-        cls = tactix.PagedDecode if op == "decode" else tactix.PagedPrefill
-        wrapper = cls("HND", backend=backend, device=self.device)
-        qo = torch.arange(0, 17 * 64, 64, dtype=torch.int32)
         batches = [batch(i, count, low, high) for i in range(64)]
+        if on_device:
+            batches = [(b[0], b[1].to(self.device), *b[2:]) for b in batches]
+        qo = torch.arange(0, 17 * 64, 64, dtype=torch.int32)
+        if backend == "flashinfer":  # FlashInfer's own wrappers, as the reference (the same on both sides)
+            wrapper = _flashinfer_wrapper(op, self.device)
+        else:
+            spec = tactix.get_registry().get(backend).spec
+            if spec.capabilities(op) is None:
+                raise LookupError(f"{backend} does not implement {op}")
+            cls = tactix.PagedDecode if op == "decode" else tactix.PagedPrefill
+            wrapper = cls("HND", backend=backend, device=self.device)
 
         def plan(b: tuple[Any, ...]) -> float:
             t0 = time.perf_counter()
@@ -121,6 +134,18 @@ class Worker:
             return min(per_call_us(call, max(n // 5, 1)) for _ in range(5))  # the least disturbed block
 
         return timed
+
+
+def _flashinfer_wrapper(op: str, device: Any) -> Any:
+    """FlashInfer's decode (fa2, CUDA cores: its default) or prefill (fa2) wrapper with its
+    recommended 128 MiB workspace."""
+    import flashinfer
+    import torch
+
+    workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=device)
+    if op == "decode":
+        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
+    return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", backend="fa2")
 
 
 def worker_main(device: str) -> None:
@@ -213,7 +238,13 @@ def main() -> None:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     plan_backends = args.backends.split(",") if device == "cuda" else ["torch"]
-    jobs = [("plan", b, f"{op} b{n}", args.plans) for b in plan_backends for op, n, _, _ in PLAN_ROWS]
+    plan_rows = [f"{op} b{n}" for op, n, _, _ in PLAN_ROWS]
+    if device == "cuda":
+        plan_rows += [f"{row} dev-idx" for row in DEVICE_INDEX_ROWS]
+    # (FlashInfer's plan always gets device indices: its host-index decode rows would repeat them)
+    served = {b: [r for r in plan_rows if b != "flashinfer" or not r.startswith("decode") or "dev-idx" in r]
+              for b in plan_backends}  # fmt: skip
+    jobs = [("plan", b, row, args.plans) for b in plan_backends for row in served[b]]
     if device == "cuda":
         jobs += [("run", b, row, args.calls) for b in args.run_backends.split(",") for row in RUN_ROWS]
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []

@@ -253,6 +253,8 @@ class PagedBatch(Batch):
     keyless_rows: bool = False
     """Causal prefill: some request has more query rows than keys (its first rows attend none)."""
     _device_copies: dict[torch.device, DeviceBatch] = field(default_factory=dict, repr=False)
+    _bounds_checked: set[int] = field(default_factory=set, repr=False)
+    """Cache sizes (pages) device indices were checked against (`check_page_bounds`)."""
 
     @functools.cached_property
     def kv_indptr(self) -> torch.Tensor:
@@ -399,6 +401,7 @@ class PagedBatch(Batch):
             custom_mask=None,
             keyless_rows=keyless_rows,
             _device_copies={},
+            _bounds_checked=set(),
         )
         return batch
 
@@ -406,7 +409,7 @@ class PagedBatch(Batch):
         """This batch with a custom mask (`CustomMask.build` checks it against the lengths)."""
         mask = CustomMask.build(custom_mask, packed_custom_mask, self.qo_lens_list, self.kv_lens_list, device)
         batch = type(self).__new__(type(self))
-        batch.__dict__.update(self.__dict__, custom_mask=mask, _device_copies={})
+        batch.__dict__.update(self.__dict__, custom_mask=mask, _device_copies={}, _bounds_checked=set())
         return batch
 
     def check_page_bounds(self, num_pages: int, argument: str = "paged_kv_indices") -> None:
@@ -422,10 +425,14 @@ class PagedBatch(Batch):
                     f"page indices below the cache's {num_pages} pages",
                     f"index {self.max_page_index}",
                 )
-        elif self.num_page_entries:
-            idx = self.kv_indices
-            ok = (idx.min() >= 0) & (idx.max() < num_pages)
+        elif self.num_page_entries and num_pages not in self._bounds_checked:
+            # once per batch and cache size: the layers of a step run one plan over caches of the
+            # same number of pages, and each layer's first run() would otherwise enqueue the
+            # same reduction again (six launches, ~20 us of host time a layer)
+            lo, hi = torch.aminmax(self.kv_indices)
+            ok = (lo >= 0) & (hi < num_pages)
             torch._assert_async(ok, f"'{argument}' must hold page indices in [0, {num_pages})")
+            self._bounds_checked.add(num_pages)
 
     def on(self, device: torch.device) -> DeviceBatch:
         """The metadata on ``device`` (copied once per device, without a device sync)."""
@@ -517,6 +524,7 @@ class RaggedBatch(Batch):
             num_kv_tokens=kv_list[-1],
             keyless_rows=keyless_rows,
             _device_copies={},
+            _bounds_checked=set(),
         )
         return batch
 

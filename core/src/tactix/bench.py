@@ -312,6 +312,9 @@ class _Attention:
     out: torch.Tensor
     # the run extras run() receives, on the device: k_scale and v_scale (fp8 caches), sinks
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the page indices as every implementation's plan receives them: on the device, as an engine
+    # keeps its page table (its CSR offsets and last-page lengths stay on the host)
+    kv_indices_device: torch.Tensor | None = None
 
     def scale_values(self) -> tuple[float, float]:
         """``(k_scale, v_scale)`` as floats (1.0 without scales)."""
@@ -488,16 +491,18 @@ def _attention_inputs(case: BenchCase, device: torch.device, dtype: torch.dtype)
     q = torch.randn(qo[-1], hq, case.head_dim, device=device, dtype=dtype)
     out = torch.empty(qo[-1], hq, case.dim_vo, device=device, dtype=dtype)
     i32 = torch.int32
+    host_indices = torch.tensor(indices, dtype=i32)
     return _Attention(
         torch.tensor(qo, dtype=i32),
         torch.tensor(indptr, dtype=i32),
-        torch.tensor(indices, dtype=i32),
+        host_indices,
         torch.tensor(last, dtype=i32),
         q,
         k,
         v,
         out,
         extras,
+        host_indices.to(device),
     )
 
 
@@ -551,7 +556,7 @@ def _measure_attention(
     else:
         cls = PagedPrefill if case.op == "prefill" else PagedDecode
         wrapper = cls("HND", backend=backend, device=device, run_extras=extras)
-        meta = (inputs.kv_indptr, inputs.kv_indices)
+        meta = (inputs.kv_indptr, inputs.kv_indices if inputs.kv_indices_device is None else inputs.kv_indices_device)
         args = (inputs.qo_indptr, *meta) if case.op == "prefill" else meta
 
         def plan(last: torch.Tensor) -> None:
@@ -801,7 +806,7 @@ def _bench_case(
             "v_cache": inputs_a.v,
             "qo_indptr": inputs_a.qo_indptr,
             "kv_indptr": inputs_a.kv_indptr,
-            "kv_indices": inputs_a.kv_indices,
+            "kv_indices": inputs_a.kv_indices_device,
             "kv_last_page_len": inputs_a.last,
             "causal": case.op != "decode" or case.q_len_per_req > 1,
             "q_len_per_req": case.q_len_per_req,

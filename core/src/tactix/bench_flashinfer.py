@@ -83,9 +83,11 @@ def calls(op: str, inputs: dict[str, Any]) -> list[Anchor | tuple[str, Exception
                               if inputs.get(name) is not None}  # fmt: skip
     if inputs.get("sinks") is not None:
         extras["sinks"] = inputs["sinks"]
-    indptr = inputs["kv_indptr"].to(device=device, dtype=torch.int32)
+    # as an engine passes them (and as tactix's rows get them): the CSR offsets and last-page
+    # lengths on the host, the page indices on the device
+    indptr = inputs["kv_indptr"].to(device="cpu", dtype=torch.int32)
     indices = inputs["kv_indices"].to(device=device, dtype=torch.int32)
-    last = inputs["kv_last_page_len"].to(device=device, dtype=torch.int32)
+    last = inputs["kv_last_page_len"].to(device="cpu", dtype=torch.int32)
     common: dict[str, Any] = {"q_data_type": q.dtype, "kv_data_type": k.dtype, "sm_scale": inputs["sm_scale"]}
     if int(inputs.get("window_left", -1)) >= 0:
         common["window_left"] = int(inputs["window_left"])
@@ -100,7 +102,7 @@ def calls(op: str, inputs: dict[str, Any]) -> list[Anchor | tuple[str, Exception
         try:
             if op == "ragged_prefill":
                 wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", **options)
-                qo_r = inputs["qo_indptr"].to(device=device, dtype=torch.int32)
+                qo_r = inputs["qo_indptr"].to(device="cpu", dtype=torch.int32)
 
                 def plan_ragged(lengths: torch.Tensor, w: Any = wrapper, qo: torch.Tensor = qo_r) -> None:
                     w.plan(qo, indptr, hq, hkv, dim, head_dim_vo=dim_vo, causal=inputs["causal"], **common)
@@ -119,7 +121,7 @@ def calls(op: str, inputs: dict[str, Any]) -> list[Anchor | tuple[str, Exception
                 plan = plan_decode
             else:
                 wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", **options)
-                qo = inputs["qo_indptr"].to(device=device, dtype=torch.int32)
+                qo = inputs["qo_indptr"].to(device="cpu", dtype=torch.int32)
 
                 def plan_prefill(lengths: torch.Tensor, w: Any = wrapper, qo: torch.Tensor = qo) -> None:
                     w.plan(qo, indptr, indices, lengths, hq, hkv, dim, page, causal=inputs["causal"], **common)

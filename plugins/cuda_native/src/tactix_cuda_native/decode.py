@@ -34,6 +34,7 @@ from tactix import (
     InvalidArgumentError,
     PagedBatch,
     PlanOptions,
+    Problem,
     Tactic,
     UnsupportedProblemError,
 )
@@ -620,10 +621,62 @@ class CudaNativeDecodePlan(StagedPlan):
         self.device = cuda_device(index)
         self.problem = problem
         self._requested = tactic
-        info = device_info(index)
-        graph = options["use_cuda_graph"]
-        self._graph = bool(graph)
+        self._graph = bool(options["use_cuda_graph"])
+        self._index = index
+        self._info = device_info(index)
+        shift = log2_exact(problem.page_size)
+        assert shift is not None  # check() refused other page sizes
+        gqa = problem.gqa_ratio
+        self._scalars = (problem.num_qo_heads, gqa, q_tiles(gqa), shift, problem.sm_scale * LOG2E,
+                         float(problem.logits_soft_cap))  # fmt: skip
+        self._launch_fn = launcher().launch  # (looked up once: run() is on every layer's path)
+        # the kernel of each parameter set this plan's batches chose (the default tactic's depend
+        # on the batch: `decode_is_small`), shared by the plans `replan` makes
+        self._kernels: dict[bool | None, tuple[DecodeParams, Kernel]] = {}
+        # the caches' tensor maps: a re-plan (every step of a server) shares its predecessor's
         previous = options["previous"]
+        self._maps: TensorMaps = (
+            previous._maps
+            if isinstance(previous, CudaNativeDecodePlan) and previous.device == self.device
+            else TensorMaps(8)
+        )
+        self._static = dict(self.__dict__)  # what `replan` copies: nothing here depends on the batch
+        self._plan_batch(batch, previous)
+
+    def replan(self, problem: Problem, batch: PagedBatch, options: PlanOptions) -> StagedPlan | None:
+        """The plan of a new batch with this plan's static problem and tactic: this plan's static
+        part (device, scalars, kernels, tensor maps) copied, the batch's part made
+        (`_plan_batch`). None for another device or mode (the full path decides)."""
+        if options["device"] != self.device or bool(options["use_cuda_graph"]) != self._graph:
+            return None
+        plan = type(self).__new__(type(self))
+        plan.__dict__.update(self._static)
+        plan._static = self._static
+        plan.problem = problem  # type: ignore[assignment]
+        plan._plan_batch(batch, self)
+        return plan
+
+    def _kernel_for(self, lengths: list[int], units: int) -> tuple[DecodeParams, Kernel, bool]:
+        """The parameters and kernel for a batch of ``lengths`` attended keys (the default
+        tactic's depend on whether the batch is small), and whether NVRTC compiled it now."""
+        tactic, info, problem = self._requested, self._info, self.problem
+        small = decode_is_small(lengths, units, info) if tactic.is_default else None
+        found = self._kernels.get(small)
+        if found is not None:
+            return found[0], found[1], False
+        if small is None:
+            params = DecodeParams.from_tactic(tactic)
+        else:
+            params = default_decode_params(problem.head_dim_qk, info, small=small,
+                                           fp8=problem.kv_dtype in FP8_KV_DTYPES)  # fmt: skip
+        kernel, built = _decode_kernel(self._index, problem.q_dtype, problem.head_dim_qk, params, info,
+                                       problem.kv_dtype)  # fmt: skip
+        self._kernels[small] = (params, kernel)
+        return params, kernel, built
+
+    def _plan_batch(self, batch: PagedBatch, previous: object) -> None:
+        """Everything of the plan that depends on the batch: work list, metadata, workspace, grid."""
+        problem, info, index, graph = self.problem, self._info, self._index, self._graph
         b, hq, hkv, d = batch.batch_size, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim_qk
         gqa = problem.gqa_ratio
         units = decode_units(hkv, gqa)
@@ -637,23 +690,18 @@ class CudaNativeDecodePlan(StagedPlan):
         attended_cap = longest_cap if problem.window_left < 0 else min(longest_cap, problem.window_left + 1)
         # in CUDA-graph mode sizes come from the bucket, so every batch of the bucket fits the captured grid
         lengths = [attended_cap] * b if graph else attended
-        if tactic.is_default:
-            params = default_decode_params(d, info, small=decode_is_small(lengths, units, info),
-                                           fp8=problem.kv_dtype in FP8_KV_DTYPES)  # fmt: skip
-        else:
-            params = DecodeParams.from_tactic(tactic)
-        kernel, self.built = _decode_kernel(index, problem.q_dtype, d, params, info, problem.kv_dtype)
+        params, kernel, self.built = self._kernel_for(lengths, units)
         self.tactic = kernel.tactic
         self._kernel = kernel.kernel
         self.ctas_per_sm = kernel.ctas_per_sm
         slots = info.sms * self.ctas_per_sm
         chunk = params.kv_chunk or decode_chunk(lengths, units, params.tile, slots)
         items, slot_count = decode_piece_counts(attended, chunk)
-        on_device = decode_plan_on_device(attended, chunk, items, units, slots, params, bool(graph))
+        on_device = decode_plan_on_device(attended, chunk, items, units, slots, params, graph)
         work: DecodeWork | None = None
         if not on_device:
             ranges = effective_lengths(batch.kv_lens_list, problem.window_left)
-            chunk, work = decode_plan_work(ranges, lengths, units, slots, params, bool(graph))
+            chunk, work = decode_plan_work(ranges, lengths, units, slots, params, graph)
             items, slot_count = len(work.items), work.slots
         item_cap, slot_cap, page_cap = decode_buffer_sizes(
             items, slot_count, batch.num_page_entries, graph=graph, batch=b, attended_cap=attended_cap,
@@ -664,11 +712,6 @@ class CudaNativeDecodePlan(StagedPlan):
         self._geometry = (b, hq, hkv, d, problem.page_size, item_cap, slot_cap, page_cap, params)
         self._bulk = params.bulk
         self._tma = params.tma
-        # the caches' tensor maps: a re-plan (every step of a server) shares its predecessor's
-        maps = TensorMaps(8)
-        if isinstance(previous, CudaNativeDecodePlan) and previous.device == self.device:
-            maps = previous._maps
-        self._maps: TensorMaps = maps
         replaced = previous if graph and previous is not None else None
         if replaced is not None and (
             not isinstance(replaced, CudaNativeDecodePlan) or replaced._geometry != self._geometry
@@ -685,7 +728,7 @@ class CudaNativeDecodePlan(StagedPlan):
                                                    requests, page_cap)  # fmt: skip
             plan_kernel, plan_built = _plan_kernel(index, info.arch)
             self.built = self.built or plan_built
-            launcher().launch(stream_for(index, raw_stream(index)),
+            self._launch_fn(stream_for(index, raw_stream(index)),
                               launch_config((1, 1, 1), DECODE_PLAN_THREADS, decode_plan_smem(b)), plan_kernel,
                               base + 4 * layout.offset("kv_indptr"), base + 4 * layout.offset("kv_lens"),
                               base + 4 * layout.offset("items"), b, chunk, problem.window_left)  # fmt: skip
@@ -719,13 +762,8 @@ class CudaNativeDecodePlan(StagedPlan):
             self._part_lse.data_ptr(),
             self._counters.data_ptr(),
         )
-        shift = log2_exact(problem.page_size)
-        assert shift is not None  # check() refused other page sizes
-        self._scalars = (hq, gqa, q_tiles(gqa), shift, problem.sm_scale * LOG2E, float(problem.logits_soft_cap))
         self._cfg = launch_config(decode_grid(item_cap, hkv, gqa), kernel.threads, kernel.smem)
-        self._launch_fn = launcher().launch  # (looked up once: run() is on every layer's path)
         self._tail = (*self._ptrs, *self._scalars, *UNIT_SCALES, 0)  # the arguments after lse without extras
-        self._index = index
         self._seen: tuple[Any, ...] | None = None
         self._strides: tuple[int, ...] = ()
         self._q_copy: torch.Tensor | None = None
