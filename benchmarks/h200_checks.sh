@@ -41,6 +41,9 @@
 #                            python -m pip wheel -q --no-deps --no-build-isolation -w .gpu/old /tmp/wt-old/$d; done
 #                          git worktree remove --force /tmp/wt-old
 #                        AB_CONTROL=1 adds a third worker of the old wheels (an A/A: the harness's bias)
+#                        AB_SKIP: --skip patterns ('plan/trtllm/prefill*'). trtllm's prefill rows refuse to
+#                        run until FMHAv2 is compiled (session 24 lost two runs to its minutes of nvcc on a
+#                        fresh machine): add 'python -m tactix warmup trtllm' first, or skip them
 #   layers               benchmarks/run_layers.py on the checkout and on .gpu/old, alternating twice:
 #                        where an eager decode run() spends its host time (core, plugin, cuDNN)
 #   parity               benchmarks/flashinfer_parity/run.py on a seeded sample (PARITY_SAMPLE, default 60)
@@ -108,7 +111,7 @@ job() {
       --json "$OUT/bench-eager-h200.json" --markdown "$OUT/bench-eager-h200.md" ;;
     ab) old_site && t python3 benchmarks/host_ab.py --old /tmp/old-site --new "$PYTHONPATH" \
       --rounds "${AB_ROUNDS:-20}" --budget-s $((LIMIT - 60)) ${AB_CONTROL:+--control} --backends "${AB_BACKENDS:-cudnn,cuda_native,trtllm}" \
-      --run-backends "${AB_RUN_BACKENDS:-cudnn,cuda_native,trtllm,torch}" --json "$OUT/host-ab-h200.json" ;;
+      --run-backends "${AB_RUN_BACKENDS:-cudnn,cuda_native,trtllm,torch}" ${AB_SKIP:+--skip "$AB_SKIP"} --json "$OUT/host-ab-h200.json" ;;
     layers) old_site && for side in new old new old; do
         if [ $side = new ]; then path=$PYTHONPATH; else path=/tmp/old-site; fi
         PYTHONPATH=$path t python3 benchmarks/run_layers.py --json "/tmp/layers-$side-$RANDOM.json" || return 1

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import gc
 import json
 import os
@@ -79,6 +80,9 @@ class Worker:
     def measure(self, kind: str, backend: str, row: str, count: int) -> float:
         key = f"{kind}/{backend}/{row}"
         if key not in self.made:
+            if backend == "trtllm" and "prefill" in row and not _fmha_compiled():
+                raise RuntimeError("trtllm's FMHAv2 prefill module is not compiled here (minutes of nvcc, which a "
+                                   "host-time A/B must not spend): run 'tactix warmup trtllm' first")  # fmt: skip
             self.made[key] = self._plan_setup(backend, row) if kind == "plan" else self._run_setup(backend, row)
         fn = self.made[key]
         return fn(count)
@@ -134,6 +138,13 @@ class Worker:
             return min(per_call_us(call, max(n // 5, 1)) for _ in range(5))  # the least disturbed block
 
         return timed
+
+
+def _fmha_compiled() -> bool:
+    """Whether the FMHAv2 module the trtllm prefill rows load (bf16, HND) is in flashinfer's cache."""
+    from tactix_trtllm.library import FmhaKey
+
+    return bool(FmhaKey("HND", "bfloat16").spec().is_compiled)
 
 
 def _flashinfer_wrapper(op: str, device: Any) -> Any:
@@ -212,6 +223,8 @@ def main() -> None:
     parser.add_argument("--new", help="PYTHONPATH of the new install")
     parser.add_argument("--backends", default="cudnn,cuda_native,trtllm")
     parser.add_argument("--run-backends", default="cudnn,cuda_native,trtllm,torch")
+    parser.add_argument("--skip", default="", help="comma-separated fnmatch patterns of 'kind/backend/row' to leave "
+                        "out (e.g. 'plan/*/prefill*,run/trtllm/*')")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--plans", type=int, default=60)
     parser.add_argument("--calls", type=int, default=200)
@@ -247,6 +260,8 @@ def main() -> None:
     jobs = [("plan", b, row, args.plans) for b in plan_backends for row in served[b]]
     if device == "cuda":
         jobs += [("run", b, row, args.calls) for b in args.run_backends.split(",") for row in RUN_ROWS]
+    skip = [p for p in args.skip.split(",") if p]
+    jobs = [j for j in jobs if not any(fnmatch.fnmatch("/".join(j[:3]), p) for p in skip)]
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     names = ["old", "new"] + (["control"] if args.control else [])
     pins = cores[-len(names) :] if len(cores) > len(names) else []  # the driver keeps the others

@@ -69,3 +69,11 @@ def test_a_budget_already_spent_starts_no_round_and_still_reports(tmp_path: Path
     assert report["rounds"] == 0
     assert "stopping after 0 rounds" in done.stdout
     assert all("ratio" not in r for r in report["rows"])  # no round measured: no ratio claimed
+
+
+def test_skipped_rows_are_neither_measured_nor_reported(tmp_path: Path) -> None:
+    done = _run("", "", tmp_path, "--skip", "plan/*/prefill*,plan/torch/decode b8")
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "ab.json").read_text())["rows"]
+    assert [(r["kind"], r["backend"], r["row"]) for r in rows] == [("plan", "torch", "decode b64")]
+    assert "prefill" not in done.stdout

@@ -342,8 +342,9 @@ class _Plan:
     _q_packed: torch.Tensor | None
 
     def _setup(self, problem: PrefillProblem | DecodeProblem, batch: PagedBatch, options: PlanOptions,
-               decode: bool, workspace_bytes: int) -> _Plan | None:  # fmt: skip
-        """Geometry, metadata, workspace and q buffer; returns the plan this one takes buffers from."""
+               decode: bool, workspace_bytes: int, zero: bool = True) -> _Plan | None:  # fmt: skip
+        """Geometry, metadata, workspace and q buffer; returns the plan this one takes buffers from.
+        ``zero=False``: a reused workspace already holds zeros wherever this plan needs them."""
         self.problem = problem
         self.device = options["device"]
         graph = self._graph = bool(options["use_cuda_graph"])
@@ -367,7 +368,7 @@ class _Plan:
         # and zeroed again, since its scratch may now lie where this plan keeps its semaphores.
         old_ws = getattr(options["previous"], "_workspace", None)
         if isinstance(old_ws, torch.Tensor) and old_ws.device == self.device and old_ws.numel() >= workspace_bytes:
-            self._workspace = old_ws.zero_()
+            self._workspace = old_ws.zero_() if zero else old_ws
         else:
             self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         # made at the first run with a strided q (a captured graph keeps reading the same one)
@@ -461,9 +462,14 @@ def _remember(memo: dict[int, Any], k: torch.Tensor, v: torch.Tensor, value: Any
 
 
 class XqaDecodePlan(_Plan):
-    """A decode batch for XQA: run() is one call of the module's exported ``xqa_wrapper``."""
+    """A decode batch for XQA: run() is one call of the module's exported ``xqa_wrapper``.
+
+    What depends only on the static problem and the tactic (the tactic object, the loaded module,
+    the scales, the caches run() has accepted) is made once and copied by `replan`, which makes
+    only the batch's part: metadata, workspace split and the launch's trailing arguments."""
 
     _semaphore_bytes: int
+    _static: dict[str, Any]
 
     def __init__(self, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
         device = options["device"]
@@ -479,21 +485,15 @@ class XqaDecodePlan(_Plan):
         # XQA splits a sequence into min(sm_count // (batch * kv_heads), ...) parts: the SM budget
         # passed as sm_count is the tactic's split knob (1: never split).
         sm_budget = {"off": 1, "auto": sms, "x2": 2 * sms}[multi_block]
-        hkv, d = problem.num_kv_heads, problem.head_dim_qk
-        rows = batch.batch_size
-        semaphore_bytes = -(-4 * rows * hkv // 4096) * 4096
         # partial rows, maxima and sums of each sub-sequence: well under 64 KiB for group sizes up
         # to 8 and head dims up to 256; at most sm_budget sub-sequences exist when XQA splits
-        scratch_bytes = max(1 << 20, sm_budget * (64 << 10))
-        previous = self._setup(problem, batch, options, decode=True, workspace_bytes=semaphore_bytes + scratch_bytes)
-        if isinstance(previous, XqaDecodePlan):
-            semaphore_bytes = previous._semaphore_bytes  # the captured split of the workspace
-        self._semaphore_bytes = semaphore_bytes
+        self._scratch_bytes = max(1 << 20, sm_budget * (64 << 10))
+        self._pdl = pdl
+        d = problem.head_dim_qk
         key = XqaKey(problem.q_dtype, problem.page_size, d, problem.gqa_ratio, problem.window_left >= 0,
                      FP8_CACHE if fp8 else "")  # fmt: skip
         module, self.built = load(key)
         self._fn: Callable[..., Any] = module.xqa_wrapper
-        g = self.geometry
         window = problem.window_left + 1 if problem.window_left >= 0 else 0
         # XQA applies q_scale / sqrt(head_dim) to Q.K (csrc/xqa/mha.cu: qkScale), and with a
         # quantized cache its one kv_scale to Q.K and to the output (mha.cu: voScale)
@@ -502,21 +502,49 @@ class XqaDecodePlan(_Plan):
         # the device q scale of device k/v scales: made here, so run() allocates nothing (a graph
         # captures its address)
         old_buf = getattr(options["previous"], "_q_buf", None)  # (a captured graph reads its address)
-        if isinstance(old_buf, torch.Tensor) and old_buf.device == self.device:
+        if isinstance(old_buf, torch.Tensor) and old_buf.device == device:
             self._q_buf: torch.Tensor = old_buf
         else:
-            self._q_buf = torch.empty(1, dtype=torch.float32, device=self.device)
-        semaphores = self._workspace[:semaphore_bytes]
-        scratch = self._workspace[semaphore_bytes:]
+            self._q_buf = torch.empty(1, dtype=torch.float32, device=device)
         # xqa_wrapper(run_sm90_fp8_mha, sm_count, num_kv_heads, sliding_win_size, q_scale, q_scale_tensor,
         #             out, rcp_out_scale, q, sinks, k, v, k_sf, v_sf, page_table, max_seq_len, seq_lens,
         #             batch_size, kv_scale, kv_scale_tensor, q_seq_len, q_cu_seq_lens, mask, semaphores,
         #             scratch, enable_pdl)            (csrc/flashinfer_xqa_binding.cu)
-        self._head = (fp8 and fp8_mma, sm_budget, hkv, window, q_scale, None)
-        self._tail = (None, None, self._table, g.width * problem.page_size, self._seq_lens, rows, 1.0, None, 1,
-                      None, None, semaphores, scratch, pdl)  # fmt: skip
+        self._head = (fp8 and fp8_mma, sm_budget, problem.num_kv_heads, window, q_scale, None)
         self._layout = problem.kv_layout
+        # k views by cache (`_accept`): they depend on the cache alone, so every re-plan keeps them
         self._caches: dict[int, Any] = {}
+        self._static = dict(self.__dict__)
+        self._plan_batch(problem, batch, options)
+
+    def replan(self, problem: Problem, batch: PagedBatch, options: PlanOptions) -> _Plan | None:
+        """The fast re-plan (`_Plan.replan`) that copies the static part and plans only the batch."""
+        if options["device"] != self.device or bool(options["use_cuda_graph"]) != self._graph:
+            return None
+        assert isinstance(problem, DecodeProblem)
+        plan = XqaDecodePlan.__new__(XqaDecodePlan)
+        plan.__dict__.update(self._static)
+        plan._static = self._static
+        plan.built = False
+        plan._plan_batch(problem, batch, {**options, "previous": self})
+        return plan
+
+    def _plan_batch(self, problem: DecodeProblem, batch: PagedBatch, options: PlanOptions) -> None:
+        """The batch's part: metadata, workspace (semaphores, then scratch) and the launch's tail."""
+        rows = batch.batch_size
+        semaphore_bytes = -(-4 * rows * problem.num_kv_heads // 4096) * 4096
+        # XQA leaves its semaphores at 0 after each launch: a previous XQA plan's workspace needs
+        # no zeroing when its semaphore region covers this one's (its scratch lies past it)
+        before = options["previous"]
+        zero = not (isinstance(before, XqaDecodePlan) and before._semaphore_bytes >= semaphore_bytes)
+        previous = self._setup(problem, batch, options, decode=True,
+                               workspace_bytes=semaphore_bytes + self._scratch_bytes, zero=zero)  # fmt: skip
+        if isinstance(previous, XqaDecodePlan):
+            semaphore_bytes = previous._semaphore_bytes  # the captured split of the workspace
+        self._semaphore_bytes = semaphore_bytes
+        g, ws = self.geometry, self._workspace
+        self._tail = (None, None, self._table, g.width * problem.page_size, self._seq_lens, rows, 1.0, None, 1,
+                      None, None, ws[:semaphore_bytes], ws[semaphore_bytes:], self._pdl)  # fmt: skip
 
     def _accept(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         reasons = xqa_cache_reasons(k.stride(), v.stride(), self._layout, self.problem.head_dim_qk)
