@@ -365,7 +365,8 @@ class _Plan:
         self._fill_metadata(problem, batch, old if isinstance(old, Staging) else None, graph, previous)
         # Zeroed: XQA's semaphores and FMHAv2's tile counter must start at 0 (each launch leaves them
         # at 0 again). A previous plan's workspace is reused (stream-ordered: this plan replaces it)
-        # and zeroed again, since its scratch may now lie where this plan keeps its semaphores.
+        # and zeroed again, since its scratch may now lie where this plan keeps its semaphores
+        # (unless ``zero`` is False: XqaDecodePlan knows when the previous semaphores cover its own).
         old_ws = getattr(options["previous"], "_workspace", None)
         if isinstance(old_ws, torch.Tensor) and old_ws.device == self.device and old_ws.numel() >= workspace_bytes:
             self._workspace = old_ws.zero_() if zero else old_ws
