@@ -18,7 +18,9 @@ fi
 "$py" -m pip install -q numpy ruff mypy -e "./core[testing]"
 for plugin in plugins/* examples/*; do
   if [ -f "$plugin/pyproject.toml" ]; then
-    "$py" -m pip install -q -e "./$plugin"
+    extra=""  # a plugin's own test tools, where it declares them
+    if grep -q "^testing = " "$plugin/pyproject.toml"; then extra="[testing]"; fi
+    "$py" -m pip install -q -e "./$plugin$extra"
   fi
 done
 "$py" -c "import tactix; print('tactix', tactix.__version__, 'installed in .venv')"
