@@ -5,7 +5,12 @@ One API (`PagedPrefill`, `PagedDecode`, `RaggedPrefill`, `Gemm`) over backends d
 the ``tactix.backends`` entry-point group; see ``tactix backends`` for what is installed.
 """
 
-from tactix import autotune  # callable: `with tactix.autotune(mode="tune"): ...`
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # type checkers cannot call a module: to them `tactix.autotune` is the function
+    from tactix.autotune.context import autotune
+else:  # the package itself is callable: `with tactix.autotune(mode="tune"): ...`
+    from tactix import autotune
 from tactix._version import __version__
 from tactix.attention import PagedDecode, PagedPrefill
 from tactix.autotune.policy import MeasurementPolicy
