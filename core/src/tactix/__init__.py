@@ -5,9 +5,9 @@ One API (`PagedPrefill`, `PagedDecode`, `RaggedPrefill`, `Gemm`) over backends d
 the ``tactix.backends`` entry-point group; see ``tactix backends`` for what is installed.
 """
 
-from typing import TYPE_CHECKING
+import typing as _typing
 
-if TYPE_CHECKING:  # type checkers cannot call a module: to them `tactix.autotune` is the function
+if _typing.TYPE_CHECKING:  # type checkers cannot call a module: to them `tactix.autotune` is the function
     from tactix.autotune.context import autotune
 else:  # the package itself is callable: `with tactix.autotune(mode="tune"): ...`
     from tactix import autotune
