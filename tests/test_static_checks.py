@@ -40,4 +40,3 @@ def test_mypy_strict_passes() -> None:
     """The packages and, as a user's code, the examples (pyproject.toml's [tool.mypy] files)."""
     done = subprocess.run([_tool("mypy")], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
-
