@@ -458,5 +458,3 @@ def plan_gemm(problem: GemmProblem, tactic: Tactic, options: PlanOptions) -> Cud
     if reasons:
         raise UnsupportedProblemError(NAME, problem, reasons)
     return CudaNativeGemmPlan(problem, tactic, options)
-
-

@@ -769,8 +769,10 @@ class CudaNativePrefillPlan(StagedPlan):
             b_cap = bucket_size(b)
             item_cap = prefill_capacity(b_cap, bucket_size(batch.num_qo_tokens), work.tokens)
             page_cap = b_cap * -(-bucket_size(batch.max_kv_len) // problem.page_size)
-            if isinstance(previous, CudaNativePrefillPlan) and previous._graph and all(
-                new <= old for new, old in zip((b_cap, item_cap, page_cap), previous._caps, strict=True)
+            if (
+                isinstance(previous, CudaNativePrefillPlan)
+                and previous._graph
+                and all(new <= old for new, old in zip((b_cap, item_cap, page_cap), previous._caps, strict=True))
             ):
                 # a batch the captured buffers hold keeps their capacities (and so the captured grid),
                 # as FlashInfer's CUDA-graph wrappers serve any batch their buffers hold
@@ -849,5 +851,3 @@ def plan_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Tactic,
     if reasons:
         raise UnsupportedProblemError(NAME, problem, reasons)
     return CudaNativePrefillPlan(problem, batch, tactic, options)
-
-
