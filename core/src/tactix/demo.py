@@ -128,10 +128,18 @@ _GRAPH_POLICY = MeasurementPolicy(warmup=1, warmup_ms=0, repeat=5, cold_l2=False
 
 
 def _time_us(fn: Any, device: torch.device) -> tuple[float, float | None]:
-    """Median eager time of ``fn`` (calls back to back, CUDA events around each: host cost shows
-    where the GPU waits for it) and, on a GPU, of its replay from a CUDA graph (None where it
-    does not capture), in microseconds."""
-    eager = measure(fn, device, warmup=1, repeat=5).median * 1e6
+    """Median eager time of ``fn`` and, on a GPU, of its replay from a CUDA graph (None where it
+    does not capture), in microseconds.
+
+    Eager: calls back to back with CUDA events around each, as a step's ops are enqueued; on a GPU
+    20 of them after 3 untimed, so the median is the steady state, max(host cost, kernel): a call
+    whose host cost exceeds its kernel shows it, one whose kernel is longer hides it as it does in
+    a step. (Five calls after one untimed, as before, read 27 us on an H100 for a GEMM whose run()
+    host cost is 12 us and kernel 16 us: with so few calls the GPU idles between them, and each
+    sample is launch latency plus kernel.)
+    """
+    steady = device.type == "cuda"
+    eager = measure(fn, device, warmup=3 if steady else 1, repeat=20 if steady else 5).median * 1e6
     if device.type != "cuda":
         return eager, None
     replay = measure_with_policy(fn, device, _GRAPH_POLICY)
