@@ -45,7 +45,7 @@
 #                        run until FMHAv2 is compiled (session 24 lost two runs to its minutes of nvcc on a
 #                        fresh machine): add 'python -m tactix warmup trtllm' first, or skip them
 #                        FlashInfer's reference rows JIT-compile too: on session 25's fresh H100 the first
-#                        round spent ~300 s on it (XQA 30 s, fa2 batch prefill ~230 s, fa2 decode): skip
+#                        round spent ~300 s compiling (trtllm's XQA 30 s, fa2 batch prefill ~230 s, fa2 decode): skip
 #                        'plan/flashinfer/prefill*' in a short call, or give the first round the whole limit
 #   layers               benchmarks/run_layers.py on the checkout and on .gpu/old, alternating twice:
 #                        where an eager decode run() spends its host time (core, plugin, cuDNN)
