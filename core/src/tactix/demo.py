@@ -138,9 +138,9 @@ def _time_us(fn: Any, device: torch.device) -> tuple[float, float | None]:
     host cost is 12 us and kernel 16 us: with so few calls the GPU idles between them, and each
     sample is launch latency plus kernel.)
     """
-    steady = device.type == "cuda"
-    eager = measure(fn, device, warmup=3 if steady else 1, repeat=20 if steady else 5).median * 1e6
-    if device.type != "cuda":
+    gpu = device.type == "cuda"
+    eager = measure(fn, device, warmup=3 if gpu else 1, repeat=20 if gpu else 5).median * 1e6
+    if not gpu:
         return eager, None
     replay = measure_with_policy(fn, device, _GRAPH_POLICY)
     return eager, replay.median * 1e6 if replay.timed_as == "cuda_graph" else None
