@@ -26,6 +26,9 @@
 #   bench-open-models    tactix bench on R1-R3 (ragged, DeepSeek 192/128) and O1 (gpt-oss sinks), anchors
 #   plan-device          plan_time.py for cuda_native with decode work lists made on the device and on the host
 #                        (TACTIX_CUDA_NATIVE_HOST_PLAN=1), alternating twice
+#   plan-profile         benchmarks/plan_breakdown.py --profile: where decode plan() spends its host time
+#                        (PROFILE_BACKENDS, default cuda_native,trtllm; host and device page indices, b8 and b64)
+#   demo                 tactix demo (a Llama-like prefill and 3 decode steps, eager against CUDA-graph times)
 #   tp-step              examples/tensor_parallel_step.py under torchrun (TP_RANKS, default 2: nvidia-h200-x2)
 #   gpu-nccl             tests/gpu/test_distributed_nccl.py: rank-consistent tuning and failures over NCCL (2 GPUs)
 #   bench-eager          tactix bench --execution eager (EAGER_CASES: some case ids; EAGER_ARGS: more options,
@@ -107,6 +110,12 @@ job() {
         TACTIX_CUDA_NATIVE_HOST_PLAN=$([ $side = host ] && echo 1 || echo 0) t python benchmarks/plan_time.py \
           --backends cuda_native --json "/tmp/plan-$side-$RANDOM.json" || return 1
       done && python3 -c "import glob, json, sys; json.dump({f: json.load(open(f)) for f in sorted(glob.glob('/tmp/plan-*.json'))}, open(sys.argv[1], 'w'), indent=1)" "$OUT/plan-device-host-h200.json" ;;
+    plan-profile) for b in $(echo "${PROFILE_BACKENDS:-cuda_native,trtllm}" | tr , ' '); do
+        for where in host device; do
+          (cd benchmarks && t python plan_breakdown.py --backend "$b" --indices "$where" --plans 400 --profile) || return 1
+        done
+      done ;;
+    demo) t python -m tactix demo --json "$OUT/demo-h200.json" ;;
     tp-step) t python -m torch.distributed.run --standalone --nproc-per-node "${TP_RANKS:-2}" \
       examples/tensor_parallel_step.py --json "$OUT/tp-step-h200.json" ;;
     gpu-nccl) t python -m pytest -q -p no:cacheprovider --durations=10 tests/gpu/test_distributed_nccl.py ;;

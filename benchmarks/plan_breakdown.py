@@ -1,13 +1,16 @@
 """Where the time of real ``plan()`` calls goes: inclusive time per function, inside whole plans.
 
-    python benchmarks/plan_breakdown.py [--backend cudnn|cuda_native] [--plans 400] [--profile]
+    python benchmarks/plan_breakdown.py [--backend cudnn|cuda_native|trtllm] [--plans 400] [--profile]
+                                        [--indices host|device] [--batches 8,64]
 
 `plan_stages.py` times each stage alone, in a tight loop; this wraps the functions a plan calls
 with timers and runs whole plans over changing batches (decode, 8 and 64 requests), so the
 figures add up to the whole and the remainder of each function is visible. The timers add
 about 0.2 us per wrapped call; the last column is per plan. ``--profile`` prints a cProfile of
 the plans instead (own time per function, sorted; cProfile's own cost per call inflates
-functions that make many small calls).
+functions that make many small calls). ``--indices device`` passes the page indices as a device
+tensor (what vLLM passes), the CSR offsets and last-page lengths on the host. trtllm has no
+timers of its own here: use ``--profile``.
 """
 
 from __future__ import annotations
@@ -92,10 +95,15 @@ def main() -> None:
     parser.add_argument("--backend", default="cudnn")
     parser.add_argument("--plans", type=int, default=400)
     parser.add_argument("--profile", action="store_true", help="a cProfile of the plans, not the timers")
+    parser.add_argument("--indices", choices=("host", "device"), default="host")
+    parser.add_argument("--batches", default="8,64", help="decode batch sizes: 8 (~1k keys), 64 (4-8k keys)")
     args = parser.parse_args()
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    for count, lo, hi in ((8, 900, 1000), (64, 4100, 8000)):
+    shapes = {8: (8, 900, 1000), 64: (64, 4100, 8000)}
+    for count, lo, hi in (shapes[int(b)] for b in args.batches.split(",")):
         batches = [batch(i, count, lo, hi) for i in range(50)]
+        if args.indices == "device":
+            batches = [(b[0], b[1].to(dev), *b[2:]) for b in batches]
         wrapper = tactix.PagedDecode("HND", backend=args.backend, device=dev)
 
         def plan(i: int, w: tactix.PagedDecode = wrapper, bs: list[tuple[torch.Tensor, ...]] = batches) -> None:
@@ -111,7 +119,8 @@ def main() -> None:
             samples.append(time.perf_counter() - t0)
         plain = statistics.median(samples) * 1e6
         if args.profile:
-            print(f"== {args.backend} decode, batch {count}: plan() median {plain:.1f} us; cProfile of {args.plans}")
+            print(f"== {args.backend} decode, batch {count}, {args.indices} indices: plan() median {plain:.1f} us; "
+                  f"cProfile of {args.plans}")  # fmt: skip
             prof = cProfile.Profile()
             prof.enable()
             for i in range(args.plans):
@@ -129,7 +138,8 @@ def main() -> None:
         for i in range(args.plans):
             plan(i)
         whole = (time.perf_counter() - t0) / args.plans * 1e6
-        print(f"== {args.backend} decode, batch {count}: plan() median {plain:.1f} us uninstrumented; "
+        print(f"== {args.backend} decode, batch {count}, {args.indices} indices: plan() median {plain:.1f} us "
+              "uninstrumented; "
               f"instrumented mean {whole:.1f} us")  # fmt: skip
         for label, spent in _spent.items():
             print(f"{label:44} {spent / args.plans * 1e6:8.1f} us")

@@ -277,6 +277,67 @@ def test_fast_re_plans_serve_each_batch_and_leave_the_full_path_for_a_new_bucket
         assert wrapper.plan_object is not plan_object
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+@pytest.mark.parametrize("batch_size", [4, 40])
+def test_device_page_indices_are_planned_without_a_host_read(batch_size: int, graph: bool) -> None:
+    """Page indices on the device (as vLLM passes them): eager re-plans read nothing back (no host
+    sync: CUDA's sync debug mode raises on one) and keep the plan object; the first batch names
+    only low pages, later ones pages up to the end of a large cache, so run() must widen the
+    graph's container to the cache. In CUDA-graph mode each plan reads the largest index (the
+    captured graph's container cannot grow) and the replays serve every batch."""
+    wrapper = tactix.PagedDecode("HND", backend="cudnn", device="cuda", use_cuda_graph=graph)
+    gen = torch.Generator().manual_seed(batch_size)
+    pool = batch_size * 1100 // 16 + 4000  # a cache far larger than any one batch's pages
+    k = torch.randn(pool, 8, 16, 128, generator=gen).cuda().bfloat16()
+    v = torch.randn(pool, 8, 16, 128, generator=gen).cuda().bfloat16()
+    q_static = torch.zeros(batch_size, 32, 128, device="cuda", dtype=torch.bfloat16)
+    out_static = torch.zeros_like(q_static)
+
+    def batch(seed: int, low: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lens = torch.randint(600, 1000, (batch_size,), generator=gen).tolist()  # one kv bucket
+        pages = [-(-n // 16) for n in lens]
+        space = 64 * batch_size + 8 if low else pool  # low: one container bucket for every batch
+        chosen = torch.randperm(space, generator=torch.Generator().manual_seed(seed))[: sum(pages)]
+        chosen[0] = space - 1  # (high: the cache's last page)
+        indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
+        last = torch.tensor([(n - 1) % 16 + 1 for n in lens], dtype=torch.int32)
+        return indptr, chosen.to(torch.int32), last
+
+    first = batch(0, low=True)
+    wrapper.plan(first[0], first[1].cuda(), first[2], 32, 8, 128, 16, q_data_type=torch.bfloat16)
+    q_static.copy_(torch.randn(batch_size, 32, 128, generator=gen).bfloat16())
+    captured = None
+    wrapper.run(q_static, (k, v), out=out_static)  # warm-up (and in graph mode: before the capture)
+    torch.cuda.synchronize()
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            wrapper.run(q_static, (k, v), out=out_static)
+    plan_object = wrapper.plan_object
+    for seed in range(1, 4):
+        indptr, indices, last = batch(seed, low=graph)  # graph mode: within the captured container
+        device_indices = indices.cuda()
+        q = torch.randn(batch_size, 32, 128, generator=gen).cuda().bfloat16()
+        torch.cuda.synchronize()
+        if not graph:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            wrapper.plan(indptr, device_indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
+            if captured is not None:
+                q_static.copy_(q)
+                captured.replay()
+                out = out_static.clone()
+            else:
+                out = wrapper.run(q, (k, v))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if not graph:
+            assert wrapper.plan_object is plan_object, "an eager re-plan with device indices took the full path"
+        ref, _ = attention_reference(q, k, v, torch.arange(batch_size + 1, dtype=torch.int32), indptr, indices, last,
+                                     kv_layout="HND", causal=False, sm_scale=1 / math.sqrt(128))  # fmt: skip
+        assert relative_error(out, ref) < tolerance_for(torch.bfloat16), f"batch {seed}"
+
+
 @pytest.mark.parametrize("planned", [True, False], ids=["run_extras", "first_run"])
 def test_prefill_sinks_match_the_oracle_for_one_row_requests_and_replay_new_sinks(planned: bool) -> None:
     """cuDNN's sink_token serves prefill sinks, also for a batch of one query row per request

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.gpu
 
 plugin = pytest.importorskip("tactix_trtllm.plugin", reason="plugins/trtllm is not installed")
 direct = pytest.importorskip("tactix_trtllm.direct")
+metadata = pytest.importorskip("tactix_trtllm.metadata")
 
 CUDA = torch.device("cuda")
 OUTSIDE = 1000.0  # written to every cache slot outside the batch: reading one spoils the result
@@ -319,6 +320,34 @@ def test_run_captures_replays_and_replans_in_a_cuda_graph(op: str, form: str) ->
     too_long = Case([5, 300, 17, 5000], None if op == "decode" else [5, 40, 17, 38], form="tuple", seed=29)
     with pytest.raises(tactix.UnsupportedProblemError, match="captured"):
         too_long.plan(w, **kw)
+
+
+def test_decode_of_many_rows_gathers_host_indices_on_the_device_eagerly_and_in_a_cuda_graph() -> None:
+    """More requests than `metadata.HOST_TABLE_ROWS` with host page indices: the plan sends them as
+    CSR and gathers the block table on the device. Eager runs and replays of a captured graph
+    (re-planned with new lengths into the captured buffers) match the oracle; slots outside the
+    batch hold poison, so a row that read past its own pages would show."""
+    rows = 24
+    lens = [40 + 37 * i for i in range(rows)]  # up to 891 keys: one kv bucket
+    first = Case(lens, None, form="tuple", seed=41)
+    assert rows > metadata.HOST_TABLE_ROWS
+    eager = first.wrapper()
+    first.plan(eager)
+    first.check(eager, "eager, CSR gathered on the device")
+    w = first.wrapper(graph=True)
+    first.plan(w)
+    out = first.out()
+    graph = _capture(w, first, out)
+    graph.replay()
+    first.check(w, "replay", out=out)
+    second = Case(lens[::-1], None, form="tuple", seed=43)  # other pages of the same cache, other lengths a row
+    second.cache, second.k, second.v, second.q = first.cache, first.k, first.v, first.q
+    for t in (second.k, second.v, second.q):
+        t.copy_(torch.randn_like(t))
+    second.plan(w)
+    out.fill_(float("nan"))
+    graph.replay()
+    second.check(w, "replay after a re-plan", out=out)
 
 
 @pytest.mark.parametrize("op", ["decode", "prefill"])

@@ -3,6 +3,7 @@ tactics, warm-up bookkeeping, and a clean import without flashinfer or a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import subprocess
@@ -58,14 +59,17 @@ def make_batch(kv_lens: list[int], q_lens: list[int] | None, seed: int = 0) -> t
     return batch, indices.tolist()
 
 
-def _written(batch: tactix.PagedBatch, g: Geometry, host_table: bool) -> tuple[list[int], Any, int]:
+def _written(batch: tactix.PagedBatch, g: Geometry, host_table: bool,
+             host_csr: bool = False) -> tuple[list[int], Any, int]:  # fmt: skip
     """What a plan sends: `metadata.write_metadata` into a CPU buffer as into the pinned staging
     buffer (filled with -7 first, so entries it leaves alone show), its layout and the count a
-    plan transfers."""
+    plan transfers. ``host_table``: host indices laid out as the table; ``host_csr``: host indices
+    sent as they are (gathered on the device); neither: device indices."""
     layout = metadata.metadata_sections(g)
     buf = torch.full((layout.total,), -7, dtype=torch.int32)
     indices = batch.kv_indices.contiguous()
-    metadata.write_metadata(buf.data_ptr(), batch, g, layout, indices.data_ptr() if host_table else None)
+    at = indices.data_ptr() if host_table or host_csr else None
+    metadata.write_metadata(buf.data_ptr(), batch, g, layout, at, host_table)
     return buf.tolist(), layout, metadata.metadata_entries(layout, g, batch, host_table)
 
 
@@ -160,6 +164,26 @@ def test_device_indices_leave_the_table_to_the_gather_and_end_with_width_zeros()
     assert count == pages + nnz + g.width
     assert written[pages : pages + nnz] == [-7] * nnz  # left to the device copy
     assert written[pages + nnz : pages + nnz + g.width] == [0] * g.width
+
+
+def test_host_indices_of_many_rows_go_as_csr_for_the_device_gather() -> None:
+    """A batch of more than `HOST_TABLE_ROWS` requests with host indices sends them as they are
+    (CSR) in the same transfer, then ``width`` zeros, and gathers the table on the device: no
+    host-side table to zero and fill row by row. Up to that many rows the table is laid out on
+    the host; device indices never are."""
+    rows = metadata.HOST_TABLE_ROWS
+    few, _ = make_batch([40] * rows, None)
+    many, indices = make_batch([40 + r for r in range(rows + 1)], None, seed=2)
+    assert metadata.table_on_host(few, metadata.geometry(few, decode=True, graph=False))
+    g = metadata.geometry(many, decode=True, graph=False)
+    assert not metadata.table_on_host(many, g)
+    written, layout, count = _written(many, g, host_table=False, host_csr=True)
+    pages, nnz = layout.offset("pages"), len(indices)
+    assert count == pages + nnz + g.width
+    assert written[pages : pages + nnz] == indices
+    assert written[pages + nnz : pages + nnz + g.width] == [0] * g.width
+    on_device = dataclasses.replace(many, kv_indices=many.kv_indices.to("meta"))
+    assert not metadata.table_on_host(on_device, metadata.geometry(few, decode=True, graph=False))
 
 
 def test_the_device_gather_lays_out_the_same_rows_as_the_host_table() -> None:

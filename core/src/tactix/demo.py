@@ -11,8 +11,9 @@ float64 oracle on the same inputs, and the table names the backend and tactic th
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -127,21 +128,36 @@ _GRAPH_POLICY = MeasurementPolicy(warmup=1, warmup_ms=0, repeat=5, cold_l2=False
                                   settle_blocks=1)  # fmt: skip
 
 
+EAGER_CALLS: Final = 20
+"""Calls per timed block of an eager op on a GPU (`_time_us`)."""
+EAGER_BLOCKS: Final = 5
+
+
 def _time_us(fn: Any, device: torch.device) -> tuple[float, float | None]:
-    """Median eager time of ``fn`` and, on a GPU, of its replay from a CUDA graph (None where it
+    """Eager time per call of ``fn`` and, on a GPU, of its replay from a CUDA graph (None where it
     does not capture), in microseconds.
 
-    Eager: calls back to back with CUDA events around each, as a step's ops are enqueued; on a GPU
-    20 of them after 3 untimed, so the median is the steady state, max(host cost, kernel): a call
-    whose host cost exceeds its kernel shows it, one whose kernel is longer hides it as it does in
-    a step. (Five calls after one untimed, as before, read 27 us on an H100 for a GEMM whose run()
-    host cost is 12 us and kernel 16 us: with so few calls the GPU idles between them, and each
-    sample is launch latency plus kernel.)
+    Eager, on a GPU: blocks of `EAGER_CALLS` calls back to back, as a step enqueues its ops, with one
+    pair of CUDA events around each block; the time per call is the median block's over the calls.
+    That is what an eager step pays per op once its stream is busy: the kernel when the host
+    enqueues faster than the GPU runs, the host cost when it does not. (An event pair around each
+    call, as before, reads host latency plus kernel whenever the GPU drains between calls: 27 us on
+    an H100 for a GEMM whose run() host cost is 12 us and kernel 16 us.) On the CPU: the median of
+    5 calls, wall clock.
     """
-    gpu = device.type == "cuda"
-    eager = measure(fn, device, warmup=3 if gpu else 1, repeat=20 if gpu else 5).median * 1e6
-    if not gpu:
-        return eager, None
+    if device.type != "cuda":
+        return measure(fn, device, warmup=1, repeat=5).median * 1e6, None
+    for _ in range(3):
+        fn()
+    new_event = torch.cuda.Event
+    blocks = [(new_event(enable_timing=True), new_event(enable_timing=True)) for _ in range(EAGER_BLOCKS)]  # type: ignore[no-untyped-call]
+    for start, end in blocks:
+        start.record()
+        for _ in range(EAGER_CALLS):
+            fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    eager = statistics.median(start.elapsed_time(end) for start, end in blocks) * 1e3 / EAGER_CALLS
     replay = measure_with_policy(fn, device, _GRAPH_POLICY)
     return eager, replay.median * 1e6 if replay.timed_as == "cuda_graph" else None
 
@@ -300,7 +316,12 @@ def format_rows(rows: list[DemoRow], device: torch.device) -> str:
     lines.append("")
     lines.append(
         f"{len(rows) - bad}/{len(rows)} ops within tolerance of the float64 oracle on {device} "
-        f"(times: median of 5, {timer})"
+        + (
+            f"(times: {timer}; eager: {EAGER_CALLS} calls back to back per block, median of {EAGER_BLOCKS} "
+            "blocks; graph: median of 5 replays)"
+            if device.type == "cuda"
+            else f"(times: median of 5, {timer})"
+        )
     )
     decode = [r for r in rows if r.step.startswith("decode") and r.eager_over_graph]
     if decode:

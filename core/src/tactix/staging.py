@@ -316,6 +316,7 @@ class Staging:
         self._host_next = 0
         self._next = 0
         self._views: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._slices: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def __del__(self) -> None:
         # No CUDA call here: the garbage collector may run this anywhere, a CUDA-graph capture
@@ -388,8 +389,16 @@ class Staging:
 
     def view(self, slot: int, start: int, count: int) -> torch.Tensor:
         """Entries ``[start, start + count)`` of a slot, as a device tensor (to copy device-resident
-        data into it after ``send``, on the same stream)."""
-        return self._dev[slot][start : start + count]
+        data into it after ``send``, on the same stream). The same tensor for the same arguments
+        (a slice costs ~1.5 us; a plan's sections are fixed by its buckets): callers write its
+        contents, never its shape."""
+        key = (slot, start, count)
+        found = self._slices.get(key)
+        if found is None:
+            if len(self._slices) >= 256:
+                self._slices.clear()
+            found = self._slices[key] = self._dev[slot][start : start + count]
+        return found
 
     def gather(self, slot: int, count: int, rows: int, width: int, starts_at: int) -> int:
         """The page table ``[rows, width]`` gathered on the device from the CSR indices that
@@ -408,5 +417,12 @@ class Staging:
 
     def gathered(self, slot: int, rows: int, width: int) -> torch.Tensor:
         """The page table ``gather`` writes for ``slot`` (``[rows, width]``), as a device tensor (for
-        kernels whose bindings take tensors rather than addresses)."""
-        return self._tables[slot][: rows * width].view(rows, width)
+        kernels whose bindings take tensors rather than addresses; the same tensor for the same
+        arguments, as `view`)."""
+        key = (-1 - slot, rows, width)
+        found = self._slices.get(key)
+        if found is None:
+            if len(self._slices) >= 256:
+                self._slices.clear()
+            found = self._slices[key] = self._tables[slot][: rows * width].view(rows, width)
+        return found

@@ -560,9 +560,17 @@ class CudnnAttentionPlan:
         prev = previous if isinstance(previous, CudnnAttentionPlan) and previous.device == self.device else None
         self.handle = prev.handle if prev is not None else handle_for(self.device)
         max_page = batch.max_page_index
-        if max_page is None:  # device-resident indices: one read to size the container
-            max_page = int(batch.kv_indices.max()) if batch.num_page_entries else 0
-        pages = max_page + 1
+        # device-resident indices, eager: the container the replaced plan held, grown by run() to
+        # the cache's pages (`_fit_cache`); the first plan, and every CUDA-graph plan (whose
+        # captured graph no run() can grow), read the largest index (one host sync)
+        self._fit_to_cache = max_page is None and prev is not None and not options["use_cuda_graph"]
+        if max_page is not None:
+            pages = max_page + 1
+        elif self._fit_to_cache:
+            assert prev is not None
+            pages = prev._shape[3]
+        else:
+            pages = int(batch.kv_indices.max()) + 1 if batch.num_page_entries else 1
         graph_mode = options["use_cuda_graph"] and isinstance(previous, CudnnAttentionPlan)
         captured = previous._shape if isinstance(previous, CudnnAttentionPlan) and graph_mode else None
         self._shape = _held_shape(batch, pages, captured)
@@ -604,16 +612,19 @@ class CudnnAttentionPlan:
         """This plan, made the plan of a new batch of its graph buckets (the core's fast re-plan,
         see `tactix.selection.replan_selection`; ``problem`` has this plan's static fields): the
         same graph, handle, workspace and staging, new metadata. None (and this plan unchanged)
-        for a batch of other buckets, another device or mode, or device-resident indices (the full
-        plan sizes their container). What ``tactix_check`` says depends on the static fields, the
-        tactic and these buckets only."""
+        for a batch of other buckets, another device or mode, or device-resident indices in
+        CUDA-graph mode. Eager device-resident indices keep this plan's container (run() grows it
+        to the cache's pages). What ``tactix_check`` says depends
+        on the static fields, the tactic and these buckets only."""
         if options["device"] != self.device or bool(options["use_cuda_graph"]) != self._graph_mode:
             return None
         max_page = batch.max_page_index
-        if max_page is None:
-            return None
+        fit_to_cache = max_page is None
+        if fit_to_cache and self._graph_mode:
+            return None  # the full plan reads the largest index: a captured graph's container cannot grow
         key = self._base_key
-        shape = _held_shape(batch, max_page + 1, self._shape if self._graph_mode else None)
+        pages = self._shape[3] if max_page is None else max_page + 1
+        shape = _held_shape(batch, pages, self._shape if self._graph_mode else None)
         b, longest_q, longest_kv, pages = shape
         if key.ragged_q:
             same = key.batch == bucket_size(b) and key.max_q == _graph_max_q(False, longest_q, key.sinks)
@@ -626,6 +637,7 @@ class CudnnAttentionPlan:
         self._fill_metadata(batch, key, self if self._graph_mode else None)
         self.problem = problem
         self._shape = shape
+        self._fit_to_cache = fit_to_cache
         self.built = False
         return self
 
@@ -637,14 +649,18 @@ class CudnnAttentionPlan:
     def _fill_metadata(self, batch: PagedBatch, key: GraphKey, previous: CudnnAttentionPlan | None) -> None:
         b, width, nnz = key.batch, key.table_width, batch.num_page_entries
         indices = batch.kv_indices
-        if indices.is_cpu and nnz <= _HOST_TABLE_ENTRIES:
-            on_host = b <= _HOST_ROWS
+        if nnz <= _HOST_TABLE_ENTRIES:
+            # host indices: laid out on the host for a few rows, else sent as CSR and gathered;
+            # device indices: copied into the slot on the device after the transfer, then gathered
+            from_device = not indices.is_cpu
+            on_host = b <= _HOST_ROWS and not from_device
             flat, offsets = host_metadata(self.problem, batch, key, starts=not on_host)  # no gather: no row starts
             n = len(flat)
             # one pinned buffer written with C-level copies and one transfer into the wrapper's
             # staging slot: [small | the page table] for a few rows, else [small | the CSR
             # indices | width zeros] and one gather on the device (torch.tensor(list) costs
-            # ~90 ns per element; this ~1)
+            # ~90 ns per element; this ~1); device indices take their place in the slot by one
+            # device-to-device copy (no host read, no sync)
             if previous is not None and previous._staging is None:
                 raise UnsupportedProblemError(NAME, self.problem, [
                     "in CUDA-graph mode a re-plan must keep the graph's buckets (page entries)"])  # fmt: skip
@@ -656,21 +672,24 @@ class CudnnAttentionPlan:
                 raise UnsupportedProblemError(NAME, self.problem, [
                     "in CUDA-graph mode a re-plan must keep the graph's buckets (metadata size)"])  # fmt: skip
             self._staging = mine
-            if indices.dtype != torch.int32 or not indices.is_contiguous():
+            if not from_device and (indices.dtype != torch.int32 or not indices.is_contiguous()):
                 indices = indices.to(torch.int32).contiguous()
-            src = indices.data_ptr()
+            src = 0 if from_device else indices.data_ptr()
             indptr = batch.kv_indptr_list
 
             def fill(dst: int) -> None:
                 write_int32(dst, flat)
                 if on_host:
                     write_table(dst + 4 * n, src, indptr, b, width)
-                else:
+                    return
+                if src:  # (device indices overwrite their entries after the transfer)
                     ctypes.memmove(dst + 4 * n, src, 4 * nnz)
-                    ctypes.memset(dst + 4 * (n + nnz), 0, 4 * width)
+                ctypes.memset(dst + 4 * (n + nnz), 0, 4 * width)
 
             slot = mine.slot(self._graph_mode)
             base = mine.send(slot, n + (b * width if on_host else nnz + width), fill)
+            if from_device and nnz:  # stream-ordered after the transfer, before the gather
+                mine.view(slot, n, nnz).copy_(indices, non_blocking=True)
             table_ptr = base + 4 * n if on_host else mine.gather(slot, n, b, width, offsets[2])
             # the same slot and table give the same addresses: one dict per (slot, table), kept
             # across re-plans (run() copies it before adding the tensors' addresses)
@@ -718,8 +737,27 @@ class CudnnAttentionPlan:
         self._by_strides[seen] = graph
         return graph
 
+    def _fit_cache(self, pages: int) -> None:
+        """Make the graphs' container hold a cache of ``pages`` pages (device-resident indices: the
+        plan did not read the largest index; the core checks them against the cache on the device,
+        and the graph's container must cover what they may name). Builds, or finds in the graph
+        cache, the graph of the larger container: once per wrapper and cache size, at a run outside
+        any CUDA-graph capture (engines warm up before capturing)."""
+        b, q, kv, _ = self._shape
+        self._shape = (b, q, kv, pages)
+        base = self._key(_contiguous_strides(self.problem, self.problem.head_dim_qk),
+                         _contiguous_strides(self.problem, self.problem.head_dim_vo))  # fmt: skip
+        graph, _ = graph_cache.get(base, self.handle)
+        if graph.workspace_size > self._workspace.numel():
+            self._workspace = torch.empty(graph.workspace_size, dtype=torch.uint8, device=self.device)
+        self._base_key = base
+        self._graphs = {(base.k_strides, base.v_strides, base.sinks): graph}
+        self._by_strides = {}
+
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor | None, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
+        if self._fit_to_cache and k_cache.shape[0] > self._base_key.container_pages:
+            self._fit_cache(k_cache.shape[0])
         graph = self._graph_for(k_cache, v_cache, sinks is not None)
         if not q.is_contiguous():  # the graph reads packed rows: copy a strided view once per call
             if self._q_packed is None or self._q_packed.shape != q.shape:

@@ -26,6 +26,7 @@ from tactix import PagedBatch, bucket_size
 from tactix.plugin import Sections, cache_axes, dense_strides, sections, write_int32, write_table
 
 __all__ = [
+    "HOST_TABLE_ROWS",
     "Geometry",
     "PoolMapping",
     "cumulative_kv_lengths",
@@ -40,6 +41,7 @@ __all__ = [
     "refit_reasons",
     "row_starts",
     "sequence_lengths",
+    "table_on_host",
     "write_metadata",
     "xqa_cache_reasons",
 ]
@@ -144,11 +146,25 @@ def metadata_entries(layout: Sections, g: Geometry, batch: PagedBatch, host_tabl
     return pages + (g.rows * g.width if host_table else batch.num_page_entries + g.width)
 
 
-def write_metadata(dst: int, batch: PagedBatch, g: Geometry, layout: Sections, indices_at: int | None) -> None:
+HOST_TABLE_ROWS: Final = 16
+"""Up to this many block-table rows a plan with host page indices lays the table out on the host
+(one C-level copy a row, and the whole table zeroed first); larger batches send the CSR indices
+and gather the rows on the device (one kernel, whatever the batch size: at 64 rows of 4-8k keys
+the host table is ~200 KB of zeroing and row copies a plan)."""
+
+
+def table_on_host(batch: PagedBatch, g: Geometry) -> bool:
+    """Whether a plan lays out the block table on the host (host indices, few rows: `HOST_TABLE_ROWS`)."""
+    return batch.indices_on_host and g.rows <= HOST_TABLE_ROWS
+
+
+def write_metadata(dst: int, batch: PagedBatch, g: Geometry, layout: Sections, indices_at: int | None,
+                   host_table: bool = True) -> None:  # fmt: skip
     """Write a plan's metadata at address ``dst`` (a pinned staging buffer) with C-level copies.
     ``indices_at``: the address of the batch's int32 host page indices, laid out here as the
-    block table; None for device indices, which the plan copies after the transfer (only the
-    ``width`` zeros after them are written here)."""
+    block table (``host_table``) or copied as they are (CSR, gathered on the device), then the
+    ``width`` zeros after them; None for device indices, which the plan copies after the transfer
+    (only the ``width`` zeros after them are written here)."""
     for name, values in (
         ("seq_lens", sequence_lengths(batch, g.rows)),
         ("cum_q", cumulative_q_lengths(batch, g.rows)),
@@ -157,10 +173,12 @@ def write_metadata(dst: int, batch: PagedBatch, g: Geometry, layout: Sections, i
     ):
         write_int32(dst + 4 * layout.offset(name), values)
     pages = layout.offset("pages")
-    if indices_at is not None:
+    if indices_at is not None and host_table:
         write_table(dst + 4 * pages, indices_at, batch.kv_indptr_list, g.rows, g.width)
-    else:
-        ctypes.memset(dst + 4 * (pages + batch.num_page_entries), 0, 4 * g.width)
+        return
+    if indices_at is not None:
+        ctypes.memmove(dst + 4 * pages, indices_at, 4 * batch.num_page_entries)
+    ctypes.memset(dst + 4 * (pages + batch.num_page_entries), 0, 4 * g.width)
 
 
 # -- caches: what the kernels can address ------------------------------------------------------

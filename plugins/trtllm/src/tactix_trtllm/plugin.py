@@ -71,6 +71,7 @@ from tactix_trtllm.metadata import (
     metadata_sections,
     pool_mapping,
     refit_reasons,
+    table_on_host,
     write_metadata,
     xqa_cache_reasons,
 )
@@ -402,14 +403,16 @@ class _Plan:
                        graph: bool, previous: _Plan | None) -> None:  # fmt: skip
         """The metadata written into a pinned buffer of the wrapper's staging with C-level copies
         and sent in one transfer into a slot (`metadata.write_metadata`): the block table laid out
-        on the host for host page indices, else gathered on the device from the indices copied
-        after the transfer. Eager plans alternate between the two slots (the slot the previous
+        on the host for host page indices of a few rows (`metadata.table_on_host`), else gathered
+        on the device from the CSR indices, sent in the same transfer (host) or copied after it
+        (device). Eager plans alternate between the two slots (the slot the previous
         plan's runs read is left alone); CUDA-graph plans keep slot 0, sized by the captured
         geometry, whose addresses the captured kernels read."""
         g = self.geometry
         layout = metadata_sections(g)
         on_host = batch.indices_on_host
-        staging = Staging.reuse(old, self.device, layout.total, 0 if on_host else g.rows * g.width)
+        host_table = table_on_host(batch, g)
+        staging = Staging.reuse(old, self.device, layout.total, 0 if host_table else g.rows * g.width)
         if previous is not None and staging is not previous._staging:
             raise UnsupportedProblemError(NAME, problem, [
                 "in CUDA-graph mode a re-plan must keep the metadata buffers of the captured kernels"])  # fmt: skip
@@ -419,12 +422,13 @@ class _Plan:
             indices = indices.contiguous()
         at = indices.data_ptr() if on_host else None
         slot = staging.slot(graph)
-        staging.send(slot, metadata_entries(layout, g, batch, on_host), functools.partial(_fill, batch, g, layout, at))
+        staging.send(slot, metadata_entries(layout, g, batch, host_table),
+                     functools.partial(_fill, batch, g, layout, at, host_table))  # fmt: skip
         pages = layout.offset("pages")
-        if on_host:
+        if host_table:
             table = staging.view(slot, pages, g.rows * g.width).view(g.rows, g.width)
         else:
-            if batch.num_page_entries:  # after the transfer, on its stream
+            if not on_host and batch.num_page_entries:  # after the transfer, on its stream
                 staging.view(slot, pages, batch.num_page_entries).copy_(indices, non_blocking=True)
             staging.gather(slot, pages, g.rows, g.width, layout.offset("row_starts"))
             table = staging.gathered(slot, g.rows, g.width)
@@ -434,9 +438,10 @@ class _Plan:
         self._cum_kv = staging.view(slot, layout.offset("cum_kv"), g.rows + 1)
 
 
-def _fill(batch: PagedBatch, g: Geometry, layout: Sections, indices_at: int | None, dst: int) -> None:
+def _fill(batch: PagedBatch, g: Geometry, layout: Sections, indices_at: int | None, host_table: bool,
+          dst: int) -> None:  # fmt: skip
     """`Staging.send`'s fill: the plan's metadata at ``dst`` (`metadata.write_metadata`)."""
-    write_metadata(dst, batch, g, layout, indices_at)
+    write_metadata(dst, batch, g, layout, indices_at, host_table)
 
 
 _MEMO_LIMIT: Final = 1024
