@@ -31,6 +31,10 @@
 #   demo                 tactix demo (a Llama-like prefill and 3 decode steps, eager against CUDA-graph times)
 #   tp-step              examples/tensor_parallel_step.py under torchrun (TP_RANKS, default 2: nvidia-h200-x2)
 #   gpu-nccl             tests/gpu/test_distributed_nccl.py: rank-consistent tuning and failures over NCCL (2 GPUs)
+#   eager-suite          the whole suite in eager mode, in three parts one after the other (decode and sinks;
+#                        prefill and ragged with trtllm disabled: FMHAv2 compiles for >9 min on a fresh
+#                        machine; GEMM), each under EAGER_LIMITS (default 250,170,150 s), no FlashInfer rows,
+#                        one settle block: a stopped part still reports the cases it finished
 #   bench-eager          tactix bench --execution eager (EAGER_CASES: some case ids; EAGER_ARGS: more options,
 #                        e.g. --no-tune): rows ranked by eager cost, auto (untuned) against the best; its
 #                        JSON rebuilds the untuned order table (tactix untuned-order build)
@@ -119,6 +123,14 @@ job() {
     tp-step) t python -m torch.distributed.run --standalone --nproc-per-node "${TP_RANKS:-2}" \
       examples/tensor_parallel_step.py --json "$OUT/tp-step-h200.json" ;;
     gpu-nccl) t python -m pytest -q -p no:cacheprovider --durations=10 tests/gpu/test_distributed_nccl.py ;;
+    eager-suite) IFS=, read -r l1 l2 l3 <<< "${EAGER_LIMITS:-250,170,150}"
+      common="--execution eager --no-flashinfer --settle-blocks 1 --warmup-ms 20"
+      LIMIT=$l1 t python -m tactix bench $common --cases D1,D2,D3,D1-fp8,D2-fp8,D3-fp8,V1,O1,O1-w128 \
+        --json "$OUT/eager-decode.json" --markdown "$OUT/eager-decode.md"
+      TACTIX_DISABLE_BACKENDS=trtllm LIMIT=$l2 t python -m tactix bench $common --cases P1,P2,P3,P4,P1-fp8,P3-fp8,R1,R2,R3 \
+        --json "$OUT/eager-prefill.json" --markdown "$OUT/eager-prefill.md"
+      LIMIT=$l3 t python -m tactix bench $common --cases G1,G2-m1,G2-m16,G2-m64,G2-m256,G3-n14336,G3-k14336,G4 \
+        --json "$OUT/eager-gemm.json" --markdown "$OUT/eager-gemm.md" ;;
     bench-eager) t python -m tactix bench --execution eager ${EAGER_CASES:+--cases "$EAGER_CASES"} ${EAGER_ARGS:-} \
       --json "$OUT/bench-eager-h200.json" --markdown "$OUT/bench-eager-h200.md" ;;
     ab) old_site && t python3 benchmarks/host_ab.py --old /tmp/old-site --new "$PYTHONPATH" \
