@@ -138,6 +138,7 @@ def test_shape_classes_separate_what_the_suite_measures_and_hold_across_a_bucket
     )
     assert classes["D1-fp8"] == "fp8 kv, 1 row, batch > 8" and classes["V1"] == "16-bit kv, rows > 1, batch > 8"
     assert classes["R1"] == "16-bit kv, head dims 192/128" and classes["R3"] == "16-bit kv"
+    assert classes["G2-m1"] == classes["G2-m16"] == "16-bit, m <= 16"
     assert classes["G2-m64"] == "16-bit, m <= 64" and classes["G2-m256"] == "16-bit, m <= 1024"
     assert classes["G1"] == "16-bit, m > 1024" and classes["G4"] == "fp8, m > 1024"
     # the tuner and selection remember per bucket: a class must not change within one
@@ -181,7 +182,7 @@ def test_a_table_ranks_backends_by_the_longer_of_device_and_host_time() -> None:
     ]
     table = untuned_order.build_table([("r.json", _report(rows))])
     entries = {e.shape_class: e for e in table.entries}
-    small = entries["16-bit, m <= 64"]
+    small = entries["16-bit, m <= 16"]
     assert small.order == ("lean_host", "fast_kernel") and small.arch == "sm90" and small.op == "gemm"
     assert small.cost_us == {
         "G2-m1": {"fast_kernel": 60.0, "lean_host": 30.0},
