@@ -28,6 +28,7 @@
 #                        (TACTIX_CUDA_NATIVE_HOST_PLAN=1), alternating twice
 #   plan-profile         benchmarks/plan_breakdown.py --profile: where decode plan() spends its host time
 #                        (PROFILE_BACKENDS, default cuda_native,trtllm; host and device page indices, b8 and b64)
+#   plan-timers          the same with plan_breakdown.py's timers (inclusive us per plan of each function) instead
 #   demo                 tactix demo (a Llama-like prefill and 3 decode steps, eager against CUDA-graph times)
 #   tp-step              examples/tensor_parallel_step.py under torchrun (TP_RANKS, default 2: nvidia-h200-x2)
 #   gpu-nccl             tests/gpu/test_distributed_nccl.py: rank-consistent tuning and failures over NCCL (2 GPUs)
@@ -114,9 +115,10 @@ job() {
         TACTIX_CUDA_NATIVE_HOST_PLAN=$([ $side = host ] && echo 1 || echo 0) t python benchmarks/plan_time.py \
           --backends cuda_native --json "/tmp/plan-$side-$RANDOM.json" || return 1
       done && python3 -c "import glob, json, sys; json.dump({f: json.load(open(f)) for f in sorted(glob.glob('/tmp/plan-*.json'))}, open(sys.argv[1], 'w'), indent=1)" "$OUT/plan-device-host-h200.json" ;;
-    plan-profile) for b in $(echo "${PROFILE_BACKENDS:-cuda_native,trtllm}" | tr , ' '); do
+    plan-profile | plan-timers) for b in $(echo "${PROFILE_BACKENDS:-cuda_native,trtllm}" | tr , ' '); do
         for where in host device; do
-          (cd benchmarks && t python plan_breakdown.py --backend "$b" --indices "$where" --plans 400 --profile) || return 1
+          (cd benchmarks && t python plan_breakdown.py --backend "$b" --indices "$where" --plans 400 \
+            $([ "$1" = plan-profile ] && echo --profile)) || return 1
         done
       done ;;
     demo) t python -m tactix demo --json "$OUT/demo-h200.json" ;;

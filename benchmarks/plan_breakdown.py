@@ -9,8 +9,8 @@ figures add up to the whole and the remainder of each function is visible. The t
 about 0.2 us per wrapped call; the last column is per plan. ``--profile`` prints a cProfile of
 the plans instead (own time per function, sorted; cProfile's own cost per call inflates
 functions that make many small calls). ``--indices device`` passes the page indices as a device
-tensor (what vLLM passes), the CSR offsets and last-page lengths on the host. trtllm has no
-timers of its own here: use ``--profile``.
+tensor (what vLLM passes), the CSR offsets and last-page lengths on the host. trtllm has
+timers for its decode plan too.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ def instrument(backend: str) -> None:
     selection._stored = _timed_fn(selection._stored, "    _stored")
     _wrap(registry.Backend, "check", "    Backend.check")
     _wrap(registry.Backend, "plan", "    Backend.plan")
+    selection.replan_selection = _timed_fn(selection.replan_selection, "    replan_selection (fast re-plan)")
+    if hasattr(attention, "replan_selection"):
+        attention.replan_selection = selection.replan_selection
     _wrap(staging.Staging, "send", "          Staging.send")
     _wrap(staging.Staging, "reuse", "          Staging.reuse", classmethod_=True)
     _wrap(staging.Sections, "write", "            Sections.write")
@@ -59,10 +62,34 @@ def instrument(backend: str) -> None:
         from tactix_cuda_native.paged import StagedPlan
 
         _wrap(native.CudaNativeDecodePlan, "__init__", "      CudaNativeDecodePlan.__init__")
+        _wrap(native.CudaNativeDecodePlan, "_plan_batch", "      CudaNativeDecodePlan._plan_batch")
+        _wrap(native.CudaNativeDecodePlan, "_kernel_for", "        _kernel_for")
+        _wrap(native.CudaNativeDecodePlan, "_inherit_accepted", "        _inherit_accepted")
         for name in ("decode_work", "decode_items", "decode_chunk", "decode_is_small", "_decode_kernel",
-                     "launch_config"):  # fmt: skip
+                     "launch_config", "decode_piece_counts", "decode_plan_on_device", "decode_buffer_sizes",
+                     "attended_lengths", "_plan_kernel", "decode_grid"):  # fmt: skip
             setattr(native, name, _timed_fn(getattr(native, name), f"        {name}"))
         _wrap(StagedPlan, "_send", "        StagedPlan._send")
+        real_launcher = native.launcher
+
+        class _TimedLauncher:  # the plan looks the launch function up once, in its first __init__
+            def __init__(self) -> None:
+                self.launch = _timed_fn(real_launcher().launch, "        launch (the device plan kernel)")
+
+        timed_launcher = _TimedLauncher()
+        native.launcher = lambda: timed_launcher
+    if backend == "trtllm":
+        from tactix_trtllm import metadata
+        from tactix_trtllm import plugin as trt
+
+        _wrap(trt.XqaDecodePlan, "_plan_batch", "      XqaDecodePlan._plan_batch")
+        _wrap(trt._Plan, "_setup", "        _Plan._setup")
+        _wrap(trt._Plan, "_fill_metadata", "          _Plan._fill_metadata")
+        trt.write_metadata = _timed_fn(metadata.write_metadata, "            write_metadata")
+        trt.metadata_sections = _timed_fn(metadata.metadata_sections, "            metadata_sections")
+        trt.geometry = _timed_fn(metadata.geometry, "          geometry")
+        _wrap(staging.Staging, "gather", "            Staging.gather")
+        _wrap(staging.Staging, "view", "            Staging.view")
     if backend == "cudnn":
         from tactix_cudnn import plugin
         from tactix_cudnn.graphs import graph_cache
