@@ -64,7 +64,7 @@ def instrument(backend: str) -> None:
         _wrap(native.CudaNativeDecodePlan, "__init__", "      CudaNativeDecodePlan.__init__")
         _wrap(native.CudaNativeDecodePlan, "_plan_batch", "      CudaNativeDecodePlan._plan_batch")
         _wrap(native.CudaNativeDecodePlan, "_kernel_for", "        _kernel_for")
-        _wrap(native.CudaNativeDecodePlan, "_inherit_accepted", "        _inherit_accepted")
+        _wrap(StagedPlan, "_inherit_accepted", "        _inherit_accepted")
         for name in ("decode_work", "decode_items", "decode_chunk", "decode_is_small", "_decode_kernel",
                      "launch_config", "decode_piece_counts", "decode_plan_on_device", "decode_buffer_sizes",
                      "attended_lengths", "_plan_kernel", "decode_grid"):  # fmt: skip
