@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -240,3 +241,16 @@ def test_an_interrupted_run_still_writes_the_cases_it_finished(
     assert "Interrupted during d2" in md.read_text()
     err = capsys.readouterr().err.splitlines()
     assert err[-1] == "tactix: interrupted during case d2; the report holds the cases finished before it"
+
+
+def test_host_cost_keeps_the_least_disturbed_block() -> None:
+    """Another tenant's burst in one block of a GPU host-cost measurement does not move it; a
+    steady slowdown over every block does; with one block it is the plain median."""
+    from tactix.bench import least_disturbed
+
+    steady = [10.0, 11.0, 10.5, 9.5] * 15
+    burst = steady[:24] + [60.0] * 12 + steady[36:]  # one block of 12 (of 5) all disturbed
+    assert least_disturbed(burst, 5) == least_disturbed(steady, 5) == 10.25
+    assert least_disturbed([x * 1.5 for x in steady], 5) == 10.25 * 1.5
+    assert least_disturbed(burst, 1) == statistics.median(burst) > 10.25
+    assert least_disturbed([3.0, 1.0], 5) == 1.0  # more blocks than samples: one sample a block
