@@ -81,3 +81,27 @@ def test_the_stale_slot_declaration_names_exactly_the_kits_stale_slot_cases() ->
         for case in attention_cases(op, get_registry().get("torch").spec.capabilities(op)):  # type: ignore[arg-type]
             matched = any(id_pattern(glob).fullmatch(case.id) for glob in declared)
             assert matched == (op == "prefill" and case.stale != "large"), case.id
+
+
+def test_a_re_plan_starts_from_the_static_part_alone() -> None:
+    """`keep_static` / `from_static`, the plugins' fast re-plan idiom: the new object has the
+    static attributes (shared, not copied) and none of the batch's, without ``__init__``."""
+    from tactix.plugin import from_static, keep_static
+
+    class Plan:
+        inits = 0
+
+        def __init__(self) -> None:
+            Plan.inits += 1
+            self.kernel = object()
+            self.scalars = (1, 2.0)
+            keep_static(self)
+            self.batch_part = [3, 4]
+
+    first = Plan()
+    second = from_static(first)
+    assert type(second) is Plan and Plan.inits == 1
+    assert second.kernel is first.kernel and second.scalars == (1, 2.0)
+    assert not hasattr(second, "batch_part")
+    third = from_static(second)  # a re-plan of a re-plan still starts from the first's static part
+    assert third.kernel is first.kernel and not hasattr(third, "batch_part")

@@ -22,7 +22,7 @@ change between releases. What is here:
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, TypeVar
 
 from tactix.autotune.store import default_root as cache_root
 from tactix.autotune.store import write_atomically
@@ -51,8 +51,10 @@ __all__ = [
     "compute_capability",
     "cuda_available",
     "dense_strides",
+    "from_static",
     "gather_table",
     "hookimpl",
+    "keep_static",
     "page_shape",
     "raw_stream",
     "resolve_device",
@@ -63,11 +65,31 @@ __all__ = [
     "write_table",
 ]
 
+_T = TypeVar("_T")
+
 STALE_SLOTS: Final = (
     "reads whole pages: a NaN or Inf in a cache slot past a request's length reaches the output (0 x NaN in "
     "P @ V); the caller must keep slots no request owns finite (e.g. allocate the cache with torch.zeros)"
 )
 """The reason a backend gives for failing the kit's stale-slot cases (see `stale_slot_failures`)."""
+
+
+def keep_static(plan: object) -> None:
+    """Remember the attributes ``plan`` holds so far as its static part: what depends on the
+    static problem, the tactic and the device only (kernels, scalars, module handles), made once.
+    `from_static` starts each re-plan's object from it."""
+    plan.__dict__["_static"] = dict(plan.__dict__)
+
+
+def from_static(plan: _T) -> _T:
+    """A new object of ``plan``'s class holding ``plan``'s static part (`keep_static`) and nothing
+    of its batch: what a plugin's fast re-plan (``replan``) fills in with the new batch's part,
+    without running ``__init__`` again. The static part is shared, not copied: never mutate it."""
+    static = plan.__dict__["_static"]
+    new = type(plan).__new__(type(plan))
+    new.__dict__.update(static)
+    new.__dict__["_static"] = static
+    return new
 
 
 def stale_slot_failures(*ops: str, reason: str = STALE_SLOTS) -> dict[str, str]:

@@ -37,7 +37,7 @@ from tactix import (
     Tactic,
     UnsupportedProblemError,
 )
-from tactix.plugin import Piece, Sections, bucket_size, raw_stream, sections
+from tactix.plugin import Piece, Sections, bucket_size, from_static, keep_static, raw_stream, sections
 from tactix_cuda_native import NAME
 from tactix_cuda_native.device import DeviceInfo, arch_at_least, cuda_device, device_index, device_info
 from tactix_cuda_native.kernel import FLAG_BYTES, L2_HINTS, Kernel, TensorMaps, bf16, launcher, load_kernel
@@ -658,7 +658,7 @@ class CudaNativeDecodePlan(StagedPlan):
             if isinstance(previous, CudaNativeDecodePlan) and previous.device == self.device
             else TensorMaps(8)
         )
-        self._static = dict(self.__dict__)  # what `replan` copies: nothing here depends on the batch
+        keep_static(self)  # what `replan` starts from: nothing here depends on the batch
         self._plan_batch(batch, previous)
 
     def replan(self, problem: Problem, batch: PagedBatch, options: PlanOptions) -> StagedPlan | None:
@@ -667,9 +667,7 @@ class CudaNativeDecodePlan(StagedPlan):
         (`_plan_batch`). None for another device or mode (the full path decides)."""
         if options["device"] != self.device or bool(options["use_cuda_graph"]) != self._graph:
             return None
-        plan = type(self).__new__(type(self))
-        plan.__dict__.update(self._static)
-        plan._static = self._static
+        plan = from_static(self)
         plan.problem = problem  # type: ignore[assignment]
         plan._plan_batch(batch, self)
         return plan

@@ -57,6 +57,8 @@ from tactix.plugin import (
     Staging,
     compute_capability,
     cuda_available,
+    from_static,
+    keep_static,
     stale_slot_failures,
 )
 from tactix_trtllm import __version__
@@ -520,7 +522,7 @@ class XqaDecodePlan(_Plan):
         self._layout = problem.kv_layout
         # k views by cache (`_accept`): they depend on the cache alone, so every re-plan keeps them
         self._caches: dict[int, Any] = {}
-        self._static = dict(self.__dict__)
+        keep_static(self)  # what `replan` starts from
         self._plan_batch(problem, batch, options)
 
     def replan(self, problem: Problem, batch: PagedBatch, options: PlanOptions) -> _Plan | None:
@@ -528,9 +530,7 @@ class XqaDecodePlan(_Plan):
         if options["device"] != self.device or bool(options["use_cuda_graph"]) != self._graph:
             return None
         assert isinstance(problem, DecodeProblem)
-        plan = XqaDecodePlan.__new__(XqaDecodePlan)
-        plan.__dict__.update(self._static)
-        plan._static = self._static
+        plan = from_static(self)
         plan.built = False
         plan._plan_batch(problem, batch, {**options, "previous": self})
         return plan
