@@ -214,6 +214,10 @@ def test_the_second_round_keeps_the_faster_median_of_a_row() -> None:
     assert slow_first.rate == pytest.approx(1e9 / slow_first.time_us) and len(slow_first.samples_us) == 3
     assert fast_first.time_us == 1e-9 and fast_first.rate == 5.0 and fast_first.round_kept is None
     assert slow_first.retime is None and fast_first.retime is None
+    order: list[str] = []
+    rows = [BenchRow("x", "", name, "-", "ok", time_us=1.0, retime=lambda n=name: order.append(n)) for name in "abc"]
+    _second_round(rows, torch.device("cpu"), MeasurementPolicy(warmup=0, repeat=1))
+    assert order == ["c", "b", "a"]  # the second round runs backwards: a drift over the case cancels
 
 
 def test_an_interrupted_run_still_writes_the_cases_it_finished(

@@ -388,13 +388,15 @@ def _rank(rows: list[BenchRow], eager: bool) -> None:
 
 
 def _second_round(rows: list[BenchRow], device: torch.device, policy: MeasurementPolicy) -> None:
-    """Time every timed row of a case again, in the same order, and keep the faster median.
+    """Time every timed row of a case again, in reverse order, and keep the faster median.
 
     What ran just before changes a GPU's speed for tens of milliseconds (the torch backend's
     attention, a tuning run, freed memory: benchmarks/two_speeds.py); a row timed right after
     such work reads up to 8 % slow while its neighbours do not. Two rounds give every row a
-    second chance at the state the others were timed in."""
-    for row in rows:
+    second chance at the state the others were timed in. Reversed (ABBA), because a card's clock
+    also drifts over a case: on an H100 a large GEMM's rows read ~8 % slower from some point of
+    the first round on (session 26, G1), and the rows timed last in both rounds stayed slow."""
+    for row in reversed(rows):
         call, row.retime = row.retime, None
         if call is None or row.time_us is None:
             continue
