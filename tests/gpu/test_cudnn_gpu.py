@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -215,6 +216,16 @@ def test_replans_far_ahead_of_the_gpu_keep_every_batch_metadata(batch_size: int)
         assert relative_error(out, ref) < tolerance_for(torch.bfloat16)
 
 
+def _serve(wrapper: Any, captured: torch.cuda.CUDAGraph | None, q: torch.Tensor, q_static: torch.Tensor,
+           out_static: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """The output for ``q``: replayed from ``captured`` (q copied into the captured buffer), or run eagerly."""
+    if captured is None:
+        return wrapper.run(q, cache)
+    q_static.copy_(q)
+    captured.replay()
+    return out_static.clone()
+
+
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
 @pytest.mark.parametrize("op", ["decode", "prefill"])
 def test_fast_re_plans_serve_each_batch_and_leave_the_full_path_for_a_new_bucket(op: str, graph: bool) -> None:
@@ -262,12 +273,7 @@ def test_fast_re_plans_serve_each_batch_and_leave_the_full_path_for_a_new_bucket
         metadata = plan(lens, seed)
         assert wrapper.plan_object is plan_object, "a re-plan of the same buckets took the full path"
         q = torch.randn(rows, 32, 128, generator=gen).cuda().bfloat16()
-        if captured is not None:
-            q_static.copy_(q)
-            captured.replay()
-            out = out_static.clone()
-        else:
-            out = wrapper.run(q, (k, v))
+        out = _serve(wrapper, captured, q, q_static, out_static, (k, v))
         ref, _ = attention_reference(q, k, v, qo if not decode else torch.arange(5, dtype=torch.int32), *metadata,
                                      kv_layout="HND", causal=not decode, sm_scale=1 / math.sqrt(128))  # fmt: skip
         assert relative_error(out, ref) < tolerance_for(torch.bfloat16), f"batch {seed}"
@@ -323,12 +329,7 @@ def test_device_page_indices_are_planned_without_a_host_read(batch_size: int, gr
             torch.cuda.set_sync_debug_mode("error")
         try:
             wrapper.plan(indptr, device_indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
-            if captured is not None:
-                q_static.copy_(q)
-                captured.replay()
-                out = out_static.clone()
-            else:
-                out = wrapper.run(q, (k, v))
+            out = _serve(wrapper, captured, q, q_static, out_static, (k, v))
         finally:
             torch.cuda.set_sync_debug_mode("default")
         if not graph:

@@ -614,8 +614,8 @@ class CudnnAttentionPlan:
         same graph, handle, workspace and staging, new metadata. None (and this plan unchanged)
         for a batch of other buckets, another device or mode, or device-resident indices in
         CUDA-graph mode. Eager device-resident indices keep this plan's container (run() grows it
-        to the cache's pages). What ``tactix_check`` says depends
-        on the static fields, the tactic and these buckets only."""
+        to the cache's pages). What ``tactix_check`` says depends on the static fields, the
+        tactic and these buckets only."""
         if options["device"] != self.device or bool(options["use_cuda_graph"]) != self._graph_mode:
             return None
         max_page = batch.max_page_index
