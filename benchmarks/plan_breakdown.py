@@ -55,6 +55,7 @@ def instrument(backend: str) -> None:
     if hasattr(attention, "replan_selection"):
         attention.replan_selection = selection.replan_selection
     _wrap(staging.Staging, "send", "          Staging.send")
+    _wrap(staging.Staging, "copy_in", "          Staging.copy_in")
     _wrap(staging.Staging, "reuse", "          Staging.reuse", classmethod_=True)
     _wrap(staging.Sections, "write", "            Sections.write")
     if backend == "cuda_native":
@@ -66,7 +67,7 @@ def instrument(backend: str) -> None:
         _wrap(native.CudaNativeDecodePlan, "_kernel_for", "        _kernel_for")
         _wrap(StagedPlan, "_inherit_accepted", "        _inherit_accepted")
         for name in ("decode_work", "decode_items", "decode_chunk", "decode_is_small", "_decode_kernel",
-                     "launch_config", "decode_piece_counts", "decode_plan_on_device", "decode_buffer_sizes",
+                     "launch_config", "decode_bounds", "decode_plan_on_device", "decode_buffer_sizes",
                      "attended_lengths", "_plan_kernel", "decode_grid"):  # fmt: skip
             setattr(native, name, _timed_fn(getattr(native, name), f"        {name}"))
         _wrap(StagedPlan, "_send", "        StagedPlan._send")

@@ -55,6 +55,15 @@ def test_sections_write_every_entry_from_lists_arrays_and_tensors() -> None:
     assert host.tolist() == want  # pieces in place, the rest of every section zero: no entry left over
     layout.write(host.data_ptr(), [range(5), (4,), torch.ones(40, dtype=torch.int32), array.array("i")])
     assert host[:5].tolist() == [0, 1, 2, 3, 4] and host[32:34].tolist() == [4, 0] and host[-32:].sum() == 0
+    # all lists (one packed write): the same entries as the piece-by-piece path gives
+    lists = [[1, -2, 2**31 - 1], [9, 8, 7], list(range(100, 180, 2)), []]
+    host.fill_(-7)
+    layout.write(host.data_ptr(), lists)
+    assert host.tolist() == want
+    for _ in range(2):  # (again with the memoised packer, over other contents)
+        host.fill_(-7)
+        layout.write(host.data_ptr(), [[5, 5, 5], [1, 1, 1], [3] * 40, []])
+        assert host.tolist() == [5] * 3 + [0] * 29 + [1] * 3 + [0] * 29 + [3] * 40 + [0] * 24 + [0] * 32
 
 
 def test_sections_refuse_what_does_not_fit() -> None:
@@ -68,6 +77,8 @@ def test_sections_refuse_what_does_not_fit() -> None:
         layout.write(host.data_ptr(), [[1]])
     with pytest.raises(TactixError, match="int32"):
         layout.write(host.data_ptr(), [[2**31], [0]])
+    with pytest.raises(TactixError, match="section 'b' holds 1 entries"):
+        layout.write(host.data_ptr(), [[1], [0, 1]])  # (all lists: the packed path)
     with pytest.raises(TactixError, match="4-byte ints"):
         layout.write(host.data_ptr(), [array.array("q", [1]), [0]])
 
@@ -225,3 +236,20 @@ def test_a_dropped_staging_makes_no_cuda_call_and_a_later_plan_releases_its_buff
     second.ran()
     _send(other, other.slot(False), [9] * 8)
     assert second.released
+
+
+def test_copy_in_puts_device_entries_after_the_transfer_into_the_slot() -> None:
+    """Device page indices take their place in a slot after the metadata's transfer (on the GPU one
+    device-to-device copy; here the torch path, which also converts int64), next to what the
+    transfer wrote, and never past the slot."""
+    _Pinned.made.clear()
+    cpu = torch.device("cpu")
+    staging = _CpuStaging.reuse(None, cpu, 100)
+    slot = staging.slot(False)
+    _send(staging, slot, [7] * 10)
+    staging.copy_in(slot, 4, torch.tensor([1, 2, 3], dtype=torch.int64))
+    staging.copy_in(slot, 8, torch.arange(10, dtype=torch.int32)[::5])  # strided
+    staging.copy_in(slot, 0, torch.empty(0, dtype=torch.int32))
+    assert staging.view(slot, 0, 10).tolist() == [7, 7, 7, 7, 1, 2, 3, 7, 0, 5]
+    with pytest.raises(TactixError, match="do not fit a slot of 1024"):
+        staging.copy_in(slot, 1020, torch.zeros(5, dtype=torch.int32))

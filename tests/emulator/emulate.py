@@ -218,16 +218,28 @@ class DecodePlan:
         slots = info.sms * device.ctas_per_sm(info, self.smem, self.threads)  # no driver here: the estimate
         chunk = params.kv_chunk or decode.decode_chunk(lengths, units, params.tile, slots)
         attended = [e - s for s, e in ranges] if graph else lengths
-        items, slot_count = decode.decode_piece_counts(attended, chunk)
-        self.on_device = decode.decode_plan_on_device(attended, chunk, items, units, slots, params, graph)
+        recut = (units, slots, params.tile) if not graph and not params.kv_chunk else None
+        self.on_device = decode.decode_plan_on_device(b)
         work = None
         if not self.on_device:
             chunk, work = decode.decode_plan_work(ranges, lengths, units, slots, params, graph)
             items, slot_count = len(work.items), work.slots
+        elif graph:
+            items, slot_count = 0, 0
+        else:
+            items, slot_count = decode.decode_bounds(attended, chunk, units, slots, recut is not None)
         item_cap, slot_cap, page_cap = decode.decode_buffer_sizes(
             items, slot_count, batch.num_page_entries, graph=graph, batch=b, attended_cap=attended_cap,
             longest_cap=longest_cap, chunk=chunk, page_size=problem.page_size)  # fmt: skip
-        self.work = work if work is not None else decode.decode_work(ranges, chunk)
+        if work is None:  # what the device plan makes (the plan's `work` property)
+            work = decode.decode_work(ranges, chunk)
+            if recut is not None:
+                work = decode.decode_balance_tail(work, *recut)
+            self.work = work
+            work = None
+        else:
+            self.work = work
+        self.recut = recut
         self.chunk = chunk
         self._geometry = (b, hq, hkv, d, problem.page_size, item_cap, slot_cap, page_cap, params)
 
@@ -235,7 +247,8 @@ class DecodePlan:
         host_indices = batch.indices_on_host
         copied = host_indices or graph
         layout = decode.decode_sections(item_cap, page_cap if copied else None, b if self.on_device else None)
-        pieces: list[Any] = [decode.decode_items(work, batch.kv_indptr_list) if work is not None else [], [items]]
+        pieces: list[Any] = [decode.decode_items(work, batch.kv_indptr_list), [len(work.items)]] if work is not None \
+            else [[], []]  # fmt: skip
         if self.on_device:
             pieces += [batch.kv_indptr_list, batch.kv_lens_list]
         if copied:
@@ -245,8 +258,8 @@ class DecodePlan:
         where = {name: (o, n) for name, o, n in zip(layout.names, layout.offsets, layout.capacities, strict=True)}
         if self.on_device:  # the records, made by the device plan's kernel (after the transfer, in the slot)
             o = layout.offset("items")
-            decode_plan_records(host[where["kv_indptr"][0] :], host[where["kv_lens"][0] :], host[o:], b, chunk,
-                                problem.window_left)  # fmt: skip
+            decode_plan_records(host[where["kv_indptr"][0] :], host[where["kv_lens"][0] :], host[o:],
+                                host[where["num_items"][0] :], b, chunk, problem.window_left, recut)  # fmt: skip
         if graph and previous is not None:
             assert previous._geometry == self._geometry, "the plugin refuses this re-plan"
             previous.packed.copy_(host)
@@ -301,17 +314,20 @@ class DecodePlan:
             raise RuntimeError(f"emulated kernel misuse: {err.decode()}")
 
 
-def decode_plan_records(kv_indptr: torch.Tensor, kv_lens: torch.Tensor, items: torch.Tensor, batch: int, chunk: int,
-                        window_left: int) -> None:  # fmt: skip
+def decode_plan_records(kv_indptr: torch.Tensor, kv_lens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
+                        batch: int, chunk: int, window_left: int,
+                        recut: tuple[int, int, int] | None = None) -> None:  # fmt: skip
     """kernels/decode_plan.cu on the emulation: the work records of ``batch`` requests written into
-    ``items`` (int32 CPU tensors; the launch `decode.CudaNativeDecodePlan` makes)."""
+    ``items`` and their count into ``num_items`` (int32 CPU tensors), a short last wave recut with
+    ``recut`` = (units, slots, tile) (the launch `decode.CudaNativeDecodePlan` makes)."""
     from tactix_cuda_native import decode
 
     lib = _library("emu_decode_plan.cpp", decode.decode_plan_variant("sm_90").defines)
     lib.emu_decode_plan.restype = ctypes.c_char_p
     smem = ctypes.c_longlong(decode.decode_plan_smem(batch))
     err = lib.emu_decode_plan(ctypes.c_int(decode.DECODE_PLAN_THREADS), smem,
-                              *_args([kv_indptr, kv_lens, items, batch, chunk, window_left]))  # fmt: skip
+                              *_args([kv_indptr, kv_lens, items, num_items, batch, chunk, window_left,
+                                      *(recut or (0, 0, 0)), decode.DECODE_MIN_CHUNK]))  # fmt: skip
     if err:
         raise RuntimeError(f"emulated kernel misuse: {err.decode()}")
 

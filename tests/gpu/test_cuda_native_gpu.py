@@ -238,18 +238,41 @@ def test_decode_large_batch_and_replan_on_one_wrapper() -> None:
     other.check(w, "re-planned")
 
 
+def _device_records(plan: Any) -> tuple[list[int], int]:
+    """The work records and their count that the device plan (kernels/decode_plan.cu) wrote into
+    the plan's staging slot, read back (the records section starts the slot)."""
+    staging = plan._staging
+    torch.cuda.synchronize()
+    slot = staging._dev_ptr.index(plan._ptrs[0])
+    packed = staging._dev[slot]
+    count = int(packed[(plan._ptrs[1] - plan._ptrs[0]) // 4])
+    return packed[: decode.DECODE_ITEM_INTS * count].tolist(), count
+
+
 def test_decode_cuts_a_short_last_wave_of_whole_requests() -> None:
     """200 requests of 1024 keys x 8 KV heads are 4 waves of 396 CTAs (3 an SM) and 16 more: the
-    requests of that last wave are cut into pieces (decode.decode_balance_tail) and merged."""
+    requests of that last wave are cut into pieces (decode.decode_balance_tail) and merged. The
+    device plan makes that list: the records it wrote are the host's (`decode_items`), and the
+    grid it launches in holds them (the idle CTAs past the count exit)."""
     case = Case([1024] * 200, seed=19)
     w = case.wrapper()
     case.plan(w, return_lse=True)
     plan = w.plan_object
     slots = plan.ctas_per_sm * device.device_info(0).sms
-    assert plan.chunk == 1024
-    if 0 < 1600 % slots <= slots // 2:  # the H200: 1600 % 396 = 16
+    assert plan.chunk == 1024 and plan.planned_on_device
+    if 0 < 1600 % slots <= slots // 2:  # the H200 and the H100: 1600 % 396 = 16
         assert plan.work.needs_merge and len(plan.work.items) > 200, plan.work.splits[-4:]
+    records, count = _device_records(plan)
+    assert count == len(plan.work.items) and records == decode.decode_items(plan.work, case.indptr.tolist())
+    assert plan._geometry[5] >= count  # the grid's items (decode.decode_bounds)
     case.check(w, "last wave cut", return_lse=True)
+    # D1's ragged lengths, some split: the same records on the device as on the host
+    lens = torch.randint(1024, 8192, (64,), generator=torch.Generator().manual_seed(3)).tolist()
+    ragged = Case(lens, seed=20)
+    ragged.plan(w)
+    records, count = _device_records(w.plan_object)
+    assert records == decode.decode_items(w.plan_object.work, ragged.indptr.tolist())
+    ragged.check(w, "D1 lengths, device list")
 
 
 def test_every_enumerated_decode_tactic() -> None:

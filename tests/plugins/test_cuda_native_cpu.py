@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import itertools
+import math
 import os
 import random
 import re
@@ -901,11 +902,12 @@ def test_decode_plan_helpers_equal_their_plain_definitions() -> None:
     records, over ragged batches, windows and tiles."""
 
     def chunk_reference(lengths: list[int], units: int, tile: int, slots: int, min_chunk: int) -> int:
-        tiles = [max(1, -(-n // tile)) for n in lengths]
-        chunk_tiles = -(-(sum(tiles) * units) // (decode_op.DECODE_ITEMS_PER_SLOT * slots))
-        chunk_tiles = min(max(chunk_tiles, -(-min_chunk // tile), 1), max(tiles))
-        pieces = -(-max(tiles) // chunk_tiles)
-        return -(-max(tiles) // pieces) * tile
+        tiles = max(len(lengths), math.ceil(sum(lengths) / tile))  # the batch's keys in tiles
+        longest = max(1, math.ceil(max(lengths) / tile))
+        chunk_tiles = math.ceil(tiles * units / (decode_op.DECODE_ITEMS_PER_SLOT * slots))
+        chunk_tiles = min(max(chunk_tiles, math.ceil(min_chunk / tile), 1), longest)
+        pieces = math.ceil(longest / chunk_tiles)
+        return math.ceil(longest / pieces) * tile
 
     def items_reference(work: decode_op.DecodeWork, page_base: list[int]) -> list[int]:
         out = []
@@ -1743,49 +1745,42 @@ def test_the_default_prefill_goes_persistent_for_batches_of_short_work_items(d: 
     assert prefill_op.prefill_default_persist(base, [], d, H200) == base  # an empty batch launches nothing
 
 
-def test_decode_work_lists_are_made_on_the_device_where_the_host_would_not_change_them(
+def test_decode_work_lists_are_made_on_the_device_up_to_the_batch_the_kernel_takes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A decode plan makes its work list on the device (kernels/decode_plan.cu) unless the batch is
-    larger than the kernel takes, `decode_balance_tail` may recut the list (an eager plan with the
-    automatic chunk and a short last wave of whole requests), or TACTIX_CUDA_NATIVE_HOST_PLAN=1; its
-    shared memory stays within the 48 KB a launch gets without asking."""
-    params = decode_op.default_decode_params(128, H200)
-    slots = H200.sms * 3
+    larger than the kernel takes or TACTIX_CUDA_NATIVE_HOST_PLAN=1; its shared memory stays within
+    the 48 KB a launch gets without asking."""
     on = decode_op.decode_plan_on_device
-    d1 = [(n + 1023) % 8192 + 1 for n in range(0, 64 * 997, 997)]  # 64 ragged requests, a short last wave
-    chunk = decode_op.decode_chunk(d1, 8, params.tile, slots)
-    items, _ = decode_op.decode_piece_counts(d1, chunk)
-    assert 0 < (items * 8) % slots <= slots // 2  # the wave test alone would send it to the host
-    assert on(d1, chunk, items, 8, slots, params, graph=False)
-    # D3: 256 requests of 2048 keys, 2048 CTAs = 5 waves of 396 and 68: the host recuts the tail
-    d3 = [2048] * 256
-    d3_items, _ = decode_op.decode_piece_counts(d3, 2048)
-    assert not on(d3, 2048, d3_items, 8, slots, params, graph=False)
-    assert on(d3, 2048, d3_items, 8, slots, params, graph=True)  # a captured grid is never recut
-    assert on(d3, 2048, d3_items, 8, slots, params.model_copy(update={"kv_chunk": 1024}), graph=False)
-    assert not on([5] * (decode_op.DECODE_PLAN_MAX_BATCH + 1), 64, 1, 8, slots, params, graph=True)
+    assert on(1) and on(decode_op.DECODE_PLAN_MAX_BATCH) and not on(decode_op.DECODE_PLAN_MAX_BATCH + 1)
     monkeypatch.setenv(decode_op.HOST_PLAN_ENV, "1")
-    assert not on(d1, chunk, items, 8, slots, params, graph=False)
+    assert not on(8)
     assert decode_op.decode_plan_smem(decode_op.DECODE_PLAN_MAX_BATCH) <= 48 * 1024
     assert decode_op.decode_plan_smem(5) == 8 * 8 + 8 * 5 + 8 * decode_op.DECODE_PLAN_THREADS
 
 
-def test_the_tail_test_without_a_list_never_misses_a_recut() -> None:
-    """`decode_tail_may_balance` (no work list) says "may" for every batch whose list
-    `decode_balance_tail` actually recuts, over ragged and uniform batches, windows and chunks."""
+def test_device_plan_bounds_hold_every_list_and_recut_it_may_make() -> None:
+    """`decode_bounds` (what an eager plan sizes its grid and workspace for, from a max and a sum)
+    is never below the items and partial slots of the list the device makes, a recut short last
+    wave included, over ragged and uniform batches and chunks; and it is exact where no request is
+    split and no recut may happen (no idle CTAs launched for nothing)."""
     rng = random.Random(13)
-    recut = kept = 0
+    recut = 0
     for _ in range(3000):
         uniform = rng.random() < 0.5
         n = rng.randint(1, 400)
         lens = [rng.choice([1000, 2048, 700])] * n if uniform else [rng.randint(1, 9000) for _ in range(n)]
         units, tile, slots = rng.choice([8, 16]), 64, rng.choice([264, 396])
         chunk = decode_op.decode_chunk(lens, units, tile, slots)
-        work = decode_op.decode_work([(0, x) for x in lens], chunk)
-        changed = decode_op.decode_balance_tail(work, units, slots, tile) is not work
-        may = decode_op.decode_tail_may_balance(lens, chunk, len(work.items), units, slots)
-        assert may or not changed, (lens[:8], len(lens), chunk, units, slots)
-        recut += changed
-        kept += not may
-    assert recut > 20 and kept > 1000  # both kinds of batch were seen
+        plain = decode_op.decode_work([(0, x) for x in lens], chunk)
+        work = decode_op.decode_balance_tail(plain, units, slots, tile)
+        recut += work is not plain
+        items, partial = decode_op.decode_bounds(lens, chunk, units, slots, True)
+        assert len(work.items) <= items and work.slots <= partial, (lens[:8], len(lens), chunk, units, slots)
+        items, partial = decode_op.decode_bounds(lens, chunk, units, slots, False)
+        assert len(plain.items) <= items and plain.slots <= partial
+    assert recut > 20
+    # D2 (one request of 8192 keys in 512-key pieces): exact
+    assert decode_op.decode_bounds([8192], 512, 8, 396, True) == (16, 16)
+    # 40 whole requests, one wave: exact
+    assert decode_op.decode_bounds([2048] * 40, 2048, 8, 396, True) == (40, 0)

@@ -368,27 +368,54 @@ def test_emulated_decode_graph_mode_replays_and_replans() -> None:
 
 def test_device_plan_makes_the_work_list_the_host_makes() -> None:
     """kernels/decode_plan.cu (the work list a plan makes on the device) writes exactly the records
-    `decode_items(decode_work(...))` gives on the host, for ragged batches up to the largest it
-    takes, windows and chunks around the lengths, and nothing past them."""
+    and the count `decode_items(decode_balance_tail(decode_work(...)))` gives on the host, for
+    ragged batches up to the largest it takes, windows, chunks around the lengths, and short last
+    waves it recuts (D3's, windowed ones, several lengths at once) or leaves alone; nothing past
+    them; and never more items or partial slots than `decode_bounds` sized the plan for."""
     from tactix_cuda_native import decode
 
     rng = random.Random(5)
+    i32 = torch.int32
+    cases: list[tuple[list[int], int, int, tuple[int, int, int] | None]] = [
+        ([2048] * 256, -1, 2048, (8, 396, 64)),  # D3: 9 requests cut into 4 pieces each
+        ([2000] * 256, 1994, 2048, (8, 396, 64)),  # windowed: 3 pieces, the last one shorter
+        ([2048] * 250 + [1600] * 6, -1, 2048, (8, 396, 64)),  # pieces of two lengths, sorted
+        ([1900, 2048, 1700] * 89, -1, 2048, (4, 264, 32)),  # tile 32
+        ([2048] * 250 + [700] * 6, -1, 2048, (8, 396, 64)),  # a tail too short to recut
+        ([2048] * 250 + [4096] * 3, -1, 2048, (8, 396, 64)),  # a tail of split requests: left alone
+    ]
     for _ in range(24):
         b = rng.choice([1, 2, 3, 7, 64, 255, 256, 300, 1000, decode.DECODE_PLAN_MAX_BATCH])
-        lens = [rng.choice([1, 2, 15, 16, 17, 63, 64, 65, 511, 512, 513, rng.randint(1, 9000)]) for _ in range(b)]
-        window = rng.choice([-1, -1, 0, 1, 63, 300])
-        chunk = rng.choice([1, 16, 64, 128, 512, 1024, 8192])
+        if rng.random() < 0.5:
+            lens = [rng.choice([1, 2, 15, 16, 17, 63, 64, 65, 511, 512, 513, rng.randint(1, 9000)]) for _ in range(b)]
+        else:  # near-uniform long requests: the batches a recut is for
+            top = rng.choice([1024, 2048, 4096])
+            lens = [rng.randint(top * 3 // 4, top) for _ in range(b)]
+        chunk = rng.choice([1, 16, 64, 128, 512, 1024, 2048, 4096, 8192])
+        recut = rng.choice([None, (rng.choice([1, 4, 8]), rng.choice([132, 264, 396]), rng.choice([32, 64]))])
+        cases.append((lens, rng.choice([-1, -1, 0, 1, 63, 300]), chunk, recut))
+    recuts = 0
+    for lens, window, chunk, recut in cases:
+        b = len(lens)
         ranges = decode.effective_lengths(lens, window)
         indptr = [0, *itertools.accumulate(-(-n // 16) for n in lens)]
-        work = decode.decode_work(ranges, chunk)
+        plain = decode.decode_work(ranges, chunk)
+        work = plain if recut is None else decode.decode_balance_tail(plain, *recut)
+        recuts += work is not plain
         want = decode.decode_items(work, indptr)
-        items = torch.full((len(want) + 16,), -5, dtype=torch.int32)
-        i32 = torch.int32
-        emulate.decode_plan_records(torch.tensor(indptr, dtype=i32), torch.tensor(lens, dtype=i32), items, b, chunk,
-                                    window)  # fmt: skip
-        assert items[: len(want)].tolist() == want, (b, window, chunk)
+        items = torch.full((len(want) + 16,), -5, dtype=i32)
+        count = torch.full((1,), -5, dtype=i32)
+        emulate.decode_plan_records(torch.tensor(indptr, dtype=i32), torch.tensor(lens, dtype=i32), items, count, b,
+                                    chunk, window, recut)  # fmt: skip
+        assert items[: len(want)].tolist() == want, (b, window, chunk, recut)
         assert items[len(want) :].tolist() == [-5] * 16
-        assert decode.decode_piece_counts([e - s for s, e in ranges], chunk) == (len(work.items), work.slots)
+        assert count.item() == len(work.items)
+        if recut is not None:
+            most, partial = decode.decode_bounds([e - s for s, e in ranges], chunk, recut[0], recut[1], True)
+            assert len(work.items) <= most and work.slots <= partial, (b, window, chunk, recut)
+        most, partial = decode.decode_bounds([e - s for s, e in ranges], chunk, 1, 1 << 30, False)
+        assert len(plain.items) <= most and plain.slots <= partial
+    assert recuts >= 4  # the listed recuts, at least
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])

@@ -11,7 +11,8 @@ Public API (what `tactix.staging` uses, and what a plugin may call directly):
   once (after CUDA is initialised); None without a GPU or where no such library is mapped (then
   use torch's API: ``Tensor.copy_(..., non_blocking=True)``, ``torch.cuda.Event``).
 * `CudaRuntime`: ``copy_to_device(dst, src, nbytes, stream)`` (``cudaMemcpyAsync``, host to
-  device), ``event(device_index)`` (a timing-free event handle), ``record(event, stream)``,
+  device), ``copy_on_device(dst, src, nbytes, stream)`` (device to device),
+  ``event(device_index)`` (a timing-free event handle), ``record(event, stream)``,
   ``done(event)`` (``cudaEventQuery``: False while not ready), ``synchronize(event)``,
   ``destroy(event)``. Addresses, streams and events are plain ints; a failing call raises
   `tactix.TactixError` with the runtime's message (and clears the error, so torch does not
@@ -36,6 +37,7 @@ from tactix.errors import TactixError
 __all__ = ["CudaRuntime", "raw_stream", "runtime"]
 
 _HOST_TO_DEVICE: Final = 1
+_DEVICE_TO_DEVICE: Final = 3
 _NOT_READY: Final = 600  # cudaErrorNotReady
 _DISABLE_TIMING: Final = 2
 
@@ -64,6 +66,9 @@ class CudaRuntime:
 
     def copy_to_device(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self._check(self._memcpy(dst, src, nbytes, _HOST_TO_DEVICE, stream), "cudaMemcpyAsync")
+
+    def copy_on_device(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._check(self._memcpy(dst, src, nbytes, _DEVICE_TO_DEVICE, stream), "cudaMemcpyAsync")
 
     def event(self, device_index: int) -> int:
         handle = ctypes.c_void_p()

@@ -286,22 +286,15 @@ def decode_chunk(lengths: list[int], units: int, tile: int, slots: int, min_chun
     once on the whole GPU. The aim is about `DECODE_ITEMS_PER_SLOT` work items per slot (the
     last wave is then short), never fewer keys per item than ``min_chunk`` (its start-up latency
     must be amortised) and never more than the longest request (no split where none is needed);
-    the longest request is then cut into equal pieces (no short last piece). D2 (1 x 8192 keys,
-    8 KV heads) gives 512-key chunks, 128 CTAs; D3 (256 x 2048, 396 slots) no split: 2048 CTAs.
+    the longest request is then cut into equal pieces (no short last piece). The batch's tiles
+    are counted from its keys, ``max(requests, ceil(keys / tile))`` (rounding each request up
+    would add less than one tile a request, and a pass over the lengths in Python: plans call
+    this for every batch). D2 (1 x 8192 keys, 8 KV heads) gives 512-key chunks, 128 CTAs; D3
+    (256 x 2048, 396 slots) no split: 2048 CTAs.
     """
     longest = max(1, -(-max(lengths) // tile))  # tiles of the longest request
-    floor = max(-(-min_chunk // tile), 1)
-    aim = DECODE_ITEMS_PER_SLOT * slots
-
-    def chunk_tiles(tiles: int) -> int:  # for ``tiles`` tiles over the batch
-        return min(max(-(-(tiles * units) // aim), floor), longest)
-
-    # the batch's tiles (max(1, ceil(n / tile)) a request) lie within bounds from its sum; when
-    # both give the same chunk no pass over the lengths is needed (most batches)
-    total = sum(lengths)
-    chosen = chunk_tiles(max(len(lengths), -(-total // tile)))
-    if chosen != chunk_tiles(total // tile + len(lengths)):
-        chosen = chunk_tiles(sum(_ceils(lengths, tile)))
+    tiles = max(len(lengths), -(-sum(lengths) // tile))
+    chosen = min(max(-(-(tiles * units) // (DECODE_ITEMS_PER_SLOT * slots)), -(-min_chunk // tile), 1), longest)
     pieces = -(-longest // chosen)
     return -(-longest // pieces) * tile
 
@@ -418,48 +411,34 @@ HOST_PLAN_ENV: Final = "TACTIX_CUDA_NATIVE_HOST_PLAN"
 the device plan existed (to compare the two, or to rule the device plan out)."""
 
 
-def decode_piece_counts(lengths: list[int], chunk: int) -> tuple[int, int]:
-    """The work items `decode_work` cuts requests of ``lengths`` attended keys into at ``chunk``
-    keys, and the partial slots of the split ones, in C-level maps (no Python frame a request)."""
-    if max(lengths) <= chunk:  # no request is split: one item each, no partial slots
-        return len(lengths), 0
-    pieces = _ceils(lengths, chunk)
-    items = sum(pieces)
-    return items, items - pieces.count(1)
-
-
-def decode_tail_may_balance(lengths: list[int], chunk: int, items: int, units: int, slots: int) -> bool:
-    """Whether `decode_balance_tail` may change the work list of requests of ``lengths`` attended
-    keys cut at ``chunk`` (``items`` items of ``units`` CTAs, ``slots`` resident CTAs), from two of
-    its tests that need no list: the last wave is short (at most half the slots) and not the only
-    one, and the list's last item, which it must be able to recut, is a whole request at least
-    3/4 as long as the longest item. That item is the shortest last piece (ties: the later
-    request), or with no short pieces the last request's last piece. C-level maps only; a list it
-    leaves alone may be made on the device."""
-    ctas = items * units
-    tail = ctas % slots
-    if ctas <= slots or tail == 0 or 2 * tail > slots:
-        return False
-    rems = [n % chunk for n in lengths]
-    shortest = min(filter(None, rems), default=0)
-    if shortest == 0:  # every piece is a whole chunk: the last item is the last request's last piece
-        return lengths[-1] <= chunk
-    last = len(rems) - 1 - rems[::-1].index(shortest)
-    longest = min(max(lengths), chunk)
-    return lengths[last] <= chunk and shortest * 4 >= longest * 3
-
-
-def decode_plan_on_device(lengths: list[int], chunk: int, items: int, units: int, slots: int, params: DecodeParams,
-                          graph: bool) -> bool:  # fmt: skip
+def decode_plan_on_device(batch: int) -> bool:
     """Whether a plan makes its work list on the device (kernels/decode_plan.cu): batches of at most
-    `DECODE_PLAN_MAX_BATCH` requests (``lengths``: their attended keys) whose list
-    `decode_balance_tail` leaves alone (CUDA-graph plans and forced chunks are never balanced),
-    unless `HOST_PLAN_ENV` says otherwise. The list is then the same records
-    `decode_items(decode_work(...))` gives, and a plan's host work no longer grows with its items
-    (the kernel runs once per plan, before the layers' runs)."""
-    if len(lengths) > DECODE_PLAN_MAX_BATCH or os.environ.get(HOST_PLAN_ENV) == "1":
-        return False
-    return graph or bool(params.kv_chunk) or not decode_tail_may_balance(lengths, chunk, items, units, slots)
+    `DECODE_PLAN_MAX_BATCH` requests, unless `HOST_PLAN_ENV` says otherwise. The kernel writes the
+    records `decode_items(decode_plan_work(...))` gives and their count, the short last wave's recut
+    (`decode_balance_tail`) included, so a plan's host work does not grow with its batch or its
+    items (the kernel runs once per plan, before the layers' runs)."""
+    return batch <= DECODE_PLAN_MAX_BATCH and os.environ.get(HOST_PLAN_ENV) != "1"
+
+
+def decode_bounds(lengths: list[int], chunk: int, units: int, slots: int, recut: bool,
+                  min_chunk: int = DECODE_MIN_CHUNK) -> tuple[int, int]:  # fmt: skip
+    """The most work items and partial slots the device plan can make for requests of ``lengths``
+    attended keys cut at ``chunk`` keys, with ``recut`` its recut of a short last wave of ``slots``
+    resident CTAs (``units`` a item): what an eager plan sizes its grid and workspace for (idle
+    CTAs of the grid exit at once). One C-level max and sum, no pass in Python: a request gives
+    ``ceil(n / chunk)`` items, less than ``n / chunk + 1``; a recut replaces c >= 1 whole requests
+    by at most ``slots // units`` pieces (`decode_balance_tail`), of at least ``2 * min_chunk``
+    keys a request."""
+    b, longest = len(lengths), max(lengths)
+    if longest <= chunk:
+        items, split = b, 0
+    else:
+        items = min(b * -(-longest // chunk), (sum(lengths) + b * (chunk - 1)) // chunk)
+        split = items
+    if recut and items * units > slots and longest >= 2 * min_chunk:
+        items += max(slots // units - 1, 0)
+        split += slots // units
+    return items, split
 
 
 def decode_plan_smem(batch: int) -> int:
@@ -633,6 +612,7 @@ class CudaNativeDecodePlan(StagedPlan):
     _longest_cap: int  # the kv-length capacity the buffers are sized for (CUDA-graph mode: a bucket)
     _work: DecodeWork | None  # the host-made work list (None: made on the device, `work` recomputes it)
     planned_on_device: bool  # the work records were made by the device plan (kernels/decode_plan.cu)
+    _recut: tuple[int, int, int] | None  # (units, slots, tile) where a short last wave is recut, else None
 
     def __init__(self, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
         index = device_index(options["device"])
@@ -712,13 +692,18 @@ class CudaNativeDecodePlan(StagedPlan):
         self.ctas_per_sm = kernel.ctas_per_sm
         slots = info.sms * self.ctas_per_sm
         chunk = params.kv_chunk or decode_chunk(lengths, units, params.tile, slots)
-        items, slot_count = decode_piece_counts(attended, chunk)
-        on_device = decode_plan_on_device(attended, chunk, items, units, slots, params, graph)
+        # an eager plan with the automatic chunk recuts a short last wave (`decode_balance_tail`)
+        self._recut = (units, slots, params.tile) if not graph and not params.kv_chunk else None
+        on_device = decode_plan_on_device(b)
         work: DecodeWork | None = None
         if not on_device:
             ranges = effective_lengths(batch.kv_lens_list, problem.window_left)
             chunk, work = decode_plan_work(ranges, lengths, units, slots, params, graph)
             items, slot_count = len(work.items), work.slots
+        elif graph:  # (the buffers are the bucket's)
+            items, slot_count = 0, 0
+        else:
+            items, slot_count = decode_bounds(attended, chunk, units, slots, self._recut is not None)
         item_cap, slot_cap, page_cap = decode_buffer_sizes(
             items, slot_count, batch.num_page_entries, graph=graph, batch=b, attended_cap=attended_cap,
             longest_cap=longest_cap, chunk=chunk, page_size=problem.page_size)  # fmt: skip
@@ -737,19 +722,21 @@ class CudaNativeDecodePlan(StagedPlan):
                 "kv-length bucket (the captured grid and buffers depend on them); capture with the longest "
                 "batch, or use one wrapper per captured shape"])  # fmt: skip
 
-        if work is None:  # the records are made on the device from the requests' offsets and lengths
-            requests: list[Piece] = [[], [items], batch.kv_indptr_list, batch.kv_lens_list]
+        if work is None:  # the records and their count are made on the device from the requests' offsets and lengths
+            requests: list[Piece] = [[], [], batch.kv_indptr_list, batch.kv_lens_list]
             layout, base, indices_ptr = self._send(problem, batch, previous, graph,
                                                    lambda cap: decode_sections(item_cap, cap, b),
                                                    requests, page_cap)  # fmt: skip
             plan_kernel, plan_built = _plan_kernel(index, info.arch)
             self.built = self.built or plan_built
+            recut = self._recut or (0, 0, 0)
             self._launch_fn(stream_for(index, raw_stream(index)),
-                              launch_config((1, 1, 1), DECODE_PLAN_THREADS, decode_plan_smem(b)), plan_kernel,
-                              base + 4 * layout.offset("kv_indptr"), base + 4 * layout.offset("kv_lens"),
-                              base + 4 * layout.offset("items"), b, chunk, problem.window_left)  # fmt: skip
+                            launch_config((1, 1, 1), DECODE_PLAN_THREADS, decode_plan_smem(b)), plan_kernel,
+                            base + 4 * layout.offset("kv_indptr"), base + 4 * layout.offset("kv_lens"),
+                            base + 4 * layout.offset("items"), base + 4 * layout.offset("num_items"), b, chunk,
+                            problem.window_left, *recut, DECODE_MIN_CHUNK)  # fmt: skip
         else:
-            records: list[Piece] = [decode_items(work, batch.kv_indptr_list), [items]]
+            records: list[Piece] = [decode_items(work, batch.kv_indptr_list), [len(work.items)]]
             layout, base, indices_ptr = self._send(problem, batch, previous, graph,
                                                    functools.partial(decode_sections, item_cap),
                                                    records, page_cap)  # fmt: skip
@@ -790,7 +777,8 @@ class CudaNativeDecodePlan(StagedPlan):
         """The work list in its host form: the plan's own, or for records made on the device
         (`planned_on_device`) the same list recomputed here (for inspection: plans do not use it)."""
         if self._work is None:
-            self._work = decode_work(effective_lengths(self._kv_lens, self.problem.window_left), self.chunk)
+            work = decode_work(effective_lengths(self._kv_lens, self.problem.window_left), self.chunk)
+            self._work = work if self._recut is None else decode_balance_tail(work, *self._recut)
         return self._work
 
     def _accept(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

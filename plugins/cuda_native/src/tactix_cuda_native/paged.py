@@ -202,5 +202,5 @@ class StagedPlan:
             return layout, base, self._indices_ref.data_ptr()
         at = layout.offset("indices")
         if not host_indices and batch.num_page_entries:  # device indices: after the transfer, on its stream
-            staging.view(slot, at, batch.num_page_entries).copy_(batch.kv_indices, non_blocking=True)
+            staging.copy_in(slot, at, batch.kv_indices)  # (nnz entries: PagedBatch.build narrowed it)
         return layout, base, base + 4 * at

@@ -689,7 +689,7 @@ class CudnnAttentionPlan:
             slot = mine.slot(self._graph_mode)
             base = mine.send(slot, n + (b * width if on_host else nnz + width), fill)
             if from_device and nnz:  # stream-ordered after the transfer, before the gather
-                mine.view(slot, n, nnz).copy_(indices, non_blocking=True)
+                mine.copy_in(slot, n, indices)  # (nnz entries: PagedBatch.build narrowed it)
             table_ptr = base + 4 * n if on_host else mine.gather(slot, n, b, width, offsets[2])
             # the same slot and table give the same addresses: one dict per (slot, table), kept
             # across re-plans (run() copies it before adding the tensors' addresses)

@@ -23,7 +23,7 @@ from typing import Final, Literal
 import torch
 
 from tactix import PagedBatch, bucket_size
-from tactix.plugin import Sections, cache_axes, dense_strides, sections, write_int32, write_table
+from tactix.plugin import Sections, cache_axes, dense_strides, sections, write_table
 
 __all__ = [
     "HOST_TABLE_ROWS",
@@ -165,14 +165,12 @@ def write_metadata(dst: int, batch: PagedBatch, g: Geometry, layout: Sections, i
     block table (``host_table``) or copied as they are (CSR, gathered on the device), then the
     ``width`` zeros after them; None for device indices, which the plan copies after the transfer
     (only the ``width`` zeros after them are written here)."""
-    for name, values in (
-        ("seq_lens", sequence_lengths(batch, g.rows)),
-        ("cum_q", cumulative_q_lengths(batch, g.rows)),
-        ("cum_kv", cumulative_kv_lengths(batch, g.rows)),
-        ("row_starts", row_starts(batch, g.rows)),
-    ):
-        write_int32(dst + 4 * layout.offset(name), values)
+    # the four per-row sections, which lie before ``pages`` as the same sections alone would:
+    # one packed write of lists (`Sections.write`)
+    head = sections(("seq_lens", g.rows), ("cum_q", g.rows + 1), ("cum_kv", g.rows + 1), ("row_starts", g.rows))
     pages = layout.offset("pages")
+    head.write(dst, [sequence_lengths(batch, g.rows), cumulative_q_lengths(batch, g.rows),
+                     cumulative_kv_lengths(batch, g.rows), row_starts(batch, g.rows)])  # fmt: skip
     if indices_at is not None and host_table:
         write_table(dst + 4 * pages, indices_at, batch.kv_indptr_list, g.rows, g.width)
         return

@@ -431,7 +431,7 @@ class _Plan:
             table = staging.view(slot, pages, g.rows * g.width).view(g.rows, g.width)
         else:
             if not on_host and batch.num_page_entries:  # after the transfer, on its stream
-                staging.view(slot, pages, batch.num_page_entries).copy_(indices, non_blocking=True)
+                staging.copy_in(slot, pages, indices)
             staging.gather(slot, pages, g.rows, g.width, layout.offset("row_starts"))
             table = staging.gathered(slot, g.rows, g.width)
         self._table = table

@@ -1,7 +1,8 @@
-// The decode plan's work list, made on the device: the records tactix_decode reads (decode.cu),
-// from each request's kv length and page offset, so that a plan's host work does not grow with
-// the number of work items (decode.py: `decode_plan_on_device`; the host path, `decode_work` and
-// `decode_items`, gives the same records and stays for the batches this kernel does not take).
+// The decode plan's work list, made on the device: the records tactix_decode reads (decode.cu)
+// and their count, from each request's kv length and page offset, so that a plan's host work does
+// not grow with the batch or its work items (decode.py: `decode_plan_on_device`; the host path,
+// `decode_plan_work` and `decode_items`, gives the same records and stays for the batches this
+// kernel does not take).
 //
 // One CTA of TX_PLAN_THREADS threads; requests b <= TX_PLAN_MAX_BATCH. Request i attends keys
 // [start, len) (start = max(0, len - 1 - window_left) with a window, else 0), n = len - start of
@@ -13,10 +14,20 @@
 // scan of `full` places them), then the short pieces sorted by length, longest first, ties in
 // request order (a bitonic sort of the keys (chunk - r) << 32 | i in shared memory). Records: 8
 // ints (request, first key, end key, slot, the request's offset in kv_indices, first slot, slot
-// count, 0). The item count is the host's (it sizes the grid); the kernel writes no count.
+// count, 0).
+//
+// The short last wave (decode.py `decode_balance_tail`, eager plans with the automatic chunk:
+// `units` > 0): when the list's CTAs (items x units) fill more than one wave of `slots` and leave
+// a last wave at most half full, and the items reaching into it are whole requests at least 3/4
+// as long as the longest item, those requests are cut into pieces of a multiple of `tile` keys,
+// at least `min_chunk`, that fill the last wave; they take the next partial slots in list order
+// and go to the end of the list, longest first, ties in the order they were made. The count
+// (`num_items`, which the decode kernel reads) is written last; the host sized the grid and the
+// workspace for the most this can give (decode.py `decode_bounds`).
 //
 // Shared memory (dynamic): full[B], slot_first[B] (int), the sort keys (u64, B rounded up to a
-// power of two), the scan's per-thread partial sums (2 x TX_PLAN_THREADS ints).
+// power of two), the scan's per-thread partial sums (2 x TX_PLAN_THREADS ints). The recut reuses
+// them: the last items' requests, first keys and ends, and their pieces' first indices.
 #ifndef TX_EMULATE
 #define TX_DEVICE __device__ __forceinline__
 #endif
@@ -69,8 +80,9 @@ TX_DEVICE void tx_plan_scan2(int* a, int* b, int n, int* parts, int& total_a, in
 }
 
 extern "C" __global__ void __launch_bounds__(TX_PLAN_THREADS) tactix_decode_plan(
-    const int* __restrict__ kv_indptr, const int* __restrict__ kv_lens, int* __restrict__ items, i64 batch,
-    i64 chunk_, i64 window_left) {
+    const int* __restrict__ kv_indptr, const int* __restrict__ kv_lens, int* __restrict__ items,
+    int* __restrict__ num_items, i64 batch, i64 chunk_, i64 window_left, i64 units_, i64 slots_, i64 tile_,
+    i64 min_chunk_) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int n_req = (int)batch, chunk = (int)chunk_, t = threadIdx.x;
   int pow2 = 1;
@@ -136,6 +148,9 @@ extern "C" __global__ void __launch_bounds__(TX_PLAN_THREADS) tactix_decode_plan
   }
   for (int s = t; s < n_req; s += TX_PLAN_THREADS) {
     const u64 key = keys[s];
+    // the count of short pieces: where the sorted keys end (one thread writes it)
+    if (key != ~0ull && (s + 1 == n_req || keys[s + 1] == ~0ull)) parts[0] = s + 1;
+    if (s == 0 && key == ~0ull) parts[0] = 0;
     if (key == ~0ull) continue;  // (sorted last: the short pieces are keys[0 .. their count))
     const int i = (int)(key & 0xffffffffu);
     const int len = kv_lens[i];
@@ -152,4 +167,93 @@ extern "C" __global__ void __launch_bounds__(TX_PLAN_THREADS) tactix_decode_plan
     rec[6] = count;
     rec[7] = 0;
   }
+  if (t == 0) parts[1] = 0;  // set: an item of the last wave cannot be recut
+  __syncthreads();  // (the records, in global memory, are visible to the whole CTA from here)
+  const int n_short = parts[0], n_items = total_full + n_short;
+
+  // the short last wave: whether to recut it (the same answer in every thread)
+  const i64 units = units_, slots = slots_, ctas = (i64)n_items * units;
+  const i64 tail = slots > 0 ? ctas % slots : 0;
+  const int count = units > 0 ? (int)((tail + units - 1) / units) : 0;  // items reaching into the last wave
+  // the list is longest first: full pieces (`chunk` keys), then the short ones by length
+  const i64 longest = total_full > 0 ? chunk : chunk - (i64)(keys[0] >> 32);
+  const i64 shortest = n_short > 0 ? chunk - (i64)(keys[n_short - 1] >> 32) : chunk;
+  const i64 fit = count > 0 ? slots / ((i64)count * units) : 0, most = min_chunk_ > 0 ? shortest / min_chunk_ : 0;
+  const i64 cut = fit < most ? fit : most;  // pieces a recut request is cut into
+  if (units <= 0 || ctas <= slots || tail == 0 || 2 * tail > slots || count > n_req || shortest * 4 < longest * 3 ||
+      cut < 2) {
+    if (t == 0) *num_items = n_items;
+    return;
+  }
+  const int base = n_items - count;  // the first item recut
+  int* req_of = full;  // the recut items' requests, first keys and end keys
+  int* start_of = slot_first;
+  int* end_of = (int*)keys;
+  int* piece0 = end_of + pow2;  // the index of each one's first piece among the new ones
+  __syncthreads();  // (every thread has read keys[] above)
+  for (int k = t; k < count; k += TX_PLAN_THREADS) {
+    const int* rec = items + PLAN_ITEM_INTS * (base + k);
+    if (rec[3] >= 0) parts[1] = 1;  // a piece of a split request: left alone
+    req_of[k] = rec[0];
+    start_of[k] = rec[1];
+    end_of[k] = rec[2];
+  }
+  __syncthreads();
+  if (parts[1]) {
+    if (t == 0) *num_items = n_items;
+    return;
+  }
+  const int tile = (int)tile_;
+  // request k: pieces of size_k keys (the fewest multiple of the tile that gives `cut` pieces),
+  // the last one shorter or equal; its pieces' first index in piece0[k] (prefix sums, one thread:
+  // `count` is at most half a wave of items)
+  if (t == 0) {
+    int made = 0;
+    for (int k = 0; k < count; ++k) {
+      const int len = end_of[k] - start_of[k];
+      const int size = (int)((len + cut * tile - 1) / (cut * tile)) * tile;
+      piece0[k] = made;
+      made += (len + size - 1) / size;
+    }
+    parts[2] = made;
+  }
+  __syncthreads();
+  const int made = parts[2];
+  for (int p = t; p < made; p += TX_PLAN_THREADS) {
+    int k = 0;  // the request of piece p: the last k with piece0[k] <= p
+    for (int lo = 0, hi = count - 1; lo <= hi;) {
+      const int mid = (lo + hi) >> 1;
+      if (piece0[mid] <= p) {
+        k = mid;
+        lo = mid + 1;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    const int len = end_of[k] - start_of[k];
+    const int size = (int)((len + cut * tile - 1) / (cut * tile)) * tile;
+    const int np = (len + size - 1) / size, j = p - piece0[k];
+    const int s0 = start_of[k] + j * size, s1 = min(s0 + size, end_of[k]), mine = s1 - s0;
+    // its place: the new pieces longer than it, and those as long made before it (a stable sort,
+    // longest first); of its own request's pieces, the j before it (none after it is longer)
+    int rank = j;
+    for (int o = 0; o < count; ++o) {
+      if (o == k) continue;
+      const int olen = end_of[o] - start_of[o];
+      const int osize = (int)((olen + cut * tile - 1) / (cut * tile)) * tile;
+      const int onp = (olen + osize - 1) / osize, orest = olen - (onp - 1) * osize;
+      rank += o < k ? (onp - 1) * (osize >= mine) + (orest >= mine) : (onp - 1) * (osize > mine) + (orest > mine);
+    }
+    int* rec = items + PLAN_ITEM_INTS * (base + rank);
+    const int first = (int)total_slots + piece0[k];
+    rec[0] = req_of[k];
+    rec[1] = s0;
+    rec[2] = s1;
+    rec[3] = first + j;
+    rec[4] = kv_indptr[req_of[k]];
+    rec[5] = first;
+    rec[6] = np;
+    rec[7] = 0;
+  }
+  if (t == 0) *num_items = base + made;
 }
