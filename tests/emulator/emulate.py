@@ -219,7 +219,7 @@ class DecodePlan:
         chunk = params.kv_chunk or decode.decode_chunk(lengths, units, params.tile, slots)
         attended = [e - s for s, e in ranges] if graph else lengths
         recut = (units, slots, params.tile) if not graph and not params.kv_chunk else None
-        self.on_device = decode.decode_plan_on_device(b)
+        self.on_device = decode.decode_plan_on_device(b, decode.host_plan_forced())
         work = None
         if not self.on_device:
             chunk, work = decode.decode_plan_work(ranges, lengths, units, slots, params, graph)

@@ -1752,9 +1752,11 @@ def test_decode_work_lists_are_made_on_the_device_up_to_the_batch_the_kernel_tak
     larger than the kernel takes or TACTIX_CUDA_NATIVE_HOST_PLAN=1; its shared memory stays within
     the 48 KB a launch gets without asking."""
     on = decode_op.decode_plan_on_device
-    assert on(1) and on(decode_op.DECODE_PLAN_MAX_BATCH) and not on(decode_op.DECODE_PLAN_MAX_BATCH + 1)
+    assert not decode_op.host_plan_forced()
+    assert on(1, False) and on(decode_op.DECODE_PLAN_MAX_BATCH, False)
+    assert not on(decode_op.DECODE_PLAN_MAX_BATCH + 1, False) and not on(8, True)
     monkeypatch.setenv(decode_op.HOST_PLAN_ENV, "1")
-    assert not on(8)
+    assert decode_op.host_plan_forced()
     assert decode_op.decode_plan_smem(decode_op.DECODE_PLAN_MAX_BATCH) <= 48 * 1024
     assert decode_op.decode_plan_smem(5) == 8 * 8 + 8 * 5 + 8 * decode_op.DECODE_PLAN_THREADS
 

@@ -411,13 +411,19 @@ HOST_PLAN_ENV: Final = "TACTIX_CUDA_NATIVE_HOST_PLAN"
 the device plan existed (to compare the two, or to rule the device plan out)."""
 
 
-def decode_plan_on_device(batch: int) -> bool:
+def host_plan_forced() -> bool:
+    """Whether `HOST_PLAN_ENV` asks for every work list to be made on the host (read when a plan is
+    made, not at each of its re-plans: an environment lookup costs microseconds on a server host)."""
+    return os.environ.get(HOST_PLAN_ENV) == "1"
+
+
+def decode_plan_on_device(batch: int, host_plan: bool) -> bool:
     """Whether a plan makes its work list on the device (kernels/decode_plan.cu): batches of at most
-    `DECODE_PLAN_MAX_BATCH` requests, unless `HOST_PLAN_ENV` says otherwise. The kernel writes the
+    `DECODE_PLAN_MAX_BATCH` requests, unless ``host_plan`` (`host_plan_forced`). The kernel writes the
     records `decode_items(decode_plan_work(...))` gives and their count, the short last wave's recut
     (`decode_balance_tail`) included, so a plan's host work does not grow with its batch or its
     items (the kernel runs once per plan, before the layers' runs)."""
-    return batch <= DECODE_PLAN_MAX_BATCH and os.environ.get(HOST_PLAN_ENV) != "1"
+    return batch <= DECODE_PLAN_MAX_BATCH and not host_plan
 
 
 def decode_bounds(lengths: list[int], chunk: int, units: int, slots: int, recut: bool,
@@ -465,6 +471,13 @@ def _plan_kernel(index: int, arch: str) -> tuple[Any, bool]:
     module, built = load(decode_plan_variant(arch), index)
     kernel = _plan_kernels[(index, arch)] = module.kernel("tactix_decode_plan", decode_plan_smem(DECODE_PLAN_MAX_BATCH))
     return kernel, built
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_config(batch: int) -> Any:
+    """The device plan's launch configuration for ``batch`` requests (one CTA; memoised: a server
+    plans a few batch sizes, and making one costs about a microsecond)."""
+    return launch_config((1, 1, 1), DECODE_PLAN_THREADS, decode_plan_smem(batch))
 
 
 def decode_capacity(batch: int, max_len: int, chunk: int) -> int:
@@ -613,6 +626,7 @@ class CudaNativeDecodePlan(StagedPlan):
     _work: DecodeWork | None  # the host-made work list (None: made on the device, `work` recomputes it)
     planned_on_device: bool  # the work records were made by the device plan (kernels/decode_plan.cu)
     _recut: tuple[int, int, int] | None  # (units, slots, tile) where a short last wave is recut, else None
+    _host_plan: bool  # TACTIX_CUDA_NATIVE_HOST_PLAN=1 when the plan was made: every work list on the host
 
     def __init__(self, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
         index = device_index(options["device"])
@@ -638,6 +652,7 @@ class CudaNativeDecodePlan(StagedPlan):
             if isinstance(previous, CudaNativeDecodePlan) and previous.device == self.device
             else TensorMaps(8)
         )
+        self._host_plan = host_plan_forced()
         keep_static(self)  # what `replan` starts from: nothing here depends on the batch
         self._plan_batch(batch, previous)
 
@@ -694,7 +709,7 @@ class CudaNativeDecodePlan(StagedPlan):
         chunk = params.kv_chunk or decode_chunk(lengths, units, params.tile, slots)
         # an eager plan with the automatic chunk recuts a short last wave (`decode_balance_tail`)
         self._recut = (units, slots, params.tile) if not graph and not params.kv_chunk else None
-        on_device = decode_plan_on_device(b)
+        on_device = decode_plan_on_device(b, self._host_plan)
         work: DecodeWork | None = None
         if not on_device:
             ranges = effective_lengths(batch.kv_lens_list, problem.window_left)
@@ -730,8 +745,7 @@ class CudaNativeDecodePlan(StagedPlan):
             plan_kernel, plan_built = _plan_kernel(index, info.arch)
             self.built = self.built or plan_built
             recut = self._recut or (0, 0, 0)
-            self._launch_fn(stream_for(index, raw_stream(index)),
-                            launch_config((1, 1, 1), DECODE_PLAN_THREADS, decode_plan_smem(b)), plan_kernel,
+            self._launch_fn(stream_for(index, raw_stream(index)), _plan_config(b), plan_kernel,
                             base + 4 * layout.offset("kv_indptr"), base + 4 * layout.offset("kv_lens"),
                             base + 4 * layout.offset("items"), base + 4 * layout.offset("num_items"), b, chunk,
                             problem.window_left, *recut, DECODE_MIN_CHUNK)  # fmt: skip

@@ -159,18 +159,22 @@ def table_on_host(batch: PagedBatch, g: Geometry) -> bool:
 
 
 def write_metadata(dst: int, batch: PagedBatch, g: Geometry, layout: Sections, indices_at: int | None,
-                   host_table: bool = True) -> None:  # fmt: skip
+                   host_table: bool = True, decode: bool = False) -> None:  # fmt: skip
     """Write a plan's metadata at address ``dst`` (a pinned staging buffer) with C-level copies.
     ``indices_at``: the address of the batch's int32 host page indices, laid out here as the
     block table (``host_table``) or copied as they are (CSR, gathered on the device), then the
     ``width`` zeros after them; None for device indices, which the plan copies after the transfer
-    (only the ``width`` zeros after them are written here)."""
+    (only the ``width`` zeros after them are written here). ``decode`` (XQA, which reads no
+    cumulative lengths): the cumulative q and kv sections are left zero."""
     # the four per-row sections, which lie before ``pages`` as the same sections alone would:
     # one packed write of lists (`Sections.write`)
     head = sections(("seq_lens", g.rows), ("cum_q", g.rows + 1), ("cum_kv", g.rows + 1), ("row_starts", g.rows))
     pages = layout.offset("pages")
-    head.write(dst, [sequence_lengths(batch, g.rows), cumulative_q_lengths(batch, g.rows),
-                     cumulative_kv_lengths(batch, g.rows), row_starts(batch, g.rows)])  # fmt: skip
+    if decode:
+        head.write(dst, [sequence_lengths(batch, g.rows), [], [], row_starts(batch, g.rows)])
+    else:
+        head.write(dst, [sequence_lengths(batch, g.rows), cumulative_q_lengths(batch, g.rows),
+                         cumulative_kv_lengths(batch, g.rows), row_starts(batch, g.rows)])  # fmt: skip
     if indices_at is not None and host_table:
         write_table(dst + 4 * pages, indices_at, batch.kv_indptr_list, g.rows, g.width)
         return

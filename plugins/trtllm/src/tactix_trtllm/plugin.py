@@ -365,7 +365,7 @@ class _Plan:
         else:
             self.geometry = geometry(batch, decode=decode, graph=graph)
         old = getattr(options["previous"], "_staging", None)
-        self._fill_metadata(problem, batch, old if isinstance(old, Staging) else None, graph, previous)
+        self._fill_metadata(problem, batch, old if isinstance(old, Staging) else None, graph, previous, decode)
         # Zeroed: XQA's semaphores and FMHAv2's tile counter must start at 0 (each launch leaves them
         # at 0 again). A previous plan's workspace is reused (stream-ordered: this plan replaces it)
         # and zeroed again, since its scratch may now lie where this plan keeps its semaphores
@@ -402,14 +402,15 @@ class _Plan:
         return buf
 
     def _fill_metadata(self, problem: PrefillProblem | DecodeProblem, batch: PagedBatch, old: Staging | None,
-                       graph: bool, previous: _Plan | None) -> None:  # fmt: skip
+                       graph: bool, previous: _Plan | None, decode: bool = False) -> None:  # fmt: skip
         """The metadata written into a pinned buffer of the wrapper's staging with C-level copies
         and sent in one transfer into a slot (`metadata.write_metadata`): the block table laid out
         on the host for host page indices of a few rows (`metadata.table_on_host`), else gathered
         on the device from the CSR indices, sent in the same transfer (host) or copied after it
         (device). Eager plans alternate between the two slots (the slot the previous
         plan's runs read is left alone); CUDA-graph plans keep slot 0, sized by the captured
-        geometry, whose addresses the captured kernels read."""
+        geometry, whose addresses the captured kernels read. XQA (``decode``) reads no cumulative
+        lengths: their sections stay zero."""
         g = self.geometry
         layout = metadata_sections(g)
         on_host = batch.indices_on_host
@@ -425,7 +426,7 @@ class _Plan:
         at = indices.data_ptr() if on_host else None
         slot = staging.slot(graph)
         staging.send(slot, metadata_entries(layout, g, batch, host_table),
-                     functools.partial(_fill, batch, g, layout, at, host_table))  # fmt: skip
+                     functools.partial(_fill, batch, g, layout, at, host_table, decode))  # fmt: skip
         pages = layout.offset("pages")
         if host_table:
             table = staging.view(slot, pages, g.rows * g.width).view(g.rows, g.width)
@@ -436,14 +437,15 @@ class _Plan:
             table = staging.gathered(slot, g.rows, g.width)
         self._table = table
         self._seq_lens = staging.view(slot, layout.offset("seq_lens"), g.rows)
-        self._cum_q = staging.view(slot, layout.offset("cum_q"), g.rows + 1)
-        self._cum_kv = staging.view(slot, layout.offset("cum_kv"), g.rows + 1)
+        if not decode:  # (FMHAv2's)
+            self._cum_q = staging.view(slot, layout.offset("cum_q"), g.rows + 1)
+            self._cum_kv = staging.view(slot, layout.offset("cum_kv"), g.rows + 1)
 
 
 def _fill(batch: PagedBatch, g: Geometry, layout: Sections, indices_at: int | None, host_table: bool,
-          dst: int) -> None:  # fmt: skip
+          decode: bool, dst: int) -> None:  # fmt: skip
     """`Staging.send`'s fill: the plan's metadata at ``dst`` (`metadata.write_metadata`)."""
-    write_metadata(dst, batch, g, layout, indices_at, host_table)
+    write_metadata(dst, batch, g, layout, indices_at, host_table, decode)
 
 
 _MEMO_LIMIT: Final = 1024
@@ -477,6 +479,7 @@ class XqaDecodePlan(_Plan):
     only the batch's part: metadata, workspace split and the launch's trailing arguments."""
 
     _semaphore_bytes: int
+    _ws_parts: tuple[torch.Tensor, torch.Tensor]  # the workspace's semaphores and scratch
     _static: dict[str, Any]
 
     def __init__(self, problem: DecodeProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
@@ -549,8 +552,12 @@ class XqaDecodePlan(_Plan):
             semaphore_bytes = previous._semaphore_bytes  # the captured split of the workspace
         self._semaphore_bytes = semaphore_bytes
         g, ws = self.geometry, self._workspace
+        if isinstance(before, XqaDecodePlan) and before._workspace is ws and before._semaphore_bytes == semaphore_bytes:
+            self._ws_parts = before._ws_parts  # the same split of the same workspace (two slices cost ~3 us)
+        else:
+            self._ws_parts = (ws[:semaphore_bytes], ws[semaphore_bytes:])
         self._tail = (None, None, self._table, g.width * problem.page_size, self._seq_lens, rows, 1.0, None, 1,
-                      None, None, ws[:semaphore_bytes], ws[semaphore_bytes:], self._pdl)  # fmt: skip
+                      None, None, *self._ws_parts, self._pdl)  # fmt: skip
 
     def _accept(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         reasons = xqa_cache_reasons(k.stride(), v.stride(), self._layout, self.problem.head_dim_qk)
