@@ -1786,3 +1786,5 @@ def test_device_plan_bounds_hold_every_list_and_recut_it_may_make() -> None:
     assert decode_op.decode_bounds([8192], 512, 8, 396, True) == (16, 16)
     # 40 whole requests, one wave: exact
     assert decode_op.decode_bounds([2048] * 40, 2048, 8, 396, True) == (40, 0)
+    # D1 (64 x 4096 in 1024-key pieces): every request split, so no recut: exact
+    assert decode_op.decode_bounds([4096] * 64, 1024, 8, 396, True) == (256, 256)

@@ -433,15 +433,15 @@ def decode_bounds(lengths: list[int], chunk: int, units: int, slots: int, recut:
     resident CTAs (``units`` a item): what an eager plan sizes its grid and workspace for (idle
     CTAs of the grid exit at once). One C-level max and sum, no pass in Python: a request gives
     ``ceil(n / chunk)`` items, less than ``n / chunk + 1``; a recut replaces c >= 1 whole requests
-    by at most ``slots // units`` pieces (`decode_balance_tail`), of at least ``2 * min_chunk``
-    keys a request."""
+    (so none where every request is split) by at most ``slots // units`` pieces
+    (`decode_balance_tail`), of at least ``2 * min_chunk`` keys a request."""
     b, longest = len(lengths), max(lengths)
     if longest <= chunk:
         items, split = b, 0
     else:
         items = min(b * -(-longest // chunk), (sum(lengths) + b * (chunk - 1)) // chunk)
         split = items
-    if recut and items * units > slots and longest >= 2 * min_chunk:
+    if recut and items * units > slots and longest >= 2 * min_chunk and min(lengths) <= chunk:
         items += max(slots // units - 1, 0)
         split += slots // units
     return items, split
