@@ -988,6 +988,15 @@ def test_gemm_non_positive_sizes(spy: Spy, argument: str, value: int) -> None:
     assert spy.plans == 0
 
 
+@pytest.mark.parametrize(("a", "b", "argument"), [((0, 8), (8, 6), "'m'"), ((4, 0), (0, 6), "'k'"),
+                                                   ((4, 8), (8, 0), "'n'")])  # fmt: skip
+def test_one_shot_gemm_of_an_empty_dimension_names_it(spy: Spy, a: tuple[int, int], b: tuple[int, int],
+                                                       argument: str) -> None:  # fmt: skip
+    with raises(tactix.InvalidArgumentError, argument, "positive size", f"a of shape {a}"):
+        tactix.gemm(torch.randn(*a), torch.randn(*b), backend="torch")
+    assert spy.plans == 0
+
+
 @pytest.mark.parametrize(
     ("out", "fragments"),
     [
@@ -1182,3 +1191,45 @@ def test_ragged_plan_refuses_bad_static_arguments(spy: Spy, changes: dict[str, A
     with raises(error, *fragments):
         ragged().plan(i32(*RAGGED_QO), i32(*RAGGED_KV), *args.values(), **kwargs)
     assert spy.plans == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The wrapper's device, checked when the wrapper is made
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpux", "gpu", "cuda:99", torch.device("cuda", 99), 99, [0], True, "meta"],
+    ids=["typo", "unknown-type", "cuda-index-str", "cuda-index-device", "cuda-index-int", "list", "bool", "meta"],
+)
+@pytest.mark.parametrize("cls", [tactix.PagedPrefill, tactix.PagedDecode, tactix.RaggedPrefill, tactix.Gemm,
+                                 tactix.MergeStates])  # fmt: skip
+def test_a_device_this_machine_lacks_is_refused_naming_the_argument(spy: Spy, cls: type, device: object) -> None:
+    kwargs: dict[str, Any] = {"device": device}
+    if cls in (tactix.PagedPrefill, tactix.PagedDecode):
+        kwargs["kv_layout"] = "NHD"
+    with raises(tactix.InvalidArgumentError, "'device'", "'cpu'"):
+        cls(**kwargs)
+    assert spy.plans == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without a CUDA GPU")
+def test_a_cuda_device_without_a_gpu_says_none_is_visible() -> None:
+    with raises(tactix.InvalidArgumentError, "'device'", "no CUDA GPU is visible", "'cuda'"):
+        tactix.PagedDecode("NHD", device="cuda")
+
+
+@pytest.mark.parametrize("argument", ["sm_scale", "logits_soft_cap"])
+@pytest.mark.parametrize("value", ["0.5", "a", [0.5], b"1", True])
+def test_a_scale_that_is_not_a_number_is_refused_naming_it(spy: Spy, argument: str, value: object) -> None:
+    with raises(tactix.InvalidArgumentError, f"'{argument}'", repr(value)):
+        decode().plan(*decode_args(), q_data_type=F32, **{argument: value})
+    assert spy.plans == 0
+
+
+def test_a_scale_given_as_a_one_element_tensor_is_its_value() -> None:
+    q, (k, v) = torch.randn(2, HQ, D), kv()
+    by_tensor, by_float = decode(), decode()
+    by_tensor.plan(*decode_args(), q_data_type=F32, sm_scale=torch.tensor(0.25))
+    by_float.plan(*decode_args(), q_data_type=F32, sm_scale=0.25)
+    torch.testing.assert_close(by_tensor.run(q, (k, v)), by_float.run(q, (k, v)), rtol=0, atol=0)

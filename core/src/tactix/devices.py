@@ -7,7 +7,7 @@ import torch
 from tactix import cudart
 from tactix.errors import InvalidArgumentError
 
-__all__ = ["compute_capability", "cuda_available", "named_device", "resolve_device"]
+__all__ = ["checked_device", "compute_capability", "cuda_available", "named_device", "resolve_device"]
 
 _cuda_seen = False
 
@@ -68,24 +68,35 @@ def resolve_device(explicit: torch.device | str | None, *tensors: object) -> tor
     return torch.device("cpu")
 
 
-def named_device(argument: str, value: str | None) -> torch.device:
-    """The device a user typed (``cpu``, ``cuda``, ``cuda:N``; None: the default of
-    `resolve_device`), refused with an `InvalidArgumentError` naming ``argument`` when this
-    machine has no such device: a command checks it once, before any work, instead of failing
-    every case later with torch's error."""
+def checked_device(argument: str, value: object) -> torch.device | None:
+    """The device a caller named (a `torch.device`, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a GPU
+    index as torch takes it; None stays None), refused with an `InvalidArgumentError` naming
+    ``argument`` when it is not a device or this machine has no such device: a wrapper checks it
+    once, when it is made, instead of each plan failing later with torch's error. A bare
+    ``cuda`` stays bare (`resolve_device` binds it to the current GPU at each plan)."""
     if value is None:
-        return resolve_device(None)
+        return None
     count = torch.cuda.device_count() if cuda_available() else 0
     expected = f"'cpu' or 'cuda[:N]' with N < {count}" if count else "'cpu' (no CUDA GPU is visible)"
+    if isinstance(value, bool) or not isinstance(value, (torch.device, str, int)):
+        raise InvalidArgumentError(argument, expected, f"{type(value).__name__} {value!r}")
+    got = repr(str(value)) if isinstance(value, torch.device) else repr(value)
     try:
         device = torch.device(value)
-    except (RuntimeError, TypeError):
-        raise InvalidArgumentError(argument, expected, repr(value)) from None
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidArgumentError(argument, expected, got) from None
     if device.type == "cpu":
         return device
     if device.type != "cuda" or not count or (device.index is not None and device.index >= count):
-        raise InvalidArgumentError(argument, expected, repr(value))
-    return resolve_device(device)
+        raise InvalidArgumentError(argument, expected, got)
+    return device
+
+
+def named_device(argument: str, value: str | None) -> torch.device:
+    """The device a user typed (``cpu``, ``cuda``, ``cuda:N``; None: the default of
+    `resolve_device`), checked as `checked_device` checks it: a command checks it once, before
+    any work, instead of failing every case later with torch's error."""
+    return resolve_device(checked_device(argument, value))
 
 
 _get_device = getattr(torch._C, "_cuda_getDevice", None)

@@ -293,6 +293,10 @@ def gemm(
         raise InvalidArgumentError("bias", "None or a torch.Tensor [n]", described(bias))
     if a.device != b.device:
         raise InvalidArgumentError("b", f"on {a.device} like a", b.device)
+    for name, size in (("m", a.shape[-2]), ("k", a.shape[-1]), ("n", b.shape[-1])):
+        if size == 0:  # (a zero-size matrix has no meaningful strides: say which dimension is empty)
+            raise InvalidArgumentError(name, "a positive size (a, b: [..., m, k] @ [..., k, n])",
+                                       f"a of shape {tuple(a.shape)}, b of shape {tuple(b.shape)}")  # fmt: skip
     a_layout, b_layout = _a_layout(a), _b_layout(b)
     if a_layout is None:
         raise InvalidArgumentError("a", "dense along k or along m", f"strides {a.stride()}")

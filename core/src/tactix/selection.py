@@ -27,6 +27,7 @@ import torch
 from tactix import untuned_order
 from tactix.autotune.stats import bump, stored_epoch, stored_tactics_changed
 from tactix.batch import Batch
+from tactix.devices import checked_device
 from tactix.errors import (
     BackendError,
     FallbackWarning,
@@ -173,7 +174,7 @@ class PlannedOp(Planned):
         if backend != "auto":
             get_registry().get(backend)
         self._backend = backend
-        self._device = torch.device(device) if device is not None else None
+        self._device = checked_device("device", device)
         self._selection: Selection | None = None
         self._run: Any = None
 
