@@ -227,3 +227,25 @@ def test_stats_count_plans_builds_hits_misses_and_fallbacks(tmp_path: Path, plug
             plan_decode(tactix.PagedDecode("HND", device="cpu", backend="torch"))
     counts = tactix.stats()
     assert counts["store_hits"] == 1 and counts["fallbacks"] == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"mode": "fast"}, "'mode'"),
+        ({"timeout": -1}, "'timeout'"),
+        ({"timeout": "60"}, "'timeout'"),
+        ({"policy": {"repeat": 3}}, "'policy'"),
+        ({"cache_dir": 123}, "'cache_dir'"),
+        ({"cache_dir": ""}, "'cache_dir'"),
+    ],
+    ids=["mode", "negative-timeout", "timeout-str", "policy-dict", "cache-dir-int", "cache-dir-empty"],
+)
+def test_bad_autotune_arguments_are_refused_before_any_store_is_touched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, object], argument: str
+) -> None:
+    monkeypatch.chdir(tmp_path)  # an empty cache_dir would have meant the working directory
+    monkeypatch.setenv("TACTIX_CACHE_DIR", str(tmp_path / "default"))
+    with pytest.raises(tactix.InvalidArgumentError, match=argument), tactix.autotune(**kwargs):  # type: ignore[arg-type]
+        pass
+    assert list(tmp_path.iterdir()) == []

@@ -16,6 +16,7 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any, Literal
 
 import torch
 
+from tactix.arguments import described
 from tactix.autotune import distributed
 from tactix.autotune.environment import environment
 from tactix.autotune.policy import MeasurementPolicy
@@ -192,6 +194,11 @@ def autotune(
         timeout = dt.timedelta(seconds=timeout)
     elif timeout is not None and (not isinstance(timeout, dt.timedelta) or timeout <= dt.timedelta(0)):
         raise InvalidArgumentError("timeout", "a positive number of seconds or a timedelta", repr(timeout))
+    if policy is not None and not isinstance(policy, MeasurementPolicy):
+        raise InvalidArgumentError("policy", "None or a tactix.MeasurementPolicy", described(policy))
+    if cache_dir is not None and (not isinstance(cache_dir, (str, os.PathLike)) or not os.fspath(cache_dir)):
+        # ("" would be the working directory: a store written where the process happens to run)
+        raise InvalidArgumentError("cache_dir", "None (the default root) or a non-empty path", repr(cache_dir))
     policy = policy or MeasurementPolicy()
     registry = get_registry()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
