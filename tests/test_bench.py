@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,9 @@ def test_cpu_suite_reports_checked_rows_for_every_backend_and_tuned_auto(
             # host cost of every implementation: a re-plan for new lengths and an eager run()
             assert r["plan_host_us"] > 0 and r["run_host_us"] > 0
             assert r["eager_us"] == max(r["time_us"], r["run_host_us"])  # what an eager caller pays a call
-            assert r["round_kept"] in (1, 2) and len(r["samples_us"]) == 3 and "retime" not in r
+            # one interleaved round after the first on the CPU: its samples are what time_us is the median of
+            assert r["rounds"] == 1 and len(r["samples_us"]) == 3 and "retime" not in r
+            assert r["time_us"] == pytest.approx(statistics.median(r["samples_us"]))
     # the fp8-KV case reads one byte per cache element: its bytes (rate x time) are about a quarter
     # of the float32 case's over the same batch
     moved = {r["case"]: r["rate"] * r["time_us"] for r in rows if r["implementation"] == "torch"}
@@ -198,26 +201,38 @@ def test_a_windowed_decode_rate_counts_the_keys_the_window_reads() -> None:
     assert (windowed - q_and_out) * sum(case.kv_lens) == (whole - q_and_out) * read
 
 
-def test_the_second_round_keeps_the_faster_median_of_a_row() -> None:
-    """A row timed while the device was slow (first round) gets the second round's time, its
-    rate scaled with it; a row whose second round is slower keeps its first."""
+def test_interleaved_rounds_pool_every_rows_blocks_visiting_the_rows_back_and_forth() -> None:
+    """After the first round, each row is timed in short blocks that alternate between the rows
+    (reverse order first, then forwards, ...), and its time is the median of all its blocks: a
+    row first timed while the device was slow loses that time (its rate scaled with it), a row
+    whose call now fails keeps its first-round time."""
     import torch
 
     from tactix.autotune.policy import MeasurementPolicy
-    from tactix.bench import BenchRow, _second_round
+    from tactix.bench import BenchRow, _interleaved_rounds
 
-    slow_first = BenchRow("x", "", "a", "-", "ok", time_us=1e9, rate=1.0, retime=lambda: None)
-    fast_first = BenchRow("x", "", "b", "-", "ok", time_us=1e-9, rate=5.0, retime=lambda: None)
-    unsupported = BenchRow("x", "", "c", "-", "unsupported")
-    _second_round([slow_first, fast_first, unsupported], torch.device("cpu"), MeasurementPolicy(warmup=0, repeat=3))
-    assert slow_first.round_kept == 2 and slow_first.time_us is not None and slow_first.time_us < 1e6
-    assert slow_first.rate == pytest.approx(1e9 / slow_first.time_us) and len(slow_first.samples_us) == 3
-    assert fast_first.time_us == 1e-9 and fast_first.rate == 5.0 and fast_first.round_kept is None
-    assert slow_first.retime is None and fast_first.retime is None
     order: list[str] = []
-    rows = [BenchRow("x", "", name, "-", "ok", time_us=1.0, retime=lambda n=name: order.append(n)) for name in "abc"]
-    _second_round(rows, torch.device("cpu"), MeasurementPolicy(warmup=0, repeat=1))
-    assert order == ["c", "b", "a"]  # the second round runs backwards: a drift over the case cancels
+
+    def call(name: str) -> Callable[[], None]:
+        return lambda: order.append(name)
+
+    def broken() -> None:
+        raise RuntimeError("gone")
+
+    slow_first = BenchRow("x", "", "a", "-", "ok", time_us=1e9, rate=1.0, retime=call("a"))
+    other = BenchRow("x", "", "b", "-", "ok", time_us=1e9, rate=1.0, retime=call("b"))
+    failing = BenchRow("x", "", "c", "-", "ok", time_us=5.0, rate=2.0, retime=broken)
+    unsupported = BenchRow("x", "", "d", "-", "unsupported")
+    rows = [slow_first, other, failing, unsupported]
+    _interleaved_rounds(rows, torch.device("cpu"), MeasurementPolicy(warmup=0, repeat=2), rounds=3)
+    assert order == [*"bbaa", *"aabb", *"bbaa"]
+    for row in (slow_first, other):
+        assert row.rounds == 3 and len(row.samples_us) == 6 and row.time_us is not None and row.time_us < 1e6
+        assert row.time_us == pytest.approx(statistics.median(row.samples_us))
+        assert row.rate == pytest.approx(1e9 / row.time_us)
+    assert failing.time_us == 5.0 and failing.rate == 2.0 and failing.rounds == 0
+    assert unsupported.time_us is None and unsupported.rounds == 0
+    assert all(r.retime is None for r in rows)
 
 
 def test_an_interrupted_run_still_writes_the_cases_it_finished(

@@ -38,7 +38,7 @@ from tactix import bench_flashinfer, untuned_order
 from tactix.attention import PagedDecode, PagedPrefill, attention_problem
 from tactix.autotune.context import autotune
 from tactix.autotune.policy import MeasurementPolicy
-from tactix.autotune.timing import measure_with_policy
+from tactix.autotune.timing import l2_flush, measure, measure_with_policy, prepared_call
 from tactix.dtypes import to_torch_dtype
 from tactix.errors import TactixError
 from tactix.gemm import Gemm, gemm_problem
@@ -112,10 +112,10 @@ class BenchRow:
     timed_as: str | None = None
     detail: str = ""  # the whole message: the Markdown table shortens it, the JSON keeps it
     reasons: list[str] = field(default_factory=list)  # unsupported: each reason the backend gave
-    samples_us: list[float] = field(default_factory=list)  # the last block's, in the order taken
-    blocks: int | None = None  # blocks of timed calls until the times settled (MeasurementPolicy.settle_blocks)
-    round_kept: int | None = None  # which of the two timing rounds over the case's rows gave the kept median
-    retime: Any = field(default=None, repr=False, compare=False)  # the timed call, until the second round
+    samples_us: list[float] = field(default_factory=list)  # what time_us is the median of, in the order taken
+    blocks: int | None = None  # first round: blocks timed until the times settled (MeasurementPolicy.settle_blocks)
+    rounds: int = 0  # interleaved rounds over the case's rows pooled in time_us (0: the first round's time)
+    retime: Any = field(default=None, repr=False, compare=False)  # the timed call, until the interleaved rounds
     plan_host_us: float | None = None  # host time of a re-plan for new lengths (`host_us`; no device sync)
     run_host_us: float | None = None  # host time of an eager run() (`host_us`; enqueue only, no device sync)
     eager_us: float | None = None  # max(time_us, run_host_us): a call's cost to an eager caller (`eager_cost`)
@@ -355,11 +355,11 @@ def select_cases(suite_name: str, ids: list[str] | None, argument: str = "cases"
 def _ok_row(case: BenchCase, name: str, tactic: str, timing: Any, work: tuple[float, str], error: float,
             call: Any = None, **extra: Any) -> BenchRow:  # fmt: skip
     """The row of a checked, timed implementation: its median, rate and samples (``extra``: the
-    host costs, a detail); ``call`` is what was timed, timed again in the second round."""
+    host costs, a detail); ``call`` is what was timed, timed again in the interleaved rounds."""
     amount, unit = work
     return BenchRow(case.id, case.description, name, tactic, "ok", timing.median * 1e6, amount / timing.median / 1e12,
                     unit, error=error, timed_as=timing.timed_as, samples_us=[x * 1e6 for x in timing.samples],
-                    blocks=timing.blocks, round_kept=1, retime=call, **extra)  # fmt: skip
+                    blocks=timing.blocks, retime=call, **extra)  # fmt: skip
 
 
 def eager_cost(time_us: float | None, run_host_us: float | None) -> float | None:
@@ -387,29 +387,58 @@ def _rank(rows: list[BenchRow], eager: bool) -> None:
     rows.sort(key=lambda r: -(r.rate or 0))
 
 
-def _second_round(rows: list[BenchRow], device: torch.device, policy: MeasurementPolicy) -> None:
-    """Time every timed row of a case again, in reverse order, and keep the faster median.
+INTERLEAVED_ROUNDS: Final = 6
+"""Rounds over a case's timed rows after the first on a GPU (`_interleaved_rounds`); on the CPU
+one (`INTERLEAVED_ROUNDS_CPU`), where rows do not heat a card."""
+INTERLEAVED_ROUNDS_CPU: Final = 1
 
-    What ran just before changes a GPU's speed for tens of milliseconds (the torch backend's
-    attention, a tuning run, freed memory: benchmarks/two_speeds.py); a row timed right after
-    such work reads up to 8 % slow while its neighbours do not. Two rounds give every row a
-    second chance at the state the others were timed in. Reversed (ABBA), because a card's clock
-    also drifts over a case: on an H100 a large GEMM's rows read ~8 % slower from some point of
-    the first round on (session 26, G1), and the rows timed last in both rounds stayed slow."""
-    for row in reversed(rows):
+
+def _interleaved_rounds(rows: list[BenchRow], device: torch.device, policy: MeasurementPolicy,
+                        rounds: int | None = None) -> None:  # fmt: skip
+    """Time every timed row of a case again in ``rounds`` short blocks, visiting the rows in
+    reverse order, then forwards, and so on, and give each row the median of all its blocks'
+    samples.
+
+    The first round times the rows one after another, each from its own state of the card: what
+    ran just before (the tuning run before `auto (tuned)`, the torch backend's attention) makes
+    the next kernels up to 8 % slower for tens of milliseconds (benchmarks/two_speeds.py), and a
+    card's clock falls as it heats over a compute-bound case. On an H200, rows of one cuDNN GEMM
+    tactic read 1388, 1453, 1556 and 1581 us in the order timed, each row's samples steady
+    within it, and a second round in reverse order did not even them out (session 30, G1). Short
+    blocks that alternate between the rows give each row the same mix of the card's states, so
+    rows compare as their kernels do. A row whose call fails now keeps its first-round time."""
+    if rounds is None:
+        rounds = INTERLEAVED_ROUNDS if device.type == "cuda" else INTERLEAVED_ROUNDS_CPU
+    timed: list[tuple[BenchRow, Any, list[float]]] = []
+    for row in rows:
         call, row.retime = row.retime, None
-        if call is None or row.time_us is None:
+        if call is None or row.time_us is None or rounds < 1:
             continue
         try:
-            timing = measure_with_policy(call, device, policy)
-        except Exception:  # it ran in the first round; a failure now keeps the first round's time
+            replay, _ = prepared_call(call, device, policy)
+        except Exception:  # it ran in the first round; a failure now keeps that round's time
             continue
-        if timing.median * 1e6 < row.time_us:
-            if row.rate:
-                row.rate *= row.time_us / (timing.median * 1e6)
-            row.time_us = timing.median * 1e6
-            row.samples_us = [x * 1e6 for x in timing.samples]
-            row.blocks, row.round_kept = timing.blocks, 2
+        timed.append((row, replay, []))
+    flush = l2_flush(device, policy.l2_flush_bytes) if policy.cold_l2 else None
+    block = max(3, -(-policy.repeat // rounds)) if device.type == "cuda" else policy.repeat
+    failed: set[int] = set()
+    for n in range(rounds):
+        for i, (_row, replay, samples) in reversed(list(enumerate(timed))) if n % 2 == 0 else enumerate(timed):
+            if i in failed:
+                continue
+            try:
+                samples.extend(measure(replay, device, warmup=policy.warmup, repeat=block, before_each=flush).samples)
+            except Exception:
+                failed.add(i)
+    for i, (row, _replay, samples) in enumerate(timed):
+        if i in failed or not samples or row.time_us is None:
+            continue
+        median_us = statistics.median(samples) * 1e6
+        if row.rate:
+            row.rate *= row.time_us / median_us
+        row.time_us = median_us
+        row.samples_us = [x * 1e6 for x in samples]
+        row.rounds = rounds
 
 
 def _plan_host_us(plan: Any, last: torch.Tensor, other: torch.Tensor, device: torch.device) -> float:
@@ -851,7 +880,7 @@ def _bench_case(
     if tune:
         with autotune(mode="tune", cache_dir=store, policy=policy):
             case_rows.append(measure_one("auto", "auto (tuned)"))
-    _second_round(case_rows, device, policy)
+    _interleaved_rounds(case_rows, device, policy)
     del ref
     problem = case_problem(case, dtype)
     for r in case_rows:

@@ -19,7 +19,7 @@ import torch
 from tactix.autotune.policy import MeasurementPolicy
 from tactix.autotune.stats import bump
 
-__all__ = ["Timing", "measure", "measure_with_policy"]
+__all__ = ["Timing", "measure", "measure_with_policy", "prepared_call"]
 
 
 @dataclass(frozen=True)
@@ -141,12 +141,7 @@ def measure_with_policy(fn: Callable[[], object], device: torch.device, policy: 
     ``policy.repeat`` calls are timed until one has `settled` (at most ``policy.settle_blocks``, at
     least two when more than one is allowed); the last block is kept."""
     flush = l2_flush(device, policy.l2_flush_bytes) if policy.cold_l2 else None
-    call: Callable[[], object] = fn
-    timed_as: Literal["cuda_graph", "eager"] = "eager"
-    if device.type == "cuda" and policy.execution == "cuda_graph":
-        graph = _capture(fn, device)
-        if graph is not None:
-            call, timed_as = graph.replay, "cuda_graph"
+    call, timed_as = prepared_call(fn, device, policy)
     if device.type == "cuda":
         busy_warmup(call, device, policy.warmup_ms * 1e-3, flush)
     timing = measure(call, device, warmup=policy.warmup, repeat=policy.repeat, before_each=flush)
@@ -158,6 +153,21 @@ def measure_with_policy(fn: Callable[[], object], device: torch.device, policy: 
             timing = measure(call, device, warmup=0, repeat=policy.repeat, before_each=flush)
             blocks += 1
     return Timing(timing.median, timing.samples, timed_as, blocks)
+
+
+TimedAs = Literal["cuda_graph", "eager"]
+
+
+def prepared_call(fn: Callable[[], object], device: torch.device,
+                  policy: MeasurementPolicy) -> tuple[Callable[[], object], TimedAs]:  # fmt: skip
+    """What `measure_with_policy` times for ``fn``: the replay of a CUDA graph that captured it
+    (``policy.execution == "cuda_graph"`` on a GPU, where it captures), else ``fn`` itself; and
+    which of the two it is."""
+    if device.type == "cuda" and policy.execution == "cuda_graph":
+        graph = _capture(fn, device)
+        if graph is not None:
+            return graph.replay, "cuda_graph"
+    return fn, "eager"
 
 
 def _capture(fn: Callable[[], object], device: torch.device) -> torch.cuda.CUDAGraph | None:
