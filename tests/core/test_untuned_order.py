@@ -132,11 +132,9 @@ def test_a_bad_table_named_by_the_environment_is_an_error_naming_the_variable(
 
 def test_shape_classes_separate_what_the_suite_measures_and_hold_across_a_bucket() -> None:
     classes = {c.id: untuned_order.shape_class(case_problem(c)) for c in suite("gpu")}
-    assert (
-        classes["D2"] == "16-bit kv, 1 row, batch <= 8"
-        and classes["D1"] == classes["D3"] == "16-bit kv, 1 row, batch > 8"
-    )
-    assert classes["D1-fp8"] == "fp8 kv, 1 row, batch > 8" and classes["V1"] == "16-bit kv, rows > 1, batch > 8"
+    assert classes["D2"] == "16-bit kv, 1 row, batch <= 8" and classes["D1"] == "16-bit kv, 1 row, batch 9-128"
+    assert classes["D3"] == "16-bit kv, 1 row, batch > 128" and classes["D3-fp8"] == "fp8 kv, 1 row, batch > 128"
+    assert classes["D1-fp8"] == "fp8 kv, 1 row, batch 9-128" and classes["V1"] == "16-bit kv, rows > 1, batch 9-128"
     assert classes["R1"] == "16-bit kv, head dims 192/128" and classes["R3"] == "16-bit kv"
     assert classes["G2-m1"] == classes["G2-m16"] == "16-bit, m <= 16"
     assert classes["G2-m64"] == "16-bit, m <= 64" and classes["G2-m256"] == "16-bit, m <= 1024"

@@ -105,14 +105,25 @@ def tactix_plan_decode(  # type: ignore[empty-body]
 SMALL_BATCH = 8
 """Decode batches of at most this many requests are latency-bound (one short wave): a shape
 class of their own in the untuned order (a power of two, so that a class is a class of buckets)."""
+LARGE_BATCH = 128
+"""Decode batches of more than this many requests fill the GPU many times over, with short
+caches per request at a serving engine's memory: a class of their own (D3, b256 kv 2048, is
+the suite's case; cuDNN leads it eagerly on H100 and H200 by 3-5 % where cuda_native leads the
+batches below)."""
 
 
 def untuned_class(problem: DecodeProblem) -> str:
     """Decode's shape class for the untuned order (`OpDefinition.untuned_class`): the cache's
-    kind, one row or several per request, a small batch or not."""
+    kind, one row or several per request, and the batch: small, large, or between."""
     words = attention_class(problem)
     words.append("1 row" if problem.q_len_per_req == 1 else "rows > 1")
-    words.append(f"batch <= {SMALL_BATCH}" if problem.batch_size <= SMALL_BATCH else f"batch > {SMALL_BATCH}")
+    b = problem.batch_size
+    if b <= SMALL_BATCH:
+        words.append(f"batch <= {SMALL_BATCH}")
+    elif b <= LARGE_BATCH:
+        words.append(f"batch {SMALL_BATCH + 1}-{LARGE_BATCH}")
+    else:
+        words.append(f"batch > {LARGE_BATCH}")
     return ", ".join(words)
 
 

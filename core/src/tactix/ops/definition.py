@@ -116,7 +116,7 @@ class OpDefinition:
 
     untuned_class: Callable[[Any], str] | None = None
     """``untuned_class(problem)``: the coarse shape class of a problem (a few words, such as
-    ``"16-bit kv, 1 row, batch > 8"``) under which the untuned order table (`tactix.untuned_order`)
+    ``"16-bit kv, 1 row, batch 9-128"``) under which the untuned order table (`tactix.untuned_order`)
     keeps the measured order of backends that ``auto`` tries first; None: one class for the op."""
 
     def wrapper(self) -> type:
