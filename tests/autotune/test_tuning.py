@@ -249,3 +249,81 @@ def test_bad_autotune_arguments_are_refused_before_any_store_is_touched(
     with pytest.raises(tactix.InvalidArgumentError, match=argument), tactix.autotune(**kwargs):  # type: ignore[arg-type]
         pass
     assert list(tmp_path.iterdir()) == []
+
+
+HEATING_PLUGIN = """
+import tactix
+from tactix.backends import torch as _torch
+
+NAME = "heating"
+CLOCK = [0.0]  # the fake clock the test gives the timer: advanced only by this plugin's kernels
+CALLS = [0]
+COST = {"plain": 1.0, "fast": 0.95}  # "fast" is 5 % faster on a card in the same state
+
+
+def now():
+    return CLOCK[0]
+
+
+@tactix.hookimpl
+def tactix_backends():
+    spec = _torch.tactix_backends()[0]
+    return [tactix.BackendSpec(name=NAME, version="1.0", decode=spec.decode, preference=50)]
+
+
+@tactix.hookimpl
+def tactix_tactics(problem):
+    return [tactix.Tactic(backend=NAME, kernel=k) for k in ("plain", "fast")]
+
+
+@tactix.hookimpl
+def tactix_plan_decode(problem, batch, tactic, options):
+    plan = _torch.tactix_plan_decode(problem, batch, tactix.Tactic.default("torch"), options)
+    kernel = "fast" if tactic.kernel == "fast" else "plain"
+    plan.tactic = tactix.Tactic(backend=NAME, kernel=kernel)
+    inner, cost = plan.run, COST[kernel]
+
+    def run(*args, **kwargs):
+        inner(*args, **kwargs)
+        CLOCK[0] += cost * (1 + 0.02 * CALLS[0])  # the card slows with every call it runs (it heats)
+        CALLS[0] += 1
+
+    plan.run = run
+    return plan
+"""
+
+
+@pytest.mark.parametrize("final_round", [True, False], ids=["final-round", "first-pass-only"])
+def test_the_winner_is_decided_by_timing_the_contenders_against_each_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, final_round: bool
+) -> None:
+    """A card that slows down as it runs (it heats) favours whichever candidate the first pass
+    timed first. The final round times the fastest candidates and the untuned choice against each
+    other, back and forth, so the one that is faster on the same card wins; timed one after the
+    other only, the slower kernel would have won."""
+    import types
+
+    from tactix.autotune import timing, tuner
+
+    site = tmp_path / "site"
+    write_distribution(site, "tactix-heating", "1.0", {"heating": "tx_heating"}, {"tx_heating": HEATING_PLUGIN})
+    monkeypatch.setenv("TACTIX_DISABLE_BACKENDS", "torch,naive")  # their kernels would not move the fake clock
+    with plugins_on_path(site):
+        import tx_heating  # type: ignore[import-not-found]
+
+        monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=tx_heating.now))
+        if not final_round:
+            monkeypatch.setattr(tuner, "interleaved", lambda calls, *_: [None] * len(calls))
+        policy = tactix.MeasurementPolicy(warmup=1, repeat=5)
+        with tactix.autotune(mode="tune", cache_dir=tmp_path / "store", policy=policy):
+            wrapper = tactix.PagedDecode("HND", device="cpu")
+            plan_decode(wrapper)
+    [entry] = stored_entries(tmp_path / "store")
+    ok = {c.ran or c.tactic: c for c in entry.candidates if c.status == "ok"}
+    fast, plain = (ok[tactix.Tactic(backend="heating", kernel=k)] for k in ("fast", "plain"))
+    assert fast.median_s is not None and plain.median_s is not None
+    if final_round:
+        assert entry.tactic.kernel == "fast" and wrapper.tactic.kernel == "fast"
+        assert fast.median_s < plain.median_s and fast.samples == plain.samples == 2 * 5  # two rounds of 5
+    else:  # the counterfactual: the first pass alone picks the kernel it happened to time first
+        assert entry.tactic.kernel == "plain" and fast.median_s > plain.median_s

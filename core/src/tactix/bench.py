@@ -38,7 +38,12 @@ from tactix import bench_flashinfer, untuned_order
 from tactix.attention import PagedDecode, PagedPrefill, attention_problem
 from tactix.autotune.context import autotune
 from tactix.autotune.policy import MeasurementPolicy
-from tactix.autotune.timing import l2_flush, measure, measure_with_policy, prepared_call
+from tactix.autotune.timing import (
+    INTERLEAVED_ROUNDS,
+    INTERLEAVED_ROUNDS_CPU,
+    interleaved,
+    measure_with_policy,
+)
 from tactix.dtypes import to_torch_dtype
 from tactix.errors import TactixError
 from tactix.gemm import Gemm, gemm_problem
@@ -387,58 +392,32 @@ def _rank(rows: list[BenchRow], eager: bool) -> None:
     rows.sort(key=lambda r: -(r.rate or 0))
 
 
-INTERLEAVED_ROUNDS: Final = 6
-"""Rounds over a case's timed rows after the first on a GPU (`_interleaved_rounds`); on the CPU
-one (`INTERLEAVED_ROUNDS_CPU`), where rows do not heat a card."""
-INTERLEAVED_ROUNDS_CPU: Final = 1
-
-
 def _interleaved_rounds(rows: list[BenchRow], device: torch.device, policy: MeasurementPolicy,
                         rounds: int | None = None) -> None:  # fmt: skip
-    """Time every timed row of a case again in ``rounds`` short blocks, visiting the rows in
-    reverse order, then forwards, and so on, and give each row the median of all its blocks'
-    samples.
-
-    The first round times the rows one after another, each from its own state of the card: what
-    ran just before (the tuning run before `auto (tuned)`, the torch backend's attention) makes
-    the next kernels up to 8 % slower for tens of milliseconds (benchmarks/two_speeds.py), and a
-    card's clock falls as it heats over a compute-bound case. On an H200, rows of one cuDNN GEMM
-    tactic read 1388, 1453, 1556 and 1581 us in the order timed, each row's samples steady
-    within it, and a second round in reverse order did not even them out (session 30, G1). Short
-    blocks that alternate between the rows give each row the same mix of the card's states, so
-    rows compare as their kernels do. A row whose call fails now keeps its first-round time."""
-    if rounds is None:
-        rounds = INTERLEAVED_ROUNDS if device.type == "cuda" else INTERLEAVED_ROUNDS_CPU
-    timed: list[tuple[BenchRow, Any, list[float]]] = []
+    """Time every timed row of a case again against the others (`timing.interleaved`: short
+    blocks that alternate between the rows, six rounds on a GPU) and give each row the median of
+    all its blocks' samples. The first round times the rows one after another, each from its own
+    state of the card (the tuning run before `auto (tuned)`, the torch backend's attention, a
+    clock falling as the case heats the card); interleaved, every row sees the same mix, so rows
+    compare as their kernels do. A row whose call fails now keeps its first-round time."""
+    timed: list[tuple[BenchRow, Any]] = []
     for row in rows:
         call, row.retime = row.retime, None
-        if call is None or row.time_us is None or rounds < 1:
-            continue
-        try:
-            replay, _ = prepared_call(call, device, policy)
-        except Exception:  # it ran in the first round; a failure now keeps that round's time
-            continue
-        timed.append((row, replay, []))
-    flush = l2_flush(device, policy.l2_flush_bytes) if policy.cold_l2 else None
-    block = max(3, -(-policy.repeat // rounds)) if device.type == "cuda" else policy.repeat
-    failed: set[int] = set()
-    for n in range(rounds):
-        for i, (_row, replay, samples) in reversed(list(enumerate(timed))) if n % 2 == 0 else enumerate(timed):
-            if i in failed:
-                continue
-            try:
-                samples.extend(measure(replay, device, warmup=policy.warmup, repeat=block, before_each=flush).samples)
-            except Exception:
-                failed.add(i)
-    for i, (row, _replay, samples) in enumerate(timed):
-        if i in failed or not samples or row.time_us is None:
+        if call is not None and row.time_us is not None:
+            timed.append((row, call))
+    if not timed:
+        return
+    used = rounds if rounds is not None else (INTERLEAVED_ROUNDS if device.type == "cuda" else INTERLEAVED_ROUNDS_CPU)
+    pooled = interleaved([call for _, call in timed], device, policy, used)
+    for (row, _call), samples in zip(timed, pooled, strict=True):
+        if not samples or row.time_us is None:
             continue
         median_us = statistics.median(samples) * 1e6
         if row.rate:
             row.rate *= row.time_us / median_us
         row.time_us = median_us
         row.samples_us = [x * 1e6 for x in samples]
-        row.rounds = rounds
+        row.rounds = used
 
 
 def _plan_host_us(plan: Any, last: torch.Tensor, other: torch.Tensor, device: torch.device) -> float:

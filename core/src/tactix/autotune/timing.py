@@ -10,16 +10,16 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 import torch
 
 from tactix.autotune.policy import MeasurementPolicy
 from tactix.autotune.stats import bump
 
-__all__ = ["Timing", "measure", "measure_with_policy", "prepared_call"]
+__all__ = ["Timing", "interleaved", "measure", "measure_with_policy", "prepared_call"]
 
 
 @dataclass(frozen=True)
@@ -168,6 +168,49 @@ def prepared_call(fn: Callable[[], object], device: torch.device,
         if graph is not None:
             return graph.replay, "cuda_graph"
     return fn, "eager"
+
+
+INTERLEAVED_ROUNDS: Final = 6
+"""Rounds of `interleaved` on a GPU; on the CPU two (`INTERLEAVED_ROUNDS_CPU`: one back, one
+forth), where calls heat no card but other processes still come and go."""
+INTERLEAVED_ROUNDS_CPU: Final = 2
+
+
+def interleaved(calls: Sequence[Callable[[], object]], device: torch.device, policy: MeasurementPolicy,
+                rounds: int | None = None) -> list[list[float] | None]:  # fmt: skip
+    """Time ``calls`` against each other: ``rounds`` short blocks each (``policy.warmup`` untimed
+    calls, then at least 3 timed, ``policy.repeat`` over all rounds), visiting the calls in
+    reverse order, then forwards, and so on; each call's samples in seconds, or None for a call
+    that raised. Each call is timed as `measure_with_policy` times it (`prepared_call`, the cold
+    L2 flush).
+
+    Calls timed one after another each meet their own state of the device: what ran just before
+    makes the next kernels up to 8 % slower for tens of milliseconds (benchmarks/two_speeds.py),
+    and a card's clock falls as a compute-bound run heats it (on an H200, four rows of one cuDNN
+    GEMM tactic read 1388 to 1581 us in the order timed, each steady within itself: session 30,
+    G1). Blocks that alternate between the calls give every call the same mix of states."""
+    if rounds is None:
+        rounds = INTERLEAVED_ROUNDS if device.type == "cuda" else INTERLEAVED_ROUNDS_CPU
+    flush = l2_flush(device, policy.l2_flush_bytes) if policy.cold_l2 else None
+    block = max(3, -(-policy.repeat // rounds)) if device.type == "cuda" else policy.repeat
+    prepared: list[Callable[[], object] | None] = []
+    for call in calls:
+        try:
+            prepared.append(prepared_call(call, device, policy)[0])
+        except Exception:
+            prepared.append(None)
+    samples: list[list[float] | None] = [[] if p is not None else None for p in prepared]
+    order = list(range(len(prepared)))
+    for n in range(max(rounds, 0)):
+        for i in reversed(order) if n % 2 == 0 else order:
+            replay, got = prepared[i], samples[i]
+            if replay is None or got is None:
+                continue
+            try:
+                got.extend(measure(replay, device, warmup=policy.warmup, repeat=block, before_each=flush).samples)
+            except Exception:
+                samples[i] = None
+    return samples
 
 
 def _capture(fn: Callable[[], object], device: torch.device) -> torch.cuda.CUDAGraph | None:
