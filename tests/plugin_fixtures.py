@@ -190,6 +190,15 @@ def tactix_plan_prefill(problem, batch, tactic, options):
 """
 
 
+_DECODE_LIKE_TORCH = """
+@tactix.hookimpl
+def tactix_backends():
+    spec = _torch.tactix_backends()[0]
+    return [tactix.BackendSpec(name=NAME, version="1.0", decode=spec.decode, preference=50)]
+"""
+"""The backend hook of a decode plugin that serves what the torch backend serves, ahead of it."""
+
+
 def tuning_plugin(name: str, default_fails: bool = False) -> str:
     """A decode plugin with tactics that must never win: one raises, one runs another kernel than
     asked, one is fast but wrong; ``good`` delegates to the torch backend.
@@ -202,11 +211,7 @@ from tactix.backends import torch as _torch
 NAME = {name!r}
 DEFAULT_FAILS = {default_fails!r}
 
-
-@tactix.hookimpl
-def tactix_backends():
-    spec = _torch.tactix_backends()[0]
-    return [tactix.BackendSpec(name=NAME, version="1.0", decode=spec.decode, preference=50)]
+{_DECODE_LIKE_TORCH}
 
 
 @tactix.hookimpl
@@ -287,4 +292,45 @@ def tactix_references(op, inputs):
         raise RuntimeError("no such plan")
 
     return [("wrong", lambda: inputs["out"].zero_()), ("right", right), ("boom", boom)]
+"""
+
+
+def heating_plugin(name: str) -> str:
+    """A decode plugin whose kernels (the torch backend's) move a fake clock, ``now()``, that a
+    test gives the timer: ``plain`` costs 1.0 a call and ``fast`` 0.95 on a card in the same
+    state, and every call slows the ones after it by 2 % (a card that heats as it runs)."""
+    return f"""
+import tactix
+from tactix.backends import torch as _torch
+
+NAME = {name!r}
+CLOCK = [0.0]
+CALLS = [0]
+COST = {{"plain": 1.0, "fast": 0.95}}
+
+
+def now():
+    return CLOCK[0]
+
+{_DECODE_LIKE_TORCH}
+
+@tactix.hookimpl
+def tactix_tactics(problem):
+    return [tactix.Tactic(backend=NAME, kernel=k) for k in ("plain", "fast")]
+
+
+@tactix.hookimpl
+def tactix_plan_decode(problem, batch, tactic, options):
+    plan = _torch.tactix_plan_decode(problem, batch, tactix.Tactic.default("torch"), options)
+    kernel = "fast" if tactic.kernel == "fast" else "plain"
+    plan.tactic = tactix.Tactic(backend=NAME, kernel=kernel)
+    inner, cost = plan.run, COST[kernel]
+
+    def run(*args, **kwargs):
+        inner(*args, **kwargs)
+        CLOCK[0] += cost * (1 + 0.02 * CALLS[0])
+        CALLS[0] += 1
+
+    plan.run = run
+    return plan
 """

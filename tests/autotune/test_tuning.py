@@ -16,7 +16,7 @@ import torch
 
 import tactix
 from tactix.autotune.store import StoreEntry, TacticStore
-from tests.plugin_fixtures import plugins_on_path, tuning_plugin, write_distribution
+from tests.plugin_fixtures import heating_plugin, plugins_on_path, tuning_plugin, write_distribution
 
 i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
 QUICK = tactix.MeasurementPolicy(warmup=1, repeat=3)
@@ -251,48 +251,6 @@ def test_bad_autotune_arguments_are_refused_before_any_store_is_touched(
     assert list(tmp_path.iterdir()) == []
 
 
-HEATING_PLUGIN = """
-import tactix
-from tactix.backends import torch as _torch
-
-NAME = "heating"
-CLOCK = [0.0]  # the fake clock the test gives the timer: advanced only by this plugin's kernels
-CALLS = [0]
-COST = {"plain": 1.0, "fast": 0.95}  # "fast" is 5 % faster on a card in the same state
-
-
-def now():
-    return CLOCK[0]
-
-
-@tactix.hookimpl
-def tactix_backends():
-    spec = _torch.tactix_backends()[0]
-    return [tactix.BackendSpec(name=NAME, version="1.0", decode=spec.decode, preference=50)]
-
-
-@tactix.hookimpl
-def tactix_tactics(problem):
-    return [tactix.Tactic(backend=NAME, kernel=k) for k in ("plain", "fast")]
-
-
-@tactix.hookimpl
-def tactix_plan_decode(problem, batch, tactic, options):
-    plan = _torch.tactix_plan_decode(problem, batch, tactix.Tactic.default("torch"), options)
-    kernel = "fast" if tactic.kernel == "fast" else "plain"
-    plan.tactic = tactix.Tactic(backend=NAME, kernel=kernel)
-    inner, cost = plan.run, COST[kernel]
-
-    def run(*args, **kwargs):
-        inner(*args, **kwargs)
-        CLOCK[0] += cost * (1 + 0.02 * CALLS[0])  # the card slows with every call it runs (it heats)
-        CALLS[0] += 1
-
-    plan.run = run
-    return plan
-"""
-
-
 @pytest.mark.parametrize("final_round", [True, False], ids=["final-round", "first-pass-only"])
 def test_the_winner_is_decided_by_timing_the_contenders_against_each_other(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, final_round: bool
@@ -306,7 +264,8 @@ def test_the_winner_is_decided_by_timing_the_contenders_against_each_other(
     from tactix.autotune import timing, tuner
 
     site = tmp_path / "site"
-    write_distribution(site, "tactix-heating", "1.0", {"heating": "tx_heating"}, {"tx_heating": HEATING_PLUGIN})
+    plugin = heating_plugin("heating")
+    write_distribution(site, "tactix-heating", "1.0", {"heating": "tx_heating"}, {"tx_heating": plugin})
     monkeypatch.setenv("TACTIX_DISABLE_BACKENDS", "torch,naive")  # their kernels would not move the fake clock
     with plugins_on_path(site):
         import tx_heating  # type: ignore[import-not-found]
