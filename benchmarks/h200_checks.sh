@@ -29,6 +29,8 @@
 #   plan-profile         benchmarks/plan_breakdown.py --profile: where decode plan() spends its host time
 #                        (PROFILE_BACKENDS, default cuda_native,trtllm; host and device page indices, b8 and b64)
 #   plan-timers          the same with plan_breakdown.py's timers (inclusive us per plan of each function) instead
+#   gather-probe         benchmarks/gather_probe.py: today's copy_in + gather of a device-index page table
+#                        against one NVRTC kernel launched through ctypes (host us, same table, device us)
 #   demo                 tactix demo (a Llama-like prefill and 3 decode steps, eager against CUDA-graph times)
 #   tp-step              examples/tensor_parallel_step.py under torchrun (TP_RANKS, default 2: nvidia-h200-x2)
 #   gpu-nccl             tests/gpu/test_distributed_nccl.py: rank-consistent tuning and failures over NCCL (2 GPUs)
@@ -122,6 +124,7 @@ job() {
         done
       done ;;
     demo) t python -m tactix demo --json "$OUT/demo-h200.json" ;;
+    gather-probe) for b in 8 64; do t python benchmarks/gather_probe.py --batch $b --json "$OUT/gather-probe-b$b.json"; done ;;
     tp-step) t python -m torch.distributed.run --standalone --nproc-per-node "${TP_RANKS:-2}" \
       examples/tensor_parallel_step.py --json "$OUT/tp-step-h200.json" ;;
     gpu-nccl) t python -m pytest -q -p no:cacheprovider --durations=10 tests/gpu/test_distributed_nccl.py ;;
