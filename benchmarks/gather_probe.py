@@ -182,10 +182,8 @@ def main() -> None:
     staging = Staging(device, layout.total, rows * width)
     slot = staging.slot(False)
 
-    def send() -> int:
-        return staging.send(slot, layout.total, lambda dst: layout.write(dst, [starts[:-1], [0] * 0]))
-
-    base = send()
+    # the metadata transfer (the row starts; the pages section's zeros), sent once
+    base = staging.send(slot, layout.total, lambda dst: layout.write(dst, [starts[:-1], []]))
     pages_at, starts_at = layout.offset("pages"), layout.offset("row_starts")
 
     def today() -> None:
