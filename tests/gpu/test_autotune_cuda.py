@@ -46,6 +46,43 @@ def test_tune_on_the_gpu_times_graph_replays_and_serves_a_correct_winner(tmp_pat
         again = tactix.PagedDecode("HND", device="cuda")
         again.plan(i32(*indptr), i32(*indices), i32(*last), 32, 8, 128, 16, q_data_type=torch.bfloat16)
     assert again.tactic == wrapper.tactic and tactix.stats()["timer_calls"] == 0
+    # the final round: the fastest candidates and the untuned choice were timed again against each
+    # other, six rounds of max(3, ceil(5 / 6)) = 3 calls each, their pooled samples in the entry
+    baseline = next(c for c in timed if c.tactic == entry.baseline)
+    finalists = sum(c.samples == 6 * 3 for c in timed)
+    assert baseline.samples == 6 * 3
+    assert finalists == len(timed) if len(timed) <= 3 else finalists in (3, 4)  # (the baseline may be a top 3)
+
+
+def test_interleaved_timing_on_the_gpu_replays_graphs_and_reports_a_failing_call() -> None:
+    """`timing.interleaved` times graph replays of each call in alternating blocks (each call's
+    samples, in seconds, from every round) and gives None for a call that raises."""
+    from tactix.autotune.policy import MeasurementPolicy
+    from tactix.autotune.timing import interleaved
+
+    cuda = torch.device("cuda")
+    a, b = torch.randn(2048, 2048, device=cuda), torch.randn(4096, 4096, device=cuda)
+    out_a, out_b = torch.empty_like(a), torch.empty_like(b)
+    ran: list[str] = []
+
+    def small() -> None:
+        torch.mm(a, a, out=out_a)
+
+    def large() -> None:
+        torch.mm(b, b, out=out_b)
+
+    def broken() -> None:
+        ran.append("broken")
+        raise RuntimeError("gone")
+
+    policy = MeasurementPolicy(warmup=1, repeat=12)
+    got = interleaved([small, large, broken], cuda, policy, rounds=4)
+    small_s, large_s = got[0], got[1]
+    assert got[2] is None and ran  # (it raised while being captured or timed)
+    assert small_s is not None and large_s is not None and len(small_s) == len(large_s) == 4 * 3
+    # 8x the work: the larger product takes longer in every round
+    assert min(large_s) > max(small_s)
+    torch.testing.assert_close(out_b, b @ b)
 
 
 def test_gpu_timing_repeats_blocks_until_the_times_settle() -> None:
