@@ -82,7 +82,7 @@ def test_interleaved_timing_on_the_gpu_replays_graphs_and_reports_a_failing_call
     assert small_s is not None and large_s is not None and len(small_s) == len(large_s) == 4 * 3
     # 8x the work: the larger product takes longer in every round
     assert min(large_s) > max(small_s)
-    torch.testing.assert_close(out_b, b @ b)
+    torch.testing.assert_close(out_b, b @ b, rtol=1e-3, atol=1e-2)  # (the replays computed the product)
 
 
 def test_gpu_timing_repeats_blocks_until_the_times_settle() -> None:
