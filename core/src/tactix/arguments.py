@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tactix.errors import InvalidArgumentError
 
-__all__ = ["described", "flag", "positive_int"]
+__all__ = ["described", "flag", "number", "positive_int"]
 
 
 def flag(value: object, argument: str) -> bool:
@@ -21,6 +21,17 @@ def positive_int(value: object, argument: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidArgumentError(argument, "a positive int", repr(value))
     return value
+
+
+def number(value: object, argument: str, expected: str) -> float:
+    """``value`` as a float: a Python or NumPy number or a one-element tensor. A string (``"0.5"``
+    is not read as a number), a bool or anything else is refused, saying it ``expected``."""
+    if isinstance(value, (str, bytes, bool)):
+        raise InvalidArgumentError(argument, expected, repr(value))
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        raise InvalidArgumentError(argument, expected, repr(value)) from None
 
 
 def described(value: object) -> str:

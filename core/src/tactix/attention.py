@@ -40,7 +40,7 @@ from typing import Any, ClassVar, Final, Generic, TypeVar
 
 import torch
 
-from tactix.arguments import flag, positive_int
+from tactix.arguments import flag, number, positive_int
 from tactix.batch import Batch, PagedBatch
 from tactix.devices import checked_device, resolve_device
 from tactix.dtypes import parse_dtype, to_torch_dtype
@@ -125,17 +125,6 @@ def _static_key(device_type: str, form: str, arguments: tuple[Any, ...]) -> tupl
     return (device_type, form, arguments, tuple(map(type, arguments)))
 
 
-def _real(value: object, argument: str, expected: str) -> float:
-    """``value`` as a float: a Python or NumPy number or a one-element tensor; a string, a bool
-    or anything else is an `InvalidArgumentError` naming ``argument``."""
-    if isinstance(value, (str, bytes, bool)):
-        raise InvalidArgumentError(argument, expected, repr(value))
-    try:
-        return float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError, RuntimeError):
-        raise InvalidArgumentError(argument, expected, repr(value)) from None
-
-
 def attention_fields(
     device: torch.device,
     num_qo_heads: int,
@@ -168,13 +157,13 @@ def attention_fields(
     q_dtype = parse_dtype(q_data_type, "q_data_type")
     kv_dtype = q_dtype if kv_data_type is None else parse_dtype(kv_data_type, "kv_data_type")
     out_dtype = q_dtype if o_data_type is None else parse_dtype(o_data_type, "o_data_type")
-    scale = 1.0 / math.sqrt(head_dim_qk) if sm_scale is None else _real(sm_scale, "sm_scale", "a finite float > 0")
+    scale_expected, cap_expected = "a finite float > 0", "None, 0 or a finite float > 0"
+    scale = 1.0 / math.sqrt(head_dim_qk) if sm_scale is None else number(sm_scale, "sm_scale", scale_expected)
     if not scale > 0 or not math.isfinite(scale):
-        raise InvalidArgumentError("sm_scale", "a finite float > 0", sm_scale)
-    cap_expected = "None, 0 or a finite float > 0"
-    cap = 0.0 if logits_soft_cap is None else _real(logits_soft_cap, "logits_soft_cap", cap_expected)
+        raise InvalidArgumentError("sm_scale", scale_expected, sm_scale)
+    cap = 0.0 if logits_soft_cap is None else number(logits_soft_cap, "logits_soft_cap", cap_expected)
     if not cap >= 0 or not math.isfinite(cap):
-        raise InvalidArgumentError("logits_soft_cap", "None, 0 or a finite float > 0", logits_soft_cap)
+        raise InvalidArgumentError("logits_soft_cap", cap_expected, logits_soft_cap)
     return {
         "device_type": device.type,
         "num_qo_heads": num_qo_heads,

@@ -38,12 +38,7 @@ from tactix import bench_flashinfer, untuned_order
 from tactix.attention import PagedDecode, PagedPrefill, attention_problem
 from tactix.autotune.context import autotune
 from tactix.autotune.policy import MeasurementPolicy
-from tactix.autotune.timing import (
-    INTERLEAVED_ROUNDS,
-    INTERLEAVED_ROUNDS_CPU,
-    interleaved,
-    measure_with_policy,
-)
+from tactix.autotune.timing import interleaved, interleaved_rounds, measure_with_policy
 from tactix.dtypes import to_torch_dtype
 from tactix.errors import TactixError
 from tactix.gemm import Gemm, gemm_problem
@@ -407,7 +402,7 @@ def _interleaved_rounds(rows: list[BenchRow], device: torch.device, policy: Meas
             timed.append((row, call))
     if not timed:
         return
-    used = rounds if rounds is not None else (INTERLEAVED_ROUNDS if device.type == "cuda" else INTERLEAVED_ROUNDS_CPU)
+    used = rounds if rounds is not None else interleaved_rounds(device)
     pooled = interleaved([call for _, call in timed], device, policy, used)
     for (row, _call), samples in zip(timed, pooled, strict=True):
         if not samples or row.time_us is None:

@@ -19,7 +19,7 @@ import torch
 from tactix.autotune.policy import MeasurementPolicy
 from tactix.autotune.stats import bump
 
-__all__ = ["Timing", "interleaved", "measure", "measure_with_policy", "prepared_call"]
+__all__ = ["Timing", "interleaved", "interleaved_rounds", "measure", "measure_with_policy", "prepared_call"]
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,11 @@ forth), where calls heat no card but other processes still come and go."""
 INTERLEAVED_ROUNDS_CPU: Final = 2
 
 
+def interleaved_rounds(device: torch.device) -> int:
+    """The rounds `interleaved` makes on ``device`` unless told otherwise."""
+    return INTERLEAVED_ROUNDS if device.type == "cuda" else INTERLEAVED_ROUNDS_CPU
+
+
 def interleaved(calls: Sequence[Callable[[], object]], device: torch.device, policy: MeasurementPolicy,
                 rounds: int | None = None) -> list[list[float] | None]:  # fmt: skip
     """Time ``calls`` against each other: ``rounds`` short blocks each (``policy.warmup`` untimed
@@ -190,7 +195,7 @@ def interleaved(calls: Sequence[Callable[[], object]], device: torch.device, pol
     GEMM tactic read 1388 to 1581 us in the order timed, each steady within itself: session 30,
     G1). Blocks that alternate between the calls give every call the same mix of states."""
     if rounds is None:
-        rounds = INTERLEAVED_ROUNDS if device.type == "cuda" else INTERLEAVED_ROUNDS_CPU
+        rounds = interleaved_rounds(device)
     flush = l2_flush(device, policy.l2_flush_bytes) if policy.cold_l2 else None
     block = max(3, -(-policy.repeat // rounds)) if device.type == "cuda" else policy.repeat
     prepared: list[Callable[[], object] | None] = []

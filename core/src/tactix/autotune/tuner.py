@@ -158,7 +158,7 @@ def tune(
     if baseline is None or not ok:
         failures = "; ".join(f"{r.tactic}: {r.reason}" for r in results if r.status == "failed")
         raise UnsupportedProblemError(backend, problem, [f"no candidate ran correctly ({failures})"])
-    finalists = _final_round(results, calls, baseline, device, policy)
+    finalists = _final_round(results, calls, device, policy)
     base_time = next(r.median_s for r in finalists if r.tactic == baseline)
     best = min(finalists, key=lambda r: r.median_s or float("inf"))
     assert base_time is not None and best.median_s is not None
@@ -192,17 +192,16 @@ def _keep_contenders(calls: dict[int, Callable[[], object]], results: list[Candi
             del calls[i]
 
 
-def _final_round(results: list[CandidateResult], calls: dict[int, Callable[[], object]], baseline: Tactic,
-                 device: torch.device, policy: MeasurementPolicy) -> list[CandidateResult]:  # fmt: skip
-    """The `FINALISTS` fastest ok candidates and the untuned choice, timed again against each
-    other (`timing.interleaved`: short blocks alternating between them), each result's median
-    and sample count replaced by the pooled ones in ``results``; returned, the winner is among
-    them. The first pass times candidates one after another, each in its own state of the card
-    (a clock falling as the card heats, the candidate before): a 3 % difference there is as
-    likely the card as the kernel. A finalist that raises now keeps its first-pass time."""
-    ranked = sorted((i for i in calls if results[i].median_s is not None), key=lambda i: results[i].median_s or 0.0)
-    chosen = ranked[:FINALISTS]
-    chosen += [i for i in ranked if results[i].tactic == baseline and i not in chosen][:1]
+def _final_round(results: list[CandidateResult], calls: dict[int, Callable[[], object]], device: torch.device,
+                 policy: MeasurementPolicy) -> list[CandidateResult]:  # fmt: skip
+    """The contenders `_keep_contenders` left in ``calls`` (the fastest of the first pass and the
+    untuned choice), timed again against each other (`timing.interleaved`: short blocks
+    alternating between them), each result's median and sample count replaced by the pooled ones
+    in ``results``; returned, the winner is among them. The first pass times candidates one after
+    another, each in its own state of the card (a clock falling as the card heats, the candidate
+    before): a 3 % difference there is as likely the card as the kernel. A contender that raises
+    now keeps its first-pass time."""
+    chosen = sorted(calls)
     if len(chosen) > 1:
         pooled = interleaved([calls[i] for i in chosen], device, policy)
         for i, samples in zip(chosen, pooled, strict=True):
