@@ -29,8 +29,8 @@
 #   plan-profile         benchmarks/plan_breakdown.py --profile: where decode plan() spends its host time
 #                        (PROFILE_BACKENDS, default cuda_native,trtllm; host and device page indices, b8 and b64)
 #   plan-timers          the same with plan_breakdown.py's timers (inclusive us per plan of each function) instead
-#   gather-probe         benchmarks/gather_probe.py: today's copy_in + gather of a device-index page table
-#                        against one NVRTC kernel launched through ctypes (host us, same table, device us)
+#   gather-probe         benchmarks/gather_probe.py: Staging.gather's driver-launched page-table kernel against
+#                        the torch path it replaces (host us, same table, device us)
 #   demo                 tactix demo (a Llama-like prefill and 3 decode steps, eager against CUDA-graph times)
 #   tp-step              examples/tensor_parallel_step.py under torchrun (TP_RANKS, default 2: nvidia-h200-x2)
 #   gpu-nccl             tests/gpu/test_distributed_nccl.py: rank-consistent tuning and failures over NCCL (2 GPUs)
@@ -98,7 +98,7 @@ job() {
       --json "$OUT/conformance-trtllm-decode-h200.json" ;;
     kit-trtllm-prefill) t python -m tactix conformance trtllm -k "prefill${KIT_K:+ and ($KIT_K)}" \
       --json "$OUT/conformance-trtllm-prefill-h200.json" ;;
-    gpu-rest) t python -m pytest -q -p no:cacheprovider --durations=10 ${GPU_K:+-k "$GPU_K"} tests/gpu/test_autotune_cuda.py \
+    gpu-rest) t python -m pytest -q -p no:cacheprovider --durations=10 ${GPU_K:+-k "$GPU_K"} tests/gpu/test_autotune_cuda.py tests/gpu/test_staging_gpu.py \
       tests/gpu/test_cudnn_gpu.py tests/gpu/test_torch_backend_cuda.py ;;
     gpu-cuda_native) t python -m pytest -q -p no:cacheprovider --durations=10 ${GPU_K:+-k "$GPU_K"} tests/gpu/test_cuda_native_gpu.py ;;
     gpu-trtllm) t python -m pytest -q -p no:cacheprovider --durations=10 ${GPU_K:+-k "$GPU_K"} tests/gpu/test_trtllm_gpu.py ;;

@@ -59,7 +59,7 @@ from typing import Any, Final, TypeAlias
 
 import torch
 
-from tactix import cudart
+from tactix import cudadrv, cudart
 from tactix.errors import TactixError
 
 __all__ = [
@@ -241,6 +241,108 @@ def write_table(dst: int, src: int, indptr: list[int], rows: int, width: int) ->
 def _zero_view(size: int) -> memoryview:
     """``size`` int32 zeros to copy from (a table's size is fixed by its buckets: a few per process)."""
     return memoryview(bytes(4 * size))
+
+
+# The page table from CSR indices on the device, one launch (`gather`):
+#
+#   extern "C" __global__ void tx_csr_to_table(const int* __restrict__ indices, const int* __restrict__ starts,
+#                                              int nnz, int rows, int width, int* __restrict__ table) {
+#     const int r = blockIdx.y;  // row r: its pages indices[starts[r] .. the next row's start or nnz)
+#     const int s = starts[r];
+#     const int n = (r + 1 < rows ? starts[r + 1] : nnz) - s;
+#     int* row = table + (long long)r * width;
+#     for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < width; j += gridDim.x * blockDim.x) {
+#       row[j] = j < n ? indices[s + j] : 0;  // page 0 (a valid page, never read) past them
+#     }
+#   }
+#
+# compiled with `nvcc -ptx -arch=compute_75 -O3` (CUDA 13.0), the ISA version lowered to 7.0 (its
+# instructions are all older), see `tactix.cudadrv`.
+_CSR_TO_TABLE_PTX: Final = """\
+.version 7.0
+.target sm_75
+.address_size 64
+
+	// .globl	tx_csr_to_table
+
+.visible .entry tx_csr_to_table(
+	.param .u64 tx_csr_to_table_param_0,
+	.param .u64 tx_csr_to_table_param_1,
+	.param .u32 tx_csr_to_table_param_2,
+	.param .u32 tx_csr_to_table_param_3,
+	.param .u32 tx_csr_to_table_param_4,
+	.param .u64 tx_csr_to_table_param_5
+)
+{
+	.reg .pred 	%p<5>;
+	.reg .b32 	%r<25>;
+	.reg .b64 	%rd<18>;
+
+
+	ld.param.u64 	%rd6, [tx_csr_to_table_param_0];
+	ld.param.u64 	%rd8, [tx_csr_to_table_param_1];
+	ld.param.u32 	%r22, [tx_csr_to_table_param_2];
+	ld.param.u32 	%r14, [tx_csr_to_table_param_3];
+	ld.param.u32 	%r13, [tx_csr_to_table_param_4];
+	ld.param.u64 	%rd7, [tx_csr_to_table_param_5];
+	mov.u32 	%r15, %ctaid.y;
+	cvt.s64.s32 	%rd1, %r15;
+	cvta.to.global.u64 	%rd9, %rd8;
+	mul.wide.s32 	%rd10, %r15, 4;
+	add.s64 	%rd2, %rd9, %rd10;
+	ld.global.nc.u32 	%r1, [%rd2];
+	add.s32 	%r16, %r15, 1;
+	setp.ge.s32 	%p1, %r16, %r14;
+	@%p1 bra 	$L__BB0_2;
+
+	ld.global.nc.u32 	%r22, [%rd2+4];
+
+$L__BB0_2:
+	mov.u32 	%r4, %ntid.x;
+	mov.u32 	%r17, %ctaid.x;
+	mov.u32 	%r18, %tid.x;
+	mad.lo.s32 	%r23, %r17, %r4, %r18;
+	setp.ge.s32 	%p2, %r23, %r13;
+	@%p2 bra 	$L__BB0_7;
+
+	mov.u32 	%r19, %nctaid.x;
+	mul.lo.s32 	%r6, %r19, %r4;
+	cvta.to.global.u64 	%rd3, %rd7;
+	cvta.to.global.u64 	%rd4, %rd6;
+	cvt.s64.s32 	%rd11, %r13;
+	mul.lo.s64 	%rd5, %rd11, %rd1;
+	sub.s32 	%r7, %r22, %r1;
+
+$L__BB0_4:
+	setp.ge.s32 	%p3, %r23, %r7;
+	mov.u32 	%r24, 0;
+	@%p3 bra 	$L__BB0_6;
+
+	add.s32 	%r21, %r23, %r1;
+	mul.wide.s32 	%rd12, %r21, 4;
+	add.s64 	%rd13, %rd4, %rd12;
+	ld.global.nc.u32 	%r24, [%rd13];
+
+$L__BB0_6:
+	cvt.s64.s32 	%rd14, %r23;
+	add.s64 	%rd15, %rd5, %rd14;
+	shl.b64 	%rd16, %rd15, 2;
+	add.s64 	%rd17, %rd3, %rd16;
+	st.global.u32 	[%rd17], %r24;
+	add.s32 	%r23, %r23, %r6;
+	setp.lt.s32 	%p4, %r23, %r13;
+	@%p4 bra 	$L__BB0_4;
+
+$L__BB0_7:
+	ret;
+
+}
+"""
+_CSR_TO_TABLE = cudadrv.Kernel(_CSR_TO_TABLE_PTX, "tx_csr_to_table",
+                               (cudadrv.POINTER, cudadrv.POINTER, cudadrv.INT, cudadrv.INT, cudadrv.INT,
+                                cudadrv.POINTER))  # fmt: skip
+_TABLE_THREADS: Final = 128
+_MAX_GRID_Y: Final = 65535
 
 
 def gather_table(ext: torch.Tensor, row_starts: torch.Tensor, out: torch.Tensor) -> None:
@@ -446,9 +548,34 @@ class Staging:
             found = self._slices[key] = self._dev[slot][start : start + count]
         return found
 
-    def gather(self, slot: int, count: int, rows: int, width: int, starts_at: int) -> int:
-        """The page table ``[rows, width]`` gathered on the device from the CSR indices that
-        ``send`` put at ``count`` (``starts_at``: the rows' first entries); its device address."""
+    def gather(self, slot: int, count: int, rows: int, width: int, starts_at: int, nnz: int,
+               indices: torch.Tensor | None = None) -> int:  # fmt: skip
+        """The page table ``[rows, width]`` built on the device from CSR page indices, in the slot's
+        table buffer; its device address. ``starts_at``: where the rows' first entries lie in the
+        slot (rows past the batch start at ``nnz``). The ``nnz`` indices are ``indices`` (the
+        caller's device tensor, read in place) or, when None, the entries ``send`` put at
+        ``count``; ``send`` also wrote ``width`` zeros after those ``count + nnz`` entries.
+
+        One kernel launched through the driver (`tactix.cudadrv`, ~3 us of host time), writing
+        page 0 past each row's pages; where the driver cannot load it, ``copy_in`` of
+        ``indices`` to ``count`` and a ``torch.index_select`` over windows of the slot (each
+        row's pages followed by the next rows'), ~20 us."""
+        launch = _CSR_TO_TABLE.launcher(self.index) if self.device.type == "cuda" and rows <= _MAX_GRID_Y else None
+        if launch is not None:
+            if indices is None:
+                src = self._dev_ptr[slot] + 4 * count
+            elif indices.dtype == torch.int32 and indices.is_contiguous() and indices.get_device() == self.index:
+                src = indices.data_ptr()
+            else:
+                self.copy_in(slot, count, indices)
+                src = self._dev_ptr[slot] + 4 * count
+            table = self._tables[slot].data_ptr()
+            blocks = min(8, -(-width // _TABLE_THREADS))
+            launch((blocks, rows, 1), (_TABLE_THREADS, 1, 1), cudart.raw_stream(self.index),
+                   src, self._dev_ptr[slot] + 4 * starts_at, nnz, rows, width, table)  # fmt: skip
+            return table
+        if indices is not None and nnz:
+            self.copy_in(slot, count, indices)
         key = (slot, count, rows, width, starts_at)
         views = self._views.get(key)
         if views is None:  # the offsets are fixed by the buckets: a few sets per wrapper
@@ -457,9 +584,9 @@ class Staging:
             packed = self._dev[slot]
             views = self._views[key] = (packed[count:].unfold(0, width, 1), packed[starts_at : starts_at + rows],
                                         self._tables[slot][: rows * width].view(rows, width))  # fmt: skip
-        windows, starts, table = views
-        torch.index_select(windows, 0, starts, out=table)
-        return table.data_ptr()
+        windows, starts, table_t = views
+        torch.index_select(windows, 0, starts, out=table_t)
+        return table_t.data_ptr()
 
     def gathered(self, slot: int, rows: int, width: int) -> torch.Tensor:
         """The page table ``gather`` writes for ``slot`` (``[rows, width]``), as a device tensor (for

@@ -651,7 +651,7 @@ class CudnnAttentionPlan:
         indices = batch.kv_indices
         if nnz <= _HOST_TABLE_ENTRIES:
             # host indices: laid out on the host for a few rows, else sent as CSR and gathered;
-            # device indices: copied into the slot on the device after the transfer, then gathered
+            # device indices: gathered on the device straight from the caller's tensor
             from_device = not indices.is_cpu
             on_host = b <= _HOST_ROWS and not from_device
             flat, offsets = host_metadata(self.problem, batch, key, starts=not on_host)  # no gather: no row starts
@@ -659,8 +659,8 @@ class CudnnAttentionPlan:
             # one pinned buffer written with C-level copies and one transfer into the wrapper's
             # staging slot: [small | the page table] for a few rows, else [small | the CSR
             # indices | width zeros] and one gather on the device (torch.tensor(list) costs
-            # ~90 ns per element; this ~1); device indices take their place in the slot by one
-            # device-to-device copy (no host read, no sync)
+            # ~90 ns per element; this ~1); device indices are read where they are by the gather
+            # (no host read, no sync)
             if previous is not None and previous._staging is None:
                 raise UnsupportedProblemError(NAME, self.problem, [
                     "in CUDA-graph mode a re-plan must keep the graph's buckets (page entries)"])  # fmt: skip
@@ -688,9 +688,10 @@ class CudnnAttentionPlan:
 
             slot = mine.slot(self._graph_mode)
             base = mine.send(slot, n + (b * width if on_host else nnz + width), fill)
-            if from_device and nnz:  # stream-ordered after the transfer, before the gather
-                mine.copy_in(slot, n, indices)  # (nnz entries: PagedBatch.build narrowed it)
-            table_ptr = base + 4 * n if on_host else mine.gather(slot, n, b, width, offsets[2])
+            # device indices are read in place by the gather, stream-ordered after the transfer
+            # (nnz entries: PagedBatch.build narrowed them)
+            table_ptr = base + 4 * n if on_host else mine.gather(slot, n, b, width, offsets[2], nnz,
+                                                                  indices if from_device else None)  # fmt: skip
             # the same slot and table give the same addresses: one dict per (slot, table), kept
             # across re-plans (run() copies it before adding the tensors' addresses)
             self._fixed = _fixed_addresses(base, table_ptr, offsets, key.ragged_q, key.lse)

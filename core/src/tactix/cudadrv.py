@@ -1,0 +1,163 @@
+"""Small kernels that tactix's core launches itself through the CUDA driver, with no compiler and
+no extension module: PTX text loaded with ``cuModuleLoadData`` (the driver compiles it for the
+GPU on first use, a few milliseconds) and launched with ``cuLaunchKernel`` through ctypes, about
+2-3 us of host time where a chain of torch ops costs tens.
+
+Public API (what `tactix.staging` uses):
+
+* `Kernel(ptx, name, argtypes)`: one ``.entry`` of a PTX module; ``launcher(device_index)`` gives
+  a `Launcher` for that device, or None where the driver cannot load it (no ``libcuda``, a driver
+  older than the PTX, ...: the caller keeps its torch path; the reason is logged once).
+* `Launcher(grid, block, stream, *args)`: enqueue one launch on ``stream`` (an int handle,
+  `tactix.cudart.raw_stream`); arguments are ints, in the order of ``argtypes``. A failing
+  launch raises `tactix.TactixError` with the driver's message.
+
+The PTX a kernel ships is generated from the CUDA C kept next to it (``nvcc -ptx
+-arch=compute_75``), with its ``.version`` lowered to the oldest ISA its instructions need, so
+that drivers from CUDA 11.0 on load it.
+
+Importing this module does not initialise CUDA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any, Final
+
+from tactix.errors import TactixError
+
+__all__ = ["Kernel", "Launcher"]
+
+log = logging.getLogger("tactix")
+
+_INT: Final = ctypes.c_int
+_PTR: Final = ctypes.c_void_p
+
+
+class _Driver:
+    """ctypes handles on the few driver entry points a launch needs."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        vp, i, u = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
+        pvp = ctypes.POINTER(vp)
+        self.init = _fn(lib.cuInit, [u])
+        self.device_get = _fn(lib.cuDeviceGet, [ctypes.POINTER(i), i])
+        self.retain = _fn(lib.cuDevicePrimaryCtxRetain, [pvp, i])
+        self.current = _fn(lib.cuCtxGetCurrent, [pvp])
+        self.push = _fn(lib.cuCtxPushCurrent_v2, [vp])
+        self.pop = _fn(lib.cuCtxPopCurrent_v2, [pvp])
+        self.load = _fn(lib.cuModuleLoadData, [pvp, ctypes.c_char_p])
+        self.function = _fn(lib.cuModuleGetFunction, [pvp, vp, ctypes.c_char_p])
+        self.launch = _fn(lib.cuLaunchKernel, [vp, u, u, u, u, u, u, u, vp, pvp, pvp])
+        self._error = lib.cuGetErrorString
+        self._error.argtypes = [i, ctypes.POINTER(ctypes.c_char_p)]
+        self._error.restype = i
+
+    def message(self, rc: int) -> str:
+        text = ctypes.c_char_p()
+        self._error(rc, ctypes.byref(text))
+        return f"{text.value.decode() if text.value else 'unknown error'} ({rc})"
+
+    def check(self, rc: int, what: str) -> None:
+        if rc:
+            raise TactixError(f"tactix: the CUDA driver's {what} failed: {self.message(rc)}")
+
+
+def _fn(f: Any, argtypes: list[Any]) -> Any:
+    f.argtypes = argtypes
+    f.restype = ctypes.c_int
+    return f
+
+
+_driver: _Driver | None = None
+_driver_lock = threading.Lock()
+
+
+def _load_driver() -> _Driver:
+    global _driver
+    with _driver_lock:
+        if _driver is None:
+            try:
+                lib = ctypes.CDLL("libcuda.so.1")
+            except OSError as exc:
+                raise TactixError(f"tactix: the CUDA driver library libcuda.so.1 cannot be loaded ({exc})") from None
+            driver = _Driver(lib)
+            driver.check(driver.init(0), "cuInit")
+            _driver = driver
+        return _driver
+
+
+class Launcher:
+    """One kernel loaded on one device: its arguments live in ctypes objects made once, which a
+    call updates (an int each) before ``cuLaunchKernel``."""
+
+    def __init__(self, driver: _Driver, context: int, function: int, argtypes: Sequence[Any]) -> None:
+        self._driver, self._context, self._function = driver, context, function
+        self._args = [t() for t in argtypes]
+        self._params = (ctypes.c_void_p * len(self._args))(*(ctypes.addressof(a) for a in self._args))
+        self._current = ctypes.c_void_p()
+
+    def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], stream: int, *args: int) -> None:
+        for holder, value in zip(self._args, args, strict=True):
+            holder.value = value
+        d = self._driver
+        d.current(ctypes.byref(self._current))
+        foreign = self._current.value != self._context
+        if foreign:  # (a thread that has not touched this device, or another device current)
+            d.check(d.push(self._context), "cuCtxPushCurrent")
+        try:
+            rc = d.launch(self._function, grid[0], grid[1], grid[2], block[0], block[1], block[2], 0, stream,
+                          self._params, None)  # fmt: skip
+        finally:
+            if foreign:
+                d.pop(ctypes.byref(self._current))
+        if rc:
+            d.check(rc, "cuLaunchKernel")
+
+
+class Kernel:
+    """One ``.entry`` of a PTX module, loaded per device on first use."""
+
+    def __init__(self, ptx: str, name: str, argtypes: Sequence[Any]) -> None:
+        self.ptx, self.name, self.argtypes = ptx, name, tuple(argtypes)
+        self._launchers: dict[int, Launcher | None] = {}
+        self._lock = threading.Lock()
+
+    def launcher(self, device_index: int) -> Launcher | None:
+        """The kernel on ``device_index``, or None where the driver cannot load it (logged once)."""
+        found = self._launchers.get(device_index, False)
+        if found is not False:
+            return found  # type: ignore[return-value]
+        with self._lock:
+            if device_index not in self._launchers:
+                try:
+                    self._launchers[device_index] = self._load(device_index)
+                except TactixError as exc:
+                    log.info("tactix: %s stays on its torch path on cuda:%d: %s", self.name, device_index, exc)
+                    self._launchers[device_index] = None
+            return self._launchers[device_index]
+
+    def _load(self, device_index: int) -> Launcher:
+        d = _load_driver()
+        device, context = ctypes.c_int(), ctypes.c_void_p()
+        d.check(d.device_get(ctypes.byref(device), device_index), "cuDeviceGet")
+        # the primary context: the one torch's runtime calls use on this device
+        d.check(d.retain(ctypes.byref(context), device.value), "cuDevicePrimaryCtxRetain")
+        module, function, popped = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        d.check(d.push(context), "cuCtxPushCurrent")
+        try:
+            d.check(d.load(ctypes.byref(module), self.ptx.encode()), f"cuModuleLoadData ({self.name})")
+            d.check(d.function(ctypes.byref(function), module, self.name.encode()), "cuModuleGetFunction")
+        finally:
+            d.pop(ctypes.byref(popped))
+        assert context.value is not None and function.value is not None
+        return Launcher(d, context.value, function.value, self.argtypes)
+
+
+INT: Final = _INT
+"""A kernel argument of type ``int`` (32-bit)."""
+POINTER: Final = _PTR
+"""A kernel argument that is a device address."""
