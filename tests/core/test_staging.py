@@ -12,13 +12,14 @@ from __future__ import annotations
 import array
 import gc
 import itertools
+import logging
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
 import torch
 
-from tactix import TactixError, cudart
+from tactix import TactixError, cudadrv, cudart
 from tactix.staging import ALIGN, HostBuffer, Staging, gather_table, sections, write_int32, write_table
 
 
@@ -253,3 +254,18 @@ def test_copy_in_puts_device_entries_after_the_transfer_into_the_slot() -> None:
     assert staging.view(slot, 0, 10).tolist() == [7, 7, 7, 7, 1, 2, 3, 7, 0, 5]
     with pytest.raises(TactixError, match="do not fit a slot of 1024"):
         staging.copy_in(slot, 1020, torch.zeros(5, dtype=torch.int32))
+
+
+def test_a_kernel_the_driver_cannot_load_leaves_the_torch_path_with_its_reason_logged(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_driver() -> None:
+        raise TactixError("tactix: the CUDA driver library libcuda.so.1 cannot be loaded (test)")
+
+    monkeypatch.setattr(cudadrv, "_load_driver", no_driver)
+    kernel = cudadrv.Kernel(".version 7.0\n", "tx_nothing", (cudadrv.INT,))
+    with caplog.at_level(logging.INFO, logger="tactix"):
+        assert kernel.launcher(0) is None
+        assert kernel.launcher(0) is None  # decided once per device
+    [record] = [r for r in caplog.records if "tx_nothing" in r.getMessage()]
+    assert "libcuda.so.1 cannot be loaded" in record.getMessage()
