@@ -7,7 +7,8 @@ Public API (what `tactix.staging` uses):
 
 * `Kernel(ptx, name, argtypes)`: one ``.entry`` of a PTX module; ``launcher(device_index)`` gives
   a `Launcher` for that device, or None where the driver cannot load it (no ``libcuda``, a driver
-  older than the PTX, ...: the caller keeps its torch path; the reason is logged once).
+  older than the PTX, ...: the caller keeps its torch path; the reason is logged once);
+  ``disable(device_index, why)`` after a launch the driver refused (then None from then on).
 * `Launcher(grid, block, stream, *args)`: enqueue one launch on ``stream`` (an int handle,
   `tactix.cudart.raw_stream`); arguments are ints, in the order of ``argtypes``. A failing
   launch raises `tactix.TactixError` with the driver's message.
@@ -139,6 +140,13 @@ class Kernel:
                     log.info("tactix: %s stays on its torch path on cuda:%d: %s", self.name, device_index, exc)
                     self._launchers[device_index] = None
             return self._launchers[device_index]
+
+    def disable(self, device_index: int, why: object) -> None:
+        """Stop launching on ``device_index`` after a launch the driver refused (logged): callers
+        take their torch path from then on."""
+        with self._lock:
+            self._launchers[device_index] = None
+        log.warning("tactix: %s stays on its torch path on cuda:%d from now on: %s", self.name, device_index, why)
 
     def _load(self, device_index: int) -> Launcher:
         d = _load_driver()

@@ -571,9 +571,14 @@ class Staging:
                 src = self._dev_ptr[slot] + 4 * count
             table = self._tables[slot].data_ptr()
             blocks = min(8, -(-width // _TABLE_THREADS))
-            launch((blocks, rows, 1), (_TABLE_THREADS, 1, 1), cudart.raw_stream(self.index),
-                   src, self._dev_ptr[slot] + 4 * starts_at, nnz, rows, width, table)  # fmt: skip
-            return table
+            try:
+                launch((blocks, rows, 1), (_TABLE_THREADS, 1, 1), cudart.raw_stream(self.index),
+                       src, self._dev_ptr[slot] + 4 * starts_at, nnz, rows, width, table)  # fmt: skip
+                return table
+            except TactixError as exc:  # refused before it ran (nothing enqueued): the torch path, from now on
+                _CSR_TO_TABLE.disable(self.index, exc)
+                if indices is not None and src != indices.data_ptr():
+                    indices = None  # (copied into the slot above)
         if indices is not None and nnz:
             self.copy_in(slot, count, indices)
         key = (slot, count, rows, width, starts_at)
