@@ -15,6 +15,11 @@ from tactix.staging import Staging, sections
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def _kernel_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(staging_module, "_table_kernel_on", True)  # (TACTIX_PAGE_TABLE_KERNEL=1)
+
+
 def _batch(rows: int, real: int, seed: int) -> tuple[list[int], list[int], torch.Tensor]:
     """``real`` requests' page counts (some of one page, one of many), their CSR starts padded to
     ``rows`` (rows past the batch start at nnz, as the plugins lay them out), and the indices."""

@@ -52,6 +52,7 @@ import contextlib
 import ctypes
 import functools
 import itertools
+import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -341,6 +342,11 @@ $L__BB0_7:
 _CSR_TO_TABLE = cudadrv.Kernel(_CSR_TO_TABLE_PTX, "tx_csr_to_table",
                                (cudadrv.POINTER, cudadrv.POINTER, cudadrv.INT, cudadrv.INT, cudadrv.INT,
                                 cudadrv.POINTER))  # fmt: skip
+TABLE_KERNEL_ENV: Final = "TACTIX_PAGE_TABLE_KERNEL"
+_table_kernel_on = os.environ.get(TABLE_KERNEL_ENV, "0") == "1"
+"""Whether `Staging.gather` launches the kernel (``TACTIX_PAGE_TABLE_KERNEL=1``) or takes the
+torch path (default until the kernel's GPU tests, tests/gpu/test_staging_gpu.py, have passed on
+the project's GPU: they and benchmarks/gather_probe.py turn it on themselves)."""
 _TABLE_THREADS: Final = 128
 _MAX_GRID_Y: Final = 65535
 
@@ -556,11 +562,14 @@ class Staging:
         caller's device tensor, read in place) or, when None, the entries ``send`` put at
         ``count``; ``send`` also wrote ``width`` zeros after those ``count + nnz`` entries.
 
-        One kernel launched through the driver (`tactix.cudadrv`, ~3 us of host time), writing
-        page 0 past each row's pages; where the driver cannot load it, ``copy_in`` of
+        With ``TACTIX_PAGE_TABLE_KERNEL=1``, one kernel launched through the driver
+        (`tactix.cudadrv`, ~3 us of host time), writing page 0 past each row's pages; by default
+        and where the driver cannot load it, ``copy_in`` of
         ``indices`` to ``count`` and a ``torch.index_select`` over windows of the slot (each
         row's pages followed by the next rows'), ~20 us."""
-        launch = _CSR_TO_TABLE.launcher(self.index) if self.device.type == "cuda" and rows <= _MAX_GRID_Y else None
+        launch = None
+        if _table_kernel_on and self.device.type == "cuda" and rows <= _MAX_GRID_Y:
+            launch = _CSR_TO_TABLE.launcher(self.index)
         if launch is not None:
             if indices is None:
                 src = self._dev_ptr[slot] + 4 * count
