@@ -407,10 +407,11 @@ class _Plan:
         and sent in one transfer into a slot (`metadata.write_metadata`): the block table laid out
         on the host for host page indices of a few rows (`metadata.table_on_host`), else gathered
         on the device from the CSR indices, sent in the same transfer (host) or copied after it
-        (device; `Staging.gather` reads them in place with ``TACTIX_PAGE_TABLE_KERNEL=1``). Eager plans alternate between the two slots (the slot the previous
-        plan's runs read is left alone); CUDA-graph plans keep slot 0, sized by the captured
-        geometry, whose addresses the captured kernels read. XQA (``decode``) reads no cumulative
-        lengths: their sections stay zero."""
+        (device; `Staging.gather` reads them in place with ``TACTIX_PAGE_TABLE_KERNEL=1``). Eager
+        plans alternate between the two slots (the slot the previous plan's runs read is left
+        alone); CUDA-graph plans keep slot 0, sized by the captured geometry, whose addresses the
+        captured kernels read. XQA (``decode``) reads no cumulative lengths: their sections stay
+        zero."""
         g = self.geometry
         layout = metadata_sections(g)
         on_host = batch.indices_on_host
