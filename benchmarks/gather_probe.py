@@ -76,7 +76,7 @@ def main() -> None:
     # the metadata transfer (the row starts; the pages section's zeros), sent once
     staging.send(slot, layout.total, lambda dst: layout.write(dst, [starts[:-1], []]))
     pages_at, starts_at = layout.offset("pages"), layout.offset("row_starts")
-    staging_module._table_kernel_on = True  # (TACTIX_PAGE_TABLE_KERNEL=1)
+    staging_module._table_kernel_on = True  # (whatever TACTIX_PAGE_TABLE_KERNEL says)
     launcher = staging_module._CSR_TO_TABLE.launcher(staging.index)
     slot_view = staging.view(slot, 0, layout.total)
     torch_table = torch.empty(rows, width, dtype=torch.int32, device=device)

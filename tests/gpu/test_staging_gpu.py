@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _kernel_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(staging_module, "_table_kernel_on", True)  # (TACTIX_PAGE_TABLE_KERNEL=1)
+    monkeypatch.setattr(staging_module, "_table_kernel_on", True)  # (whatever TACTIX_PAGE_TABLE_KERNEL says)
 
 
 def _batch(rows: int, real: int, seed: int) -> tuple[list[int], list[int], torch.Tensor]:

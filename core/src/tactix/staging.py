@@ -343,10 +343,9 @@ _CSR_TO_TABLE = cudadrv.Kernel(_CSR_TO_TABLE_PTX, "tx_csr_to_table",
                                (cudadrv.POINTER, cudadrv.POINTER, cudadrv.INT, cudadrv.INT, cudadrv.INT,
                                 cudadrv.POINTER))  # fmt: skip
 TABLE_KERNEL_ENV: Final = "TACTIX_PAGE_TABLE_KERNEL"
-_table_kernel_on = os.environ.get(TABLE_KERNEL_ENV, "0") == "1"
-"""Whether `Staging.gather` launches the kernel (``TACTIX_PAGE_TABLE_KERNEL=1``) or takes the
-torch path (default until the kernel's GPU tests, tests/gpu/test_staging_gpu.py, have passed on
-the project's GPU: they and benchmarks/gather_probe.py turn it on themselves)."""
+_table_kernel_on = os.environ.get(TABLE_KERNEL_ENV, "1") != "0"
+"""Whether `Staging.gather` launches the kernel (the default) or takes the torch path
+(``TACTIX_PAGE_TABLE_KERNEL=0``: to compare the two, or should a driver misbehave)."""
 _TABLE_THREADS: Final = 128
 _MAX_GRID_Y: Final = 65535
 
@@ -562,11 +561,12 @@ class Staging:
         caller's device tensor, read in place) or, when None, the entries ``send`` put at
         ``count``; ``send`` also wrote ``width`` zeros after those ``count + nnz`` entries.
 
-        With ``TACTIX_PAGE_TABLE_KERNEL=1``, one kernel launched through the driver
-        (`tactix.cudadrv`, ~3 us of host time), writing page 0 past each row's pages; by default
-        and where the driver cannot load it, ``copy_in`` of
+        One kernel launched through the driver (`tactix.cudadrv`, ~8 us of host time on an H100
+        host), writing page 0 past each row's pages; with ``TACTIX_PAGE_TABLE_KERNEL=0`` and
+        where the driver cannot load it, ``copy_in`` of
         ``indices`` to ``count`` and a ``torch.index_select`` over windows of the slot (each
-        row's pages followed by the next rows'), ~20 us."""
+        row's pages followed by the next rows'), ~18-20 us
+        (benchmarks/results/h100-gather-probe-session31.json)."""
         launch = None
         if _table_kernel_on and self.device.type == "cuda" and rows <= _MAX_GRID_Y:
             launch = _CSR_TO_TABLE.launcher(self.index)

@@ -651,7 +651,7 @@ class CudnnAttentionPlan:
         indices = batch.kv_indices
         if nnz <= _HOST_TABLE_ENTRIES:
             # host indices: laid out on the host for a few rows, else sent as CSR and gathered;
-            # device indices: copied into the slot on the device after the transfer, then gathered
+            # device indices: gathered on the device, read where they are
             from_device = not indices.is_cpu
             on_host = b <= _HOST_ROWS and not from_device
             flat, offsets = host_metadata(self.problem, batch, key, starts=not on_host)  # no gather: no row starts
@@ -659,8 +659,8 @@ class CudnnAttentionPlan:
             # one pinned buffer written with C-level copies and one transfer into the wrapper's
             # staging slot: [small | the page table] for a few rows, else [small | the CSR
             # indices | width zeros] and one gather on the device (torch.tensor(list) costs
-            # ~90 ns per element; this ~1); device indices go through the gather (copied into
-            # the slot first, or read in place with TACTIX_PAGE_TABLE_KERNEL=1: no host read, no sync)
+            # ~90 ns per element; this ~1); device indices are read in place by the gather's
+            # kernel (no host read, no sync)
             if previous is not None and previous._staging is None:
                 raise UnsupportedProblemError(NAME, self.problem, [
                     "in CUDA-graph mode a re-plan must keep the graph's buckets (page entries)"])  # fmt: skip

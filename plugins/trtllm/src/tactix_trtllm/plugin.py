@@ -407,7 +407,7 @@ class _Plan:
         and sent in one transfer into a slot (`metadata.write_metadata`): the block table laid out
         on the host for host page indices of a few rows (`metadata.table_on_host`), else gathered
         on the device from the CSR indices, sent in the same transfer (host) or copied after it
-        (device; `Staging.gather` reads them in place with ``TACTIX_PAGE_TABLE_KERNEL=1``). Eager
+        (device: `Staging.gather`'s kernel reads them in place). Eager
         plans alternate between the two slots (the slot the previous plan's runs read is left
         alone); CUDA-graph plans keep slot 0, sized by the captured geometry, whose addresses the
         captured kernels read. XQA (``decode``) reads no cumulative lengths: their sections stay
@@ -432,7 +432,7 @@ class _Plan:
         if host_table:
             table = staging.view(slot, pages, g.rows * g.width).view(g.rows, g.width)
         else:
-            # (device indices: copied or read in place by the gather, after the transfer on its stream)
+            # (device indices: read in place by the gather's kernel, after the transfer on its stream)
             staging.gather(slot, pages, g.rows, g.width, layout.offset("row_starts"), batch.num_page_entries,
                            None if on_host else indices)  # fmt: skip
             table = staging.gathered(slot, g.rows, g.width)
