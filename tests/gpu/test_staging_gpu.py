@@ -105,3 +105,22 @@ def test_the_gather_is_ordered_after_the_slot_transfer_on_a_side_stream() -> Non
     with torch.cuda.stream(side):
         for seed in range(5):
             _gathered(64, 64, seed=seed, from_device=seed % 2 == 0)
+
+
+def test_threads_gathering_at_once_each_get_their_own_table() -> None:
+    """One launcher per device serves every thread: concurrent plans must not mix their arguments."""
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        try:
+            for round_ in range(10):
+                _gathered(48, 40 + seed, seed=100 * seed + round_, from_device=round_ % 2 == 0)
+        except BaseException as exc:  # (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[0]

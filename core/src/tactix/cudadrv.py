@@ -101,21 +101,24 @@ class Launcher:
         self._args = [t() for t in argtypes]
         self._params = (ctypes.c_void_p * len(self._args))(*(ctypes.addressof(a) for a in self._args))
         self._current = ctypes.c_void_p()
+        # the holders are shared: one launch at a time sets them (cuLaunchKernel copies the values)
+        self._lock = threading.Lock()
 
     def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], stream: int, *args: int) -> None:
-        for holder, value in zip(self._args, args, strict=True):
-            holder.value = value
         d = self._driver
-        d.current(ctypes.byref(self._current))
-        foreign = self._current.value != self._context
-        if foreign:  # (a thread that has not touched this device, or another device current)
-            d.check(d.push(self._context), "cuCtxPushCurrent")
-        try:
-            rc = d.launch(self._function, grid[0], grid[1], grid[2], block[0], block[1], block[2], 0, stream,
-                          self._params, None)  # fmt: skip
-        finally:
-            if foreign:
-                d.pop(ctypes.byref(self._current))
+        with self._lock:
+            for holder, value in zip(self._args, args, strict=True):
+                holder.value = value
+            d.current(ctypes.byref(self._current))
+            foreign = self._current.value != self._context
+            if foreign:  # (a thread that has not touched this device, or another device current)
+                d.check(d.push(self._context), "cuCtxPushCurrent")
+            try:
+                rc = d.launch(self._function, grid[0], grid[1], grid[2], block[0], block[1], block[2], 0, stream,
+                              self._params, None)  # fmt: skip
+            finally:
+                if foreign:
+                    d.pop(ctypes.byref(self._current))
         if rc:
             d.check(rc, "cuLaunchKernel")
 
