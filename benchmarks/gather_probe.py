@@ -10,10 +10,13 @@ CSR page indices (`Staging.gather`). With the kernel of `tactix.staging` (PTX la
 ``torch.index_select`` over windows of it, ~20-25 us of host time a plan on an H200 host
 (benchmarks/results/h200-plan-timers-session30.log).
 
-Reports, in one process, for the caller's indices on the device: the host time of the torch
-path (copy_in + index_select) and of the kernel's launch, that each row's pages are the same in
-both tables (the kernel writes page 0 past them, the torch path the next rows' pages), and the
-kernel's device time. It changes nothing in tactix. Needs a CUDA GPU.
+Reports, in one process, for the caller's indices on the device, both paths taken through
+`Staging.gather` itself (switched as ``TACTIX_PAGE_TABLE_KERNEL`` switches it): the host time of
+the torch path (copy_in + index_select) and of the kernel path, that each row's pages are the
+same in both tables (the kernel writes page 0 past them, the torch path the next rows' pages),
+and the mean time between CUDA events around 20 kernel-path gathers back to back (the launch
+rate bounds it where the host is slower than the kernel). It leaves tactix as it found it.
+Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 
 from tactix import staging as staging_module
-from tactix.staging import Staging, gather_table, sections
+from tactix.staging import Staging, sections
 
 
 def host_us(fn: Callable[[], object], calls: int) -> float:
@@ -76,30 +79,24 @@ def main() -> None:
     # the metadata transfer (the row starts; the pages section's zeros), sent once
     staging.send(slot, layout.total, lambda dst: layout.write(dst, [starts[:-1], []]))
     pages_at, starts_at = layout.offset("pages"), layout.offset("row_starts")
-    staging_module._table_kernel_on = True  # (whatever TACTIX_PAGE_TABLE_KERNEL says)
     launcher = staging_module._CSR_TO_TABLE.launcher(staging.index)
-    slot_view = staging.view(slot, 0, layout.total)
-    torch_table = torch.empty(rows, width, dtype=torch.int32, device=device)
 
-    def torch_path() -> None:  # what Staging.gather does where the kernel cannot load
-        staging.copy_in(slot, pages_at, indices)
-        gather_table(slot_view[pages_at:], slot_view[starts_at : starts_at + rows], torch_table)
-
-    def kernel_path() -> None:
+    def gather() -> None:  # what trtllm's and cudnn's plans call
         staging.gather(slot, pages_at, rows, width, starts_at, nnz, indices)
 
-    torch_path()
-    kernel_path()
-    torch.cuda.synchronize()
-    expected = torch_table.cpu()
-    got = staging.gathered(slot, rows, width).cpu()
+    def table(kernel: bool) -> torch.Tensor:
+        staging_module._table_kernel_on = kernel  # (as TACTIX_PAGE_TABLE_KERNEL=1 or 0 sets it)
+        gather()
+        return staging.gathered(slot, rows, width).cpu()
+
+    expected, got = table(False), table(True)
     same = all(
         torch.equal(got[r, : pages[r]], expected[r, : pages[r]]) and not got[r, pages[r] :].any() for r in range(rows)
     )
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     start.record()
     for _ in range(20):
-        kernel_path()
+        gather()
     end.record()
     end.synchronize()
     kernel_us = start.elapsed_time(end) * 1e3 / 20
@@ -115,8 +112,10 @@ def main() -> None:
         "device_us kernel path (20 launches, mean)": round(kernel_us, 2),
     }
     for _ in range(2):  # two rounds, the second kept (the first warms caches and the allocator)
-        for name, fn in (("torch path (copy_in + index_select)", torch_path), ("kernel path", kernel_path)):
-            results[f"host_us {name}"] = round(host_us(fn, args.calls), 2)
+        for name, kernel in (("torch path (copy_in + index_select)", False), ("kernel path", True)):
+            staging_module._table_kernel_on = kernel
+            results[f"host_us {name}"] = round(host_us(gather, args.calls), 2)
+    staging_module._table_kernel_on = True
     width_col = max(len(k) for k in results)
     for key, value in results.items():
         print(f"{key:{width_col}s}  {value}")

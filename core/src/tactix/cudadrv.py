@@ -29,14 +29,17 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Final
 
+from tactix.cudart import _fn
 from tactix.errors import TactixError
 
-__all__ = ["Kernel", "Launcher"]
+__all__ = ["INT", "POINTER", "Kernel", "Launcher"]
 
 log = logging.getLogger("tactix")
 
-_INT: Final = ctypes.c_int
-_PTR: Final = ctypes.c_void_p
+INT: Final = ctypes.c_int
+"""A kernel argument of type ``int`` (32-bit)."""
+POINTER: Final = ctypes.c_void_p
+"""A kernel argument that is a device address."""
 
 
 class _Driver:
@@ -66,12 +69,6 @@ class _Driver:
     def check(self, rc: int, what: str) -> None:
         if rc:
             raise TactixError(f"tactix: the CUDA driver's {what} failed: {self.message(rc)}")
-
-
-def _fn(f: Any, argtypes: list[Any]) -> Any:
-    f.argtypes = argtypes
-    f.restype = ctypes.c_int
-    return f
 
 
 _driver: _Driver | None = None
@@ -167,9 +164,3 @@ class Kernel:
             d.pop(ctypes.byref(popped))
         assert context.value is not None and function.value is not None
         return Launcher(d, context.value, function.value, self.argtypes)
-
-
-INT: Final = _INT
-"""A kernel argument of type ``int`` (32-bit)."""
-POINTER: Final = _PTR
-"""A kernel argument that is a device address."""

@@ -12,9 +12,10 @@ few thousand entries. The pieces here do the same in a few:
   pinned buffer, enqueues one copy into the slot on torch's current stream and returns the
   slot's device address; ``copy_in(slot, start, src)`` copies a device int32 tensor (the
   caller's page indices) into a slot after ``send``'s transfer, on the same stream;
-  ``view(slot, start, count)`` is a device tensor over part of a slot; ``gather(...)`` builds a padded page
-  table in the slot's table buffer from CSR indices that ``send`` put there (``gathered(...)``:
-  that table as a tensor).
+  ``view(slot, start, count)`` is a device tensor over part of a slot; ``gather(...)`` builds a
+  padded page table in the slot's table buffer from CSR indices that ``send`` put there or the
+  caller's device indices, with one kernel launched through the driver (`tactix.cudadrv`)
+  (``gathered(...)``: that table as a tensor).
 * `sections(("name", capacity), ...)`: a layout of named, 128-byte aligned int32 sections in
   one buffer (memoised); ``Sections.write(address, pieces)`` writes each piece (a list of ints,
   an ``array``, or an int32 CPU tensor) at its section with one C-level copy and zeroes the

@@ -162,7 +162,7 @@ def tune(
     base_time = next(r.median_s for r in finalists if r.tactic == baseline)
     best = min(finalists, key=lambda r: r.median_s or float("inf"))
     assert base_time is not None and best.median_s is not None
-    won = best if best.median_s * policy.min_speedup < base_time else next(r for r in ok if r.tactic == baseline)
+    won = best if best.median_s * policy.min_speedup < base_time else next(r for r in finalists if r.tactic == baseline)
     # named by the tactic its plan ran (what a default resolved to), the name the wrapper reports
     winner = won.ran or won.tactic
     return StoreEntry(
