@@ -8,6 +8,14 @@ two rows is the conversion's cost), and for the fp8 cache each of kernels/fp8.cu
 modes. Every output is checked against the float64 oracle first.
 
     python benchmarks/fp8_prefill_probe.py [--json PATH] [--repeat N]
+
+``--once TACTIC`` (a key of `TACTICS`) runs that tactic once over each cache in bf16 q, after
+the check, and times nothing: a run to put under a profiler, e.g. the shared-memory traffic of
+the two kernels (issue 22's question whether shared memory bounds P1-fp8)::
+
+    ncu --clock-control none -k tactix_prefill --metrics \
+        l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__inst_executed_pipe_lsu.sum,gpu__time_duration.sum \
+        python benchmarks/fp8_prefill_probe.py --once "128/128 s2 pp persist"
 """
 
 from __future__ import annotations
@@ -46,8 +54,9 @@ TACTICS = {
 
 
 def time_tactic(case: Any, x: Any, q_dtype: torch.dtype, tactic: dict[str, Any], ref: torch.Tensor, flops: float,
-                policy: MeasurementPolicy) -> dict[str, Any]:  # fmt: skip
-    """Plan ``tactic`` on ``x``, check the output against ``ref``, time it."""
+                policy: MeasurementPolicy | None) -> dict[str, Any]:  # fmt: skip
+    """Plan ``tactic`` on ``x``, check the output against ``ref``, time it (``policy`` None: run
+    once more, untimed, for a profiler)."""
     hq, hkv = case.heads
     extras = x.extras
     try:
@@ -61,6 +70,10 @@ def time_tactic(case: Any, x: Any, q_dtype: torch.dtype, tactic: dict[str, Any],
         out.fill_(float("nan"))
         w.run(x.q, (x.k, x.v), out=out, **extras)
         error = relative_error(out, ref)
+        if policy is None:
+            w.run(x.q, (x.k, x.v), out=out, **extras)
+            torch.cuda.synchronize()
+            return {"error": error}
         timing = measure_with_policy(lambda: w.run(x.q, (x.k, x.v), out=out, **extras), CUDA, policy)
     except Exception as e:  # a probe: the row says what failed
         return {"failed": f"{type(e).__name__}: {e}"[:300]}
@@ -71,13 +84,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--once", choices=sorted(TACTICS), help="run this tactic once per cache, untimed")
     args = parser.parse_args()
     cases = {c.id: c for c in suite("gpu")}
     case = cases["P1"]
     fp8_case = cases["P1-fp8"]
-    policy = MeasurementPolicy(warmup=3, repeat=args.repeat)
+    policy = None if args.once else MeasurementPolicy(warmup=3, repeat=args.repeat)
+    tactics = {args.once: TACTICS[args.once]} if args.once else TACTICS
     rows = []
-    for q_dtype in (torch.bfloat16, torch.float16):
+    for q_dtype in (torch.bfloat16,) if args.once else (torch.bfloat16, torch.float16):
         for kv in ("16-bit", "e4m3"):
             x = _attention_inputs(fp8_case if kv == "e4m3" else case, CUDA, q_dtype)
             ks, vs = (float(x.extras[n]) for n in ("k_scale", "v_scale")) if x.extras else (1.0, 1.0)
@@ -85,11 +100,11 @@ def main() -> None:
                                          kv_layout="HND", causal=True, sm_scale=1 / math.sqrt(case.head_dim),
                                          k_scale=ks, v_scale=vs)  # fmt: skip
             flops, _ = _attention_work(case, q_dtype)
-            modes = ("-",) if kv == "16-bit" else ("1", "2") if q_dtype == torch.bfloat16 else ("1",)
+            modes = ("-",) if kv == "16-bit" else ("1", "2") if q_dtype == torch.bfloat16 and not args.once else ("1",)
             for mode in modes:
                 if mode != "-":
                     os.environ["TACTIX_CUDA_NATIVE_FP8_CVT"] = mode
-                for name, tactic in TACTICS.items():
+                for name, tactic in tactics.items():
                     if q_dtype == torch.float16 and kv == "16-bit" and "64" in name:
                         continue
                     row: dict[str, Any] = {"q": str(q_dtype).removeprefix("torch."), "kv": kv, "cvt": mode,
@@ -103,7 +118,9 @@ def main() -> None:
             json.dump({"case": "P1", "rows": rows}, f, indent=1)
     print(f"{'q':9} {'kv':7} {'cvt':3} {'tactic':24} {'us':>8} {'TFLOP/s':>8} {'error':>8}")
     for r in rows:
-        if "us" in r:
+        if "us" not in r and "error" in r:
+            print(f"{r['q']:9} {r['kv']:7} {r['cvt']:3} {r['tactic']:24} {'-':>8} {'-':>8} {r['error']:8.1e}")
+        elif "us" in r:
             print(f"{r['q']:9} {r['kv']:7} {r['cvt']:3} {r['tactic']:24} {r['us']:8.1f} {r['tflops']:8.1f} "
                   f"{r['error']:8.1e}")  # fmt: skip
         else:

@@ -30,8 +30,8 @@ their spread), which is what "within 3 %" is judged on.
 
 Each decode plan row is measured again with the page indices on the device (`DEVICE_INDEX_ROWS`,
 "dev-idx"). ``--backends`` picks the plan rows' backends (default cudnn,cuda_native,trtllm; with
-``flashinfer``, FlashInfer's own wrappers, device page indices, as a reference that both sides
-measure alike), ``--run-backends``
+``flashinfer``, FlashInfer's own wrappers, host and device page indices like every row, as a
+reference that both sides measure alike), ``--run-backends``
 the run rows' (default cudnn,cuda_native,trtllm,torch); a row a side cannot measure says why.
 On a machine without CUDA the run rows are left out and ``--device cpu`` plans with the torch
 backend (a check of the harness, not a host-cost result).
@@ -58,7 +58,8 @@ PLAN_ROWS = (("decode", 64, 4100, 8000), ("decode", 8, 900, 1000), ("prefill", 1
 DEVICE_INDEX_ROWS = ("decode b64", "decode b8")
 """Plan rows measured a second time with the page indices on the device (row name + " dev-idx"),
 the CSR offsets and last-page lengths on the host: what an engine that keeps its page table on the
-GPU passes (vLLM), and what `flashinfer` rows always get."""
+GPU passes (vLLM). FlashInfer's wrappers get both too: with host indices their plan copies them
+to the device from pageable memory, as it does for any caller that passes them so."""
 RUN_ROWS = ("decode b8", "decode b64", "prefill b4x64", "gemm m4 4096^2")
 
 
@@ -89,7 +90,7 @@ class Worker:
 
     def _plan_setup(self, backend: str, row: str) -> Callable[[int], float]:
         torch, tactix = self.torch, self.tactix
-        on_device = row.endswith(" dev-idx") or backend == "flashinfer"
+        on_device = row.endswith(" dev-idx")
         op, count, low, high = next(r for r in PLAN_ROWS if row.startswith(f"{r[0]} b{r[1]}"))
         from plan_time import batch  # the same batches as plan_time.py
 
@@ -254,10 +255,7 @@ def main() -> None:
     plan_rows = [f"{op} b{n}" for op, n, _, _ in PLAN_ROWS]
     if device == "cuda":
         plan_rows += [f"{row} dev-idx" for row in DEVICE_INDEX_ROWS]
-    # (FlashInfer's plan always gets device indices: its host-index decode rows would repeat them)
-    served = {b: [r for r in plan_rows if b != "flashinfer" or not r.startswith("decode") or "dev-idx" in r]
-              for b in plan_backends}  # fmt: skip
-    jobs = [("plan", b, row, args.plans) for b in plan_backends for row in served[b]]
+    jobs = [("plan", b, row, args.plans) for b in plan_backends for row in plan_rows]
     if device == "cuda":
         jobs += [("run", b, row, args.calls) for b in args.run_backends.split(",") for row in RUN_ROWS]
     skip = [p for p in args.skip.split(",") if p]
