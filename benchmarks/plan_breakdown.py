@@ -71,14 +71,8 @@ def instrument(backend: str) -> None:
                      "attended_lengths", "_plan_kernel", "decode_grid"):  # fmt: skip
             setattr(native, name, _timed_fn(getattr(native, name), f"        {name}"))
         _wrap(StagedPlan, "_send", "        StagedPlan._send")
-        real_launcher = native.launcher
-
-        class _TimedLauncher:  # the plan looks the launch function up once, in its first __init__
-            def __init__(self) -> None:
-                self.launch = _timed_fn(real_launcher().launch, "        launch (the device plan kernel)")
-
-        timed_launcher = _TimedLauncher()
-        native.launcher = lambda: timed_launcher
+        # the device plan's kernel launch, through the driver or (TACTIX_CUDA_NATIVE_DRIVER_LAUNCH=0) cuda.core
+        _wrap(native.CudaNativeDecodePlan, "_launch_plan", "        _launch_plan (the device plan kernel)")
     if backend == "trtllm":
         from tactix_trtllm import metadata
         from tactix_trtllm import plugin as trt

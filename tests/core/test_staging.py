@@ -269,3 +269,16 @@ def test_a_kernel_the_driver_cannot_load_leaves_the_torch_path_with_its_reason_l
         assert kernel.launcher(0) is None  # decided once per device
     [record] = [r for r in caplog.records if "tx_nothing" in r.getMessage()]
     assert "libcuda.so.1 cannot be loaded" in record.getMessage()
+
+
+def test_a_plugins_kernel_keeps_its_own_launch_path_where_the_driver_cannot_be_used(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_driver() -> None:
+        raise TactixError("tactix: the CUDA driver library libcuda.so.1 cannot be loaded (test)")
+
+    monkeypatch.setattr(cudadrv, "_load_driver", no_driver)
+    with caplog.at_level(logging.INFO, logger="tactix"):
+        assert cudadrv.function_launcher(0x1234, 0, (cudadrv.POINTER, cudadrv.INT64), "tx_plugin_kernel") is None
+    [record] = [r for r in caplog.records if "tx_plugin_kernel" in r.getMessage()]
+    assert "keeps its own launch path" in record.getMessage() and "cannot be loaded" in record.getMessage()

@@ -249,6 +249,37 @@ def _device_records(plan: Any) -> tuple[list[int], int]:
     return packed[: decode.DECODE_ITEM_INTS * count].tolist(), count
 
 
+@pytest.mark.parametrize("path", ["driver", "cuda.core", "driver refuses"])
+def test_the_device_plans_kernel_writes_the_host_records_through_either_launch_path(
+    path: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The device plan's kernel is launched through the driver (`tactix.cudadrv`) by default,
+    through cuda.core with TACTIX_CUDA_NATIVE_DRIVER_LAUNCH=0, and through cuda.core from then on
+    after a launch the driver refuses: each way it writes the host's records and the batch runs."""
+    key = (0, device.device_info(0).arch)
+    monkeypatch.setattr(decode, "_plan_launchers", {})
+    if path == "cuda.core":
+        monkeypatch.setenv(decode.DRIVER_LAUNCH_ENV, "0")
+    lens = torch.randint(1024, 8192, (64,), generator=torch.Generator().manual_seed(5)).tolist()
+    case = Case(lens, seed=21)
+    w = case.wrapper()
+    if path == "driver refuses":
+
+        def refused(*args: Any, **kwargs: Any) -> None:
+            raise tactix.TactixError("tactix: the CUDA driver's cuLaunchKernel failed: refused for the test")
+
+        decode._plan_launchers[key] = refused
+    with caplog.at_level("WARNING", logger="tactix"):
+        case.plan(w)
+    plan = w.plan_object
+    assert plan.planned_on_device
+    assert (decode._plan_launchers[key] is not None) == (path == "driver")
+    assert ("through cuda.core from now on" in caplog.text) == (path == "driver refuses")
+    records, count = _device_records(plan)
+    assert count == len(plan.work.items) and records == decode.decode_items(plan.work, case.indptr.tolist())
+    case.check(w, f"device plan launched through {path}")
+
+
 def test_decode_cuts_a_short_last_wave_of_whole_requests() -> None:
     """200 requests of 1024 keys x 8 KV heads are 4 waves of 396 CTAs (3 an SM) and 16 more: the
     requests of that last wave are cut into pieces (decode.decode_balance_tail) and merged. The

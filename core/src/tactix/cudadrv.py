@@ -10,9 +10,15 @@ Public API (what `tactix.staging` uses):
   a `Launcher` for that device, or None where the driver cannot load it (no ``libcuda``, a driver
   older than the PTX, ...: the caller keeps its torch path; the reason is logged once);
   ``disable(device_index, why)`` after a launch the driver refused (then None from then on).
-* `Launcher(grid, block, stream, *args)`: enqueue one launch on ``stream`` (an int handle,
-  `tactix.cudart.raw_stream`); arguments are ints, in the order of ``argtypes``. A failing
-  launch raises `tactix.TactixError` with the driver's message.
+* `Launcher(grid, block, stream, *args, smem=0)`: enqueue one launch on ``stream`` (an int
+  handle, `tactix.cudart.raw_stream`) with ``smem`` bytes of dynamic shared memory; arguments are
+  ints, in the order of ``argtypes``. A failing launch raises `tactix.TactixError` with the
+  driver's message.
+* `function_launcher(handle, device_index, argtypes, name)`: a `Launcher` for a kernel another
+  loader loaded (a plugin's ``CUfunction``, or the ``CUkernel`` of a library that ``cuda.core``
+  loads: ``cuLaunchKernel`` takes both since CUDA 12.0), or None where the driver cannot be used.
+  A plugin launches a hot kernel this way for a few microseconds less host time a launch than
+  through ``cuda.core`` (`tactix_cuda_native`'s decode plan).
 
 The PTX a kernel ships is generated from the CUDA C kept next to it (``nvcc -ptx
 -arch=compute_75``), with its ``.version`` lowered to the oldest ISA its instructions need, so
@@ -32,12 +38,14 @@ from typing import Any, Final
 from tactix.cudart import _fn
 from tactix.errors import TactixError
 
-__all__ = ["INT", "POINTER", "Kernel", "Launcher"]
+__all__ = ["INT", "INT64", "POINTER", "Kernel", "Launcher", "function_launcher"]
 
 log = logging.getLogger("tactix")
 
 INT: Final = ctypes.c_int
 """A kernel argument of type ``int`` (32-bit)."""
+INT64: Final = ctypes.c_int64
+"""A kernel argument of type ``long long`` (64-bit)."""
 POINTER: Final = ctypes.c_void_p
 """A kernel argument that is a device address."""
 
@@ -101,7 +109,8 @@ class Launcher:
         # the holders are shared: one launch at a time sets them (cuLaunchKernel copies the values)
         self._lock = threading.Lock()
 
-    def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], stream: int, *args: int) -> None:
+    def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], stream: int, *args: int,
+                 smem: int = 0) -> None:  # fmt: skip
         d = self._driver
         with self._lock:
             for holder, value in zip(self._args, args, strict=True):
@@ -111,13 +120,35 @@ class Launcher:
             if foreign:  # (a thread that has not touched this device, or another device current)
                 d.check(d.push(self._context), "cuCtxPushCurrent")
             try:
-                rc = d.launch(self._function, grid[0], grid[1], grid[2], block[0], block[1], block[2], 0, stream,
+                rc = d.launch(self._function, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
                               self._params, None)  # fmt: skip
             finally:
                 if foreign:
                     d.pop(ctypes.byref(self._current))
         if rc:
             d.check(rc, "cuLaunchKernel")
+
+
+def _primary_context(d: _Driver, device_index: int) -> int:
+    """The primary context of ``device_index`` (retained): the one torch's runtime calls use."""
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    d.check(d.device_get(ctypes.byref(device), device_index), "cuDeviceGet")
+    d.check(d.retain(ctypes.byref(context), device.value), "cuDevicePrimaryCtxRetain")
+    assert context.value is not None
+    return context.value
+
+
+def function_launcher(handle: int, device_index: int, argtypes: Sequence[Any], name: str) -> Launcher | None:
+    """A `Launcher` for the loaded kernel ``handle`` (a ``CUfunction``, or a ``CUkernel``, which
+    ``cuLaunchKernel`` resolves in the current context) on ``device_index``, or None where the
+    driver cannot be used here (logged; the caller keeps its own launch path). The kernel's
+    attributes (its dynamic shared memory limit) are the loader's business."""
+    try:
+        d = _load_driver()
+        return Launcher(d, _primary_context(d, device_index), handle, argtypes)
+    except TactixError as exc:
+        log.info("tactix: %s keeps its own launch path on cuda:%d: %s", name, device_index, exc)
+        return None
 
 
 class Kernel:
@@ -151,10 +182,7 @@ class Kernel:
 
     def _load(self, device_index: int) -> Launcher:
         d = _load_driver()
-        device, context = ctypes.c_int(), ctypes.c_void_p()
-        d.check(d.device_get(ctypes.byref(device), device_index), "cuDeviceGet")
-        # the primary context: the one torch's runtime calls use on this device
-        d.check(d.retain(ctypes.byref(context), device.value), "cuDevicePrimaryCtxRetain")
+        context = _primary_context(d, device_index)
         module, function, popped = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         d.check(d.push(context), "cuCtxPushCurrent")
         try:
@@ -162,5 +190,5 @@ class Kernel:
             d.check(d.function(ctypes.byref(function), module, self.name.encode()), "cuModuleGetFunction")
         finally:
             d.pop(ctypes.byref(popped))
-        assert context.value is not None and function.value is not None
-        return Launcher(d, context.value, function.value, self.argtypes)
+        assert function.value is not None
+        return Launcher(d, context, function.value, self.argtypes)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
@@ -35,7 +36,9 @@ from tactix import (
     PlanOptions,
     Problem,
     Tactic,
+    TactixError,
     UnsupportedProblemError,
+    cudadrv,
 )
 from tactix.plugin import Piece, Sections, bucket_size, from_static, keep_static, raw_stream, sections
 from tactix_cuda_native import NAME
@@ -54,6 +57,8 @@ from tactix_cuda_native.paged import (
 )
 from tactix_cuda_native.runtime import Variant, launch_config, load, stream_for, tensor_map, tensor_maps_status
 from tactix_cuda_native.tactics import TacticParams
+
+log = logging.getLogger("tactix")
 
 Q_TILE: Final = 16  # query heads of one GQA group per CTA (the mma's 16 rows)
 DECODE_ITEM_INTS: Final = 8  # ints per work item record (kernels/decode.cu)
@@ -473,6 +478,34 @@ def _plan_kernel(index: int, arch: str) -> tuple[Any, bool]:
     return kernel, built
 
 
+DRIVER_LAUNCH_ENV: Final = "TACTIX_CUDA_NATIVE_DRIVER_LAUNCH"
+"""Set to 0: the device plan's kernel is launched through ``cuda.core`` like every other kernel,
+not through the driver (`tactix.cudadrv.function_launcher`, a few microseconds less host time a
+plan); read once per device, when its first plan launches the kernel."""
+
+_plan_launchers: dict[tuple[int, str], cudadrv.Launcher | None] = {}
+_PLAN_ARGS: Final = (cudadrv.POINTER,) * 4 + (cudadrv.INT64,) * 7  # kernels/decode_plan.cu's parameters
+
+
+def _plan_launcher(index: int, arch: str, kernel: Any) -> cudadrv.Launcher | None:
+    """The device plan's kernel ``kernel`` (`_plan_kernel`) as a driver launch on device
+    ``index`` (memoised), or None: launched through ``cuda.core`` (`DRIVER_LAUNCH_ENV` is 0, or
+    the driver cannot be used here)."""
+    key = (index, arch)
+    if key in _plan_launchers:
+        return _plan_launchers[key]
+    found = None
+    if os.environ.get(DRIVER_LAUNCH_ENV) != "0":
+        try:
+            handle = int(kernel.handle)
+        except (AttributeError, TypeError, ValueError):  # a cuda.core without the handle: its own launch
+            handle = 0
+        if handle:
+            found = cudadrv.function_launcher(handle, index, _PLAN_ARGS, "tactix_decode_plan")
+    _plan_launchers[key] = found
+    return found
+
+
 @functools.lru_cache(maxsize=64)
 def _plan_config(batch: int) -> Any:
     """The device plan's launch configuration for ``batch`` requests (one CTA; memoised: a server
@@ -745,10 +778,10 @@ class CudaNativeDecodePlan(StagedPlan):
             plan_kernel, plan_built = _plan_kernel(index, info.arch)
             self.built = self.built or plan_built
             recut = self._recut or (0, 0, 0)
-            self._launch_fn(stream_for(index, raw_stream(index)), _plan_config(b), plan_kernel,
-                            base + 4 * layout.offset("kv_indptr"), base + 4 * layout.offset("kv_lens"),
-                            base + 4 * layout.offset("items"), base + 4 * layout.offset("num_items"), b, chunk,
-                            problem.window_left, *recut, DECODE_MIN_CHUNK)  # fmt: skip
+            args = (base + 4 * layout.offset("kv_indptr"), base + 4 * layout.offset("kv_lens"),
+                    base + 4 * layout.offset("items"), base + 4 * layout.offset("num_items"), b, chunk,
+                    problem.window_left, *recut, DECODE_MIN_CHUNK)  # fmt: skip
+            self._launch_plan(index, info.arch, plan_kernel, b, args)
         else:
             records: list[Piece] = [decode_items(work, batch.kv_indptr_list), [len(work.items)]]
             layout, base, indices_ptr = self._send(problem, batch, previous, graph,
@@ -785,6 +818,20 @@ class CudaNativeDecodePlan(StagedPlan):
         self._strides: tuple[int, ...] = ()
         self._q_copy: torch.Tensor | None = None
         self._inherit_accepted(previous)
+
+    def _launch_plan(self, index: int, arch: str, kernel: Any, batch: int, args: tuple[int, ...]) -> None:
+        """Enqueue the device plan's kernel on the current stream: through the driver where it can
+        be (`_plan_launcher`), else, and from then on after a launch the driver refused, through
+        ``cuda.core``."""
+        fast = _plan_launcher(index, arch, kernel)
+        if fast is not None:
+            try:
+                fast((1, 1, 1), (DECODE_PLAN_THREADS, 1, 1), raw_stream(index), *args, smem=decode_plan_smem(batch))
+                return
+            except TactixError as exc:
+                _plan_launchers[(index, arch)] = None
+                log.warning("cuda_native: the decode plan's kernel is launched through cuda.core from now on: %s", exc)
+        self._launch_fn(stream_for(index, raw_stream(index)), _plan_config(batch), kernel, *args)
 
     @property
     def work(self) -> DecodeWork:
