@@ -10,11 +10,12 @@ the transfers themselves, the events and the CUDA runtime calls are covered by t
 from __future__ import annotations
 
 import array
+import ctypes
 import gc
 import itertools
 import logging
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -282,3 +283,51 @@ def test_a_plugins_kernel_keeps_its_own_launch_path_where_the_driver_cannot_be_u
         assert cudadrv.function_launcher(0x1234, 0, (cudadrv.POINTER, cudadrv.INT64), "tx_plugin_kernel") is None
     [record] = [r for r in caplog.records if "tx_plugin_kernel" in r.getMessage()]
     assert "keeps its own launch path" in record.getMessage() and "cannot be loaded" in record.getMessage()
+
+
+class _RecordingDriver:
+    """The driver entry points a `cudadrv.Launcher` calls, recording what a launch passes (no GPU)."""
+
+    def __init__(self, current: int) -> None:
+        self.current_context, self.calls = current, []  # type: ignore[var-annotated]
+
+    def current(self, ref: Any) -> int:
+        ref._obj.value = self.current_context
+        return 0
+
+    def push(self, context: int) -> int:
+        self.calls.append(("push", context))
+        return 0
+
+    def pop(self, ref: Any) -> int:
+        self.calls.append(("pop",))
+        return 0
+
+    def launch(self, function: int, *rest: Any) -> int:
+        *dims, smem, stream, params, _extra = rest
+        self.calls.append(("launch", function, tuple(dims), smem, stream, params))
+        return 0
+
+    def check(self, rc: int, what: str) -> None:
+        assert rc == 0, what
+
+
+@pytest.mark.parametrize("foreign", [False, True], ids=["primary current", "another context current"])
+def test_a_launcher_passes_each_argument_at_its_type_and_the_shared_memory(foreign: bool) -> None:
+    """What `cudadrv.Launcher` hands ``cuLaunchKernel``: one pointer per argument to a value of the
+    declared type (a 64-bit int read as such, a negative 32-bit int kept), the grid, block, dynamic
+    shared memory and stream; the device's primary context pushed only where another is current."""
+    primary = 0x1000
+    driver = _RecordingDriver(current=0x2000 if foreign else primary)
+    argtypes = (cudadrv.POINTER, cudadrv.INT64, cudadrv.INT)
+    launch = cudadrv.Launcher(driver, primary, 0xF00, argtypes)  # type: ignore[arg-type]
+    launch((3, 2, 1), (256, 1, 1), 0x77, 0xDEAD0000, 2**40 + 5, -7, smem=34816)
+    launched = [c for c in driver.calls if c[0] == "launch"]
+    assert len(launched) == 1
+    _, function, dims, smem, stream, params = launched[0]
+    assert (function, dims, smem, stream) == (0xF00, (3, 2, 1, 256, 1, 1), 34816, 0x77)
+    values = [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value for i, t in enumerate(argtypes)]
+    assert values == [0xDEAD0000, 2**40 + 5, -7]
+    assert [c[0] for c in driver.calls] == (["push", "launch", "pop"] if foreign else ["launch"])
+    if foreign:
+        assert driver.calls[0] == ("push", primary)
