@@ -71,7 +71,7 @@ def instrument(backend: str) -> None:
                      "attended_lengths", "_plan_kernel", "decode_grid"):  # fmt: skip
             setattr(native, name, _timed_fn(getattr(native, name), f"        {name}"))
         _wrap(StagedPlan, "_send", "        StagedPlan._send")
-        # the device plan's kernel launch, through the driver or (TACTIX_CUDA_NATIVE_DRIVER_LAUNCH=0) cuda.core
+        # the device plan's kernel launch, through cuda.core or (TACTIX_CUDA_NATIVE_DRIVER_LAUNCH=1) the driver
         _wrap(native.CudaNativeDecodePlan, "_launch_plan", "        _launch_plan (the device plan kernel)")
     if backend == "trtllm":
         from tactix_trtllm import metadata

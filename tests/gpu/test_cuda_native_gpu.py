@@ -253,13 +253,12 @@ def _device_records(plan: Any) -> tuple[list[int], int]:
 def test_the_device_plans_kernel_writes_the_host_records_through_either_launch_path(
     path: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The device plan's kernel is launched through the driver (`tactix.cudadrv`) by default,
-    through cuda.core with TACTIX_CUDA_NATIVE_DRIVER_LAUNCH=0, and through cuda.core from then on
-    after a launch the driver refuses: each way it writes the host's records and the batch runs."""
+    """The device plan's kernel is launched through the driver (`tactix.cudadrv`) with
+    TACTIX_CUDA_NATIVE_DRIVER_LAUNCH=1, through cuda.core with 0, and through cuda.core from then
+    on after a launch the driver refuses: each way it writes the host's records and the batch runs."""
     key = (0, device.device_info(0).arch)
     monkeypatch.setattr(decode, "_plan_launchers", {})
-    if path == "cuda.core":
-        monkeypatch.setenv(decode.DRIVER_LAUNCH_ENV, "0")
+    monkeypatch.setenv(decode.DRIVER_LAUNCH_ENV, "0" if path == "cuda.core" else "1")
     lens = torch.randint(1024, 8192, (64,), generator=torch.Generator().manual_seed(5)).tolist()
     case = Case(lens, seed=21)
     w = case.wrapper()

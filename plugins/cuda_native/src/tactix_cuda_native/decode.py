@@ -479,9 +479,11 @@ def _plan_kernel(index: int, arch: str) -> tuple[Any, bool]:
 
 
 DRIVER_LAUNCH_ENV: Final = "TACTIX_CUDA_NATIVE_DRIVER_LAUNCH"
-"""Set to 0: the device plan's kernel is launched through ``cuda.core`` like every other kernel,
-not through the driver (`tactix.cudadrv.function_launcher`, a few microseconds less host time a
-plan); read once per device, when its first plan launches the kernel."""
+"""Set to 1: the device plan's kernel is launched through the driver
+(`tactix.cudadrv.function_launcher`, a few microseconds less host time a plan), else through
+``cuda.core`` like every other kernel; read once per device, when its first plan launches the
+kernel. Opt-in until its GPU test (`test_the_device_plans_kernel_writes_the_host_records_through_either_launch_path`)
+has run on a GPU: written in a session that got none."""
 
 _plan_launchers: dict[tuple[int, str], cudadrv.Launcher | None] = {}
 _PLAN_ARGS: Final = (cudadrv.POINTER,) * 4 + (cudadrv.INT64,) * 7  # kernels/decode_plan.cu's parameters
@@ -489,13 +491,13 @@ _PLAN_ARGS: Final = (cudadrv.POINTER,) * 4 + (cudadrv.INT64,) * 7  # kernels/dec
 
 def _plan_launcher(index: int, arch: str, kernel: Any) -> cudadrv.Launcher | None:
     """The device plan's kernel ``kernel`` (`_plan_kernel`) as a driver launch on device
-    ``index`` (memoised), or None: launched through ``cuda.core`` (`DRIVER_LAUNCH_ENV` is 0, or
-    the driver cannot be used here)."""
+    ``index`` (memoised), or None: launched through ``cuda.core`` (`DRIVER_LAUNCH_ENV` is not 1,
+    or the driver cannot be used here)."""
     key = (index, arch)
     if key in _plan_launchers:
         return _plan_launchers[key]
     found = None
-    if os.environ.get(DRIVER_LAUNCH_ENV) != "0":
+    if os.environ.get(DRIVER_LAUNCH_ENV) == "1":
         try:
             handle = int(kernel.handle)
         except (AttributeError, TypeError, ValueError):  # a cuda.core without the handle: its own launch
