@@ -164,6 +164,20 @@ def test_ctrl_c_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
     assert code == 130 and err == "tactix: interrupted\n"
 
 
+def test_ctrl_c_reaches_a_run_that_inherited_sigint_ignored(capsys: pytest.CaptureFixture[str]) -> None:
+    """A script's background job (``tactix conformance ... &``, as h200_checks.sh runs its jobs)
+    starts with SIGINT ignored: the CLI takes it as an interrupt again, so ``timeout -s INT`` stops
+    the run with what it finished written, not a KILL half a minute later."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        code, _, _ = run(["backends"], capsys)
+        assert code == 0 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_cache_ls_json_lists_environments_and_entries(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(["cache", "--root", str(tmp_path), "ls", "--json"], capsys)
     assert code == 0 and json.loads(out) == []

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -138,7 +139,23 @@ def _wait(child: subprocess.Popen[bytes]) -> tuple[int, bool]:
             return child.wait(), True
 
 
+def _interruptible() -> None:
+    """Take SIGINT as an interrupt even where it was inherited ignored: a script's background job
+    (``job &``, as ``benchmarks/h200_checks.sh`` runs its jobs) starts with SIGINT ignored, and
+    Python then installs no KeyboardInterrupt handler, so ``timeout -s INT`` would reach nothing.
+    In the pytest child, the same is done before it starts (`_default_sigint`)."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _default_sigint() -> None:
+    """The pytest child's SIGINT back to the default action, so that its Python takes it as an
+    interrupt (`_interruptible`)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _interruptible()
     args, extra = _arguments(sys.argv[1:] if argv is None else argv)
     try:
         return _run(args, extra)
@@ -164,7 +181,7 @@ def _run(args: argparse.Namespace, extra: Sequence[str]) -> int:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
         cmd = command(args, junit, record, ini, extra)
         print(f"run.py: in {args.tests}: {Path(cmd[0]).name} " + " ".join(cmd[1:]), file=sys.stderr, flush=True)
-        code, interrupted = _wait(subprocess.Popen(cmd, cwd=args.tests, env=env))
+        code, interrupted = _wait(subprocess.Popen(cmd, cwd=args.tests, env=env, preexec_fn=_default_sigint))
         if not junit.is_file():
             _fail(f"pytest wrote no JUnit XML (exit status {code}{', interrupted' if interrupted else ''}); "
                   "its output is above")  # fmt: skip

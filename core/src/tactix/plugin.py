@@ -12,6 +12,9 @@ change between releases. What is here:
   GPU; core already refuses what a declaration's ``compute_capabilities`` excludes),
   `resolve_device`, `raw_stream`
   (the ``cudaStream_t`` of torch's current stream on a device);
+* kernel launches through the driver: `function_launcher` (a `Launcher` for a kernel the plugin
+  loaded itself: a few microseconds less host time a launch than ``cuda.core.launch``) with the
+  argument types `LAUNCH_INT`, `LAUNCH_INT64` and `LAUNCH_POINTER`;
 * metadata staging for fast plans (`Staging`, `Piece`, `Sections`, `sections`,
   `write_int32`, `write_table`, `gather_table`): pinned host buffers and device slots that
   a plan refills every step without allocating (see docs/plugin-authoring.md);
@@ -26,6 +29,10 @@ from typing import Final, TypeVar
 
 from tactix.autotune.store import default_root as cache_root
 from tactix.autotune.store import write_atomically
+from tactix.cudadrv import INT as LAUNCH_INT
+from tactix.cudadrv import INT64 as LAUNCH_INT64
+from tactix.cudadrv import POINTER as LAUNCH_POINTER
+from tactix.cudadrv import Launcher, function_launcher
 from tactix.cudart import raw_stream
 from tactix.devices import compute_capability, cuda_available, resolve_device
 from tactix.hookspecs import PlanOptions, ReferenceCall, hookimpl
@@ -35,10 +42,14 @@ from tactix.problems import bucket_size
 from tactix.staging import Piece, Sections, Staging, gather_table, sections, write_int32, write_table
 
 __all__ = [
+    "LAUNCH_INT",
+    "LAUNCH_INT64",
+    "LAUNCH_POINTER",
     "OPS",
     "STALE_SLOTS",
     "CacheAxes",
     "KVLayout",
+    "Launcher",
     "OpDefinition",
     "Piece",
     "PlanOptions",
@@ -52,6 +63,7 @@ __all__ = [
     "cuda_available",
     "dense_strides",
     "from_static",
+    "function_launcher",
     "gather_table",
     "hookimpl",
     "keep_static",

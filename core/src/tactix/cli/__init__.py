@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import os
 import platform
+import signal
 import sys
 import tempfile
 import time
@@ -411,7 +412,17 @@ def _silence_stdout() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def _interruptible() -> None:
+    """Take SIGINT as an interrupt even where it was inherited ignored: a script's background job
+    (``job &``; benchmarks/h200_checks.sh runs its jobs so) starts with SIGINT ignored, and Python
+    then installs no KeyboardInterrupt handler, so ``timeout -s INT`` would not stop a run that
+    still writes what it finished (the kit's JSON, the bench's finished cases)."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _interruptible()
     args, extra = build_parser().parse_known_args(argv)
     if extra and not getattr(args, "passthrough", False):
         build_parser().parse_args(argv)  # reports the unknown arguments and exits 2

@@ -38,9 +38,20 @@ from tactix import (
     Tactic,
     TactixError,
     UnsupportedProblemError,
-    cudadrv,
 )
-from tactix.plugin import Piece, Sections, bucket_size, from_static, keep_static, raw_stream, sections
+from tactix.plugin import (
+    LAUNCH_INT64,
+    LAUNCH_POINTER,
+    Launcher,
+    Piece,
+    Sections,
+    bucket_size,
+    from_static,
+    function_launcher,
+    keep_static,
+    raw_stream,
+    sections,
+)
 from tactix_cuda_native import NAME
 from tactix_cuda_native.device import DeviceInfo, arch_at_least, cuda_device, device_index, device_info
 from tactix_cuda_native.kernel import FLAG_BYTES, L2_HINTS, Kernel, TensorMaps, bf16, launcher, load_kernel
@@ -480,16 +491,16 @@ def _plan_kernel(index: int, arch: str) -> tuple[Any, bool]:
 
 DRIVER_LAUNCH_ENV: Final = "TACTIX_CUDA_NATIVE_DRIVER_LAUNCH"
 """Set to 1: the device plan's kernel is launched through the driver
-(`tactix.cudadrv.function_launcher`, a few microseconds less host time a plan), else through
+(`tactix.plugin.function_launcher`, a few microseconds less host time a plan), else through
 ``cuda.core`` like every other kernel; read once per device, when its first plan launches the
 kernel. Opt-in until its GPU test (`test_the_device_plans_kernel_writes_the_host_records_through_either_launch_path`)
 has run on a GPU: written in a session that got none."""
 
-_plan_launchers: dict[tuple[int, str], cudadrv.Launcher | None] = {}
-_PLAN_ARGS: Final = (cudadrv.POINTER,) * 4 + (cudadrv.INT64,) * 7  # kernels/decode_plan.cu's parameters
+_plan_launchers: dict[tuple[int, str], Launcher | None] = {}
+_PLAN_ARGS: Final = (LAUNCH_POINTER,) * 4 + (LAUNCH_INT64,) * 7  # kernels/decode_plan.cu's parameters
 
 
-def _plan_launcher(index: int, arch: str, kernel: Any) -> cudadrv.Launcher | None:
+def _plan_launcher(index: int, arch: str, kernel: Any) -> Launcher | None:
     """The device plan's kernel ``kernel`` (`_plan_kernel`) as a driver launch on device
     ``index`` (memoised), or None: launched through ``cuda.core`` (`DRIVER_LAUNCH_ENV` is not 1,
     or the driver cannot be used here)."""
@@ -503,7 +514,7 @@ def _plan_launcher(index: int, arch: str, kernel: Any) -> cudadrv.Launcher | Non
         except (AttributeError, TypeError, ValueError):  # a cuda.core without the handle: its own launch
             handle = 0
         if handle:
-            found = cudadrv.function_launcher(handle, index, _PLAN_ARGS, "tactix_decode_plan")
+            found = function_launcher(handle, index, _PLAN_ARGS, "tactix_decode_plan")
     _plan_launchers[key] = found
     return found
 
