@@ -257,13 +257,20 @@ def test_copy_in_puts_device_entries_after_the_transfer_into_the_slot() -> None:
         staging.copy_in(slot, 1020, torch.zeros(5, dtype=torch.int32))
 
 
-def test_a_kernel_the_driver_cannot_load_leaves_the_torch_path_with_its_reason_logged(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def no_driver() -> None:
+@pytest.fixture
+def no_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine whose CUDA driver library cannot be loaded."""
+
+    def refuse() -> None:
         raise TactixError("tactix: the CUDA driver library libcuda.so.1 cannot be loaded (test)")
 
-    monkeypatch.setattr(cudadrv, "_load_driver", no_driver)
+    monkeypatch.setattr(cudadrv, "_load_driver", refuse)
+
+
+@pytest.mark.usefixtures("no_driver")
+def test_a_kernel_the_driver_cannot_load_leaves_the_torch_path_with_its_reason_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     kernel = cudadrv.Kernel(".version 7.0\n", "tx_nothing", (cudadrv.INT,))
     with caplog.at_level(logging.INFO, logger="tactix"):
         assert kernel.launcher(0) is None
@@ -272,13 +279,10 @@ def test_a_kernel_the_driver_cannot_load_leaves_the_torch_path_with_its_reason_l
     assert "libcuda.so.1 cannot be loaded" in record.getMessage()
 
 
+@pytest.mark.usefixtures("no_driver")
 def test_a_plugins_kernel_keeps_its_own_launch_path_where_the_driver_cannot_be_used(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    def no_driver() -> None:
-        raise TactixError("tactix: the CUDA driver library libcuda.so.1 cannot be loaded (test)")
-
-    monkeypatch.setattr(cudadrv, "_load_driver", no_driver)
     with caplog.at_level(logging.INFO, logger="tactix"):
         assert cudadrv.function_launcher(0x1234, 0, (cudadrv.POINTER, cudadrv.INT64), "tx_plugin_kernel") is None
     [record] = [r for r in caplog.records if "tx_plugin_kernel" in r.getMessage()]

@@ -4,7 +4,7 @@ GPU on first use, a few milliseconds) and launched with ``cuLaunchKernel`` throu
 microseconds of host time where a chain of torch ops costs tens (`Staging.gather`: 7.6 us a call
 against 18-20 for its torch path on an H100 host, benchmarks/results/h100-gather-probe-session31.json).
 
-Public API (what `tactix.staging` uses):
+Public API (what `tactix.staging` uses, and plugins through `tactix.plugin`):
 
 * `Kernel(ptx, name, argtypes)`: one ``.entry`` of a PTX module; ``launcher(device_index)`` gives
   a `Launcher` for that device, or None where the driver cannot load it (no ``libcuda``, a driver
