@@ -5,13 +5,16 @@ with ``tactix bench``'s method (CUDA-graph replay, L2 flush, median), the wgmma 
 bf16 cache and over an e4m3 cache for a few tactics each, in bf16 and in fp16 q (an fp8 code
 converts to float16 in one instruction a pair, to bfloat16 in four: the difference between the
 two rows is the conversion's cost), and for the fp8 cache each of kernels/fp8.cuh's conversion
-modes. Every output is checked against the float64 oracle first.
+modes, and under bf16 q Q K^T in float16 (``qk f16``: TX_QK16, the default) and in bfloat16
+(``qk bf16``: TACTIX_CUDA_NATIVE_FP8_QK16=0). Every output is checked against the float64 oracle
+first.
 
     python benchmarks/fp8_prefill_probe.py [--json PATH] [--repeat N]
 
-``--once TACTIC`` (a key of `TACTICS`) runs that tactic once over each cache in bf16 q, after
-the check, and times nothing: a run to put under a profiler, e.g. the shared-memory traffic of
-the two kernels (issue 22's question whether shared memory bounds P1-fp8)::
+``--once TACTIC`` (a key of `TACTICS`) runs that tactic once over each cache in bf16 q (over
+the fp8 one with Q K^T in float16, then in bfloat16), after the check, and times nothing: a
+run to put under a profiler, e.g. the shared-memory traffic and instructions of the kernels
+(issue 22's question what bounds P1-fp8)::
 
     ncu --clock-control none -k tactix_prefill --metrics \
         l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__inst_executed_pipe_lsu.sum,gpu__time_duration.sum \
@@ -100,31 +103,35 @@ def main() -> None:
                                          kv_layout="HND", causal=True, sm_scale=1 / math.sqrt(case.head_dim),
                                          k_scale=ks, v_scale=vs)  # fmt: skip
             flops, _ = _attention_work(case, q_dtype)
-            modes = ("-",) if kv == "16-bit" else ("1", "2") if q_dtype == torch.bfloat16 and not args.once else ("1",)
-            for mode in modes:
+            # (conversion mode, Q K^T type): fp16 q computes Q K^T in float16 in any case
+            modes = [("-", "-")] if kv == "16-bit" else [("1", "f16")] if q_dtype == torch.float16 else (
+                [("1", "f16"), ("1", "bf16")] + ([] if args.once else [("2", "f16")]))  # fmt: skip
+            for mode, qk in modes:
                 if mode != "-":
                     os.environ["TACTIX_CUDA_NATIVE_FP8_CVT"] = mode
+                    os.environ["TACTIX_CUDA_NATIVE_FP8_QK16"] = "0" if qk == "bf16" else "1"
                 for name, tactic in tactics.items():
                     if q_dtype == torch.float16 and kv == "16-bit" and "64" in name:
                         continue
                     row: dict[str, Any] = {"q": str(q_dtype).removeprefix("torch."), "kv": kv, "cvt": mode,
-                                           "tactic": name}  # fmt: skip
+                                           "qk": qk, "tactic": name}  # fmt: skip
                     row.update(time_tactic(case, x, q_dtype, tactic, ref, flops, policy))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             os.environ.pop("TACTIX_CUDA_NATIVE_FP8_CVT", None)
+            os.environ.pop("TACTIX_CUDA_NATIVE_FP8_QK16", None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"case": "P1", "rows": rows}, f, indent=1)
-    print(f"{'q':9} {'kv':7} {'cvt':3} {'tactic':24} {'us':>8} {'TFLOP/s':>8} {'error':>8}")
+    print(f"{'q':9} {'kv':7} {'cvt':3} {'qk':4} {'tactic':24} {'us':>8} {'TFLOP/s':>8} {'error':>8}")
     for r in rows:
+        head = f"{r['q']:9} {r['kv']:7} {r['cvt']:3} {r['qk']:4} {r['tactic']:24}"
         if "us" not in r and "error" in r:
-            print(f"{r['q']:9} {r['kv']:7} {r['cvt']:3} {r['tactic']:24} {'-':>8} {'-':>8} {r['error']:8.1e}")
+            print(f"{head} {'-':>8} {'-':>8} {r['error']:8.1e}")
         elif "us" in r:
-            print(f"{r['q']:9} {r['kv']:7} {r['cvt']:3} {r['tactic']:24} {r['us']:8.1f} {r['tflops']:8.1f} "
-                  f"{r['error']:8.1e}")  # fmt: skip
+            print(f"{head} {r['us']:8.1f} {r['tflops']:8.1f} {r['error']:8.1e}")
         else:
-            print(f"{r['q']:9} {r['kv']:7} {r['cvt']:3} {r['tactic']:24} {r.get('failed')}")
+            print(f"{head} {r.get('failed')}")
 
 
 if __name__ == "__main__":

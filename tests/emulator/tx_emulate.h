@@ -821,6 +821,10 @@ TX_DEVICE void tx_wgmma_ss(float* d, u64 desc_a, u64 desc_b, int scale_d) {
   txe::cur->wg_open.push_back({N, d, nullptr, desc_a, desc_b, scale_d, 0, 0});
 }
 template <int N>
+TX_DEVICE void tx_wgmma_ss_f16(float* d, u64 desc_a, u64 desc_b, int scale_d) {
+  txe::cur->wg_open.push_back({N, d, nullptr, desc_a, desc_b, scale_d, 0, 1});
+}
+template <int N>
 TX_DEVICE void tx_wgmma_rs_t(float* d, const u32* a, u64 desc_b, int scale_d) {
   txe::cur->wg_open.push_back({N, d, a, 0, desc_b, scale_d, 1, 0});
 }

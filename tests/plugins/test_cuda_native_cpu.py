@@ -249,13 +249,40 @@ def test_fp8_prefill_is_served_by_both_kernels_within_shared_memory() -> None:
         plain = dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90").defines)
         e5m2 = dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90", kv_dtype="float8_e5m2").defines)
         smem = {"TX_SMEM": str(params.smem_bytes(128, 1)), "TX_STAGED": "2"} if params.mma == "wgmma" else {}
-        assert e5m2 == {**plain, "TX_KV_FP8": "2", "TX_FP8_CVT": "1", **smem}
+        # (the wgmma kernel computes Q K^T in float16 under bf16 q: TX_QK16, see test_fp8_prefill_qk16_...)
+        qk16 = {"TX_QK16": "1"} if params.mma == "wgmma" else {}
+        assert e5m2 == {**plain, "TX_KV_FP8": "2", "TX_FP8_CVT": "1", **smem, **qk16}
     assert prefill_op.prefill_smem_bytes(128, 128, 32, 3, kv_bytes=1) < prefill_op.prefill_smem_bytes(128, 128, 32, 3)
     # wgmma: the ring stays 16-bit and fp8 (K, V) pairs are staged beside it, two where they fit
     assert prefill_op.fp8_staged_pairs(128, 128, 128, 2) == 2 and prefill_op.fp8_staged_pairs(256, 128, 64, 2) == 1
     assert default.smem_bytes(128, 1) - default.smem_bytes(128) == 2 * 2 * 128 * 128
     assert dict(prefill_op.prefill_variant("bfloat16", 128, default, "sm_90", kv_dtype="float8_e4m3fn").defines)[
         "TX_STAGED"] == "2"  # fmt: skip
+
+
+def test_fp8_prefill_qk16_is_the_wgmma_default_under_bf16_q_and_can_be_turned_off(
+    monkeypatch: pytest.MonkeyPatch, cache_root: Path
+) -> None:
+    """The wgmma kernel over an fp8 cache computes Q K^T in float16 (TX_QK16) under bf16 q, not
+    under fp16 q (already float16) nor over a 16-bit cache; TACTIX_CUDA_NATIVE_FP8_QK16=0 keeps
+    bfloat16 (another variant). Both compile for sm_90a without spills or serialized wgmma (what
+    the float16 form computes: tests/plugins/test_cuda_native_emulated.py's fp8 prefill cases)."""
+    params = prefill_op.default_params_for(prefill(kv_dtype="float8_e4m3fn"), H200)
+
+    def variant(dtype: str = "bfloat16", kv: str | None = "float8_e4m3fn") -> runtime.Variant:
+        return prefill_op.prefill_variant(dtype, 128, params, "sm_90", kv_dtype=kv)
+
+    assert ("TX_QK16", "1") in variant().defines
+    assert all(("TX_QK16", "1") not in v.defines for v in (variant("float16"), variant(kv=None)))
+    monkeypatch.setenv("TACTIX_CUDA_NATIVE_FP8_QK16", "0")
+    off = variant()
+    assert ("TX_QK16", "1") not in off.defines and off.key() != variant("float16").key()
+    monkeypatch.delenv("TACTIX_CUDA_NATIVE_FP8_QK16")
+    on = variant()
+    for v in (on, off):
+        usage = runtime.resource_usage(v, root=cache_root)["tactix_prefill"]
+        assert usage["spill_stores"] == usage["spill_loads"] == usage["stack"] == 0, (v.label(), usage)
+        assert usage["wgmma_serialized"] == 0, (v.label(), usage)
 
 
 def test_decode_scale_arguments_pass_device_scales_by_address() -> None:

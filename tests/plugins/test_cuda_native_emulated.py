@@ -811,6 +811,13 @@ FP8_PREFILL_CASES = [
                          "tactic": {**_WG, "kv_tile": 64}}),
     ([17, 70, 130], [17, 200, 500], {"kv": E4M3, "tactic": {**_WG, "q_tile": 64, "kv_tile": 64, "warps": 4},
                                      "scales": (0.5, 1.0)}),
+    # bf16 q over an fp8 cache: the wgmma kernel's Q K^T in float16 (TX_QK16), each warp's Q rows rescaled
+    # by a power of two: rows from 2^-16 to 2^16 times randn (past float16's range at the top), with the
+    # soft cap and a window, and without (a whole-row LSE in the thousands)
+    ([1, 70, 3, 129], [1, 130, 40, 129], {"kv": E4M3, "d": 128, "scales": (0.5, 2.0), "q_pow2": 16, "cap": 30.0,
+                                          "window": 90, "tactic": {**_WG, "persist": 1, "pingpong": 1}}),
+    ([17, 70], [17, 200], {"kv": E5M2, "d": 64, "scales": (1.0, 0.5), "q_pow2": 6,
+                           "tactic": {**_WG, "q_tile": 64, "kv_tile": 64, "warps": 4}}),
     # 16-bit caches with scales: every prefill kernel applies them, the wgmma one too
     ([1, 70, 3, 129], [1, 130, 40, 129], {"kv": torch.bfloat16, "scales": (0.5, 2.0), "tensor": True}),
     ([1, 70, 3, 129], [1, 130, 40, 129], {"kv": torch.bfloat16, "d": 128, "scales": (0.25, 3.0), "tactic": _WG}),
@@ -836,7 +843,10 @@ def test_emulated_fp8_kv_prefill(q_lens: list[int], kv_lens: list[int], kw: dict
     outside = ~inside[:, :, None, None] if layout == "NHD" else ~inside[:, None, :, None]
     k, v = (3 * k).masked_fill(outside, 448.0).to(kv), (3 * v).masked_fill(outside, 448.0).to(kv)
     qo = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
-    q = torch.randn(int(qo[-1]), hq, d, generator=gen).to(dtype)
+    q = torch.randn(int(qo[-1]), hq, d, generator=gen)
+    if "q_pow2" in kw:  # each (token, head) row times 2^u, u uniform in [-q_pow2, q_pow2]
+        q = q * torch.exp2(torch.randint(-kw["q_pow2"], kw["q_pow2"] + 1, (q.shape[0], hq, 1), generator=gen).float())
+    q = q.to(dtype)
     parts = [mask_of(kw["mask"], ql, kl, gen) for ql, kl in zip(q_lens, kv_lens, strict=True)] if "mask" in kw else []
     flat = torch.cat([m.reshape(-1) for m in parts]) if parts else None
     problem, batch = attention_problem(

@@ -59,6 +59,17 @@ def fp8_cvt() -> int:
     return int(forced) if forced in ("0", "1", "2") else 1
 
 
+FP8_QK16_ENV: Final = "TACTIX_CUDA_NATIVE_FP8_QK16"
+
+
+def fp8_qk16() -> int:
+    """``TX_QK16`` of the wgmma prefill's fp8 variants under bfloat16 q: 1 (the default) computes
+    Q K^T in float16 (Q rescaled per warp by a power of two, kernels/prefill_sm90.cu), so the
+    producer converts K with the one-instruction float16 conversion; `FP8_QK16_ENV` = 0 keeps
+    Q K^T in bfloat16 (K converted in four instructions a pair), to compare."""
+    return 0 if os.environ.get(FP8_QK16_ENV) == "0" else 1
+
+
 UNIT_SCALES: Final = (1.0, 1.0, 0, 0)
 """The kernel's scale arguments without scales: k and v values 1.0, no device pointers."""
 

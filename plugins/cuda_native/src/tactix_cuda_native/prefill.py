@@ -43,6 +43,7 @@ from tactix_cuda_native.paged import (
     attention_reasons,
     cache_strides,
     fp8_cvt,
+    fp8_qk16,
     log2_exact,
     scale_args,
 )
@@ -627,6 +628,7 @@ def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str,
             **({"TX_SNAKE": 1} if params.persist and params.sched == 2 else {}),  # sorted over the batch
             **({"TX_KV_FP8": fp8, "TX_FP8_CVT": fp8_cvt()} if fp8 else {}),
             **({"TX_STAGED": 2} if fp8 and staged == 2 else {}),
+            **({"TX_QK16": 1} if fp8 and bf16(dtype) and fp8_qk16() else {}),  # Q K^T in float16
         )
     return Variant.make(
         "prefill.cu",
@@ -684,7 +686,7 @@ def _prefill_kernel(index: int, dtype: str, d: int, params: PrefillParams, info:
                     kv_dtype: str, dims: tuple[int, int] | None = None) -> tuple[Kernel, bool]:  # fmt: skip
     """The prefill kernel of ``params`` on device ``index``, and whether NVRTC compiled it now."""
     fp8 = kv_dtype in FP8_KV_DTYPES
-    key = ("prefill", index, dtype, d, params, info.arch, masked, kv_dtype, fp8 and fp8_cvt(), dims)
+    key = ("prefill", index, dtype, d, params, info.arch, masked, kv_dtype, fp8 and (fp8_cvt(), fp8_qk16()), dims)
     return load_kernel(key, lambda: prefill_variant(dtype, d, params, info.arch, masked, kv_dtype, dims),
                        "tactix_prefill",
                        params.smem_bytes(d, 1 if fp8 else 2, dims[1] if dims else None), params.threads, params, index,

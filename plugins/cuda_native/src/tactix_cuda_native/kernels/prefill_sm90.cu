@@ -65,6 +65,14 @@
 // fp8 cache (`pv_wgmma`; the producer converts V to float16); the scales are folded into the
 // softmax scale and the output's 1 / l. The two 16-bit chunks of a thread go out in an order
 // that keeps every quarter-warp's stores on distinct bank groups.
+// TX_QK16=1 (an fp8 cache under bfloat16 q; paged.fp8_qk16): Q K^T runs in float16 too, so K's
+// conversion is the one-instruction-a-pair float16 one (to bfloat16 it is four; on the H200 P1
+// over an e4m3 cache took 808 us with bfloat16 q against 741 with float16 q: session 17's probe).
+// Each consumer warp rewrites its own 16 Q rows in shared memory as float16 times 2^e, e from the
+// rows' largest magnitude (`qk16_convert_q`, decode.cu's `tx_f16_row_exponent`): every bfloat16
+// value within 31 binades of it is exact in float16, smaller ones move the dot products by less
+// than 2^-40 of their largest term, and nothing overflows; the warp's logits (its accumulator rows
+// are its Q rows) take 2^-e back with the softmax scale.
 //
 // TX_DVO (v's and out's head dim, where it differs from q's and k's TX_D: DeepSeek's 192 / 128,
 // 128 / 64): K and V tiles have their own widths, S = Q K^T runs over TX_D (three 64-column
@@ -83,7 +91,7 @@
 //
 // Compile-time parameters: TX_BF16, TX_D (64, 128, 192, 256), TX_DVO (64, 128, 256; default TX_D),
 // TX_QTILE (64, 128), TX_KVTILE (64, 128), TX_STAGES (2..4), TX_PERSIST, TX_PINGPONG, TX_SNAKE,
-// TX_KV_FP8, TX_FP8_CVT (see fp8.cuh), TX_STAGED (1, 2), TX_SMEM (optional: the size the host
+// TX_KV_FP8, TX_FP8_CVT (see fp8.cuh), TX_STAGED (1, 2), TX_QK16, TX_SMEM (optional: the size the host
 // computed, checked against the layout). One kernel serves every combination of the options: a second copy
 // once kept for the case of neither was measured on the H200 to be no faster (B/A 0.992-0.997 on
 // P1 and P3, identical outputs: benchmarks/results/h200-prefill-kernel-ab.json) and removed.
@@ -139,6 +147,11 @@ constexpr int TILE_BYTES = BK * ROW_BYTES;    // a K tile
 constexpr int V_TILE_BYTES = BK * DV * 2;     // a V tile
 constexpr int STAGE_BYTES = TILE_BYTES + V_TILE_BYTES;
 constexpr bool FP8 = TX_KV_FP8 != 0;
+#ifndef TX_QK16
+#define TX_QK16 0
+#endif
+// fp8 cache under bfloat16 q (TX_QK16, see the top): Q K^T in float16, Q scaled by a power of two per warp
+constexpr bool QK16 = FP8 && TX_BF16 && TX_QK16 != 0;
 constexpr int CH8 = D / 16;                  // fp8: 16-byte chunks per cache row
 constexpr int RPI8 = 32 / CH8;               // fp8: rows per producer warp instruction
 constexpr int STG_TILE = BK * D;             // fp8: a staged tile, rows as copied
@@ -205,6 +218,50 @@ TX_DEVICE void pv_wgmma(float* d, const u32* a, u64 desc_b, int scale_d) {
   } else {
     tx_wgmma_rs_t<N>(d, a, desc_b, scale_d);
   }
+}
+
+// S = Q K^T: in float16 with TX_QK16 (Q converted in shared memory, K converted to float16 by the
+// producer), else in the kernel's 16-bit type.
+template <int N>
+TX_DEVICE void qk_wgmma(float* d, u64 desc_a, u64 desc_b, int scale_d) {
+  if constexpr (QK16) {
+    tx_wgmma_ss_f16<N>(d, desc_a, desc_b, scale_d);
+  } else {
+    tx_wgmma_ss<N>(d, desc_a, desc_b, scale_d);
+  }
+}
+
+// TX_QK16: this warp's 16 Q rows of the warpgroup's tile at `qoff` (bfloat16, swizzled, landed
+// and visible to the warp) rewritten in place as float16 times 2^e, e from the rows' largest
+// magnitude (`tx_f16_row_exponent`, fp8.cuh: it lands in [2^14, 2^15), so every bfloat16 value
+// within 31 binades of it converts exactly and none overflows). Returns e: the warp's logits (its
+// accumulator rows 16 warp + grp and + 8 are these rows) take 2^-e back. Zero rows give e = 0.
+TX_DEVICE int qk16_convert_q(unsigned char* smem, u32 qoff, int warp, int lane) {
+  float mx = 0.f;
+  for (int c = lane; c < 16 * CH; c += 32) {
+    const tx_u4 in = *reinterpret_cast<const tx_u4*>(smem + qoff + sw128(16 * warp + c / CH, c % CH, 64));
+    const u32 w[4] = {in.x, in.y, in.z, in.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      mx = fmaxf(mx, fabsf(tx_to_float((u16)(w[j] & 0xffffu))));
+      mx = fmaxf(mx, fabsf(tx_to_float((u16)(w[j] >> 16))));
+    }
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, m));
+  const int e = tx_f16_row_exponent(mx);
+  for (int c = lane; c < 16 * CH; c += 32) {
+    const u32 at = qoff + sw128(16 * warp + c / CH, c % CH, 64);
+    const tx_u4 in = *reinterpret_cast<const tx_u4*>(smem + at);
+    const u32 w[4] = {in.x, in.y, in.z, in.w};
+    u32 h[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      h[j] = tx_pack2_f16(tx_ldexp2(tx_to_float((u16)(w[j] & 0xffffu)), e),
+                          tx_ldexp2(tx_to_float((u16)(w[j] >> 16)), e));
+    *reinterpret_cast<tx_u4*>(smem + at) = tx_u4{h[0], h[1], h[2], h[3]};
+  }
+  return e;
 }
 
 // One work item as the producer and the consumers both see it: virtual CTA v = (item, head group),
@@ -352,12 +409,12 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
             const int r = pw * RW + it2 * RPI8 + h8;
             const tx_u4 in = *reinterpret_cast<const tx_u4*>(smem + STG + (2 * slot + half) * STG_TILE + r * D + c8 * 16);
             tx_u4 lo, hi;
-            if (half == 0) {  // K: the kernel's 16-bit type (Q K^T)
+            if (half == 0 && !QK16) {  // K: the kernel's 16-bit type (Q K^T)
               tx_fp8x4_to_16<TX_KV_FP8>(in.x, lo.x, lo.y);
               tx_fp8x4_to_16<TX_KV_FP8>(in.y, lo.z, lo.w);
               tx_fp8x4_to_16<TX_KV_FP8>(in.z, hi.x, hi.y);
               tx_fp8x4_to_16<TX_KV_FP8>(in.w, hi.z, hi.w);
-            } else {  // V: float16 (P V in float16, `pv_wgmma`)
+            } else {  // V (P V in float16, `pv_wgmma`), and K with TX_QK16: float16
               tx_fp8x4_to_f16<TX_KV_FP8>(in.x, lo.x, lo.y);
               tx_fp8x4_to_f16<TX_KV_FP8>(in.y, lo.z, lo.w);
               tx_fp8x4_to_f16<TX_KV_FP8>(in.z, hi.x, hi.y);
@@ -486,6 +543,16 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     tx_cp_async_wait<0>();
     tx_fence_proxy_async();
     tx_bar_sync(1 + wg, 128);
+    // TX_QK16: each warp rewrites its own 16 rows in float16 (scaled), then the warpgroup meets
+    // again before its wgmma read them; the warp's logits take 2^-qe back
+    int qe = 0;
+    if constexpr (QK16) {
+      qe = qk16_convert_q(smem, qoff, warp, lane);
+      tx_fence_proxy_async();
+      tx_bar_sync(1 + wg, 128);
+    }
+    const float mul_q = QK16 && cap <= 0.f ? tx_ldexp2(mul, -qe) : mul;  // logits (capped or not) -> base-2 exponent
+    const float soc_q = QK16 ? tx_ldexp2(scale_over_cap, -qe) : scale_over_cap;
 
     // this thread's rows (16 warp + grp and + 8 of the warpgroup) and the warpgroup's bounds; rows
     // past the valid tokens take the last valid token's bounds (computed, never written)
@@ -533,7 +600,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         tx_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {  // S = Q K^T
-          tx_wgmma_ss<BK>(sc, desc_k_major(qw + (kk >> 2) * (64 * 128) + (kk & 3) * 32),
+          qk_wgmma<BK>(sc, desc_k_major(qw + (kk >> 2) * (64 * 128) + (kk & 3) * 32),
                           desc_k_major(kst + (kk >> 2) * (BK * 128) + (kk & 3) * 32), kk > 0);
         }
         tx_wgmma_commit();  // group 1: S
@@ -558,7 +625,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
           const bool need_mask = !active || kv0 < lo_max_w || kv_last > hi_min_w;
           if (cap > 0.f) {
 #pragma unroll
-            for (int j = 0; j < BK / 2; ++j) sc[j] = cap_log2 * tx_tanh(sc[j] * scale_over_cap);
+            for (int j = 0; j < BK / 2; ++j) sc[j] = cap_log2 * tx_tanh(sc[j] * soc_q);
           }
           if (need_mask) {
 #pragma unroll
@@ -574,8 +641,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
             mx0 = fmaxf(mx0, fmaxf(sc[j], sc[j + 1]));
             mx1 = fmaxf(mx1, fmaxf(sc[j + 2], sc[j + 3]));
           }
-          mx0 = tx_warp_max4(mx0) * mul;
-          mx1 = tx_warp_max4(mx1) * mul;
+          mx0 = tx_warp_max4(mx0) * mul_q;
+          mx1 = tx_warp_max4(mx1) * mul_q;
           const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
           const float mu0 = mn0 == tx_neg_inf() ? 0.f : mn0;
           const float mu1 = mn1 == tx_neg_inf() ? 0.f : mn1;
@@ -586,10 +653,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
           float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
           for (int j = 0; j < BK / 2; j += 4) {
-            sc[j] = tx_exp2(fmaf(sc[j], mul, -mu0));
-            sc[j + 1] = tx_exp2(fmaf(sc[j + 1], mul, -mu0));
-            sc[j + 2] = tx_exp2(fmaf(sc[j + 2], mul, -mu1));
-            sc[j + 3] = tx_exp2(fmaf(sc[j + 3], mul, -mu1));
+            sc[j] = tx_exp2(fmaf(sc[j], mul_q, -mu0));
+            sc[j + 1] = tx_exp2(fmaf(sc[j + 1], mul_q, -mu0));
+            sc[j + 2] = tx_exp2(fmaf(sc[j + 2], mul_q, -mu1));
+            sc[j + 3] = tx_exp2(fmaf(sc[j + 3], mul_q, -mu1));
             rs0 += sc[j] + sc[j + 1];
             rs1 += sc[j + 2] + sc[j + 3];
           }
@@ -652,7 +719,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         tx_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-          tx_wgmma_ss<BK>(sc, desc_k_major(qw + (kk >> 2) * (64 * 128) + (kk & 3) * 32),
+          qk_wgmma<BK>(sc, desc_k_major(qw + (kk >> 2) * (64 * 128) + (kk & 3) * 32),
                           desc_k_major(kst + (kk >> 2) * (BK * 128) + (kk & 3) * 32), kk > 0);
         }
         tx_wgmma_commit();
@@ -673,7 +740,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         const bool need_mask = kv0 < lo_max_w || kv_last > hi_min_w;
         if (cap > 0.f) {
 #pragma unroll
-          for (int j = 0; j < BK / 2; ++j) sc[j] = cap_log2 * tx_tanh(sc[j] * scale_over_cap);
+          for (int j = 0; j < BK / 2; ++j) sc[j] = cap_log2 * tx_tanh(sc[j] * soc_q);
         }
         if (need_mask) {
 #pragma unroll
@@ -690,8 +757,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
           mx0 = fmaxf(mx0, fmaxf(sc[j], sc[j + 1]));
           mx1 = fmaxf(mx1, fmaxf(sc[j + 2], sc[j + 3]));
         }
-        mx0 = tx_warp_max4(mx0) * mul;
-        mx1 = tx_warp_max4(mx1) * mul;
+        mx0 = tx_warp_max4(mx0) * mul_q;
+        mx1 = tx_warp_max4(mx1) * mul_q;
         const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
         const float mu0 = mn0 == tx_neg_inf() ? 0.f : mn0;
         const float mu1 = mn1 == tx_neg_inf() ? 0.f : mn1;
@@ -701,10 +768,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
         for (int j = 0; j < BK / 2; j += 4) {
-          sc[j] = tx_exp2(fmaf(sc[j], mul, -mu0));
-          sc[j + 1] = tx_exp2(fmaf(sc[j + 1], mul, -mu0));
-          sc[j + 2] = tx_exp2(fmaf(sc[j + 2], mul, -mu1));
-          sc[j + 3] = tx_exp2(fmaf(sc[j + 3], mul, -mu1));
+          sc[j] = tx_exp2(fmaf(sc[j], mul_q, -mu0));
+          sc[j + 1] = tx_exp2(fmaf(sc[j + 1], mul_q, -mu0));
+          sc[j + 2] = tx_exp2(fmaf(sc[j + 2], mul_q, -mu1));
+          sc[j + 3] = tx_exp2(fmaf(sc[j + 3], mul_q, -mu1));
           rs0 += sc[j] + sc[j + 1];
           rs1 += sc[j + 2] + sc[j + 3];
         }

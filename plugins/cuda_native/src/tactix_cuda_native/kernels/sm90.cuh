@@ -160,31 +160,35 @@ TX_DEVICE void tx_reg_fence(u32& x) { asm volatile("" : "+r"(x)::"memory"); }
   TX_F16(d, 0), TX_F16(d, 16), TX_F16(d, 32), TX_F16(d, 48), TX_F16(d, 64), TX_F16(d, 80), TX_F16(d, 96), TX_F16(d, 112)
 
 // d[N / 2] (+)= A (64 x 16, K-major, shared memory) * B (16 x N, K-major, shared memory);
-// scale_d 0 ignores d's old value.
-template <int N>
-TX_DEVICE void tx_wgmma_ss(float* d, u64 desc_a, u64 desc_b, int scale_d);
-template <>
-TX_DEVICE void tx_wgmma_ss<64>(float* d, u64 desc_a, u64 desc_b, int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16" TX_WG_TYPES
-               " {" TX_R32 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-               : TX_F32(d)
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-template <>
-TX_DEVICE void tx_wgmma_ss<128>(float* d, u64 desc_a, u64 desc_b, int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\nwgmma.mma_async.sync.aligned.m64n128k16" TX_WG_TYPES
-               " {" TX_R64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-               : TX_F64(d)
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-template <>
-TX_DEVICE void tx_wgmma_ss<256>(float* d, u64 desc_a, u64 desc_b, int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\nwgmma.mma_async.sync.aligned.m64n256k16" TX_WG_TYPES
-               " {" TX_R128 "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-               : TX_F128(d)
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
+// scale_d 0 ignores d's old value. tx_wgmma_ss in the kernel's 16-bit type, tx_wgmma_ss_f16 in
+// float16 whatever TX_BF16 says (prefill_sm90.cu's fp8 variants under bfloat16 q: Q K^T in float16).
+#define TX_WGMMA_SS(NAME, TYPES)                                                                         \
+  template <int N>                                                                                       \
+  TX_DEVICE void NAME(float* d, u64 desc_a, u64 desc_b, int scale_d);                                    \
+  template <>                                                                                            \
+  TX_DEVICE void NAME<64>(float* d, u64 desc_a, u64 desc_b, int scale_d) {                               \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16" TYPES  \
+                 " {" TX_R32 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                             \
+                 : TX_F32(d)                                                                             \
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                              \
+  }                                                                                                      \
+  template <>                                                                                            \
+  TX_DEVICE void NAME<128>(float* d, u64 desc_a, u64 desc_b, int scale_d) {                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\nwgmma.mma_async.sync.aligned.m64n128k16" TYPES \
+                 " {" TX_R64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"                                             \
+                 : TX_F64(d)                                                                             \
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                              \
+  }                                                                                                      \
+  template <>                                                                                            \
+  TX_DEVICE void NAME<256>(float* d, u64 desc_a, u64 desc_b, int scale_d) {                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\nwgmma.mma_async.sync.aligned.m64n256k16" TYPES \
+                 " {" TX_R128 "}, %128, %129, p, 1, 1, 0, 0;\n}\n"                                          \
+                 : TX_F128(d)                                                                            \
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                              \
+  }
+TX_WGMMA_SS(tx_wgmma_ss, TX_WG_TYPES)
+TX_WGMMA_SS(tx_wgmma_ss_f16, ".f32.f16.f16")
+#undef TX_WGMMA_SS
 
 // d[N / 2] (+)= A (64 x 16, registers: a[4] in the accumulator layout of a 64 x 16 tile, packed
 // pairwise) * B (16 x N, shared memory, MN-major: imm-trans-b = 1): tx_wgmma_rs_t in the kernel's
