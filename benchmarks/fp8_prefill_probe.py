@@ -9,7 +9,7 @@ modes, and under bf16 q Q K^T in float16 (``qk f16``: TX_QK16, the default) and 
 (``qk bf16``: TACTIX_CUDA_NATIVE_FP8_QK16=0). Every output is checked against the float64 oracle
 first.
 
-    python benchmarks/fp8_prefill_probe.py [--json PATH] [--repeat N]
+    python benchmarks/fp8_prefill_probe.py [--json PATH] [--repeat N] [--tactic NAME ...]
 
 ``--once TACTIC`` (a key of `TACTICS`) runs that tactic once over each cache in bf16 q (over
 the fp8 one with Q K^T in float16, then in bfloat16), after the check, and times nothing: a
@@ -88,12 +88,14 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--once", choices=sorted(TACTICS), help="run this tactic once per cache, untimed")
+    parser.add_argument("--tactic", action="append", choices=sorted(TACTICS), help="time only these (repeatable)")
     args = parser.parse_args()
     cases = {c.id: c for c in suite("gpu")}
     case = cases["P1"]
     fp8_case = cases["P1-fp8"]
     policy = None if args.once else MeasurementPolicy(warmup=3, repeat=args.repeat)
-    tactics = {args.once: TACTICS[args.once]} if args.once else TACTICS
+    chosen = [args.once] if args.once else args.tactic or list(TACTICS)
+    tactics = {name: TACTICS[name] for name in chosen}
     rows = []
     for q_dtype in (torch.bfloat16,) if args.once else (torch.bfloat16, torch.float16):
         for kv in ("16-bit", "e4m3"):
