@@ -30,6 +30,7 @@ from tactix.testing import (
     relative_error,
     tolerance_for,
 )
+from tactix.testing.oracle import attention_lse_tolerance, attention_tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -929,6 +930,38 @@ def test_fp8_cache_reads_every_code_as_its_value(kv: torch.dtype, dtype: torch.d
     assert torch.equal(torch.isnan(got), nan), f"{w.tactic}: NaN at codes {where}"
     wrong = (got != ref) & ~nan
     assert not wrong.any(), f"{w.tactic}: codes {wrong.nonzero().flatten().tolist()} read as {got[wrong].tolist()}"
+
+
+@pytest.mark.parametrize("qk16", ["1", "0"], ids=["qk-float16", "qk-bfloat16"])
+def test_fp8_prefill_under_bf16_q_of_any_magnitude_matches_the_oracle(
+    qk16: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wgmma prefill over an e4m3 cache under bf16 q whose rows are randn times 2^-16 to 2^16
+    (past float16's range): Q K^T in float16 (TX_QK16, the default: each warp's Q rows rescaled by
+    a power of two) and in bfloat16 (TACTIX_CUDA_NATIVE_FP8_QK16=0) both match the float64 oracle,
+    with scales, the soft cap (whole rows would be one-hot without it) and the LSE."""
+    monkeypatch.setenv("TACTIX_CUDA_NATIVE_FP8_QK16", qk16)
+    case = PrefillCase([1, 70, 129, 300], [1, 130, 200, 300], hq=8, hkv=2, seed=53)
+    gen = torch.Generator().manual_seed(54)
+    exponents = torch.randint(-16, 17, (case.q.shape[0], case.hq, 1), generator=gen).float()
+    case.q = (case.q.float() * torch.exp2(exponents).to(CUDA)).to(torch.bfloat16)
+    case.k, case.v = (t.float().clamp(-448, 448).to(torch.float8_e4m3fn) for t in (case.k, case.v))
+    case.cache = (case.k, case.v)
+    w = tactix.PagedPrefill(case.layout, backend="cuda_native", device=CUDA)
+    w.plan(case.qo_indptr, case.indptr, case.indices, case.last, case.hq, case.hkv, case.d, case.page,
+           q_data_type=torch.bfloat16, kv_data_type=torch.float8_e4m3fn, causal=True, logits_soft_cap=30.0,
+           return_lse=True)  # fmt: skip
+    assert w.tactic.params.get("mma") == "wgmma", w.tactic
+    out = torch.full_like(case.q, float("nan"))
+    lse = torch.full(case.q.shape[:2], float("nan"), device=CUDA)
+    w.run(case.q, case.cache, out=out, lse=lse, k_scale=0.5, v_scale=2.0)
+    ref, ref_lse = attention_reference(case.q, case.k, case.v, case.qo_indptr, case.indptr, case.indices, case.last,
+                                       kv_layout=case.layout, causal=True, sm_scale=1 / math.sqrt(case.d),
+                                       logits_soft_cap=30.0, k_scale=0.5, v_scale=2.0)  # fmt: skip
+    assert not torch.isnan(out).any(), "unwritten or NaN output"
+    tol = attention_tolerance(torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16)
+    assert relative_error(out, ref) <= tol
+    assert lse_error(lse, ref_lse) <= attention_lse_tolerance(torch.bfloat16, torch.float8_e4m3fn)
 
 
 # -- plans far ahead of the GPU --------------------------------------------------------------
