@@ -143,7 +143,8 @@ def _interruptible() -> None:
     """Take SIGINT as an interrupt even where it was inherited ignored: a script's background job
     (``job &``, as ``benchmarks/h200_checks.sh`` runs its jobs) starts with SIGINT ignored, and
     Python then installs no KeyboardInterrupt handler, so ``timeout -s INT`` would reach nothing.
-    In the pytest child, the same is done before it starts (`_default_sigint`)."""
+    In the pytest child, the same is done before it starts (`_default_sigint`). (The tactix CLI
+    has the same three lines; this runner imports nothing of tactix, whose import brings torch.)"""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 

@@ -813,7 +813,7 @@ FP8_PREFILL_CASES = [
                                      "scales": (0.5, 1.0)}),
     # bf16 q over an fp8 cache: the wgmma kernel's Q K^T in float16 (TX_QK16), each warp's Q rows rescaled
     # by a power of two: rows from 2^-16 to 2^16 times randn (past float16's range at the top), with the
-    # soft cap and a window, and without (a whole-row LSE in the thousands)
+    # soft cap and a window; from 2^-6 to 2^6 without the cap (the logit scale's path, `mul_q`)
     ([1, 70, 3, 129], [1, 130, 40, 129], {"kv": E4M3, "d": 128, "scales": (0.5, 2.0), "q_pow2": 16, "cap": 30.0,
                                           "window": 90, "tactic": {**_WG, "persist": 1, "pingpong": 1}}),
     ([17, 70], [17, 200], {"kv": E5M2, "d": 64, "scales": (1.0, 0.5), "q_pow2": 6,

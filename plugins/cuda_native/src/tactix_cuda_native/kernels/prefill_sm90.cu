@@ -67,9 +67,10 @@
 // that keeps every quarter-warp's stores on distinct bank groups.
 // TX_QK16=1 (an fp8 cache under bfloat16 q; paged.fp8_qk16): Q K^T runs in float16 too, so K's
 // conversion is the one-instruction-a-pair float16 one (to bfloat16 it is four; on the H200 P1
-// over an e4m3 cache took 808 us with bfloat16 q against 741 with float16 q: session 17's probe).
-// Each consumer warp rewrites its own 16 Q rows in shared memory as float16 times 2^e, e from the
-// rows' largest magnitude (`qk16_convert_q`, decode.cu's `tx_f16_row_exponent`): every bfloat16
+// over an e4m3 cache took 770 us with bfloat16 q against 739 with float16 q, same tactic: session
+// 17's probe, before TX_QK16). Each consumer warp rewrites its own 16 Q rows in shared memory as
+// float16 times 2^e, e from the rows' largest magnitude (`qk16_convert_q` with fp8.cuh's
+// `tx_f16_row_exponent`, as decode.cu scales its Q rows): every bfloat16
 // value within 31 binades of it is exact in float16, smaller ones move the dot products by less
 // than 2^-40 of their largest term, and nothing overflows; the warp's logits (its accumulator rows
 // are its Q rows) take 2^-e back with the softmax scale.
@@ -601,7 +602,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {  // S = Q K^T
           qk_wgmma<BK>(sc, desc_k_major(qw + (kk >> 2) * (64 * 128) + (kk & 3) * 32),
-                          desc_k_major(kst + (kk >> 2) * (BK * 128) + (kk & 3) * 32), kk > 0);
+                       desc_k_major(kst + (kk >> 2) * (BK * 128) + (kk & 3) * 32), kk > 0);
         }
         tx_wgmma_commit();  // group 1: S
         if (prev) {  // O += P V of the previous tile
@@ -720,7 +721,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
           qk_wgmma<BK>(sc, desc_k_major(qw + (kk >> 2) * (64 * 128) + (kk & 3) * 32),
-                          desc_k_major(kst + (kk >> 2) * (BK * 128) + (kk & 3) * 32), kk > 0);
+                       desc_k_major(kst + (kk >> 2) * (BK * 128) + (kk & 3) * 32), kk > 0);
         }
         tx_wgmma_commit();
       }
