@@ -5,8 +5,8 @@ with ``tactix bench``'s method (CUDA-graph replay, L2 flush, median), the wgmma 
 bf16 cache and over an e4m3 cache for a few tactics each, in bf16 and in fp16 q (an fp8 code
 converts to float16 in one instruction a pair, to bfloat16 in four: the difference between the
 two rows is the conversion's cost), and for the fp8 cache each of kernels/fp8.cuh's conversion
-modes, and under bf16 q Q K^T in float16 (``qk f16``: TX_QK16, the default) and in bfloat16
-(``qk bf16``: TACTIX_CUDA_NATIVE_FP8_QK16=0). Every output is checked against the float64 oracle
+modes, and under bf16 q Q K^T in float16 (``qk f16``: TX_QK16, TACTIX_CUDA_NATIVE_FP8_QK16=1) and
+in bfloat16 (``qk bf16``, the default). Every output is checked against the float64 oracle
 first.
 
     python benchmarks/fp8_prefill_probe.py [--json PATH] [--repeat N] [--tactic NAME ...]

@@ -937,8 +937,8 @@ def test_fp8_prefill_under_bf16_q_of_any_magnitude_matches_the_oracle(
     qk16: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The wgmma prefill over an e4m3 cache under bf16 q whose rows are randn times 2^-16 to 2^16
-    (past float16's range): Q K^T in float16 (TX_QK16, the default: each warp's Q rows rescaled by
-    a power of two) and in bfloat16 (TACTIX_CUDA_NATIVE_FP8_QK16=0) both match the float64 oracle,
+    (past float16's range): Q K^T in float16 (TX_QK16, TACTIX_CUDA_NATIVE_FP8_QK16=1: each warp's Q
+    rows rescaled by a power of two) and in bfloat16 (the default) both match the float64 oracle,
     with scales, the soft cap (whole rows would be one-hot without it) and the LSE."""
     monkeypatch.setenv("TACTIX_CUDA_NATIVE_FP8_QK16", qk16)
     case = PrefillCase([1, 70, 129, 300], [1, 130, 200, 300], hq=8, hkv=2, seed=53)

@@ -260,25 +260,25 @@ def test_fp8_prefill_is_served_by_both_kernels_within_shared_memory() -> None:
         "TX_STAGED"] == "2"  # fmt: skip
 
 
-def test_fp8_prefill_qk16_is_the_wgmma_default_under_bf16_q_and_can_be_turned_off(
+def test_fp8_prefill_qk16_is_opt_in_under_bf16_q_and_only_there(
     monkeypatch: pytest.MonkeyPatch, cache_root: Path
 ) -> None:
-    """The wgmma kernel over an fp8 cache computes Q K^T in float16 (TX_QK16) under bf16 q, not
-    under fp16 q (already float16) nor over a 16-bit cache; TACTIX_CUDA_NATIVE_FP8_QK16=0 keeps
-    bfloat16 (another variant). Both compile for sm_90a without spills or serialized wgmma (what
-    the float16 form computes: tests/plugins/test_cuda_native_emulated.py's fp8 prefill cases)."""
+    """The wgmma kernel over an fp8 cache computes Q K^T in bfloat16 under bf16 q by default;
+    TACTIX_CUDA_NATIVE_FP8_QK16=1 makes it float16 (TX_QK16, another variant and kernel key)
+    under bf16 q only, not under fp16 q (already float16) nor over a 16-bit cache. Both compile
+    for sm_90a without spills or serialized wgmma (what the float16 form computes:
+    tests/plugins/test_cuda_native_emulated.py's fp8 prefill cases)."""
     params = prefill_op.default_params_for(prefill(kv_dtype="float8_e4m3fn"), H200)
 
     def variant(dtype: str = "bfloat16", kv: str | None = "float8_e4m3fn") -> runtime.Variant:
         return prefill_op.prefill_variant(dtype, 128, params, "sm_90", kv_dtype=kv)
 
-    assert ("TX_QK16", "1") in variant().defines
-    assert all(("TX_QK16", "1") not in v.defines for v in (variant("float16"), variant(kv=None)))
-    monkeypatch.setenv("TACTIX_CUDA_NATIVE_FP8_QK16", "0")
     off = variant()
-    assert ("TX_QK16", "1") not in off.defines and off.key() != variant("float16").key()
-    monkeypatch.delenv("TACTIX_CUDA_NATIVE_FP8_QK16")
+    assert ("TX_QK16", "1") not in off.defines
+    monkeypatch.setenv("TACTIX_CUDA_NATIVE_FP8_QK16", "1")
     on = variant()
+    assert ("TX_QK16", "1") in on.defines and on.key() != off.key()
+    assert all(("TX_QK16", "1") not in v.defines for v in (variant("float16"), variant(kv=None)))
     for v in (on, off):
         usage = runtime.resource_usage(v, root=cache_root)["tactix_prefill"]
         assert usage["spill_stores"] == usage["spill_loads"] == usage["stack"] == 0, (v.label(), usage)

@@ -811,12 +811,12 @@ FP8_PREFILL_CASES = [
                          "tactic": {**_WG, "kv_tile": 64}}),
     ([17, 70, 130], [17, 200, 500], {"kv": E4M3, "tactic": {**_WG, "q_tile": 64, "kv_tile": 64, "warps": 4},
                                      "scales": (0.5, 1.0)}),
-    # bf16 q over an fp8 cache: the wgmma kernel's Q K^T in float16 (TX_QK16), each warp's Q rows rescaled
+    # bf16 q over an fp8 cache, Q K^T in float16 (TX_QK16, opt-in: "qk16"), each warp's Q rows rescaled
     # by a power of two: rows from 2^-16 to 2^16 times randn (past float16's range at the top), with the
     # soft cap and a window; from 2^-6 to 2^6 without the cap (the logit scale's path, `mul_q`)
     ([1, 70, 3, 129], [1, 130, 40, 129], {"kv": E4M3, "d": 128, "scales": (0.5, 2.0), "q_pow2": 16, "cap": 30.0,
-                                          "window": 90, "tactic": {**_WG, "persist": 1, "pingpong": 1}}),
-    ([17, 70], [17, 200], {"kv": E5M2, "d": 64, "scales": (1.0, 0.5), "q_pow2": 6,
+                                          "window": 90, "qk16": True, "tactic": {**_WG, "persist": 1, "pingpong": 1}}),
+    ([17, 70], [17, 200], {"kv": E5M2, "d": 64, "scales": (1.0, 0.5), "q_pow2": 6, "qk16": True,
                            "tactic": {**_WG, "q_tile": 64, "kv_tile": 64, "warps": 4}}),
     # 16-bit caches with scales: every prefill kernel applies them, the wgmma one too
     ([1, 70, 3, 129], [1, 130, 40, 129], {"kv": torch.bfloat16, "scales": (0.5, 2.0), "tensor": True}),
@@ -825,7 +825,9 @@ FP8_PREFILL_CASES = [
 
 
 @pytest.mark.parametrize(("q_lens", "kv_lens", "kw"), FP8_PREFILL_CASES)
-def test_emulated_fp8_kv_prefill(q_lens: list[int], kv_lens: list[int], kw: dict[str, Any]) -> None:
+def test_emulated_fp8_kv_prefill(
+    q_lens: list[int], kv_lens: list[int], kw: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Both prefill kernels over fp8 caches (e4m3fn, e5m2; bf16 and fp16 q) against the float64
     oracle with the same scales, as floats and as one-element tensors (a new value is read by
     the next launch): causal and not, a window, the soft cap, d 64 to 256, GQA packing, tile
@@ -834,6 +836,7 @@ def test_emulated_fp8_kv_prefill(q_lens: list[int], kv_lens: list[int], kw: dict
     gen = torch.Generator().manual_seed(7)
     d, page, layout = kw.get("d", 64), kw.get("page", 16), kw.get("layout", "HND")
     hq, hkv, dtype, kv = kw.get("hq", 8), kw.get("hkv", 2), kw.get("dtype", torch.bfloat16), kw["kv"]
+    monkeypatch.setenv("TACTIX_CUDA_NATIVE_FP8_QK16", "1" if kw.get("qk16") else "0")
     causal, window, cap = kw.get("causal", True), kw.get("window", -1), kw.get("cap", 0.0)
     _, k, v, indptr, indices, last = _cache(kv_lens, page, hkv, d, layout, torch.float32, gen, False)
     inside = torch.zeros(k.shape[0], page, dtype=torch.bool)

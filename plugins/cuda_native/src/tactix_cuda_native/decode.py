@@ -491,10 +491,10 @@ def _plan_kernel(index: int, arch: str) -> tuple[Any, bool]:
 
 DRIVER_LAUNCH_ENV: Final = "TACTIX_CUDA_NATIVE_DRIVER_LAUNCH"
 """Set to 1: the device plan's kernel is launched through the driver
-(`tactix.plugin.function_launcher`, a few microseconds less host time a plan), else through
-``cuda.core`` like every other kernel; read once per device, when its first plan launches the
-kernel. Opt-in until its GPU test (`test_the_device_plans_kernel_writes_the_host_records_through_either_launch_path`)
-has run on a GPU: written in a session that got none."""
+(`tactix.plugin.function_launcher`), else through ``cuda.core`` like every other kernel; read
+once per device, when its first plan launches the kernel. Opt-in: its GPU test passes on the
+H200, but the launch measured slower there, 13-17 us a plan against 7.4 through ``cuda.core``
+(benchmarks/results/h200-plan-breakdown-driver-launch-session34.txt)."""
 
 _plan_launchers: dict[tuple[int, str], Launcher | None] = {}
 _PLAN_ARGS: Final = (LAUNCH_POINTER,) * 4 + (LAUNCH_INT64,) * 7  # kernels/decode_plan.cu's parameters

@@ -63,11 +63,15 @@ FP8_QK16_ENV: Final = "TACTIX_CUDA_NATIVE_FP8_QK16"
 
 
 def fp8_qk16() -> int:
-    """``TX_QK16`` of the wgmma prefill's fp8 variants under bfloat16 q: 1 (the default) computes
-    Q K^T in float16 (Q rescaled per warp by a power of two, kernels/prefill_sm90.cu), so the
-    producer converts K with the one-instruction float16 conversion; `FP8_QK16_ENV` = 0 keeps
-    Q K^T in bfloat16 (K converted in four instructions a pair), to compare."""
-    return 0 if os.environ.get(FP8_QK16_ENV) == "0" else 1
+    """``TX_QK16`` of the wgmma prefill's fp8 variants under bfloat16 q: 0 (the default) computes
+    Q K^T in bfloat16 (the producer converts K in four instructions a pair); `FP8_QK16_ENV` = 1
+    computes it in float16 (Q rescaled per warp by a power of two, kernels/prefill_sm90.cu), so K
+    converts in one instruction a pair. Not the default because it measured no faster: on the
+    H200 P1 over an e4m3 cache took 779 us with it against 774 without, same tactic, one process
+    (benchmarks/results/h200-fp8-prefill-probe-session34.json): the producer's conversion it
+    saves was not what bounds the kernel, and each warp's rescale of its Q rows sits on the
+    consumers' path at every item."""
+    return 1 if os.environ.get(FP8_QK16_ENV) == "1" else 0
 
 
 UNIT_SCALES: Final = (1.0, 1.0, 0, 0)

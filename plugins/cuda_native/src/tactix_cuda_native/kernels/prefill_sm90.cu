@@ -65,10 +65,11 @@
 // fp8 cache (`pv_wgmma`; the producer converts V to float16); the scales are folded into the
 // softmax scale and the output's 1 / l. The two 16-bit chunks of a thread go out in an order
 // that keeps every quarter-warp's stores on distinct bank groups.
-// TX_QK16=1 (an fp8 cache under bfloat16 q; paged.fp8_qk16): Q K^T runs in float16 too, so K's
-// conversion is the one-instruction-a-pair float16 one (to bfloat16 it is four; on the H200 P1
-// over an e4m3 cache took 770 us with bfloat16 q against 739 with float16 q, same tactic: session
-// 17's probe, before TX_QK16). Each consumer warp rewrites its own 16 Q rows in shared memory as
+// TX_QK16=1 (an fp8 cache under bfloat16 q; opt-in, paged.fp8_qk16): Q K^T runs in float16 too,
+// so K's conversion is the one-instruction-a-pair float16 one (to bfloat16 it is four). On the
+// H200 it did not pay: P1 over an e4m3 cache took 779 us with it and 774 without, against 744
+// with float16 q, same tactic and process (session 34's probe); the rescale below is on the
+// consumers' path at every item, the conversion it saves was not. Each consumer warp rewrites its own 16 Q rows in shared memory as
 // float16 times 2^e, e from the rows' largest magnitude (`qk16_convert_q` with fp8.cuh's
 // `tx_f16_row_exponent`, as decode.cu scales its Q rows): every bfloat16
 // value within 31 binades of it is exact in float16, smaller ones move the dot products by less
