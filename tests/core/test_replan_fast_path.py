@@ -13,7 +13,7 @@ import torch
 
 import tactix
 from tactix.autotune import autotune
-from tactix.autotune.store import StoreEntry
+from tactix.autotune.store import StoreEntry, write_atomically
 from tactix.backends import torch as torch_backend
 from tactix.registry import get_registry
 from tactix.selection import set_tactic_source
@@ -162,35 +162,44 @@ def test_other_static_arguments_an_explicit_tactic_or_backend_take_the_full_path
     assert log == ["hook", "hook", "replan"]
 
 
-def test_store_misses_and_new_stored_tactics_are_planned_the_full_way(replannable: Any, tmp_path: Path) -> None:
+def test_store_misses_replan_fast_until_a_stored_tactic_appears(replannable: Any, tmp_path: Path) -> None:
+    """A store miss (the untuned choice of a server whose store lacks this bucket) re-plans fast
+    while a look on disk still finds no entry; an entry another process writes meanwhile (no
+    write through this process) and one written here are each selected at the next plan."""
     log, _ = replannable
     wrapper = tactix.PagedDecode(device="cpu")
     explicit = tactix.Tactic(backend="torch", kernel="explicit")
 
-    def put(tactic: tactix.Tactic) -> None:
+    def entry(tactic: tactix.Tactic) -> StoreEntry:
         problem = wrapper.problem
         assert state.store is not None
-        state.store.put(StoreEntry(op=problem.op, key=problem.key(), key_hash=problem.key_hash(), tactic=tactic,
-                                   baseline=tactix.Tactic.default("torch"), env_hash=state.store.env_hash))  # fmt: skip
+        return StoreEntry(op=problem.op, key=problem.key(), key_hash=problem.key_hash(), tactic=tactic,
+                          baseline=tactix.Tactic.default("torch"), env_hash=state.store.env_hash)  # fmt: skip
 
     with autotune(mode="replay", cache_dir=tmp_path) as state:
+        assert state.store is not None and state.store.reads_disk
+        tactix.reset_stats()
         plan(wrapper)
-        plan(wrapper, 6)  # a store miss looks on disk every plan (other processes' entries)
-        assert log == ["hook", "hook"] and wrapper.selection_source == "default"
-        put(MATH)
-        plan(wrapper, 7)  # the store changed: selected again, and the stored tactic wins
-        plan(wrapper, 8)  # a hit is remembered: re-planned fast
-        assert log[2:] == ["hook", "replan"]
+        check_output(wrapper, plan(wrapper, 6))  # a miss, looked up on disk again: still a miss
+        plan(wrapper, 7)
+        assert log == ["hook", "replan", "replan"] and wrapper.selection_source == "default"
+        assert tactix.stats()["store_misses"] == 3  # every plan asked the store
+        # another process tunes this bucket: its entry file appears, this process's epoch stays
+        made = entry(MATH)
+        write_atomically(state.store.path / "entries" / made.op / f"{made.key_hash}.json", made.to_json())
+        plan(wrapper, 8)  # the look on disk finds it: selected again, and the stored tactic wins
+        plan(wrapper, 9)  # a hit is remembered: re-planned fast
+        assert log[3:] == ["hook", "replan"]
         assert wrapper.selection_source == "store" and wrapper.tactic == MATH
-        put(explicit)  # a re-tune, say
-        plan(wrapper, 9)
-        assert log[4:] == ["hook"] and wrapper.tactic == explicit
-    plan(wrapper, 10)  # outside the block: no store, selected again
-    plan(wrapper, 11)
-    assert log[5:] == ["hook", "replan"] and wrapper.selection_source == "default"
-    set_tactic_source(lambda problem: None)  # a new source: selected again
+        state.store.put(entry(explicit))  # a re-tune in this process
+        plan(wrapper, 10)
+        assert log[5:] == ["hook"] and wrapper.tactic == explicit
+    plan(wrapper, 11)  # outside the block: no store, selected again
     plan(wrapper, 12)
-    assert log[7:] == ["hook"]
+    assert log[6:] == ["hook", "replan"] and wrapper.selection_source == "default"
+    set_tactic_source(lambda problem: None)  # a new source: selected again
+    plan(wrapper, 13)
+    assert log[8:] == ["hook"]
 
 
 def test_a_new_bucket_is_selected_again(replannable: Any) -> None:

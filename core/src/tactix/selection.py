@@ -10,7 +10,9 @@ last candidate's plan raises, that error propagates. Nothing is ever retried.
 A serving engine re-plans every step with a new batch of the same shapes, so the candidates of
 each (backend, problem bucket) are remembered until a stored tactic may change: a store write,
 `set_tactic_source`, an ``autotune`` block entered or left (`stored_epoch`), or another registry.
-A store miss that looks on disk for other processes' entries is asked again every plan. Each
+A store miss that looks on disk for other processes' entries is remembered too, but asked again
+every plan (a stat of the entry's file): while it stays a miss, the remembered candidates stand,
+fast re-plan included; when another process has written the entry, the plan selects again. Each
 candidate's ``check`` (which may depend on the batch) and plan are made every time, except on a
 plan's own fast re-plan (`replan_selection`).
 """
@@ -65,14 +67,18 @@ class _Remembered:
     """The candidates of one (backend argument, problem bucket), valid while the stored tactics
     (`stored_epoch`) and the registry are the ones they were found under."""
 
-    __slots__ = ("candidates", "counter", "epoch", "registry")
+    __slots__ = ("candidates", "counter", "epoch", "recheck", "registry")
 
-    def __init__(self, epoch: int, registry: Registry, candidates: tuple[Candidate, ...], counter: str | None) -> None:
+    def __init__(self, epoch: int, registry: Registry, candidates: tuple[Candidate, ...], counter: str | None,
+                 recheck: bool = False) -> None:  # fmt: skip
         self.epoch = epoch
         self.registry = registry
         self.candidates = candidates
         self.counter = counter
         """The store counter their lookup bumped (bumped again per use, so counts stay per plan)."""
+        self.recheck = recheck
+        """Found on a store miss that looks on disk: valid while the lookup, asked again on each
+        use (`_still_missed`), still misses; the lookup counts itself (``counter`` is None)."""
 
     def current(self) -> bool:
         return self.epoch == stored_epoch() and self.registry is get_registry()
@@ -291,6 +297,8 @@ def replan_selection(previous: Selection, problem: AnyProblem, batch: Batch, bac
     found = checked if same else _remembered.get((backend, problem.bucket_key(), options["device"]))
     if found is None or found.epoch != stored_epoch() or found.registry is not get_registry():
         return None  # (`_Remembered.current`, inline: a call costs about 0.1 us)
+    if found.recheck and not _still_missed(problem, batch, backend):
+        return None  # another process stored a tactic: the full path selects again
     if found is not checked:
         first = next((c for c in found.candidates if not c.backend.static_reasons(problem)), None)
         if first is None:
@@ -333,16 +341,22 @@ def _candidates(registry: Registry, problem: AnyProblem, batch: Batch | None, ba
     `tactix.untuned_order`).
 
     Remembered per backend, problem bucket and device while the epoch and the registry stay the
-    same, unless the answer may change without either (a store miss that asks the disk each time)."""
+    same; where the answer may change without either (a store miss that asks the disk), while
+    the store, asked again, still misses."""
     named = None if backend == "auto" else registry.get(backend)  # an unknown name fails before any lookup
     key = (backend, problem.bucket_key(), device)
     epoch = stored_epoch()
     found = _remembered.get(key)
     if found is not None and found.epoch == epoch and found.registry is registry:
-        if found.counter is not None:
-            bump(found.counter)
-        return found.candidates
-    stored, counter, stable = _stored(problem, batch, backend)
+        if not found.recheck:
+            if found.counter is not None:
+                bump(found.counter)
+            return found.candidates
+        stored, counter, stable = _stored(problem, batch, backend)
+        if stored is None:
+            return found.candidates  # still a miss (its lookup counted it)
+    else:
+        stored, counter, stable = _stored(problem, batch, backend)
     candidates: list[Candidate] = []
     if named is not None:
         b = named
@@ -359,11 +373,17 @@ def _candidates(registry: Registry, problem: AnyProblem, batch: Batch | None, ba
         untuned = untuned_order.ordered(registry.active(problem.op), problem, device)
         candidates += [Candidate(b, Tactic.default(b.name), "default") for b in untuned]
     chosen = tuple(candidates)
-    if stable:
+    if stable or stored is None:  # (not a stored tactic that warns on every plan)
         if len(_remembered) >= 1024:
             _remembered.clear()
-        _remembered[key] = _Remembered(epoch, registry, chosen, counter)
+        _remembered[key] = _Remembered(epoch, registry, chosen, counter if stable else None, recheck=not stable)
     return chosen
+
+
+def _still_missed(problem: AnyProblem, batch: Batch | None, backend: str) -> bool:
+    """Whether the store lookup for ``problem`` still finds no tactic (it looks on disk for an
+    entry another process wrote since, and counts itself)."""
+    return _stored(problem, batch, backend)[0] is None
 
 
 def _stored(problem: AnyProblem, batch: Batch | None, backend: str) -> tuple[Tactic | None, str | None, bool]:
