@@ -107,7 +107,7 @@ def main() -> None:
             flops, _ = _attention_work(case, q_dtype)
             # (conversion mode, Q K^T type): fp16 q computes Q K^T in float16 in any case
             modes = [("-", "-")] if kv == "16-bit" else [("1", "f16")] if q_dtype == torch.float16 else (
-                [("1", "f16"), ("1", "bf16")] + ([] if args.once else [("2", "f16")]))  # fmt: skip
+                [("1", "f16"), ("1", "bf16")] + ([] if args.once else [("2", "bf16")]))  # fmt: skip
             for mode, qk in modes:
                 if mode != "-":
                     os.environ["TACTIX_CUDA_NATIVE_FP8_CVT"] = mode
