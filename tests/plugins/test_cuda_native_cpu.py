@@ -249,9 +249,8 @@ def test_fp8_prefill_is_served_by_both_kernels_within_shared_memory() -> None:
         plain = dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90").defines)
         e5m2 = dict(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90", kv_dtype="float8_e5m2").defines)
         smem = {"TX_SMEM": str(params.smem_bytes(128, 1)), "TX_STAGED": "2"} if params.mma == "wgmma" else {}
-        # (the wgmma kernel computes Q K^T in float16 under bf16 q: TX_QK16, see test_fp8_prefill_qk16_...)
-        qk16 = {"TX_QK16": "1"} if params.mma == "wgmma" else {}
-        assert e5m2 == {**plain, "TX_KV_FP8": "2", "TX_FP8_CVT": "1", **smem, **qk16}
+        # (Q K^T in float16 under bf16 q, TX_QK16, is opt-in: test_fp8_prefill_qk16_is_opt_in_...)
+        assert e5m2 == {**plain, "TX_KV_FP8": "2", "TX_FP8_CVT": "1", **smem}
     assert prefill_op.prefill_smem_bytes(128, 128, 32, 3, kv_bytes=1) < prefill_op.prefill_smem_bytes(128, 128, 32, 3)
     # wgmma: the ring stays 16-bit and fp8 (K, V) pairs are staged beside it, two where they fit
     assert prefill_op.fp8_staged_pairs(128, 128, 128, 2) == 2 and prefill_op.fp8_staged_pairs(256, 128, 64, 2) == 1
