@@ -316,6 +316,47 @@ class _RecordingDriver:
         assert rc == 0, what
 
 
+class _LibraryDriver(_RecordingDriver):
+    """A driver whose ``cuKernelGetFunction`` gives ``0xF00 + kernel`` in the pushed context (or,
+    with ``resolves`` False, a driver older than CUDA 12.0 without that entry point)."""
+
+    def __init__(self, current: int, resolves: bool) -> None:
+        super().__init__(current)
+        self.pushed: list[int] = []
+        self.kernel_function = self._resolve if resolves else None
+
+    def push(self, context: int) -> int:
+        self.pushed.append(context)
+        return super().push(context)
+
+    def _resolve(self, ref: Any, kernel: int) -> int:
+        self.calls.append(("resolve", kernel, self.pushed[-1]))
+        ref._obj.value = 0xF00 + kernel
+        return 0
+
+
+@pytest.mark.parametrize(("library_kernel", "resolves", "launched"),
+                         [(True, True, 0xF00 + 0x42), (False, True, 0x42), (True, False, 0x42)],
+                         ids=["library kernel", "function handle", "driver without the entry"])  # fmt: skip
+def test_a_library_kernel_is_resolved_to_its_context_function_once_not_per_launch(
+    monkeypatch: pytest.MonkeyPatch, library_kernel: bool, resolves: bool, launched: int
+) -> None:
+    """``function_launcher(..., library_kernel=True)`` turns a ``cuda.core`` ``CUkernel`` into the
+    primary context's ``CUfunction`` once (pushed there), and every launch passes that function;
+    a plain ``CUfunction``, or a driver that predates ``cuKernelGetFunction``, is launched as given."""
+    primary = 0x1000
+    driver = _LibraryDriver(current=primary, resolves=resolves)
+    monkeypatch.setattr(cudadrv, "_load_driver", lambda: driver)
+    monkeypatch.setattr(cudadrv, "_primary_context", lambda d, index: primary)
+    launch = cudadrv.function_launcher(0x42, 0, (cudadrv.INT,), "tx_library_kernel", library_kernel=library_kernel)
+    assert launch is not None
+    for value in (1, 2, 3):
+        launch((1, 1, 1), (32, 1, 1), 0x77, value)
+    resolved = [c for c in driver.calls if c[0] == "resolve"]
+    assert resolved == ([("resolve", 0x42, primary)] if library_kernel and resolves else [])
+    assert [c[1] for c in driver.calls if c[0] == "launch"] == [launched] * 3
+
+
 @pytest.mark.parametrize("foreign", [False, True], ids=["primary current", "another context current"])
 def test_a_launcher_passes_each_argument_at_its_type_and_the_shared_memory(foreign: bool) -> None:
     """What `cudadrv.Launcher` hands ``cuLaunchKernel``: one pointer per argument to a value of the

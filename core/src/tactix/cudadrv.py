@@ -14,9 +14,10 @@ Public API (what `tactix.staging` uses, and plugins through `tactix.plugin`):
   handle, `tactix.cudart.raw_stream`) with ``smem`` bytes of dynamic shared memory; arguments are
   ints, in the order of ``argtypes``. A failing launch raises `tactix.TactixError` with the
   driver's message.
-* `function_launcher(handle, device_index, argtypes, name)`: a `Launcher` for a kernel another
-  loader loaded (a plugin's ``CUfunction``, or the ``CUkernel`` of a library that ``cuda.core``
-  loads: ``cuLaunchKernel`` takes both since CUDA 12.0), or None where the driver cannot be used.
+* `function_launcher(handle, device_index, argtypes, name, library_kernel=False)`: a `Launcher`
+  for a kernel another loader loaded (a plugin's ``CUfunction``, or with ``library_kernel`` the
+  ``CUkernel`` of a library that ``cuda.core`` loads, resolved once to the context's
+  ``CUfunction``), or None where the driver cannot be used.
   A plugin launches a hot kernel this way for a few microseconds less host time a launch than
   through ``cuda.core`` (`tactix_cuda_native`'s decode plan).
 
@@ -65,6 +66,9 @@ class _Driver:
         self.load = _fn(lib.cuModuleLoadData, [pvp, ctypes.c_char_p])
         self.function = _fn(lib.cuModuleGetFunction, [pvp, vp, ctypes.c_char_p])
         self.launch = _fn(lib.cuLaunchKernel, [vp, u, u, u, u, u, u, u, vp, pvp, pvp])
+        # CUDA 12.0+: a library's CUkernel resolved to the CUfunction of the current context
+        entry = getattr(lib, "cuKernelGetFunction", None)
+        self.kernel_function = None if entry is None else _fn(entry, [pvp, vp])
         self._error = lib.cuGetErrorString
         self._error.argtypes = [i, ctypes.POINTER(ctypes.c_char_p)]
         self._error.restype = i
@@ -138,17 +142,37 @@ def _primary_context(d: _Driver, device_index: int) -> int:
     return context.value
 
 
-def function_launcher(handle: int, device_index: int, argtypes: Sequence[Any], name: str) -> Launcher | None:
-    """A `Launcher` for the loaded kernel ``handle`` (a ``CUfunction``, or a ``CUkernel``, which
-    ``cuLaunchKernel`` resolves in the current context) on ``device_index``, or None where the
-    driver cannot be used here (logged; the caller keeps its own launch path). The kernel's
-    attributes (its dynamic shared memory limit) are the loader's business."""
+def function_launcher(handle: int, device_index: int, argtypes: Sequence[Any], name: str, *,
+                      library_kernel: bool = False) -> Launcher | None:  # fmt: skip
+    """A `Launcher` for the loaded kernel ``handle`` on ``device_index``, or None where the driver
+    cannot be used here (logged; the caller keeps its own launch path). ``handle`` is a
+    ``CUfunction``, or with ``library_kernel`` a ``CUkernel`` (what ``cuda.core`` loads through
+    ``cuLibraryLoadData``): resolved once here to the ``CUfunction`` of the device's primary
+    context (``cuKernelGetFunction``), so a launch does not resolve it again; a driver without
+    that entry point launches the ``CUkernel`` itself (``cuLaunchKernel`` takes both since CUDA
+    12.0). The kernel's attributes (its dynamic shared memory limit) are the loader's business."""
     try:
         d = _load_driver()
-        return Launcher(d, _primary_context(d, device_index), handle, argtypes)
+        context = _primary_context(d, device_index)
+        if library_kernel and d.kernel_function is not None:
+            handle = _context_function(d, context, handle, name)
+        return Launcher(d, context, handle, argtypes)
     except TactixError as exc:
         log.info("tactix: %s keeps its own launch path on cuda:%d: %s", name, device_index, exc)
         return None
+
+
+def _context_function(d: _Driver, context: int, kernel: int, name: str) -> int:
+    """The ``CUfunction`` of the library kernel ``kernel`` in ``context`` (loaded there if it is not yet)."""
+    assert d.kernel_function is not None
+    function, popped = ctypes.c_void_p(), ctypes.c_void_p()
+    d.check(d.push(context), "cuCtxPushCurrent")
+    try:
+        d.check(d.kernel_function(ctypes.byref(function), kernel), f"cuKernelGetFunction ({name})")
+    finally:
+        d.pop(ctypes.byref(popped))
+    assert function.value is not None
+    return function.value
 
 
 class Kernel:

@@ -514,7 +514,7 @@ def _plan_launcher(index: int, arch: str, kernel: Any) -> Launcher | None:
         except (AttributeError, TypeError, ValueError):  # a cuda.core without the handle: its own launch
             handle = 0
         if handle:
-            found = function_launcher(handle, index, _PLAN_ARGS, "tactix_decode_plan")
+            found = function_launcher(handle, index, _PLAN_ARGS, "tactix_decode_plan", library_kernel=True)
     _plan_launchers[key] = found
     return found
 
