@@ -19,7 +19,7 @@ from tactix_cudnn.library import FEATURES, feature_reasons
 
 import tactix
 from tactix.ops import DecodeProblem, PrefillProblem
-from tactix.staging import gather_table, write_table
+from tactix.staging import csr_table, gather_table, write_table
 
 BASE = dict(
     device_type="cuda", num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, head_dim_vo=128, page_size=16,
@@ -164,6 +164,14 @@ def test_plan_metadata_and_page_table_match_the_batch() -> None:
     for r, n in enumerate(pages):
         assert table[r, :n].tolist() == indices[kv_indptr[r] : kv_indptr[r] + n].tolist()
     assert int(table.min()) >= 0 and int(table.max()) < len(indices) + 7  # every entry a valid page
+    # the device kernel ends each row at the next row's start (`csr_table`): the last request keeps
+    # its pages only if the padded rows start past the last entry (they started at 0 once, and
+    # FlashInfer's own prefill tests caught the last request of 12 or 17 reading page 0 throughout)
+    assert section(2, 8) == [*kv_indptr.tolist()[:-1], *[len(indices)] * 3]
+    kernel = csr_table(indices, section(2, 8), len(indices), key.table_width)
+    for r, n in enumerate(pages):
+        assert kernel[r, :n].tolist() == indices[kv_indptr[r] : kv_indptr[r] + n].tolist(), f"request {r}"
+    assert not kernel[len(pages) :].any()
     # without row starts (a table laid out on the host): the same sections, none for the starts
     lean, lean_offsets = plugin.host_metadata(problem, batch, key, starts=False)
     assert lean_offsets[2] == -1 and len(lean) == len(flat) - 32

@@ -190,6 +190,7 @@ def test_the_device_gather_lays_out_the_same_rows_as_the_host_table() -> None:
     """`Staging.gather`'s rule (`tactix.plugin.gather_table`) over what the plan's slot holds
     (the indices, then `width` zeros) gives each request's pages as the host table does."""
     from tactix.plugin import gather_table
+    from tactix.staging import csr_table
 
     batch, indices = make_batch(KV_LENS, Q_LENS, seed=3)
     g = Geometry(rows=8, width=4, max_q=64, max_kv=64, tokens=sum(Q_LENS))
@@ -203,6 +204,10 @@ def test_the_device_gather_lays_out_the_same_rows_as_the_host_table() -> None:
         assert out[r, :n].tolist() == host[r][:n]
     assert int(out.min()) >= 0 and set(out.flatten().tolist()) <= {*indices, 0}
     assert not out[len(pages) :].any()  # padding rows start past the last entry: all zero
+    # the device kernel's rule (`csr_table`: a row ends at the next row's start) gives the same rows
+    kernel = csr_table(batch.kv_indices, metadata.row_starts(batch, g.rows), batch.num_page_entries, g.width)
+    for r, n in enumerate(pages):
+        assert kernel[r, :n].tolist() == host[r][:n], f"request {r}"
 
 
 # -- caches: what the kernels can address ------------------------------------------------------

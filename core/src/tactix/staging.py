@@ -70,6 +70,7 @@ __all__ = [
     "Piece",
     "Sections",
     "Staging",
+    "csr_table",
     "gather_table",
     "sections",
     "write_int32",
@@ -361,6 +362,21 @@ def gather_table(ext: torch.Tensor, row_starts: torch.Tensor, out: torch.Tensor)
     torch.index_select(ext.unfold(0, width, 1), 0, row_starts, out=out)
 
 
+def csr_table(indices: torch.Tensor, starts: list[int], nnz: int, width: int) -> torch.Tensor:
+    """What `Staging.gather`'s kernel writes, computed on the host (the rule a plugin's metadata
+    must satisfy, checked on a machine without a GPU): row ``r`` holds
+    ``indices[starts[r] : end]``, ``end`` the next row's start (the last row's: ``nnz``), and page
+    0 past them. Rows past a batch must therefore start at ``nnz``: one starting at 0 ends the
+    request before it there, which then reads page 0 for every page (`gather_table`, the torch
+    path, reads a fixed window instead and does not show it)."""
+    table = torch.zeros(len(starts), width, dtype=torch.int32)
+    for r, s in enumerate(starts):
+        n = min((starts[r + 1] if r + 1 < len(starts) else nnz) - s, width)
+        if n > 0:
+            table[r, :n] = indices[s : s + n]
+    return table
+
+
 class HostBuffer:
     """A pinned int32 buffer and the event recorded after the last transfer that read it."""
 
@@ -558,7 +574,8 @@ class Staging:
                indices: torch.Tensor | None = None) -> int:  # fmt: skip
         """The page table ``[rows, width]`` built on the device from CSR page indices, in the slot's
         table buffer; its device address. ``starts_at``: where the rows' first entries lie in the
-        slot (rows past the batch start at ``nnz``). The ``nnz`` indices are ``indices`` (the
+        slot; rows past the batch must start at ``nnz``: the kernel ends each row at the next
+        row's start, `csr_table` is its rule on the host). The ``nnz`` indices are ``indices`` (the
         caller's device tensor, read in place) or, when None, the entries ``send`` put at
         ``count``; ``send`` also wrote ``width`` zeros after those ``count + nnz`` entries.
 

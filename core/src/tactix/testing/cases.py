@@ -233,6 +233,9 @@ class AttentionCase(_Case):
     cache_form: Literal["tuple", "tensor"] = "tuple"
     mask: Literal["", "tree", "random"] = ""  # prefill: a custom mask (tree attention, or random with empty rows)
     mask_form: Literal["bool", "packed"] = "bool"  # packed: bit-packed (packed_custom_mask)
+    # device: the offsets, page indices and last-page lengths on the case's device, as FlashInfer's
+    # callers pass them (plans read them there: a page table gathered on the GPU)
+    index_form: Literal["host", "device"] = "host"
 
     @property
     def layout_args(self) -> tuple[Any, ...]:
@@ -250,8 +253,10 @@ class AttentionCase(_Case):
         return rows
 
     def _forms(self) -> list[tuple[str, str]]:
-        return ([("5d", "5-D cache tensor")] if self.cache_form == "tensor" else []) + (
-            [("qview", "strided q (QKV view)")] if self.q_form == "strided" else []
+        return (
+            ([("5d", "5-D cache tensor")] if self.cache_form == "tensor" else [])
+            + ([("qview", "strided q (QKV view)")] if self.q_form == "strided" else [])
+            + ([("devidx", "page indices on the device")] if self.index_form == "device" else [])
         )
 
     def plan_kwargs(self) -> dict[str, Any]:
@@ -489,8 +494,10 @@ def build_attention_inputs(case: AttentionCase, device: torch.device) -> Attenti
             mask_kwargs = {"packed_custom_mask": torch.cat([_packbits(m.reshape(-1)) for m in parts]).to(device)}
         else:
             mask_kwargs = {"custom_mask": mask.to(device)}
-    return AttentionInputs(_i32(qo), _i32(indptr), _i32(indices), _i32(last), q, k, v, cache, out, lse, outside,
-                           extras, mask, mask_kwargs)  # fmt: skip
+    at = device if case.index_form == "device" else torch.device("cpu")
+    qo_t, indptr_t, indices_t, last_t = (_i32(x).to(at) for x in (qo, indptr, indices, last))
+    return AttentionInputs(qo_t, indptr_t, indices_t, last_t, q, k, v, cache, out, lse, outside, extras, mask,
+                           mask_kwargs)  # fmt: skip
 
 
 def _view_of_fused(t: torch.Tensor, width: int, offset: int = 0) -> torch.Tensor:
@@ -654,6 +661,11 @@ def attention_cases(op: str, caps: AttentionCapabilities) -> list[AttentionCase]
         add(num_qo_heads=qo_heads, num_kv_heads=kv_heads)
     for name, (kv_lens, q_lens) in _batches(op, base.page_size).items():
         add(batch=name, kv_lens=kv_lens, q_lens=q_lens)
+    # the batch's arrays on the device, as FlashInfer's callers pass them: a batch that is no
+    # bucket size (padding rows past the last request) and one of more rows than a host lays out
+    for name in ("edge", "large"):
+        kv_lens, q_lens = _batches(op, base.page_size)[name]
+        add(index_form="device", batch=name, kv_lens=kv_lens, q_lens=q_lens)
     if _ragged(op):
         add(causal=False)
         add(causal=False, batch="q-longer", kv_lens=(40, 8), q_lens=(64, 16))

@@ -468,7 +468,8 @@ def host_metadata(problem: PrefillProblem | DecodeProblem, batch: PagedBatch, ke
 
     Sections (each 128-byte aligned, `metadata_offsets`; ``key.batch`` entries, requests past the
     real batch empty): q lengths, kv lengths, each request's first entry in the page indices
-    (only with ``starts``: a table gathered on the device reads them), and for ragged q the
+    (only with ``starts``: a table gathered on the device reads them; requests past the real
+    batch start at the number of entries, as `Staging.gather` requires), and for ragged q the
     element offsets of q, out and (with LSE) the stats rows (``key.batch + 1`` entries each).
     A re-plan pays for this every batch: a few list concatenations and comprehensions.
     """
@@ -479,9 +480,11 @@ def host_metadata(problem: PrefillProblem | DecodeProblem, batch: PagedBatch, ke
     flat += batch.kv_lens_list
     flat += pad
     if starts:
+        # rows past the batch start at the last entry (`Staging.gather`'s kernel ends each row
+        # at the next row's start: a padding row starting at 0 would end the last request there)
         flat += batch.kv_indptr_list
         del flat[-1]
-        flat += pad
+        flat += [batch.num_page_entries] * (span - real)
     if key.ragged_q:
         qo = batch.qo_indptr_list
         rows = qo + [qo[-1]] * (b - real) if b > real else qo
