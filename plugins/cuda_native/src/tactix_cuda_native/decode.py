@@ -494,7 +494,10 @@ DRIVER_LAUNCH_ENV: Final = "TACTIX_CUDA_NATIVE_DRIVER_LAUNCH"
 (`tactix.plugin.function_launcher`), else through ``cuda.core`` like every other kernel; read
 once per device, when its first plan launches the kernel. Opt-in: its GPU test passes on the
 H200, but the launch measured slower there, 13-17 us a plan against 7.4 through ``cuda.core``
-(benchmarks/results/h200-plan-breakdown-driver-launch-session34.txt)."""
+(benchmarks/results/h200-plan-breakdown-driver-launch-session34.txt); with the ``CUkernel``
+resolved once to its context's ``CUfunction`` (``library_kernel=True``), an H100 host measured
+13.8 and 19.1-20.5 us against 15.0-15.4 (h100-plan-breakdown-driver-launch-session36.txt, runs
+1, 0, 1): no gain shown, so still opt-in."""
 
 _plan_launchers: dict[tuple[int, str], Launcher | None] = {}
 _PLAN_ARGS: Final = (LAUNCH_POINTER,) * 4 + (LAUNCH_INT64,) * 7  # kernels/decode_plan.cu's parameters
