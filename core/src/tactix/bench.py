@@ -25,7 +25,6 @@ import platform
 import statistics
 import tempfile
 import textwrap
-import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -38,7 +37,8 @@ from tactix import bench_flashinfer, untuned_order
 from tactix.attention import PagedDecode, PagedPrefill, attention_problem
 from tactix.autotune.context import autotune
 from tactix.autotune.policy import MeasurementPolicy
-from tactix.autotune.timing import interleaved, interleaved_rounds, measure_with_policy
+from tactix.autotune.timing import host_us, interleaved, interleaved_rounds, measure_with_policy
+from tactix.autotune.timing import least_disturbed as least_disturbed  # (moved there; importable from here too)
 from tactix.dtypes import to_torch_dtype
 from tactix.errors import TactixError
 from tactix.gemm import Gemm, gemm_problem
@@ -121,45 +121,6 @@ class BenchRow:
     eager_us: float | None = None  # max(time_us, run_host_us): a call's cost to an eager caller (`eager_cost`)
     op: str = ""  # the case's op and its shape class (`tactix.untuned_order`)
     shape_class: str = ""
-
-
-HOST_CALLS: Final = 60
-"""Calls per host-cost measurement (plan and run) on a GPU, in `HOST_BLOCKS` blocks; on the CPU,
-where run() computes in the caller's thread, a few (`HOST_CALLS_CPU`, one block) are enough."""
-HOST_CALLS_CPU: Final = 4
-HOST_BLOCKS: Final = 5
-"""Blocks a GPU host-cost measurement is cut into: the least disturbed block's median is kept.
-Other tenants of a lent host only ever add time: one median of 40 calls read torch.matmul's
-run() host cost as 15 us in one eager suite and 25 us in the next (H100, session 26)."""
-
-
-def host_us(fn: Any, device: torch.device, calls: int | None = None) -> float:
-    """Host wall time of ``fn()`` in microseconds, with no device synchronisation inside the
-    timed calls (a synchronisation before and after): what an eager caller's thread pays. On a
-    GPU the calls are cut into `HOST_BLOCKS` blocks and the lowest block median is kept (the
-    undisturbed cost: another tenant's burst lands in one block); on the CPU, one median."""
-    gpu = device.type == "cuda"
-    if calls is None:
-        calls = HOST_CALLS if gpu else HOST_CALLS_CPU
-    if gpu:
-        torch.cuda.synchronize(device)
-    fn()
-    samples = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    if gpu:
-        torch.cuda.synchronize(device)
-    return least_disturbed(samples, HOST_BLOCKS if gpu else 1) * 1e6
-
-
-def least_disturbed(samples: list[float], blocks: int) -> float:
-    """The lowest median of ``samples`` cut into ``blocks`` consecutive blocks (at most one a
-    sample; a remainder joins no block)."""
-    blocks = max(1, min(blocks, len(samples)))
-    size = len(samples) // blocks
-    return min(statistics.median(samples[i * size : (i + 1) * size]) for i in range(blocks))
 
 
 def _other_lengths(case: BenchCase, last: torch.Tensor) -> torch.Tensor:

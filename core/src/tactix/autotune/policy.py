@@ -16,7 +16,8 @@ class MeasurementPolicy(BaseModel):
     ``execution``: ``cuda_graph`` times kernel work replayed from a captured CUDA graph (what a
     graph-captured server pays; used where the plan supports capture, else the call is timed
     eagerly and the entry says so); ``eager`` times each call as enqueued, host cost included
-    where it stalls the device (what an eager server pays).
+    where it stalls the device (what an eager server pays), and the tuner's final round ranks by
+    the longer of a call's device and host times.
 
     ``warmup_ms`` and ``settle_blocks``: after other work (memory returned to the driver, the
     torch backend's attention, large GEMMs, a tuning run) an H200 runs the next kernels 5-15 %

@@ -19,7 +19,16 @@ import torch
 from tactix.autotune.policy import MeasurementPolicy
 from tactix.autotune.stats import bump
 
-__all__ = ["Timing", "interleaved", "interleaved_rounds", "measure", "measure_with_policy", "prepared_call"]
+__all__ = [
+    "Timing",
+    "host_us",
+    "interleaved",
+    "interleaved_rounds",
+    "least_disturbed",
+    "measure",
+    "measure_with_policy",
+    "prepared_call",
+]
 
 
 @dataclass(frozen=True)
@@ -232,3 +241,42 @@ def _capture(fn: Callable[[], object], device: torch.device) -> torch.cuda.CUDAG
         torch.cuda.synchronize(device)
         return None
     return graph
+
+
+HOST_CALLS: Final = 60
+"""Calls per host-cost measurement (plan and run) on a GPU, in `HOST_BLOCKS` blocks; on the CPU,
+where run() computes in the caller's thread, a few (`HOST_CALLS_CPU`, one block) are enough."""
+HOST_CALLS_CPU: Final = 4
+HOST_BLOCKS: Final = 5
+"""Blocks a GPU host-cost measurement is cut into: the least disturbed block's median is kept.
+Other tenants of a lent host only ever add time: one median of 40 calls read torch.matmul's
+run() host cost as 15 us in one eager suite and 25 us in the next (H100, session 26)."""
+
+
+def host_us(fn: Callable[[], object], device: torch.device, calls: int | None = None) -> float:
+    """Host wall time of ``fn()`` in microseconds, with no device synchronisation inside the
+    timed calls (a synchronisation before and after): what an eager caller's thread pays. On a
+    GPU the calls are cut into `HOST_BLOCKS` blocks and the lowest block median is kept (the
+    undisturbed cost: another tenant's burst lands in one block); on the CPU, one median."""
+    gpu = device.type == "cuda"
+    if calls is None:
+        calls = HOST_CALLS if gpu else HOST_CALLS_CPU
+    if gpu:
+        torch.cuda.synchronize(device)
+    fn()
+    samples = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    if gpu:
+        torch.cuda.synchronize(device)
+    return least_disturbed(samples, HOST_BLOCKS if gpu else 1) * 1e6
+
+
+def least_disturbed(samples: list[float], blocks: int) -> float:
+    """The lowest median of ``samples`` cut into ``blocks`` consecutive blocks (at most one a
+    sample; a remainder joins no block)."""
+    blocks = max(1, min(blocks, len(samples)))
+    size = len(samples) // blocks
+    return min(statistics.median(samples[i * size : (i + 1) * size]) for i in range(blocks))
