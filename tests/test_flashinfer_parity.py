@@ -150,6 +150,17 @@ def _case(message: str, text: str = "") -> report.Case:
             "causal prefill with more query rows than keys: refused at plan (rows with no key)",
         ),
         ("Failed: DID NOT RAISE <class 'ValueError'>", "", "expected error not raised"),
+        (  # torch.testing wraps an out-of-memory error raised while it compared
+            "RuntimeError: Comparing\n\nTensorLikePair(",
+            "E   torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 38.00 MiB.\n",
+            "CUDA out of memory",
+        ),
+        (
+            "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+            "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling",
+            "CUDA out of memory",
+        ),
+        ("RuntimeError: Comparing\n", "E   AssertionError: no memory word here\n", "other: RuntimeError: Comparing"),
         ("", "", "other: (no message)"),
     ],
 )

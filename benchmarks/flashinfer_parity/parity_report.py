@@ -67,6 +67,12 @@ CAUSES: tuple[Rule, ...] = (
     Rule("fp8 KV cache", message=r"(?i)float8|\bfp8\b|e4m3|e5m2"),
     Rule("rotary embedding (pos_encoding_mode)", message=r"pos_encoding_mode|ROPE_LLAMA"),
     Rule("CUDA out of memory", message=r"(?i)CUDA out of memory|OutOfMemoryError"),
+    # raised while handling one (torch.testing's "Comparing" wraps it; cuBLAS cannot get its handle)
+    Rule(
+        "CUDA out of memory",
+        message=r"CUBLAS_STATUS_ALLOC_FAILED|^RuntimeError: Comparing|^Comparing",
+        text=r"OutOfMemoryError|CUDA out of memory|CUBLAS_STATUS_ALLOC_FAILED",
+    ),
     Rule("missing attribute `{0}`", message=r"has no attribute '(\w+)'"),
     Rule("unexpected keyword argument `{0}`", message=r"unexpected keyword argument '(\w+)'"),
     Rule(
