@@ -201,8 +201,9 @@ def _final_round(results: list[CandidateResult], calls: dict[int, Callable[[], o
     is the longer of the pooled device time and the call's host time (`timing.host_us`), what an
     eager caller pays per call and what ``tactix bench --execution eager`` ranks by: with the L2
     flushed before each timed call the host's work hides behind the flush, so device times alone
-    chose O1-w128's decode tactic of 15.3 us on the device and 20.4 us of host time over the
-    default's 18.5 and 14.8 (H100, session 36). The first pass times candidates one after
+    can choose a tactic whose extra launches cost more host time than its kernels save (cuda_native's
+    split G2-m16 GEMM: 2.5 us more host a call, 2.6 us more a call back to back, 0.2 us less on the
+    device; benchmarks/results/h100-gemm-eager-probe-session36.log). The first pass times candidates one after
     another, each in its own state of the card (a clock falling as the card heats, the candidate
     before): a 3 % difference there is as likely the card as the kernel. A contender that raises
     now keeps its first-pass time."""
