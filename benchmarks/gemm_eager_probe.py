@@ -35,8 +35,8 @@ import torch
 import tactix
 from tactix.autotune.context import autotune
 from tactix.autotune.policy import MeasurementPolicy
-from tactix.autotune.timing import measure_with_policy
-from tactix.bench import host_us, select_cases
+from tactix.autotune.timing import host_us, measure_with_policy
+from tactix.bench import select_cases
 
 CUDA = torch.device("cuda")
 DEFAULT_TACTICS = (

@@ -265,7 +265,7 @@ def test_an_interrupted_run_still_writes_the_cases_it_finished(
 def test_host_cost_keeps_the_least_disturbed_block() -> None:
     """Another tenant's burst in one block of a GPU host-cost measurement does not move it; a
     steady slowdown over every block does; with one block it is the plain median."""
-    from tactix.bench import least_disturbed
+    from tactix.autotune.timing import least_disturbed
 
     steady = [10.0, 11.0, 10.5, 9.5] * 15
     burst = steady[:24] + [60.0] * 12 + steady[36:]  # one block of 12 (of 5) all disturbed

@@ -286,3 +286,35 @@ def test_the_winner_is_decided_by_timing_the_contenders_against_each_other(
         assert fast.median_s < plain.median_s and fast.samples == plain.samples == 2 * 5  # two rounds of 5
     else:  # the counterfactual: the first pass alone picks the kernel it happened to time first
         assert entry.tactic.kernel == "plain" and fast.median_s > plain.median_s
+
+
+@pytest.mark.parametrize(("execution", "device", "order"), [
+    ("eager", "cuda", ["device_bound", "host_bound"]),
+    ("cuda_graph", "cuda", ["host_bound", "device_bound"]),
+    ("eager", "cpu", ["host_bound", "device_bound"]),
+])  # fmt: skip
+def test_the_eager_final_round_charges_a_call_the_longer_of_its_device_and_host_times(
+    monkeypatch: pytest.MonkeyPatch, execution: str, device: str, order: list[str]
+) -> None:
+    """Under the eager policy on a GPU a contender's median is max(device time, host time): a
+    tactic that launches more (host-bound: 4 us on the device, 14 us of host a call) loses to one
+    that does not (6 us device, 10 us host), as an eager caller pays it; replayed from CUDA graphs,
+    or on the CPU where the timer already reads the caller's thread, device times alone decide.
+    The timer and the host clock are given (`interleaved`, `host_us`): the rule, not a GPU, is tested."""
+    from tactix.autotune import tuner
+    from tactix.autotune.store import CandidateResult
+
+    def host_bound() -> None: ...
+    def device_bound() -> None: ...
+
+    device_s = {host_bound: 4e-6, device_bound: 6e-6}
+    host_us = {host_bound: 14.0, device_bound: 10.0}
+    monkeypatch.setattr(tuner, "interleaved", lambda calls, *_: [[device_s[c]] * 6 for c in calls])
+    monkeypatch.setattr(tuner, "host_us", lambda call, _device: host_us[call])
+    results = [CandidateResult(tactic=tactix.Tactic(backend="x", kernel=k), status="ok", median_s=1.0, samples=1)
+               for k in ("host_bound", "device_bound")]  # fmt: skip
+    policy = tactix.MeasurementPolicy(execution=execution)  # type: ignore[arg-type]
+    final = tuner._final_round(results, {0: host_bound, 1: device_bound}, torch.device(device), policy)
+    assert [r.tactic.kernel for r in sorted(final, key=lambda r: r.median_s or 0.0)] == order
+    if execution == "eager" and device == "cuda":
+        assert [r.median_s for r in final] == pytest.approx([14e-6, 10e-6])

@@ -38,7 +38,6 @@ from tactix.attention import PagedDecode, PagedPrefill, attention_problem
 from tactix.autotune.context import autotune
 from tactix.autotune.policy import MeasurementPolicy
 from tactix.autotune.timing import host_us, interleaved, interleaved_rounds, measure_with_policy
-from tactix.autotune.timing import least_disturbed as least_disturbed  # (moved there; importable from here too)
 from tactix.dtypes import to_torch_dtype
 from tactix.errors import TactixError
 from tactix.gemm import Gemm, gemm_problem
