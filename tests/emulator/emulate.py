@@ -81,7 +81,8 @@ Scale = float | torch.Tensor | None  # a dequantization scale as run() takes it
 def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, *, return_lse: bool, schedule: Schedule | None = None, persistent: int = 0,
                 capacity: int = 0, k_scale: Scale = None, v_scale: Scale = None,
-                sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
+                sinks: torch.Tensor | None = None,
+                kv_tma: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
     """The prefill kernel on the emulation: (out, lse or None, the work list). ``k_scale``,
     ``v_scale`` and ``sinks``: as the plan's run passes them (`paged.scale_args`; a CPU tensor's
     address is the pointer); an fp8 ``k``/``v`` selects the fp8 variant, as the plan's kv dtype does.
@@ -93,7 +94,10 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
     `prefill.prefill_grid` for ``persistent`` CTAs at once (the plan asks the driver; 0 here:
     the H200's estimate, `prefill.prefill_persistent_ctas`), so pass a small count to have
     each CTA loop over several items. ``capacity``: the item capacity of a CUDA-graph plan (the
-    grid's size; the item list is padded to it with records that must never be read)."""
+    grid's size; the item list is padded to it with records that must never be read). ``kv_tma``:
+    the ragged plan's tensor-map loads (``TX_KV_TMA``; ``k`` and ``v`` one-token pages of packed
+    tensors, the batch's table the identity), maps of ``k[:, 0]`` and ``v[:, 0]`` as
+    `prefill.CudaNativePrefillPlan._ragged_map` encodes them."""
     from tactix_cuda_native import device, paged, prefill
 
     masked = bool(getattr(problem, "custom_mask", False))
@@ -103,7 +107,7 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
         else prefill.PrefillParams.from_tactic(tactic)
     )
     d, dims = prefill.kernel_dims(problem, params)
-    variant = prefill.prefill_variant(problem.q_dtype, d, params, "sm_90", masked, problem.kv_dtype, dims)
+    variant = prefill.prefill_variant(problem.q_dtype, d, params, "sm_90", masked, problem.kv_dtype, dims, kv_tma)
     runner = "emu_prefill_sm90.cpp" if variant.source == "prefill_sm90.cu" else "emu_prefill.cpp"
     lib = _library(runner, variant.defines)
     pack = prefill.prefill_pack(problem.gqa_ratio, params.q_tile, params.pack)
@@ -129,6 +133,10 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
     args = _args([q, q.stride(0), q.stride(1), k, v, *strides, out, lse, items_t, num_items, reqs_t, indices,
                   *prefill.prefill_scalars(problem, pack), *paged.scale_args(k_scale, v_scale),
                   0 if sinks is None else sinks.data_ptr()])  # fmt: skip
+    if kv_tma:  # the plan's maps (boxes of 64 of dim x 1 head x kv_tile tokens), first
+        box = (params.kv_tile, 1, 64)
+        maps = (tensor_map(k.select(1, 0), box), tensor_map(v.select(1, 0), box))  # alive until the launch is done
+        args = [ctypes.byref(maps[0]), ctypes.byref(maps[1]), *args]
     if masked:  # the bytes and per-request offsets the plan gives the kernel (`prefill.prefill_mask`)
         mask = prefill.prefill_mask(batch, torch.device("cpu"), None, graph=False)
         offsets = torch.tensor(batch.custom_mask.offsets[:-1] or [0], dtype=i32)

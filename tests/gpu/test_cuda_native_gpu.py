@@ -27,6 +27,7 @@ from tactix.testing import (
     cases,
     gemm_reference,
     lse_error,
+    ragged_reference,
     relative_error,
     tolerance_for,
 )
@@ -745,6 +746,60 @@ def test_wgmma_prefill_long_keys_both_warpgroups_and_idle_ones(persist: int, pin
             w = case.wrapper()
             case.plan(w, return_lse=True, tactic=params.to_tactic(), **features)
             case.check(w, f"wgmma pipeline {features}", return_lse=True, **features)
+
+
+# ragged batches: a request with neither queries nor keys, lengths off the 128-key tile, and a
+# last request whose last tile runs past the end of the packed K and V
+RAGGED_BATCHES = [([37, 0, 300, 5, 1000, 129], [100, 0, 300, 64, 1000, 400]),
+                  ([20, 3, 260, 59, 900, 100], [70, 9, 320, 65, 1100, 300])]  # fmt: skip
+
+
+@pytest.mark.parametrize("dims", [(128, 128), (192, 128)], ids=["d128", "d192-128"])
+@pytest.mark.parametrize("flags", [(0, 0), (1, 1)], ids=["wgmma", "wgmma-persist-pingpong"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ragged_prefill_through_tensor_maps_equals_the_gather_bit_for_bit(
+    dims: tuple[int, int], flags: tuple[int, int], causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ragged-KV prefill on the wgmma kernel loads K and V tiles through tensor maps of the packed
+    tensors (TX_KV_TMA, the default) or gathers them as one-token pages (TACTIX_CUDA_NATIVE_RAGGED_TMA=0):
+    the same output and LSE bit for bit (rows past a request's keys are masked either way), within
+    tolerance of the float64 oracle; K and V are strided views of one fused tensor; a re-plan on the
+    same wrapper keeps the tensor maps."""
+    dqk, dvo = dims
+    info = device.device_info(torch.cuda.current_device())
+    params = prefill.PrefillParams(q_tile=128, kv_tile=128, warps=8, stages=2, mma="wgmma", persist=flags[0],
+                                   pingpong=flags[1])  # fmt: skip
+    if reasons := params.reasons(dqk, info, head_dim_vo=dvo):
+        pytest.skip(f"wgmma prefill d{dqk}/{dvo} not on this GPU: {reasons}")
+    gen = torch.Generator().manual_seed(dqk + 2 * flags[0] + int(causal))
+    kv_total = max(sum(kv) for _, kv in RAGGED_BATCHES)
+    fused = torch.randn(kv_total, 4, dqk + dvo, generator=gen).to(CUDA, torch.bfloat16)
+    k, v = fused[:, :, :dqk], fused[:, :, dqk:]
+    for b, (q_lens, kv_lens) in enumerate(RAGGED_BATCHES):
+        qo = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+        kv = torch.tensor([0, *itertools.accumulate(kv_lens)], dtype=torch.int32)
+        rows = sum(q_lens)
+        q = torch.randn(rows, 16, dqk, generator=gen).to(CUDA, torch.bfloat16)
+        results = {}
+        for tma in ("0", "1"):
+            monkeypatch.setenv(prefill.RAGGED_TMA_ENV, tma)
+            w = tactix.RaggedPrefill(backend="cuda_native", device=CUDA)
+            for lens in RAGGED_BATCHES[: b + 1]:  # (the second batch is a re-plan of the first's wrapper)
+                w.plan(torch.tensor([0, *itertools.accumulate(lens[0])], dtype=torch.int32),
+                       torch.tensor([0, *itertools.accumulate(lens[1])], dtype=torch.int32), 16, 4, dqk, dvo,
+                       causal=causal, q_data_type=torch.bfloat16, return_lse=True,
+                       tactic=params.to_tactic())  # fmt: skip
+            assert w.plan_object.paged._kv_tma == (tma == "1"), f"batch {b}"
+            out = torch.full((rows, 16, dvo), float("nan"), device=CUDA, dtype=torch.bfloat16)
+            lse = torch.full((rows, 16), float("nan"), device=CUDA)
+            w.run(q, k, v, out=out, lse=lse)
+            torch.cuda.synchronize()
+            results[tma] = (out, lse)
+        ref, ref_lse = ragged_reference(q, k, v, qo, kv, causal=causal, sm_scale=1 / math.sqrt(dqk))
+        out, lse = results["1"]
+        assert relative_error(out, ref) < tolerance_for(torch.bfloat16), f"batch {b}"
+        assert lse_error(lse, ref_lse) <= LSE_TOLERANCE["bfloat16"], f"batch {b}"
+        assert torch.equal(out, results["0"][0]) and torch.equal(lse, results["0"][1]), f"batch {b}"
 
 
 @pytest.mark.parametrize("mma", MMAS)

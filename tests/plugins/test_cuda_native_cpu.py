@@ -81,14 +81,16 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
     persistent = sum(prefill_op.default_prefill_params(d, H200).pingpong for d in HEAD_DIMS)
     assert persistent == 2  # d64 and d128
     # (and the decode variants for fp8 caches: two fp8 dtypes, each head dim, large and small batches,
-    # and DeepSeek's 192/128 prefill: the wgmma kernel with its own dims, with and without persistent CTAs;
+    # and DeepSeek's 192/128 prefill: the wgmma kernel with its own dims, with and without persistent CTAs,
+    # each also with ragged K and V through tensor maps;
     # one kernel that makes decode work lists on the device, and the state merge for 3 dtypes)
     fp8 = 2 * 2 * len(HEAD_DIMS) * 2
-    assert len(variants) == len(set(variants)) == 2 * (3 * len(HEAD_DIMS) + persistent + 2) + fp8 + 2 + 1 + 3
+    assert len(variants) == len(set(variants)) == 2 * (3 * len(HEAD_DIMS) + persistent + 4) + fp8 + 2 + 1 + 3
     deepseek = [v for v in variants if ("TX_DVO", "128") in v.defines]
-    assert len(deepseek) == 4 and all(v.source == "prefill_sm90.cu" and ("TX_D", "192") in v.defines
+    assert len(deepseek) == 8 and all(v.source == "prefill_sm90.cu" and ("TX_D", "192") in v.defines
                                       for v in deepseek)  # fmt: skip
-    assert sum(("TX_PERSIST", "1") in v.defines for v in variants) == 2 * (persistent + 1)
+    assert sum(("TX_KV_TMA", "1") in v.defines for v in deepseek) == 4
+    assert sum(("TX_PERSIST", "1") in v.defines for v in variants) == 2 * (persistent + 2)
     # prefill and GEMM on the H200 are the wgmma kernels, compiled for the arch-specific sm_90a
     assert {(v.source, v.arch) for v in variants} == {
         ("decode.cu", "sm_90"), ("decode_plan.cu", "sm_90"), ("gemm_sm90.cu", "sm_90a"), ("prefill_sm90.cu", "sm_90a"),

@@ -694,6 +694,45 @@ def test_emulated_ragged_prefill_through_one_token_pages(tactic: dict[str, Any] 
         assert lse_error(lse, ref_lse) <= LSE_TOLERANCE["bfloat16"]
 
 
+@pytest.mark.parametrize(("dqk", "dvo", "tactic"), [
+    (128, 128, {"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma", "persist": 1, "pingpong": 1}),
+    (192, 128, {"q_tile": 64, "kv_tile": 64, "warps": 4, "stages": 2, "mma": "wgmma"}),
+], ids=["128-wgmma-persist-pingpong", "192x128-wgmma-q64"])  # fmt: skip
+def test_emulated_ragged_prefill_through_tensor_maps_equals_the_gather(dqk: int, dvo: int,
+                                                                      tactic: dict[str, Any]) -> None:  # fmt: skip
+    """The wgmma kernel's ragged path with K and V tiles through tensor maps of the packed tensors
+    (TX_KV_TMA: one producer thread, no page lookups; `prefill.ragged_tma`) gives the gather's
+    output and LSE bit for bit, within the oracle's tolerance: strided views of a fused KV
+    projection, a request without query rows or keys, GQA 4, a window and the sinks, and a last
+    request whose last tile runs past the end of the tensors (zeros there, masked); persistent
+    CTAs looping over several items."""
+    gen = torch.Generator().manual_seed(37)
+    q_lens, kv_lens, hq, hkv = [70, 0, 1, 33, 17], [200, 0, 1, 40, 90], 8, 2
+    qo = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    kv = torch.tensor([0, *itertools.accumulate(kv_lens)], dtype=torch.int32)
+    fused = torch.randn(int(kv[-1]), hkv, dqk + dvo, generator=gen).to(torch.bfloat16)  # [tokens, heads, k | v]
+    k, v = fused[:, :, :dqk], fused[:, :, dqk:]
+    q = torch.randn(int(qo[-1]), hq, dqk, generator=gen).to(torch.bfloat16)
+    sinks = (torch.randn(hq, generator=gen) * 3).to(torch.float32)
+    t = Tactic(backend="cuda_native", kernel="prefill", params=tactic)  # type: ignore[arg-type]
+    for window, sink in ((-1, None), (50, sinks)):
+        problem, batch = ragged_problem(device=CPU, qo_indptr=qo, kv_indptr=kv, num_qo_heads=hq, num_kv_heads=hkv,
+                                        head_dim_qk=dqk, head_dim_vo=dvo, causal=True, sm_scale=None,
+                                        window_left=window, logits_soft_cap=0.0, q_data_type=torch.bfloat16,
+                                        kv_data_type=None, o_data_type=None, return_lse=True)  # fmt: skip
+        paged = problem.as_paged_prefill().model_copy(update={"device_type": "cuda"})
+        assert plugin._reasons(problem.model_copy(update={"device_type": "cuda"}), t, H200) == []
+        runs = [emulate.run_prefill(paged, batch.paged, t, q, k.unsqueeze(1), v.unsqueeze(1), return_lse=True,
+                                    sinks=sink, persistent=3, kv_tma=tma) for tma in (True, False)]  # fmt: skip
+        (out, lse, _), (gather_out, gather_lse, _) = runs
+        ref, ref_lse = ragged_reference(q, k, v, qo, kv, causal=True, sm_scale=problem.sm_scale, window_left=window,
+                                        sinks=sink)  # fmt: skip
+        assert lse is not None and gather_lse is not None and not torch.isnan(out).any()
+        assert relative_error(out, ref) <= tolerance_for(torch.bfloat16), (window, relative_error(out, ref))
+        assert lse_error(lse, ref_lse) <= LSE_TOLERANCE["bfloat16"]
+        assert torch.equal(out, gather_out) and torch.equal(lse, gather_lse), window
+
+
 _WG = {"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma"}  # the d128 wgmma shape
 
 

@@ -18,6 +18,7 @@ The geometry functions are pure (no CUDA), so every rule is tested on a machine 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
@@ -27,13 +28,14 @@ from tactix import (
     PagedBatch,
     PlanOptions,
     PrefillProblem,
+    Problem,
     Tactic,
     UnsupportedProblemError,
 )
 from tactix.plugin import Piece, Sections, bucket_size, raw_stream, sections
 from tactix_cuda_native import NAME
 from tactix_cuda_native.device import WGMMA_ARCHS, DeviceInfo, cuda_device, device_index, device_info, wgmma_arch
-from tactix_cuda_native.kernel import Kernel, bf16, launcher, load_kernel
+from tactix_cuda_native.kernel import Kernel, TensorMaps, bf16, launcher, load_kernel
 from tactix_cuda_native.paged import (
     FP8_KV_DTYPES,
     HEAD_DIMS,
@@ -47,7 +49,7 @@ from tactix_cuda_native.paged import (
     log2_exact,
     scale_args,
 )
-from tactix_cuda_native.runtime import Variant, launch_config, stream_for
+from tactix_cuda_native.runtime import Variant, launch_config, stream_for, tensor_map, tensor_maps_status
 from tactix_cuda_native.tactics import TacticParams
 
 PREFILL_SCHEDULES: Final = ("requests_by_work", "in_order", "longest_first")
@@ -600,14 +602,16 @@ def prefill_tactics(problem: PrefillProblem, info: DeviceInfo) -> list[Tactic]:
 
 
 def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str, masked: bool = False,
-                    kv_dtype: str | None = None, dims: tuple[int, int] | None = None) -> Variant:  # fmt: skip
+                    kv_dtype: str | None = None, dims: tuple[int, int] | None = None,
+                    kv_tma: bool = False) -> Variant:  # fmt: skip
     """``pack`` and ``sched`` are launch-time choices: every value shares one compiled variant.
     ``mma`` "wgmma" is kernels/prefill_sm90.cu, compiled for the arch-specific target (sm_90a) of
     an sm_90 ``arch``; its warps are implied by the tiles (one consumer warpgroup per 64 rows).
     ``dtype``: q's and out's (and the cache's, unless ``kv_dtype`` is an fp8 dtype: ``TX_KV_FP8``);
     ``masked``: the variant that reads a custom mask (``TX_MASK``); ``dims``: the problem's q/k and
     v/o head dims where they are not both ``head_dim`` (zero-filled to it: ``TX_DQK``, ``TX_DVO``).
-    Those two mma.sync only."""
+    Those two mma.sync only. ``kv_tma`` (wgmma, 16-bit caches): ragged K and V tiles through tensor
+    maps (``TX_KV_TMA``, `ragged_tma`)."""
     fp8 = FP8_KV_DTYPES.get(kv_dtype or dtype, 0)
     qk, vo = dims if dims is not None else (head_dim, head_dim)
     if params.mma == "wgmma":
@@ -629,6 +633,7 @@ def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str,
             **({"TX_KV_FP8": fp8, "TX_FP8_CVT": fp8_cvt()} if fp8 else {}),
             **({"TX_STAGED": 2} if fp8 and staged == 2 else {}),
             **({"TX_QK16": 1} if fp8 and bf16(dtype) and fp8_qk16() else {}),  # Q K^T in float16
+            **({"TX_KV_TMA": 1} if kv_tma else {}),  # ragged K/V through tensor maps
         )
     return Variant.make(
         "prefill.cu",
@@ -648,6 +653,18 @@ def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str,
 
 
 # -- plan ------------------------------------------------------------------------------------
+
+
+RAGGED_TMA_ENV: Final = "TACTIX_CUDA_NATIVE_RAGGED_TMA"
+
+
+def ragged_tma() -> bool:
+    """Whether ragged-KV prefill plans on the wgmma kernel load K and V tiles through tensor maps
+    (``TX_KV_TMA``: one thread issues each tile's boxes; keys are rows of the packed tensors, no
+    page lookups) rather than the producer warpgroup's cp.async gather of one-token pages. On by
+    default; `RAGGED_TMA_ENV` = 0 turns it off, to compare (both give the same output bit for bit:
+    the consumers' work and order are the same)."""
+    return os.environ.get(RAGGED_TMA_ENV, "1") != "0"
 
 
 def prefill_sections(item_cap: int, batch_cap: int, page_cap: int | None, masked: bool = False) -> Sections:
@@ -683,11 +700,13 @@ def prefill_scalars(problem: PrefillProblem, pack: int) -> tuple[int | float, ..
 
 
 def _prefill_kernel(index: int, dtype: str, d: int, params: PrefillParams, info: DeviceInfo, masked: bool,
-                    kv_dtype: str, dims: tuple[int, int] | None = None) -> tuple[Kernel, bool]:  # fmt: skip
+                    kv_dtype: str, dims: tuple[int, int] | None = None,
+                    kv_tma: bool = False) -> tuple[Kernel, bool]:  # fmt: skip
     """The prefill kernel of ``params`` on device ``index``, and whether NVRTC compiled it now."""
     fp8 = kv_dtype in FP8_KV_DTYPES
-    key = ("prefill", index, dtype, d, params, info.arch, masked, kv_dtype, fp8 and (fp8_cvt(), fp8_qk16()), dims)
-    return load_kernel(key, lambda: prefill_variant(dtype, d, params, info.arch, masked, kv_dtype, dims),
+    key = ("prefill", index, dtype, d, params, info.arch, masked, kv_dtype, fp8 and (fp8_cvt(), fp8_qk16()), dims,
+           kv_tma)  # fmt: skip
+    return load_kernel(key, lambda: prefill_variant(dtype, d, params, info.arch, masked, kv_dtype, dims, kv_tma),
                        "tactix_prefill",
                        params.smem_bytes(d, 1 if fp8 else 2, dims[1] if dims else None), params.threads, params, index,
                        info)  # fmt: skip
@@ -738,12 +757,19 @@ class CudaNativePrefillPlan(StagedPlan):
 
     params: PrefillParams  # the kernel's (the default's choice for this batch, where the tactic was the default)
     _caps: tuple[int, int, int]  # requests, work items and page entries the buffers hold
+    _kv_tma: bool  # K and V tiles through tensor maps of ragged K and V (`ragged_tma`)
+    _maps: TensorMaps  # (with _kv_tma) those tensor maps, kept by address and layout
 
-    def __init__(self, problem: PrefillProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions) -> None:
+    def __init__(self, problem: PrefillProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions,
+                 kv_tma: bool = False) -> None:  # fmt: skip
+        """``kv_tma``: the batch is a ragged one's one-token pages with the identity page table
+        (`tactix_cuda_native.ragged`), so a wgmma kernel over a 16-bit cache may load K and V
+        tiles through tensor maps of the packed tensors (`ragged_tma`)."""
         index = device_index(options["device"])
         self.device = cuda_device(index)
         self.problem = problem
         self._requested = tactic
+        self._kv_tma_asked = kv_tma
         info = device_info(index)
         graph = options["use_cuda_graph"]
         self._graph = bool(graph)
@@ -762,7 +788,13 @@ class CudaNativePrefillPlan(StagedPlan):
             else:
                 params = prefill_default_persist(params, work.tiles, d, info, dims[1] if dims else None)
         self.params = params
-        kernel, self.built = _prefill_kernel(index, problem.q_dtype, d, params, info, masked, problem.kv_dtype, dims)
+        self._kv_tma = (kv_tma and params.mma == "wgmma" and kv_bytes(problem) == 2 and problem.page_size == 1
+                        and tensor_maps_status() is None)  # fmt: skip
+        if self._kv_tma:  # the tensor maps of the packed K and V (a re-plan shares its predecessor's)
+            self._maps = (previous._maps if isinstance(previous, CudaNativePrefillPlan) and previous._kv_tma
+                          and previous.device == self.device else TensorMaps(8))  # fmt: skip
+        kernel, self.built = _prefill_kernel(index, problem.q_dtype, d, params, info, masked, problem.kv_dtype, dims,
+                                             self._kv_tma)  # fmt: skip
         self.tactic = kernel.tactic
         self._kernel = kernel.kernel
         self.work = work
@@ -822,6 +854,22 @@ class CudaNativePrefillPlan(StagedPlan):
         self._q_copy: torch.Tensor | None = None
         self._inherit_accepted(previous)
 
+    def replan(self, problem: Problem, batch: PagedBatch, options: PlanOptions) -> StagedPlan | None:
+        """`StagedPlan.replan`, keeping the plan's ``kv_tma``."""
+        if options["device"] != self.device or bool(options["use_cuda_graph"]) != self._graph:
+            return None
+        assert isinstance(problem, PrefillProblem)
+        return CudaNativePrefillPlan(problem, batch, self._requested, {**options, "previous": self},
+                                     kv_tma=self._kv_tma_asked)  # fmt: skip
+
+    def _ragged_map(self, t: torch.Tensor, name: str) -> Any:
+        """The tensor map of packed K or V as ``run`` gets them (one-token NHD pages,
+        ``[tokens, 1, heads, dim]``): ``[tokens, heads, dim]``, boxes of 64 of dim x 1 head x
+        ``kv_tile`` tokens."""
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        box = (self.params.kv_tile, 1, 64)
+        return self._maps.get(key, lambda: tensor_map(t.select(1, 0), box), name)
+
     def _accept(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Check the cache strides and q's once per new set of strides; keep the stride arguments."""
         self._strides = cache_strides(self.problem.kv_layout, k, v)
@@ -840,16 +888,18 @@ class CudaNativePrefillPlan(StagedPlan):
         lse_ptr = 0 if lse is None else lse.data_ptr()
         stream = stream_for(self._index, raw_stream(self._index))
         items, num_items, reqs, indices = self._ptrs
-        self._launch_fn(stream, self._cfg, self._kernel, q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr,
+        maps = (self._ragged_map(k_cache, "k"), self._ragged_map(v_cache, "v")) if self._kv_tma else ()
+        self._launch_fn(stream, self._cfg, self._kernel, *maps, q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr,
                   *self._strides, out_ptr, lse_ptr, items, num_items, reqs, indices, *self._scalars,
                   *(UNIT_SCALES if k_scale is None and v_scale is None else scale_args(k_scale, v_scale)),
                   0 if sinks is None else sinks.data_ptr(), *self._mask_args)  # fmt: skip
 
 
-def plan_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Tactic,
-                 options: PlanOptions) -> CudaNativePrefillPlan:  # fmt: skip
-    """The plan hook's work: the check's reasons as an `UnsupportedProblemError`, else the plan."""
+def plan_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions,
+                 kv_tma: bool = False) -> CudaNativePrefillPlan:  # fmt: skip
+    """The plan hook's work: the check's reasons as an `UnsupportedProblemError`, else the plan
+    (``kv_tma``: see `CudaNativePrefillPlan`)."""
     reasons = prefill_reasons(problem, tactic, device_info(device_index(options["device"])))
     if reasons:
         raise UnsupportedProblemError(NAME, problem, reasons)
-    return CudaNativePrefillPlan(problem, batch, tactic, options)
+    return CudaNativePrefillPlan(problem, batch, tactic, options, kv_tma=kv_tma)

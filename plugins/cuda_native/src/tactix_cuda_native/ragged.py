@@ -7,6 +7,8 @@ is `prefill.CudaNativePrefillPlan` of that paged problem and batch, and ``run`` 
 ``k.unsqueeze(1)`` and ``v.unsqueeze(1)``: every prefill kernel and tactic (wgmma on Hopper,
 mma.sync elsewhere), fp8 caches, windows, the soft cap, the LSE, scales and sinks, as paged
 prefill serves them at page size 1. The table costs 4 bytes a key, sent with the plan's metadata.
+On Hopper with 16-bit K and V the wgmma kernel skips the table: its keys are rows of the packed
+tensors, loaded a tile at a time through tensor maps (``kv_tma``, `prefill.ragged_tma`).
 """
 
 from __future__ import annotations
@@ -49,5 +51,6 @@ def plan_ragged_prefill(problem: RaggedPrefillProblem, batch: RaggedBatch, tacti
     as the paged plan hook gives them, for a problem it refuses)."""
     previous = options["previous"]
     inner = previous.paged if isinstance(previous, CudaNativeRaggedPrefillPlan) else None
-    paged = prefill.plan_prefill(problem.as_paged_prefill(), batch.paged, tactic, {**options, "previous": inner})
+    paged = prefill.plan_prefill(problem.as_paged_prefill(), batch.paged, tactic, {**options, "previous": inner},
+                                 kv_tma=prefill.ragged_tma())  # fmt: skip
     return CudaNativeRaggedPrefillPlan(paged, problem)

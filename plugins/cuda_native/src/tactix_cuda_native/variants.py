@@ -25,7 +25,8 @@ __all__ = ["candidate_variants", "default_variants", "fp8_decode_variants"]
 def default_variants(info: DeviceInfo = H200) -> list[Variant]:
     """Every kernel variant the default tactics use on a GPU like ``info`` (what `warmup` compiles):
     prefill for each head dim, with persistent CTAs where the default takes them for batches of
-    short work items, and DeepSeek's 192/128; decode for each head dim, large and small batches, over 16-bit and fp8
+    short work items, and DeepSeek's 192/128 (on Hopper also in the ragged form, K and V through tensor
+    maps: `prefill.ragged_tma`); decode for each head dim, large and small batches, over 16-bit and fp8
     caches (`fp8_decode_variants`), and the decode plan's work-list kernel; GEMM for 1, 2 and 4 m-tiles;
     the state merge for each of its dtypes."""
     out = [decode_plan_variant(info.arch), *(merge_variant(t, info.arch) for t in sorted(MERGE_TYPES))]
@@ -39,11 +40,13 @@ def default_variants(info: DeviceInfo = H200) -> list[Variant]:
             for small in (False, True):
                 out.append(decode_variant(dtype, d, default_decode_params(d, info, small), info.arch))
         # DeepSeek's prefill (q/k 192, v/o 128): on Hopper the wgmma kernel with its own dims (TX_DVO), also
-        # with persistent CTAs; elsewhere the mma.sync kernel of 256, zero-filled (prefill.kernel_head_dim)
+        # with persistent CTAs, over paged caches and over ragged K and V (TX_KV_TMA, where ragged prefill
+        # runs it); elsewhere the mma.sync kernel of 256, zero-filled (prefill.kernel_head_dim)
         if info.arch in WGMMA_ARCHS:
             deepseek = default_prefill_params(192, info, "wgmma", head_dim_vo=128)
             for params in dict.fromkeys([deepseek, prefill_default_persist(deepseek, [1], 192, info, 128)]):
-                out.append(prefill_variant(dtype, 192, params, info.arch, dims=(192, 128)))
+                for kv_tma in (False, True):
+                    out.append(prefill_variant(dtype, 192, params, info.arch, dims=(192, 128), kv_tma=kv_tma))
         else:
             out.append(prefill_variant(dtype, 256, default_prefill_params(256, info, "sync"), info.arch,
                                        dims=(192, 128)))  # fmt: skip

@@ -125,6 +125,9 @@
 #ifndef TX_STAGED
 #define TX_STAGED 1
 #endif
+#ifndef TX_KV_TMA
+#define TX_KV_TMA 0
+#endif
 
 constexpr int D = TX_D;      // q's and k's head dim
 #ifndef TX_DVO
@@ -149,6 +152,7 @@ constexpr int TILE_BYTES = BK * ROW_BYTES;    // a K tile
 constexpr int V_TILE_BYTES = BK * DV * 2;     // a V tile
 constexpr int STAGE_BYTES = TILE_BYTES + V_TILE_BYTES;
 constexpr bool FP8 = TX_KV_FP8 != 0;
+constexpr bool KV_TMA = TX_KV_TMA != 0;  // ragged K/V tiles through tensor maps (see the top)
 #ifndef TX_QK16
 #define TX_QK16 0
 #endif
@@ -199,6 +203,7 @@ static_assert(CH <= 32 && CHV <= 32 && RW % RPI == 0 && RW % RPIV == 0 && RW <= 
 static_assert(TX_KV_FP8 >= 0 && TX_KV_FP8 <= 2, "TX_KV_FP8: 0 (16-bit cache), 1 (e4m3fn) or 2 (e5m2)");
 static_assert(!FP8 || RW % RPI8 == 0, "fp8: whole rows per producer warp pass");
 static_assert(NSTG == 1 || NSTG == 2, "TX_STAGED: 1 or 2 staged fp8 pairs");
+static_assert(!KV_TMA || !FP8, "TX_KV_TMA: 16-bit K and V only (an fp8 cache is converted by the producer)");
 static_assert(!REBALANCE || PRODUCER_REGS + CWG * CONSUMER_REGS <= (CWG + 1) * LAUNCH_REGS,
               "the register hand-over must balance");
 #ifdef TX_SMEM  // the dynamic shared memory the plan launches with (prefill.prefill_smem_bytes)
@@ -302,6 +307,11 @@ TX_DEVICE Item load_item(int v, int hgs, const int* __restrict__ items, const in
 }
 
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
+#if TX_KV_TMA
+    // ragged K and V as [tokens][heads][dim] (dims innermost first: dim, head, token), boxes of
+    // 64 x 1 x TX_KVTILE, the 128-byte swizzle
+    const __grid_constant__ TxTensorMap kmap, const __grid_constant__ TxTensorMap vmap,
+#endif
     const u16* __restrict__ q, i64 q_st, i64 q_sh, const kv_t* __restrict__ k, const kv_t* __restrict__ v, i64 k_sp,
     i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh, u16* __restrict__ out, float* __restrict__ lse,
     const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ reqs,
@@ -342,8 +352,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      tx_mbar_init(bars + 8 * (FULL_K * STAGES + s), 128);
-      tx_mbar_init(bars + 8 * (FULL_V * STAGES + s), 128);
+      tx_mbar_init(bars + 8 * (FULL_K * STAGES + s), KV_TMA ? 1 : 128);  // (TMA: one arrival and the bytes)
+      tx_mbar_init(bars + 8 * (FULL_V * STAGES + s), KV_TMA ? 1 : 128);
       tx_mbar_init(bars + 8 * (EMPTY_K * STAGES + s), 4 * nwg);
       tx_mbar_init(bars + 8 * (EMPTY_V * STAGES + s), 4 * nwg);
     }
@@ -376,7 +386,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
       const int kv_hi = it.kv_hi, ntiles = it.ntiles;
       const int key0 = it.kv_lo + pw * RW + lane;  // this lane's key in tile 0
       int pg = 0;
-      if (ntiles > 0 && lane < RW) pg = __ldg(pages + pbase + (min(key0, kv_hi - 1) >> pshift));
+      if (!KV_TMA && ntiles > 0 && lane < RW) pg = __ldg(pages + pbase + (min(key0, kv_hi - 1) >> pshift));
       if constexpr (FP8) {
         // lane copies and converts chunk c8 of rows it2 * RPI8 + h8 of the warp's RW rows
         const int h8 = lane / CH8, c8 = lane % CH8;
@@ -468,6 +478,30 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         if (!PERSIST) break;
         continue;
       }
+#if TX_KV_TMA
+      // one thread issues every tile's boxes: key j of the request is row page_base + j of K and V
+      // (the identity page table of a ragged batch); rows past kv_hi are other requests' keys or,
+      // past the tensor's end, zeros: masked like the gather's repeated row
+      if (tid == PRODUCER) {
+        const int row0 = page_base + it.kv_lo;
+        for (int i = 0; i < ntiles; ++i, ++g) {
+          const int s = g % STAGES;
+          const u32 parity = ((g / STAGES) & 1) ^ 1;
+          const u32 kdst = base + RING + s * STAGE_BYTES, vdst = kdst + TILE_BYTES;
+          const u32 fk = bars + 8 * (FULL_K * STAGES + s), fv = bars + 8 * (FULL_V * STAGES + s);
+          tx_mbar_wait(bars + 8 * (EMPTY_K * STAGES + s), parity);
+          tx_mbar_arrive_expect_tx(fk, (u32)TILE_BYTES);
+#pragma unroll
+          for (int hb = 0; hb < D / 64; ++hb) tx_tma_load_3d(kdst + hb * BK * 128, &kmap, 64 * hb, hk, row0 + i * BK, fk);
+          tx_mbar_wait(bars + 8 * (EMPTY_V * STAGES + s), parity);
+          tx_mbar_arrive_expect_tx(fv, (u32)V_TILE_BYTES);
+#pragma unroll
+          for (int hb = 0; hb < DV / 64; ++hb) tx_tma_load_3d(vdst + hb * BK * 128, &vmap, 64 * hb, hk, row0 + i * BK, fv);
+        }
+      }
+      if (!PERSIST) break;
+      continue;
+#endif
       for (int i = 0; i < ntiles; ++i, ++g) {
         const int s = g % STAGES;
         const u32 parity = ((g / STAGES) & 1) ^ 1;  // the consumers' release of this slot's previous tile
