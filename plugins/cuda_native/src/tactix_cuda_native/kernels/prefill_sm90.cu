@@ -81,6 +81,14 @@
 // blocks at 192), P V over TX_DVO (N = TX_DVO), O holds TX_DVO columns and goes out through Q's
 // rows (so TX_DVO <= TX_D). A K row of d192 is 24 chunks: 8 lanes of each producer warp copy none.
 //
+// TX_KV_TMA=1 (ragged-KV prefill over 16-bit K and V, `prefill.ragged_tma`): the batch is one-token
+// pages over the identity table, so key j of a request is row page_base + j of the packed K and V.
+// The kernel takes tensor maps of them ([tokens][heads][dim], boxes of 64 x 1 x TX_KVTILE, the
+// 128-byte swizzle above) and one producer thread issues each tile's D / 64 (K) and DV / 64 (V)
+// boxes against the stage's "full" mbarrier (initialised for one arrival: arrive.expect_tx with
+// the tile's bytes); the page lookups, row pointers and cp.async gather are skipped. Rows past
+// kv_hi hold the next request's keys or, past the tensors' end, zeros: masked, so the output is
+// the gather's bit for bit.
 // TX_PERSIST=1 (tactic param persist): persistent CTAs. The grid is what the GPU holds at once;
 // CTA b walks virtual CTAs (item x head group) b, b + gridDim.x, ... with the K/V ring, its
 // mbarrier phases and the tile count running on across them: each consumer warpgroup releases
