@@ -81,16 +81,16 @@ def test_every_default_variant_compiles_for_sm90_without_a_gpu(cache_root: Path)
     persistent = sum(prefill_op.default_prefill_params(d, H200).pingpong for d in HEAD_DIMS)
     assert persistent == 2  # d64 and d128
     # (and the decode variants for fp8 caches: two fp8 dtypes, each head dim, large and small batches,
-    # and DeepSeek's 192/128 prefill: the wgmma kernel with its own dims, with and without persistent CTAs,
-    # each also with ragged K and V through tensor maps;
+    # and DeepSeek's 192/128 prefill: the wgmma kernel with its own dims (never persistent by default),
+    # also with ragged K and V through tensor maps;
     # one kernel that makes decode work lists on the device, and the state merge for 3 dtypes)
     fp8 = 2 * 2 * len(HEAD_DIMS) * 2
-    assert len(variants) == len(set(variants)) == 2 * (3 * len(HEAD_DIMS) + persistent + 4) + fp8 + 2 + 1 + 3
+    assert len(variants) == len(set(variants)) == 2 * (3 * len(HEAD_DIMS) + persistent + 2) + fp8 + 2 + 1 + 3
     deepseek = [v for v in variants if ("TX_DVO", "128") in v.defines]
-    assert len(deepseek) == 8 and all(v.source == "prefill_sm90.cu" and ("TX_D", "192") in v.defines
+    assert len(deepseek) == 4 and all(v.source == "prefill_sm90.cu" and ("TX_D", "192") in v.defines
                                       for v in deepseek)  # fmt: skip
-    assert sum(("TX_KV_TMA", "1") in v.defines for v in deepseek) == 4
-    assert sum(("TX_PERSIST", "1") in v.defines for v in variants) == 2 * (persistent + 2)
+    assert sum(("TX_KV_TMA", "1") in v.defines for v in deepseek) == 2
+    assert sum(("TX_PERSIST", "1") in v.defines for v in variants) == 2 * persistent
     # prefill and GEMM on the H200 are the wgmma kernels, compiled for the arch-specific sm_90a
     assert {(v.source, v.arch) for v in variants} == {
         ("decode.cu", "sm_90"), ("decode_plan.cu", "sm_90"), ("gemm_sm90.cu", "sm_90a"), ("prefill_sm90.cu", "sm_90a"),
@@ -1792,6 +1792,15 @@ def test_the_default_prefill_goes_persistent_for_batches_of_short_work_items(d: 
     sync = prefill_op.default_prefill_params(d, H200, "sync")
     assert prefill_op.prefill_default_persist(sync, [1] * 100, d, H200) == sync
     assert prefill_op.prefill_default_persist(base, [], d, H200) == base  # an empty batch launches nothing
+
+
+def test_the_default_deepseek_prefill_stays_one_cta_per_item() -> None:
+    """With a v/o head dim of its own (DeepSeek's 192/128, the wgmma kernel with the ping-pong) the
+    default keeps one CTA per work item even for short ones: persistent CTAs measured slower on R1."""
+    base = prefill_op.default_prefill_params(192, H200, "wgmma", head_dim_vo=128)
+    assert base.mma == "wgmma" and base.pingpong and not base.persist
+    assert base.replace(persist=1).reasons(192, H200, head_dim_vo=128) == []  # the kernel would take them
+    assert prefill_op.prefill_default_persist(base, [8] * 512, 192, H200, 128) == base
 
 
 def test_decode_work_lists_are_made_on_the_device_up_to_the_batch_the_kernel_takes(

@@ -349,8 +349,14 @@ def prefill_default_persist(params: PrefillParams, tiles: list[int], head_dim: i
     CTAs where it runs the ping-pong, its work items (``tiles``: the KV tiles each walks,
     `PrefillWork`) are short on average (`PERSIST_MAX_MEAN_KEYS`) and the kernel takes them, else
     ``params`` unchanged. (Without the ping-pong, at d256, persistent CTAs were slower on every
-    case: h200-prefill-sweep-d256.json.)"""
+    case: h200-prefill-sweep-d256.json.) Not with a v/o head dim of its own (``head_dim_vo``,
+    DeepSeek's 192/128): there the persistent CTAs' static split of causal items was slower than
+    one CTA per item on R1 (4 x 1024, 8 tiles an item; one H100, one process: 85.7 against 67.2
+    us with K and V through tensor maps, 108.3 against 77.9 gathered;
+    benchmarks/results/h100-ragged-tma-probe-session37.json)."""
     if params.mma != "wgmma" or not params.pingpong or params.persist or not tiles:
+        return params
+    if head_dim_vo is not None and head_dim_vo != head_dim:
         return params
     if sum(tiles) * params.kv_tile > PERSIST_MAX_MEAN_KEYS * len(tiles):
         return params

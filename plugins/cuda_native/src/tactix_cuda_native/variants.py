@@ -39,14 +39,13 @@ def default_variants(info: DeviceInfo = H200) -> list[Variant]:
                 out.append(prefill_variant(dtype, d, persistent, info.arch))
             for small in (False, True):
                 out.append(decode_variant(dtype, d, default_decode_params(d, info, small), info.arch))
-        # DeepSeek's prefill (q/k 192, v/o 128): on Hopper the wgmma kernel with its own dims (TX_DVO), also
-        # with persistent CTAs, over paged caches and over ragged K and V (TX_KV_TMA, where ragged prefill
-        # runs it); elsewhere the mma.sync kernel of 256, zero-filled (prefill.kernel_head_dim)
+        # DeepSeek's prefill (q/k 192, v/o 128): on Hopper the wgmma kernel with its own dims (TX_DVO), over
+        # paged caches and over ragged K and V (TX_KV_TMA, where ragged prefill runs it); elsewhere the
+        # mma.sync kernel of 256, zero-filled (prefill.kernel_head_dim)
         if info.arch in WGMMA_ARCHS:
-            deepseek = default_prefill_params(192, info, "wgmma", head_dim_vo=128)
-            for params in dict.fromkeys([deepseek, prefill_default_persist(deepseek, [1], 192, info, 128)]):
-                for kv_tma in (False, True):
-                    out.append(prefill_variant(dtype, 192, params, info.arch, dims=(192, 128), kv_tma=kv_tma))
+            deepseek = default_prefill_params(192, info, "wgmma", head_dim_vo=128)  # (never persistent)
+            for kv_tma in (False, True):
+                out.append(prefill_variant(dtype, 192, deepseek, info.arch, dims=(192, 128), kv_tma=kv_tma))
         else:
             out.append(prefill_variant(dtype, 256, default_prefill_params(256, info, "sync"), info.arch,
                                        dims=(192, 128)))  # fmt: skip
