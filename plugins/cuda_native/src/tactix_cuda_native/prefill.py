@@ -794,8 +794,9 @@ class CudaNativePrefillPlan(StagedPlan):
             else:
                 params = prefill_default_persist(params, work.tiles, d, info, dims[1] if dims else None)
         self.params = params
+        # (a batch without keys has packed K and V of no rows, which no tensor map describes)
         self._kv_tma = (kv_tma and params.mma == "wgmma" and kv_bytes(problem) == 2 and problem.page_size == 1
-                        and tensor_maps_status() is None)  # fmt: skip
+                        and batch.num_page_entries > 0 and tensor_maps_status() is None)  # fmt: skip
         if self._kv_tma:  # the tensor maps of the packed K and V (a re-plan shares its predecessor's)
             self._maps = (previous._maps if isinstance(previous, CudaNativePrefillPlan) and previous._kv_tma
                           and previous.device == self.device else TensorMaps(8))  # fmt: skip
