@@ -121,7 +121,8 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
     items_t = torch.tensor((items + [1 << 30, 1 << 30] * (cap - len(work.items))) or [0, 0], dtype=i32)
     num_items = torch.tensor([len(work.items)], dtype=i32)
     reqs_t = torch.tensor(reqs, dtype=i32)
-    indices = batch.kv_indices.to(i32).contiguous()
+    # (the tensor-map kernel gets no page table, as the plan sends none: a read of it would fault)
+    indices = None if kv_tma else batch.kv_indices.to(i32).contiguous()
     strides = paged.cache_strides(problem.kv_layout, k, v)
     rows = q.shape[0]
     out = torch.full((rows, problem.num_qo_heads, problem.head_dim_vo), float("nan"), dtype=q.dtype)

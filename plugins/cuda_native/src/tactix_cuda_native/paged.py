@@ -189,18 +189,19 @@ class StagedPlan:
 
     def _send(self, problem: Problem, batch: PagedBatch, previous: object, graph: bool,
               layout_for: Callable[[int | None], Sections], pieces: list[Piece],
-              page_cap: int) -> tuple[Sections, int, int]:  # fmt: skip
+              page_cap: int, indices: bool = True) -> tuple[Sections, int, int]:  # fmt: skip
         """Send the metadata: ``pieces`` (and the page indices, where the kernel does not read the
         caller's device indices in place: host indices, or any in CUDA-graph mode) written into a
         pinned buffer of the wrapper's staging (taken over from the previous plan, `tactix.staging`)
         with C-level copies, one transfer into a device slot. ``layout_for(page_cap or None)``:
-        the sections. Returns the sections, the slot's device address and the indices' address.
+        the sections. Returns the sections, the slot's device address and the indices' address
+        (0 with ``indices`` False: a kernel that reads no page table, the ragged prefill's tensor maps).
 
         Eager plans alternate between the two slots, so the slot the previous plan's runs read is
         left alone; CUDA-graph plans keep slot 0, sized by the buckets, whose addresses the
         captured kernel reads (a re-plan of the same buckets rewrites it in place)."""
         host_indices = batch.indices_on_host
-        copied = host_indices or graph
+        copied = (host_indices or graph) and indices
         layout = layout_for(page_cap if copied else None)
         if copied:
             pieces = [*pieces, batch.kv_indices if host_indices else []]
@@ -212,6 +213,8 @@ class StagedPlan:
         slot = staging.slot(graph)
         base = staging.send(slot, layout.total, lambda dst: layout.write(dst, pieces))
         self._staging = staging
+        if not indices:
+            return layout, base, 0
         if not copied:
             self._indices_ref = batch.kv_indices.contiguous()  # keep the caller's device indices alive
             return layout, base, self._indices_ref.data_ptr()

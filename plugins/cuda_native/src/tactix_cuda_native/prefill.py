@@ -794,9 +794,8 @@ class CudaNativePrefillPlan(StagedPlan):
             else:
                 params = prefill_default_persist(params, work.tiles, d, info, dims[1] if dims else None)
         self.params = params
-        # (a batch without keys has packed K and V of no rows, which no tensor map describes)
         self._kv_tma = (kv_tma and params.mma == "wgmma" and kv_bytes(problem) == 2 and problem.page_size == 1
-                        and batch.num_page_entries > 0 and tensor_maps_status() is None)  # fmt: skip
+                        and tensor_maps_status() is None)  # fmt: skip
         if self._kv_tma:  # the tensor maps of the packed K and V (a re-plan shares its predecessor's)
             self._maps = (previous._maps if isinstance(previous, CudaNativePrefillPlan) and previous._kv_tma
                           and previous.device == self.device else TensorMaps(8))  # fmt: skip
@@ -843,9 +842,10 @@ class CudaNativePrefillPlan(StagedPlan):
                 raise UnsupportedProblemError(NAME, problem, [str(exc)]) from None
             assert batch.custom_mask is not None
             pieces.append(batch.custom_mask.offsets[:-1])
+        # (the ragged tensor-map kernel reads no page table: its identity indices are not sent)
         layout, base, indices_ptr = self._send(problem, batch, previous, graph,
                                                functools.partial(prefill_sections, item_cap, b_cap, masked=masked),
-                                               pieces, page_cap)  # fmt: skip
+                                               pieces, page_cap, indices=not self._kv_tma)  # fmt: skip
         self._ptrs = (base + 4 * layout.offset("items"), base + 4 * layout.offset("num_items"),
                       base + 4 * layout.offset("reqs"), indices_ptr)  # fmt: skip
         self._mask_args = (self._mask.data_ptr(), base + 4 * layout.offset("mask")) if self._mask is not None else ()
@@ -872,7 +872,8 @@ class CudaNativePrefillPlan(StagedPlan):
     def _ragged_map(self, t: torch.Tensor, name: str) -> Any:
         """The tensor map of packed K or V as ``run`` gets them (one-token NHD pages,
         ``[tokens, 1, heads, dim]``): ``[tokens, heads, dim]``, boxes of 64 of dim x 1 head x
-        ``kv_tile`` tokens."""
+        ``kv_tile`` tokens. (A planned ragged batch has keys: `RaggedBatch.build` gives every
+        request with query rows one at least and refuses an empty batch.)"""
         key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
         box = (self.params.kv_tile, 1, 64)
         return self._maps.get(key, lambda: tensor_map(t.select(1, 0), box), name)
