@@ -705,7 +705,8 @@ def test_emulated_ragged_prefill_through_tensor_maps_equals_the_gather(dqk: int,
     output and LSE bit for bit, within the oracle's tolerance: strided views of a fused KV
     projection, a request without query rows or keys, GQA 4, a window and the sinks, and a last
     request whose last tile runs past the end of the tensors (zeros there, masked); persistent
-    CTAs looping over several items."""
+    CTAs looping over several items; a CUDA-graph plan's item list padded past the batch (records
+    that must never be read)."""
     gen = torch.Generator().manual_seed(37)
     q_lens, kv_lens, hq, hkv = [70, 0, 1, 33, 17], [200, 0, 1, 40, 90], 8, 2
     qo = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
@@ -724,7 +725,11 @@ def test_emulated_ragged_prefill_through_tensor_maps_equals_the_gather(dqk: int,
         assert plugin._reasons(problem.model_copy(update={"device_type": "cuda"}), t, H200) == []
         runs = [emulate.run_prefill(paged, batch.paged, t, q, k.unsqueeze(1), v.unsqueeze(1), return_lse=True,
                                     sinks=sink, persistent=3, kv_tma=tma) for tma in (True, False)]  # fmt: skip
-        (out, lse, _), (gather_out, gather_lse, _) = runs
+        (out, lse, work), (gather_out, gather_lse, _) = runs
+        graph_out, graph_lse, _ = emulate.run_prefill(paged, batch.paged, t, q, k.unsqueeze(1), v.unsqueeze(1),
+                                                      return_lse=True, sinks=sink, persistent=3, kv_tma=True,
+                                                      capacity=len(work.items) + 5)  # fmt: skip
+        assert torch.equal(graph_out, out) and torch.equal(graph_lse, lse), window
         ref, ref_lse = ragged_reference(q, k, v, qo, kv, causal=True, sm_scale=problem.sm_scale, window_left=window,
                                         sinks=sink)  # fmt: skip
         assert lse is not None and gather_lse is not None and not torch.isnan(out).any()
