@@ -1275,6 +1275,11 @@ def _prefill_variants() -> list[runtime.Variant]:
             prefill_op.default_params_for(fp8, H200)]  # fmt: skip
         variants |= {prefill_op.prefill_variant("bfloat16", d, p, "sm_90", kv_dtype="float8_e4m3fn") for p in chosen
                      if p.mma == "wgmma"}  # fmt: skip
+    # ragged K and V through tensor maps (TX_KV_TMA): the d128 default in both forms (192/128's are
+    # among the defaults above)
+    base = prefill_op.default_prefill_params(128, H200)
+    for params in (base, prefill_op.prefill_default_persist(base, [1], 128, H200)):
+        variants.add(prefill_op.prefill_variant("bfloat16", 128, params, "sm_90", kv_tma=True))
     return sorted(variants, key=lambda v: v.label())
 
 
