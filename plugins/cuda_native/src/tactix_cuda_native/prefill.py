@@ -873,7 +873,10 @@ class CudaNativePrefillPlan(StagedPlan):
         """The tensor map of packed K or V as ``run`` gets them (one-token NHD pages,
         ``[tokens, 1, heads, dim]``): ``[tokens, heads, dim]``, boxes of 64 of dim x 1 head x
         ``kv_tile`` tokens. (A planned ragged batch has keys: `RaggedBatch.build` gives every
-        request with query rows one at least and refuses an empty batch.)"""
+        request with query rows one at least and refuses an empty batch.) Kept by address and
+        layout, so a run over tensors seen before encodes nothing; a server whose layers hand
+        every run new K and V (new addresses or token counts) encodes two maps a run, a host cost
+        on run()'s path not yet measured (the bench and the probe reuse their tensors)."""
         key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
         box = (self.params.kv_tile, 1, 64)
         return self._maps.get(key, lambda: tensor_map(t.select(1, 0), box), name)
