@@ -222,6 +222,14 @@ static_assert(BARS + 4 * STAGES * 8 == TX_SMEM, "prefill.prefill_smem_bytes disa
 
 constexpr int PP_BAR = 3;  // named barriers PP_BAR + wg: warpgroup wg's turn (TX_PINGPONG)
 
+// A K or V tile whose "full" mbarrier this thread has seen complete, made visible to its wgmma:
+// the producer's cp.async writes are generic-proxy stores, which the async proxy (wgmma) sees only
+// after a proxy fence; tiles the tensor memory accelerator wrote (TX_KV_TMA) are async-proxy
+// writes already, so there the fence (one a tile per consumer thread) is left out.
+TX_DEVICE void kv_for_wgmma() {
+  if constexpr (!KV_TMA) tx_fence_proxy_async();
+}
+
 // O += P V in the kernel's 16-bit type, or over an fp8 cache in float16 whatever q's type: V's
 // conversion to float16 is one instruction a pair (to bfloat16 four), every fp8 value is a
 // float16 value, and P (in [0, 1]) keeps more bits in float16 than in bfloat16.
@@ -634,7 +642,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         tx_mbar_wait(bars + 8 * (FULL_K * STAGES + s), parity);
         if (prev) tx_mbar_wait(bars + 8 * (FULL_V * STAGES + sp), parity_p);
         if (pp) tx_bar_sync(PP_BAR + wg, 256);  // this warpgroup's turn
-        tx_fence_proxy_async();
+        kv_for_wgmma();
 #pragma unroll
         for (int j = 0; j < BK / 2; ++j) tx_reg_fence(sc[j]);
 #pragma unroll
@@ -728,7 +736,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
       if (ntiles > 0) {  // P V of the last tile (outside the turns: each warpgroup takes ntiles of them)
         const int gl = g + ntiles - 1, sl = gl % STAGES;
         tx_mbar_wait(bars + 8 * (FULL_V * STAGES + sl), (gl / STAGES) & 1);
-        tx_fence_proxy_async();
+        kv_for_wgmma();
 #pragma unroll
         for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
 #pragma unroll
@@ -757,7 +765,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 
       tx_mbar_wait(bars + 8 * (FULL_K * STAGES + s), parity);
       if (active) {  // S = Q K^T
-        tx_fence_proxy_async();
+        kv_for_wgmma();
 #pragma unroll
         for (int j = 0; j < BK / 2; ++j) tx_reg_fence(sc[j]);
         tx_wgmma_fence();
@@ -834,7 +842,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 
       tx_mbar_wait(bars + 8 * (FULL_V * STAGES + s), parity);
       if (active) {  // O += P V, left running
-        tx_fence_proxy_async();
+        kv_for_wgmma();
 #pragma unroll
         for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
 #pragma unroll
