@@ -802,6 +802,47 @@ def test_ragged_prefill_through_tensor_maps_equals_the_gather_bit_for_bit(
         assert torch.equal(out, results["0"][0]) and torch.equal(lse, results["0"][1]), f"batch {b}"
 
 
+def test_ragged_tensor_maps_follow_k_and_v_to_new_addresses() -> None:
+    """A server hands every ragged run K and V just projected, at new addresses: the plan swaps
+    each new address into its kept maps (`TensorMaps.rebound`) rather than encoding maps again.
+    Every run reads its own K and V (the same output as the first run's where the values are the
+    same, the oracle's where they differ), on more addresses than the plan keeps maps for; a CUDA
+    graph captured before the maps moved replays the K and V it captured."""
+    q_lens, kv_lens = RAGGED_BATCHES[0]
+    qo = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    kv = torch.tensor([0, *itertools.accumulate(kv_lens)], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(77)
+    rows, tokens = sum(q_lens), sum(kv_lens)
+    q = torch.randn(rows, 16, 128, generator=gen).to(CUDA, torch.bfloat16)
+    pairs = [(torch.randn(tokens, 4, 128, generator=gen).to(CUDA, torch.bfloat16),
+              torch.randn(tokens, 4, 128, generator=gen).to(CUDA, torch.bfloat16)) for _ in range(3)]  # fmt: skip
+    w = tactix.RaggedPrefill(backend="cuda_native", device=CUDA, use_cuda_graph=True)
+    w.plan(qo, kv, 16, 4, 128, causal=True, q_data_type=torch.bfloat16)
+    if not w.plan_object.paged._kv_tma:
+        pytest.skip("the ragged tensor-map kernel does not serve this GPU (no wgmma or no tensor maps)")
+    expected = []
+    for k, v in pairs:
+        ref, _ = ragged_reference(q, k, v, qo, kv, causal=True, sm_scale=1 / math.sqrt(128))
+        expected.append(ref)
+    outs = [torch.full((rows, 16, 128), float("nan"), device=CUDA, dtype=torch.bfloat16) for _ in range(2)]
+    w.run(q, *pairs[0], out=outs[0])
+    first = outs[0].clone()
+    graph = captured(lambda: w.run(q, *pairs[0], out=outs[0]))
+    for turn in range(12):  # copies at new addresses, more of them than the plan keeps maps for
+        i = turn % 3
+        k, v = pairs[i][0].clone(), pairs[i][1].clone()
+        outs[1].fill_(float("nan"))
+        w.run(q, k, v, out=outs[1])
+        torch.cuda.synchronize()
+        if i == 0:
+            assert torch.equal(outs[1], first), f"turn {turn}"
+        assert relative_error(outs[1], expected[i]) < tolerance_for(torch.bfloat16), f"turn {turn}"
+    outs[0].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], first)
+
+
 @pytest.mark.parametrize("mma", MMAS)
 def test_prefill_benchmark_like_shapes_and_determinism(mma: str) -> None:
     """P3-like ragged lengths and a P4-like chunk over a long prefix; bitwise equal on a rerun."""

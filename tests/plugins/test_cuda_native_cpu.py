@@ -1210,6 +1210,55 @@ def test_plans_keep_the_latest_tensor_maps_and_name_a_tensor_cuda_core_refuses()
     assert len(maps) == 2
 
 
+def test_tensor_maps_rebound_moves_a_kept_map_to_a_new_address_instead_of_encoding() -> None:
+    """`TensorMaps.rebound`, how the ragged prefill keeps the maps of K and V that arrive at a new
+    address every run: one encode per layout; the same address again costs nothing; a new address
+    is swapped into the kept map (no encode); a cuda.core without ``replace_address`` encodes; a
+    refused address is an InvalidArgumentError naming the argument."""
+    maps = TensorMaps(4)
+    log: list[tuple[str, int]] = []
+
+    class Map:
+        def __init__(self, address: int) -> None:
+            self.address = address
+
+    def make(address: int) -> Callable[[], Map]:
+        def encode() -> Map:
+            log.append(("encode", address))
+            return Map(address)
+
+        return encode
+
+    def move(address: int) -> Callable[[Map], None]:
+        def rebind(m: Map) -> None:
+            log.append(("rebind", address))
+            m.address = address
+
+        return rebind
+
+    k = ("k", "bfloat16", (4096, 1, 16, 128))
+    first = maps.rebound(k, 0x1000, make(0x1000), move(0x1000), "k")
+    assert maps.rebound(k, 0x1000, make(0x1000), move(0x1000), "k") is first and log == [("encode", 0x1000)]
+    moved = maps.rebound(k, 0x9000, make(0x9000), move(0x9000), "k")
+    assert moved is first and moved.address == 0x9000 and log[-1] == ("rebind", 0x9000) and len(log) == 2
+    # another layout (V, or a new token count) is a map of its own
+    v = maps.rebound(("v", *k[1:]), 0x9000, make(0x9000), move(0x9000), "v")
+    assert v is not first and log[-1] == ("encode", 0x9000)
+    assert maps.rebound(k, 0x9000, make(0x9000), move(0x9000), "k").address == 0x9000 and len(log) == 3
+
+    def no_replace(m: Map) -> None:
+        raise AttributeError("'TensorMapDescriptor' object has no attribute 'replace_address'")
+
+    fresh = maps.rebound(k, 0x5000, make(0x5000), no_replace, "k")
+    assert fresh is not first and fresh.address == 0x5000 and log[-1] == ("encode", 0x5000)
+
+    def refused(m: Map) -> None:
+        raise ValueError("pointer must be 16-byte aligned")
+
+    with pytest.raises(tactix.InvalidArgumentError, match=r"'k'.*16-byte aligned"):
+        maps.rebound(k, 0x5008, make(0x5008), refused, "k")
+
+
 def test_wgmma_gemm_tensor_map_tactics(monkeypatch: pytest.MonkeyPatch) -> None:
     """``tma`` 1 (W) and 2 (W and a) through tensor maps: an mbarrier per stage after the ring, a
     variant of its own (TX_TMA) while tma 0 keeps the variant and the stored tactic it always had,

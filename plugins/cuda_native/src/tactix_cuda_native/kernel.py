@@ -71,7 +71,12 @@ class TensorMaps:
     """A plan's tensor maps (TMA descriptors), kept per key (a tensor's address and layout), the
     ``kept`` most recently used: a tensor that does not move (a weight, a KV cache) is encoded once,
     which costs microseconds of host time. A map depends on nothing but its key, so it stays valid
-    for whatever tensor later lies at that address with that layout."""
+    for whatever tensor later lies at that address with that layout.
+
+    `rebound` keeps maps per layout instead, for tensors that arrive at a new address every call
+    (activations: a ragged prefill's K and V): a new address is swapped into the kept map in place
+    (`rebind`, cuda.core's ``replace_address``), not encoded anew. A launch copies its arguments,
+    so rewriting a map that an earlier launch (or a captured graph) took changes nothing there."""
 
     def __init__(self, kept: int) -> None:
         self.kept = kept
@@ -80,15 +85,42 @@ class TensorMaps:
     def __len__(self) -> int:
         return len(self._maps)
 
+    def _keep(self, key: tuple[Any, ...], found: Any) -> None:
+        while len(self._maps) >= self.kept:
+            self._maps.pop(next(iter(self._maps)))
+        self._maps[key] = found  # the most recently used last
+
     def get(self, key: tuple[Any, ...], make: Callable[[], Any], argument: str) -> Any:
         found = self._maps.pop(key, None)
         if found is None:
-            try:
-                found = make()
-            except (ValueError, RuntimeError) as exc:  # cuda.core refuses what the TMA unit cannot describe
-                raise InvalidArgumentError(argument, "a tensor the tensor memory accelerator can describe "
-                                           "(16-byte aligned, 16-byte strides)", str(exc)) from exc  # fmt: skip
-            while len(self._maps) >= self.kept:
-                self._maps.pop(next(iter(self._maps)))
-        self._maps[key] = found  # the most recently used last
+            found = _encoded(make, argument)
+        self._keep(key, found)
         return found
+
+    def rebound(self, layout: tuple[Any, ...], address: int, make: Callable[[], Any],
+                rebind: Callable[[Any], None], argument: str) -> Any:  # fmt: skip
+        """The map of a tensor of ``layout`` (dtype, shape, strides, box) at ``address``: the kept
+        one of that layout, moved to ``address`` by ``rebind(map)`` where it was last bound
+        elsewhere; ``make()`` encodes one where none is kept, or where ``rebind`` is missing from
+        this cuda.core (AttributeError)."""
+        entry = self._maps.pop(layout, None)
+        if entry is not None and entry[1] != address:
+            try:
+                _encoded(lambda: rebind(entry[0]), argument)
+                entry = (entry[0], address)
+            except AttributeError:  # a cuda.core without replace_address: encode
+                entry = None
+        if entry is None:
+            entry = (_encoded(make, argument), address)
+        self._keep(layout, entry)
+        return entry[0]
+
+
+def _encoded(make: Callable[[], Any], argument: str) -> Any:
+    """``make()``, with cuda.core's refusal of what the TMA unit cannot describe (ValueError,
+    RuntimeError) as an `InvalidArgumentError` naming ``argument``."""
+    try:
+        return make()
+    except (ValueError, RuntimeError) as exc:
+        raise InvalidArgumentError(argument, "a tensor the tensor memory accelerator can describe "
+                                   "(16-byte aligned, 16-byte strides)", str(exc)) from exc  # fmt: skip
