@@ -98,6 +98,17 @@ def main() -> None:
         samples.sort()
         rows.append({"case": cid, "impl": "tensor_map encode", "us": samples[len(samples) // 2] * 1e6})
         print(json.dumps(rows[-1]), flush=True)
+        # cuda.core's in-place address swap on a kept map (what a cache by layout would pay instead)
+        desc = tensor_map(t, (128, 1, 64))
+        other = pairs[1][0]
+        samples = []
+        for i in range(200):
+            start = time.perf_counter()
+            desc.replace_address(other if i % 2 else t)
+            samples.append(time.perf_counter() - start)
+        samples.sort()
+        rows.append({"case": cid, "impl": "tensor_map replace_address", "us": samples[len(samples) // 2] * 1e6})
+        print(json.dumps(rows[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "layers": args.layers, "rows": rows}, f, indent=1)

@@ -9,6 +9,10 @@ alternating twice. Every output is checked against the float64 oracle, and the t
 against each other (bit for bit).
 
     python benchmarks/ragged_tma_probe.py [--json PATH] [--repeat N] [--cases R1,R2,R3]
+
+``--toggle ENV`` alternates another switch the same way instead (set to 1, then 0; the columns
+keep their names: "tma" is 1, "gather" 0), e.g. ``--toggle TACTIX_CUDA_NATIVE_HEAD_SECTIONS
+--tactics default`` for the grid's head sections against heads fastest over every head.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ def run_tactic(case: Any, x: Any, tactic: dict[str, Any] | None, ref: torch.Tens
         timing = measure_with_policy(lambda: w.run(x.q, x.k, x.v, out=out), CUDA, policy)
     except Exception as e:  # a probe: the row says what failed
         return {"failed": f"{type(e).__name__}: {e}"[:300]}
-    return {"tactic_used": str(w.plan_object.tactic), "tma": bool(w.plan_object.paged._kv_tma), "error": error,
+    return {"tactic_used": str(w.plan_object.tactic), "tma": bool(w.plan_object.paged._kv_tma),
+            "head_section": w.plan_object.paged._section, "error": error,
             "us": timing.median * 1e6, "tflops": flops / timing.median / 1e12, "_out": result}  # fmt: skip
 
 
@@ -75,7 +80,10 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--cases", default="R1,R2,R3")
+    parser.add_argument("--toggle", default=ENV, help="the environment variable set to 1, then 0")
+    parser.add_argument("--tactics", help="a comma-separated subset of the tactic names")
     args = parser.parse_args()
+    tactics = {n: t for n, t in TACTICS.items() if args.tactics is None or n in args.tactics.split(",")}
     cases = {c.id: c for c in suite("gpu")}
     policy = MeasurementPolicy(warmup=3, repeat=args.repeat)
     rows = []
@@ -88,8 +96,8 @@ def main() -> None:
         outs: dict[tuple[str, str], torch.Tensor] = {}
         for rnd in range(2):
             for load in ("1", "0"):
-                os.environ[ENV] = load
-                for name, tactic in TACTICS.items():
+                os.environ[args.toggle] = load
+                for name, tactic in tactics.items():
                     row: dict[str, Any] = {"case": cid, "round": rnd, "load": "tma" if load == "1" else "gather",
                                            "tactic": name}  # fmt: skip
                     row.update(run_tactic(case, x, tactic, ref, flops, policy))
@@ -101,14 +109,14 @@ def main() -> None:
                         outs[(name, load)] = out
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-        os.environ.pop(ENV, None)
+        os.environ.pop(args.toggle, None)
     if args.json:
         gpu = torch.cuda.get_device_name()
         with open(args.json, "w") as f:
-            json.dump({"gpu": gpu, "rows": rows}, f, indent=1)
+            json.dump({"gpu": gpu, "toggle": args.toggle, "rows": rows}, f, indent=1)
     print(f"{'case':5} {'tactic':26} {'tma us':>8} {'gather us':>9} {'ratio':>6} {'TFLOP/s':>8} {'error':>8} equal")
     for cid in args.cases.split(","):
-        for name in TACTICS:
+        for name in tactics:
             mine = [r for r in rows if r["case"] == cid and r["tactic"] == name]
             tma = [r["us"] for r in mine if r["load"] == "tma" and "us" in r]
             gat = [r["us"] for r in mine if r["load"] == "gather" and "us" in r]

@@ -6,7 +6,7 @@ extern "C" const char* emu_prefill(unsigned grid, int threads, i64 smem_bytes, i
                                    unsigned seed, int park, const u16* q, i64 q_st, i64 q_sh, const kv_t* k,
                                    const kv_t* v, i64 k_sp, i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh,
                                    u16* out, float* lse, const int* items, const int* num_items, const int* reqs,
-                                   const int* kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups,
+                                   const int* kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups, i64 head_section,
                                    i64 page_shift, i64 causal, i64 window_left, double scale_log2, double cap,
                                    double k_scale, double v_scale, const float* k_scale_p, const float* v_scale_p,
                                    const float* sinks
@@ -17,7 +17,7 @@ extern "C" const char* emu_prefill(unsigned grid, int threads, i64 smem_bytes, i
   const txe::Schedule schedule{resident, order, seed, park != 0, (size_t)smem_bytes};
   return txe::launch({grid, 1, 1}, threads, [=] {
     tactix_prefill(q, q_st, q_sh, k, v, k_sp, k_st, k_sh, v_sp, v_st, v_sh, out, lse, items, num_items, reqs,
-                   kv_indices, num_qo_heads, gqa, pack, head_groups, page_shift, causal, window_left, scale_log2,
+                   kv_indices, num_qo_heads, gqa, pack, head_groups, head_section, page_shift, causal, window_left, scale_log2,
                    cap, k_scale, v_scale, k_scale_p, v_scale_p, sinks
 #if TX_MASK
                    , mask, mask_off

@@ -81,8 +81,8 @@ Scale = float | torch.Tensor | None  # a dequantization scale as run() takes it
 def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, *, return_lse: bool, schedule: Schedule | None = None, persistent: int = 0,
                 capacity: int = 0, k_scale: Scale = None, v_scale: Scale = None,
-                sinks: torch.Tensor | None = None,
-                kv_tma: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
+                sinks: torch.Tensor | None = None, kv_tma: bool = False,
+                head_section: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
     """The prefill kernel on the emulation: (out, lse or None, the work list). ``k_scale``,
     ``v_scale`` and ``sinks``: as the plan's run passes them (`paged.scale_args`; a CPU tensor's
     address is the pointer); an fp8 ``k``/``v`` selects the fp8 variant, as the plan's kv dtype does.
@@ -97,7 +97,8 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
     grid's size; the item list is padded to it with records that must never be read). ``kv_tma``:
     the ragged plan's tensor-map loads (``TX_KV_TMA``; ``k`` and ``v`` one-token pages of packed
     tensors, the batch's table the identity), maps of ``k[:, 0]`` and ``v[:, 0]`` as
-    `prefill.CudaNativePrefillPlan._ragged_map` encodes them."""
+    `prefill.CudaNativePrefillPlan._ragged_map` encodes them. ``head_section``: head groups per
+    section of the grid (`prefill.prefill_head_section`; 0: one section, heads fastest)."""
     from tactix_cuda_native import device, paged, prefill
 
     masked = bool(getattr(problem, "custom_mask", False))
@@ -132,7 +133,7 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
         persistent = prefill.prefill_persistent_ctas(device.H200, device.ctas_per_sm(device.H200, smem, params.threads))
     grid = prefill.prefill_grid(cap, problem.num_qo_heads, pack, persistent if params.persist else 0)[0]
     args = _args([q, q.stride(0), q.stride(1), k, v, *strides, out, lse, items_t, num_items, reqs_t, indices,
-                  *prefill.prefill_scalars(problem, pack), *paged.scale_args(k_scale, v_scale),
+                  *prefill.prefill_scalars(problem, pack, head_section), *paged.scale_args(k_scale, v_scale),
                   0 if sinks is None else sinks.data_ptr()])  # fmt: skip
     if kv_tma:  # the plan's maps (boxes of 64 of dim x 1 head x kv_tile tokens), first
         box = (params.kv_tile, 1, 64)

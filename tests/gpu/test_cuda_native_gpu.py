@@ -843,6 +843,46 @@ def test_ragged_tensor_maps_follow_k_and_v_to_new_addresses() -> None:
     assert torch.equal(outs[0], first)
 
 
+@pytest.mark.parametrize(("dims", "heads", "mma"), [((192, 128), (16, 16), "wgmma"), ((128, 128), (32, 8), "wgmma"),
+                                                    ((128, 128), (32, 8), "sync")],
+                         ids=["d192x128-wgmma", "d128-gqa4-wgmma", "d128-gqa4-sync"])  # fmt: skip
+def test_prefill_head_sections_on_a_long_request_keep_the_bits(
+    dims: tuple[int, int], heads: tuple[int, int], mma: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One request of 8192 keys whose keys and values over every head outgrow half of L2: the plan
+    runs its head groups in sections (`prefill.prefill_head_section`), and the output and LSE are
+    those of one section (TACTIX_CUDA_NATIVE_HEAD_SECTIONS=0) bit for bit, with no NaN."""
+    dqk, dvo = dims
+    hq, hkv = heads
+    info = device.device_info(torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(dqk + hq)
+    n = 8192
+    qo = kv = torch.tensor([0, n], dtype=torch.int32)
+    q = torch.randn(n, hq, dqk, generator=gen).to(CUDA, torch.bfloat16)
+    k = torch.randn(n, hkv, dqk, generator=gen).to(CUDA, torch.bfloat16)
+    v = torch.randn(n, hkv, dvo, generator=gen).to(CUDA, torch.bfloat16)
+    tactic = None if mma == "wgmma" else prefill.PrefillParams(q_tile=64, kv_tile=64, warps=4, stages=2).to_tactic()
+    results = {}
+    for sections in ("1", "0"):
+        monkeypatch.setenv(prefill.HEAD_SECTIONS_ENV, sections)
+        w = tactix.RaggedPrefill(backend="cuda_native", device=CUDA)
+        w.plan(qo, kv, hq, hkv, dqk, dvo, causal=True, q_data_type=torch.bfloat16, return_lse=True, tactic=tactic)
+        paged = w.plan_object.paged
+        groups = hq // prefill.prefill_pack(hq // hkv, paged.params.q_tile, paged.params.pack)
+        if sections == "1":
+            assert paged._section < groups, (paged._section, groups, info.l2_bytes)
+        else:
+            assert paged._section == groups
+        out = torch.full((n, hq, dvo), float("nan"), device=CUDA, dtype=torch.bfloat16)
+        lse = torch.full((n, hq), float("nan"), device=CUDA)
+        w.run(q, k, v, out=out, lse=lse)
+        torch.cuda.synchronize()
+        results[sections] = (out, lse)
+    out, lse = results["1"]
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.equal(out, results["0"][0]) and torch.equal(lse, results["0"][1])
+
+
 @pytest.mark.parametrize("mma", MMAS)
 def test_prefill_benchmark_like_shapes_and_determinism(mma: str) -> None:
     """P3-like ragged lengths and a P4-like chunk over a long prefix; bitwise equal on a rerun."""

@@ -88,13 +88,14 @@ def prefill_case(q_lens: list[int], kv_lens: list[int], *, page: int = 16, hq: i
                  cap: float = 0.0, scale: float | None = None, tactic: dict[str, Any] | None = None, seed: int = 0,
                  five_d: bool = False, q_view: bool = False, schedule: emulate.Schedule | None = None,
                  persistent: int = 0, capacity: int = 0, mask: str = "", packed: bool = False,
-                 sinks: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                 sinks: bool = False, head_section: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Run one batch through the emulated prefill kernel (its CTAs as ``schedule`` says: one at a
     time by default; with a ``persist`` tactic ``persistent`` CTAs, see `emulate.run_prefill`, as
     ``capacity``) and hold it to the oracle's tolerances; (out, lse). ``mask``: a custom mask of
     the kit's kinds ("tree", "random": with a row that attends nothing) per request, given
     bit-packed where ``packed``. ``sinks``: attention sinks, one logit per query head (some far
-    above every logit: most of a row's weight goes to its sink)."""
+    above every logit: most of a row's weight goes to its sink). ``head_section``: head groups per
+    section of the grid (`emulate.run_prefill`)."""
     gen = torch.Generator().manual_seed(seed)
     _, k, v, indptr, indices, last = _cache(kv_lens, page, hkv, d, layout, dtype, gen, five_d)
     qo = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
@@ -126,7 +127,7 @@ def prefill_case(q_lens: list[int], kv_lens: list[int], *, page: int = 16, hq: i
         sink_t[::3] = 12.0
     out, lse, _ = emulate.run_prefill(problem, batch, t, q, k, v, return_lse=True,  # type: ignore[arg-type]
                                       schedule=schedule, persistent=persistent, capacity=capacity,
-                                      sinks=sink_t)  # fmt: skip
+                                      sinks=sink_t, head_section=head_section)  # fmt: skip
     ref, ref_lse = attention_reference(q, k, v, qo, indptr, indices, last, kv_layout=layout, causal=causal,
                                        sm_scale=problem.sm_scale, window_left=window, logits_soft_cap=cap,
                                        custom_mask=flat, sinks=sink_t)  # fmt: skip
@@ -736,6 +737,44 @@ def test_emulated_ragged_prefill_through_tensor_maps_equals_the_gather(dqk: int,
         assert relative_error(out, ref) <= tolerance_for(torch.bfloat16), (window, relative_error(out, ref))
         assert lse_error(lse, ref_lse) <= LSE_TOLERANCE["bfloat16"]
         assert torch.equal(out, gather_out) and torch.equal(lse, gather_lse), window
+
+
+@pytest.mark.parametrize("tactic", [
+    {"q_tile": 64, "kv_tile": 32, "warps": 4, "stages": 2, "pack": 1},
+    {"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma", "pack": 1},
+    {"q_tile": 128, "kv_tile": 64, "warps": 8, "stages": 2, "mma": "wgmma", "pack": 1, "pingpong": 1},
+], ids=["sync", "wgmma", "wgmma-pingpong"])  # fmt: skip
+def test_emulated_prefill_head_sections_give_the_same_bits(tactic: dict[str, Any]) -> None:
+    """The grid's head groups in sections (`prefill.prefill_head_section`: each section's items
+    before the next section's, for L2) reorder the CTAs only: the same output and LSE bit for bit
+    as one section, with sections that do not divide the head groups (8 in sections of 3: 3, 3,
+    2), one head group a section, CTAs in flight at once in a shuffled order, and a CUDA-graph
+    plan's padded item list. (Persistent CTAs keep one section: the plan passes every head group.)"""
+    shuffled = emulate.Schedule(order="shuffled", resident=3, seed=5)
+    runs = {}
+    for section, schedule, capacity in ((0, None, 0), (3, shuffled, 0), (1, None, 40), (3, None, 40)):
+        runs[(section, schedule is not None, capacity)] = prefill_case(
+            [150, 1, 40], [300, 9, 40], hq=8, hkv=2, d=64, tactic=tactic, seed=53, schedule=schedule,
+            persistent=3, capacity=capacity, head_section=section)  # fmt: skip
+    out, lse = runs[(0, False, 0)]
+    for key, (o, s_) in runs.items():
+        assert torch.equal(o, out) and torch.equal(s_, lse), key
+
+
+def test_prefill_head_section_keeps_a_section_of_heads_within_l2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Head groups per section of the prefill grid: every head group where the longest request's
+    keys and values over all heads fit in half of L2; else whole KV heads' groups, as many as fit,
+    at least one; TACTIX_CUDA_NATIVE_HEAD_SECTIONS=0 keeps one section."""
+    l2 = 50 * 2**20
+    row = (192 + 128) * 2  # DeepSeek's K and V rows of one head, 16-bit
+    assert prefill.prefill_head_section(16, 1, 1024, row, l2) == 16  # R1: 4 x 1024, 10 MB over 16 heads
+    per_head = 8192 * row  # R2: 1 x 8192, 5.2 MB a head, 84 MB over 16
+    assert prefill.prefill_head_section(16, 1, 8192, row, l2) == (l2 // 2) // per_head == 5
+    assert prefill.prefill_head_section(32, 4, 16384, 256 * 2, l2) == 4 * 3  # GQA 4: 3 of 8 KV heads fit
+    assert prefill.prefill_head_section(32, 4, 1 << 20, 256 * 2, l2) == 4  # one KV head's groups at least
+    assert prefill.prefill_head_section(8, 1, 8192, 256, l2) == 8  # fp8 d128: all fit
+    monkeypatch.setenv(prefill.HEAD_SECTIONS_ENV, "0")
+    assert prefill.prefill_head_section(16, 1, 8192, row, l2) == 16
 
 
 _WG = {"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma"}  # the d128 wgmma shape

@@ -39,6 +39,7 @@ class DeviceInfo:
     smem_per_block: int  # largest dynamic shared memory a CTA may opt into
     smem_per_sm: int
     arch: str  # "sm_90"
+    l2_bytes: int = 50 * 2**20  # the L2 cache (the H100's and H200's 50 MiB where not asked)
 
 
 H200: Final = DeviceInfo(sms=132, smem_per_block=232448, smem_per_sm=233472, arch="sm_90")
@@ -53,6 +54,7 @@ def device_info(index: int) -> DeviceInfo:
         smem_per_block=int(getattr(props, "shared_memory_per_block_optin", 48 * 1024)),
         smem_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 100 * 1024)),
         arch=f"sm_{major}{minor}",
+        l2_bytes=int(getattr(props, "L2_cache_size", 0)) or 50 * 2**20,
     )
 
 

@@ -696,13 +696,43 @@ def prefill_lists(batch: PagedBatch, work: PrefillWork) -> tuple[list[int], list
     return [x for item in work.items for x in item], reqs
 
 
-def prefill_scalars(problem: PrefillProblem, pack: int) -> tuple[int | float, ...]:
-    """The kernel's scalar arguments after the pointers (see kernels/prefill.cu)."""
+def prefill_scalars(problem: PrefillProblem, pack: int, section: int = 0) -> tuple[int | float, ...]:
+    """The kernel's scalar arguments after the pointers (see kernels/prefill.cu); ``section``: head
+    groups per section (`prefill_head_section`; 0: one section of every head group)."""
     shift = log2_exact(problem.page_size)
     assert shift is not None  # check() refused other page sizes
     hq = problem.num_qo_heads
-    return (hq, problem.gqa_ratio, pack, hq // pack, shift, int(problem.causal), problem.window_left,
+    groups = hq // pack
+    return (hq, problem.gqa_ratio, pack, groups, section or groups, shift, int(problem.causal), problem.window_left,
             problem.sm_scale * LOG2E, float(problem.logits_soft_cap))  # fmt: skip
+
+
+HEAD_SECTIONS_ENV: Final = "TACTIX_CUDA_NATIVE_HEAD_SECTIONS"
+"""Set to 0: the prefill CTAs go heads fastest over every head group (one section), whatever the
+batch; otherwise `prefill_head_section` decides (read at each plan)."""
+
+L2_SHARE: Final = 0.5
+"""The share of L2 the keys and values of one head section may take (`prefill_head_section`): the
+rest holds the queries, outputs and the other requests' keys in flight."""
+
+
+def prefill_head_section(head_groups: int, groups_per_kv_head: int, max_kv_len: int, kv_row_bytes: int,
+                         l2_bytes: int) -> int:  # fmt: skip
+    """Head groups per section of the prefill grid (common.cuh, ``tx_item_head``): every head group
+    (one section) where the longest request's keys and values over all KV heads fit in
+    `L2_SHARE` of L2, else as many KV heads' worth as fit (at least one). ``kv_row_bytes``: one
+    key's K and V row of one KV head. The CTAs in flight then read the keys of few heads, which
+    stay in L2 while every query tile of those heads passes over them: on one H100 the ragged
+    1 x 8192 DeepSeek case (R2, 16 heads, 84 MB of keys and values) hit L2 on 76.6 % of its reads
+    heads fastest, FlashInfer's fa3 91.8 % (ncu, benchmarks/results/h100-ncu-R2-session38.txt)."""
+    if os.environ.get(HEAD_SECTIONS_ENV) == "0":
+        return head_groups
+    kv_heads = max(1, head_groups // max(1, groups_per_kv_head))
+    per_head = max(1, max_kv_len * kv_row_bytes)
+    fit = int(l2_bytes * L2_SHARE) // per_head
+    if fit >= kv_heads:
+        return head_groups
+    return max(1, fit) * max(1, groups_per_kv_head)
 
 
 def _prefill_kernel(index: int, dtype: str, d: int, params: PrefillParams, info: DeviceInfo, masked: bool,
@@ -764,7 +794,8 @@ class CudaNativePrefillPlan(StagedPlan):
     params: PrefillParams  # the kernel's (the default's choice for this batch, where the tactic was the default)
     _caps: tuple[int, int, int]  # requests, work items and page entries the buffers hold
     _kv_tma: bool  # K and V tiles through tensor maps of ragged K and V (`ragged_tma`)
-    _maps: TensorMaps  # (with _kv_tma) those tensor maps, kept by address and layout
+    _maps: TensorMaps  # (with _kv_tma) those tensor maps, kept by layout (`TensorMaps.rebound`)
+    _section: int  # head groups per section of the grid (`prefill_head_section`)
 
     def __init__(self, problem: PrefillProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions,
                  kv_tma: bool = False) -> None:  # fmt: skip
@@ -820,7 +851,16 @@ class CudaNativePrefillPlan(StagedPlan):
         else:
             b_cap, item_cap, page_cap = b, len(work.items), batch.num_page_entries
         self._caps = (b_cap, item_cap, page_cap)
-        self._scalars = prefill_scalars(problem, pack)
+        groups = hq // pack
+        if params.persist:  # (persistent CTAs walk the virtual CTAs heads fastest: kernels/prefill_sm90.cu)
+            section = groups
+        elif graph and isinstance(previous, CudaNativePrefillPlan) and previous._graph:
+            section = previous._section  # (a launch argument of the captured graph: kept)
+        else:
+            row = (problem.head_dim_qk + problem.head_dim_vo) * kv_bytes(problem)
+            section = prefill_head_section(groups, gqa // pack, batch.max_kv_len, row, info.l2_bytes)
+        self._section = section
+        self._scalars = prefill_scalars(problem, pack, section)
         self._geometry = (b_cap, hq, hkv, d, problem.page_size, item_cap, page_cap, params, self._scalars, masked)
         replaced = previous if graph and previous is not None else None
         if replaced is not None and (
@@ -880,7 +920,7 @@ class CudaNativePrefillPlan(StagedPlan):
         layout = (name, t.dtype, tuple(t.shape), tuple(t.stride()))  # (K and V each their own: same layout at d128)
         box = (self.params.kv_tile, 1, 64)
         return self._maps.rebound(layout, t.data_ptr(), lambda: tensor_map(t.select(1, 0), box),
-                                  lambda m: m.replace_address(t.select(1, 0)), name)  # fmt: skip
+                                  lambda m: m.replace_address(t), name)  # fmt: skip
 
     def _accept(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Check the cache strides and q's once per new set of strides; keep the stride arguments."""

@@ -210,6 +210,20 @@ TX_DEVICE float tx_warp_sum4(float v) {
   return v;
 }
 
+// The prefill kernels' virtual CTAs: v = 0 .. n_items x hgs - 1 over (work item, head group)
+// pairs, in sections of `section` head groups (the last one may be narrower): section by section,
+// within one item by item, within one head group fastest. One section (section >= hgs) is item
+// major, heads fastest; narrower ones keep the CTAs in flight on few heads, whose keys and values
+// stay in L2 while every query tile of those heads reads them (prefill.prefill_head_section).
+TX_DEVICE void tx_item_head(int v, int hgs, int section, int n_items, int& item, int& hg) {
+  const int per = section * n_items;  // virtual CTAs of a full section
+  const int sec = v / per;
+  const int r = v - sec * per;
+  const int width = min(section, hgs - sec * section);
+  item = r / width;
+  hg = sec * section + r % width;
+}
+
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows are `row_bytes` long,
 // XOR-swizzled so that the 8 rows an ldmatrix reads at one column hit 8 different bank groups.
 TX_DEVICE u32 tx_swz(int row, int chunk, int row_bytes) {

@@ -2,7 +2,9 @@
 //
 // Work item = (request, first query token of a q tile); grid x = item x head group, heads
 // fastest, so the CTAs of one item (and the query heads sharing a KV head) are dispatched
-// together. Items are planned on the host, longest first (see prefill.prefill_work); in
+// together; where one request's keys and values over every head outgrow L2, the head groups go
+// in sections of `head_section`, each section's items before the next's (common.cuh,
+// tx_item_head). Items are planned on the host, longest first (see prefill.prefill_work); in
 // CUDA-graph mode the grid is the capacity and CTAs past `num_items` exit at once.
 //
 // A CTA owns TX_QTILE query rows. Row r is (token t0 + r / pack, query head head0 + r % pack):
@@ -137,7 +139,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     const u16* __restrict__ q, i64 q_st, i64 q_sh, const kv_t* __restrict__ k, const kv_t* __restrict__ v, i64 k_sp,
     i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh, u16* __restrict__ out, float* __restrict__ lse,
     const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ reqs,
-    const int* __restrict__ kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups, i64 page_shift,
+    const int* __restrict__ kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups, i64 head_section,
+    i64 page_shift,
     i64 causal, i64 window_left, double scale_log2_d, double cap_d, double k_scale_d, double v_scale_d,
     const float* __restrict__ k_scale_p, const float* __restrict__ v_scale_p, const float* __restrict__ sinks
 #if TX_MASK
@@ -146,8 +149,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 ) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int hgs = (int)head_groups;
-  const int item = (int)blockIdx.x / hgs, hg = (int)blockIdx.x % hgs;
-  if (item >= __ldg(num_items)) return;
+  const int n_items = __ldg(num_items);
+  if ((int)blockIdx.x >= n_items * hgs) return;  // (CUDA-graph capacity past the work list)
+  int item, hg;
+  tx_item_head((int)blockIdx.x, hgs, (int)head_section, n_items, item, hg);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
 

@@ -3,8 +3,8 @@
 // mma.sync kernel), so the plan launches either one.
 //
 // Work item = (request, first query token of a q tile); grid x = item x head group, heads
-// fastest (or fewer CTAs with TX_PERSIST, see below); CTAs past `num_items` exit at once
-// (CUDA-graph capacity). Row r of the CTA's
+// fastest, in sections of `head_section` head groups as in prefill.cu (or fewer CTAs with
+// TX_PERSIST, see below); CTAs past `num_items` exit at once (CUDA-graph capacity). Row r of the CTA's
 // TX_QTILE rows is (token t0 + r / pack, query head head0 + r % pack), as in prefill.cu.
 //
 // Warps: TX_QTILE / 64 consumer warpgroups (4 warps each; warpgroup w owns rows
@@ -302,10 +302,16 @@ TX_DEVICE int snake_turn(int u, int G) {
   const int r = u / G;
   return (r & 1) ? 2 * r * G + G - 1 - u : u;
 }
-TX_DEVICE Item load_item(int v, int hgs, const int* __restrict__ items, const int* __restrict__ reqs, int P, int win,
-                         bool is_causal) {
+TX_DEVICE Item load_item(int v, int hgs, int section, int n_items, const int* __restrict__ items,
+                         const int* __restrict__ reqs, int P, int win, bool is_causal) {
   Item it;
-  const int item = v / hgs, hg = v % hgs;
+  int item, hg;
+  if constexpr (PERSIST) {  // heads fastest, one section (the plan passes hgs): the persistent
+    item = v / hgs;         // producer's 40 registers hold no more live values (fp8 spilled)
+    hg = v % hgs;
+  } else {
+    tx_item_head(v, hgs, section, n_items, item, hg);
+  }
   const int req = __ldg(items + 2 * item);
   it.t0 = __ldg(items + 2 * item + 1);
   it.q_start = __ldg(reqs + 4 * req);
@@ -331,19 +337,22 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     const u16* __restrict__ q, i64 q_st, i64 q_sh, const kv_t* __restrict__ k, const kv_t* __restrict__ v, i64 k_sp,
     i64 k_st, i64 k_sh, i64 v_sp, i64 v_st, i64 v_sh, u16* __restrict__ out, float* __restrict__ lse,
     const int* __restrict__ items, const int* __restrict__ num_items, const int* __restrict__ reqs,
-    const int* __restrict__ kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups, i64 page_shift,
+    const int* __restrict__ kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups, i64 head_section,
+    i64 page_shift,
     i64 causal, i64 window_left, double scale_log2_d, double cap_d, double k_scale_d, double v_scale_d,
     const float* __restrict__ k_scale_p, const float* __restrict__ v_scale_p, const float* __restrict__ sinks) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const int hgs = (int)head_groups;
-  // Virtual CTAs vc = item x head group. Without TX_PERSIST one per CTA (CTAs past the work list
+  // Virtual CTAs vc = (item, head group), tx_item_head's order. Without TX_PERSIST one per CTA (CTAs past the work list
   // exit at once); with it the virtual CTAs go out in rounds of G = gridDim.x: in round r CTA b
   // takes vc = r G + b, or with TX_SNAKE (the plan sets it for sched 2, items longest first over
   // the whole batch) r G + G - 1 - b in odd rounds, so a CTA that took one of the longest of a
   // round takes one of the shortest of the next (round robin over a sorted list gives CTA 0 the
   // longest of every round). The K/V ring, its mbarrier phases and the tile count run on across
   // a CTA's items.
-  const int total = __ldg(num_items) * hgs;
+  const int hsec = (int)head_section;  // head groups per section (common.cuh, tx_item_head)
+  const int n_items = __ldg(num_items);
+  const int total = n_items * hgs;
   const int vc0 = (int)blockIdx.x;
   if (!PERSIST && vc0 >= total) return;
   const int vstep = PERSIST ? (int)gridDim.x : 1;  // without TX_PERSIST the loops below make one pass
@@ -356,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   const bool is_causal = causal != 0;
   // the CTA's item without TX_PERSIST (the loops below load each item at its turn with it)
   Item it0{};
-  if (!PERSIST) it0 = load_item(vc0, hgs, items, reqs, P, win, is_causal);
+  if (!PERSIST) it0 = load_item(vc0, hgs, hsec, n_items, items, reqs, P, win, is_causal);
   // consumer warpgroups taking part in the barrier protocol: without TX_PERSIST those with at
   // least one valid row (the others exit); with it all of them for every item (a warpgroup
   // without valid rows in an item computes and writes nothing but keeps the protocol)
@@ -391,7 +400,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     for (int u = vc0; u < uend; u += vstep) {
       const int vc = SNAKE ? snake_turn(u, vstep) : u;
       if (SNAKE && vc >= total) continue;
-      const Item it = PERSIST ? load_item(vc, hgs, items, reqs, P, win, is_causal) : it0;
+      const Item it = PERSIST ? load_item(vc, hgs, hsec, n_items, items, reqs, P, win, is_causal) : it0;
       // (persistent: as 32-bit offsets, the producer's registers are few and the loop over items needs some)
       const int hk = it.head0 / (int)gqa, page_base = it.page_base;
       const kv_t* kh = k + (PERSIST ? 0 : hk * k_sh);
@@ -579,7 +588,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   for (int u = vc0; u < uend; u += vstep) {
     const int vc = SNAKE ? snake_turn(u, vstep) : u;
     if (SNAKE && vc >= total) continue;
-    const Item it = PERSIST ? load_item(vc, hgs, items, reqs, P, win, is_causal) : it0;
+    const Item it = PERSIST ? load_item(vc, hgs, hsec, n_items, items, reqs, P, win, is_causal) : it0;
     const int nt = it.nt, kv_lo = it.kv_lo, ntiles = it.ntiles;
     const bool wg_rows = !PERSIST || wrow0 < nt * P;  // a valid row in this warpgroup
 
@@ -871,7 +880,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     // (persistent) the item's rows, loaded again rather than kept in registers through the tiles
     u32 vc_again = (u32)vc;
     if (PERSIST) tx_reg_fence(vc_again);  // an opaque copy: the loads are not merged with the first ones
-    const Item ie = PERSIST ? load_item((int)vc_again, hgs, items, reqs, P, win, is_causal) : it;
+    const Item ie = PERSIST ? load_item((int)vc_again, hgs, hsec, n_items, items, reqs, P, win, is_causal) : it;
     const int t0 = ie.t0, q_start = ie.q_start, head0 = ie.head0;
 
     // ---- epilogue: O / l staged through this warpgroup's own Q rows, then 16-byte stores ----
