@@ -849,9 +849,10 @@ def test_ragged_tensor_maps_follow_k_and_v_to_new_addresses() -> None:
 def test_prefill_head_sections_on_a_long_request_keep_the_bits(
     dims: tuple[int, int], heads: tuple[int, int], mma: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One request of 8192 keys whose keys and values over every head outgrow half of L2: the plan
-    runs its head groups in sections (`prefill.prefill_head_section`), and the output and LSE are
-    those of one section (TACTIX_CUDA_NATIVE_HEAD_SECTIONS=0) bit for bit, with no NaN."""
+    """One request of 8192 keys whose keys and values over every head outgrow half of L2: with
+    TACTIX_CUDA_NATIVE_HEAD_SECTIONS=1 the plan runs its head groups in sections
+    (`prefill.prefill_head_section`), and the output and LSE are those of one section (=0) bit for
+    bit, with no NaN."""
     dqk, dvo = dims
     hq, hkv = heads
     info = device.device_info(torch.cuda.current_device())

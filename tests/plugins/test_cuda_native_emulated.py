@@ -762,9 +762,11 @@ def test_emulated_prefill_head_sections_give_the_same_bits(tactic: dict[str, Any
 
 
 def test_prefill_head_section_keeps_a_section_of_heads_within_l2(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Head groups per section of the prefill grid: every head group where the longest request's
-    keys and values over all heads fit in half of L2; else whole KV heads' groups, as many as fit,
-    at least one; TACTIX_CUDA_NATIVE_HEAD_SECTIONS=0 keeps one section."""
+    """Head groups per section of the prefill grid (opted into with
+    TACTIX_CUDA_NATIVE_HEAD_SECTIONS=1): every head group where the longest request's keys and
+    values over all heads fit in half of L2; else whole KV heads' groups, as many as fit, at least
+    one. Unset or 0: one section whatever the batch."""
+    monkeypatch.setenv(prefill.HEAD_SECTIONS_ENV, "1")
     l2 = 50 * 2**20
     row = (192 + 128) * 2  # DeepSeek's K and V rows of one head, 16-bit
     assert prefill.prefill_head_section(16, 1, 1024, row, l2) == 16  # R1: 4 x 1024, 10 MB over 16 heads
@@ -773,8 +775,12 @@ def test_prefill_head_section_keeps_a_section_of_heads_within_l2(monkeypatch: py
     assert prefill.prefill_head_section(32, 4, 16384, 256 * 2, l2) == 4 * 3  # GQA 4: 3 of 8 KV heads fit
     assert prefill.prefill_head_section(32, 4, 1 << 20, 256 * 2, l2) == 4  # one KV head's groups at least
     assert prefill.prefill_head_section(8, 1, 8192, 256, l2) == 8  # fp8 d128: all fit
-    monkeypatch.setenv(prefill.HEAD_SECTIONS_ENV, "0")
-    assert prefill.prefill_head_section(16, 1, 8192, row, l2) == 16
+    for off in ("0", None):
+        if off is None:
+            monkeypatch.delenv(prefill.HEAD_SECTIONS_ENV)
+        else:
+            monkeypatch.setenv(prefill.HEAD_SECTIONS_ENV, off)
+        assert prefill.prefill_head_section(16, 1, 8192, row, l2) == 16
 
 
 _WG = {"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma"}  # the d128 wgmma shape

@@ -708,8 +708,11 @@ def prefill_scalars(problem: PrefillProblem, pack: int, section: int = 0) -> tup
 
 
 HEAD_SECTIONS_ENV: Final = "TACTIX_CUDA_NATIVE_HEAD_SECTIONS"
-"""Set to 0: the prefill CTAs go heads fastest over every head group (one section), whatever the
-batch; otherwise `prefill_head_section` decides (read at each plan)."""
+"""Set to 1: `prefill_head_section` puts the prefill grid's head groups in sections where one
+request's keys and values outgrow L2; otherwise one section, heads fastest over every head group,
+as before (read at each plan). Opt-in until timed on a GPU: session 38 had no device time left to
+run its A/B (``benchmarks/ragged_tma_probe.py --toggle TACTIX_CUDA_NATIVE_HEAD_SECTIONS --tactics
+default``); the emulator and the CPU tests hold the sections to the same output bit for bit."""
 
 L2_SHARE: Final = 0.5
 """The share of L2 the keys and values of one head section may take (`prefill_head_section`): the
@@ -724,8 +727,9 @@ def prefill_head_section(head_groups: int, groups_per_kv_head: int, max_kv_len: 
     key's K and V row of one KV head. The CTAs in flight then read the keys of few heads, which
     stay in L2 while every query tile of those heads passes over them: on one H100 the ragged
     1 x 8192 DeepSeek case (R2, 16 heads, 84 MB of keys and values) hit L2 on 76.6 % of its reads
-    heads fastest, FlashInfer's fa3 91.8 % (ncu, benchmarks/results/h100-ncu-R2-session38.txt)."""
-    if os.environ.get(HEAD_SECTIONS_ENV) == "0":
+    heads fastest, FlashInfer's fa3 91.8 % (ncu, benchmarks/results/h100-ncu-R2-session38.txt).
+    Only with `HEAD_SECTIONS_ENV` set to 1 (not yet timed); otherwise one section."""
+    if os.environ.get(HEAD_SECTIONS_ENV) != "1":
         return head_groups
     kv_heads = max(1, head_groups // max(1, groups_per_kv_head))
     per_head = max(1, max_kv_len * kv_row_bytes)
@@ -920,7 +924,7 @@ class CudaNativePrefillPlan(StagedPlan):
         layout = (name, t.dtype, tuple(t.shape), tuple(t.stride()))  # (K and V each their own: same layout at d128)
         box = (self.params.kv_tile, 1, 64)
         return self._maps.rebound(layout, t.data_ptr(), lambda: tensor_map(t.select(1, 0), box),
-                                  lambda m: m.replace_address(t), name)  # fmt: skip
+                                  lambda m: m.replace_address(t.select(1, 0)), name)  # fmt: skip
 
     def _accept(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Check the cache strides and q's once per new set of strides; keep the stride arguments."""
