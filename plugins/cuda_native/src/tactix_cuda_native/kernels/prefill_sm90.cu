@@ -617,6 +617,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 
     // this thread's rows (16 warp + grp and + 8 of the warpgroup) and the warpgroup's bounds; rows
     // past the valid tokens take the last valid token's bounds (computed, never written)
+    const u64 dq = desc_k_major(qw);  // this warpgroup's Q rows (the k16 steps: desc_at)
     const int r0 = wrow0 + 16 * warp + grp, r1 = r0 + 8;
     const int lo0 = key_lo(it, min(r0 / P, nt - 1), win), hi0 = key_hi(it, min(r0 / P, nt - 1), is_causal);
     const int lo1 = key_lo(it, min(r1 / P, nt - 1), win), hi1 = key_hi(it, min(r1 / P, nt - 1), is_causal);
@@ -661,14 +662,14 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         tx_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {  // S = Q K^T
-          qk_wgmma<BK>(sc, desc_k_major(qw + (kk >> 2) * (64 * 128) + (kk & 3) * 32),
-                       desc_k_major(kst + (kk >> 2) * (BK * 128) + (kk & 3) * 32), kk > 0);
+          qk_wgmma<BK>(sc, desc_at(dq, (kk >> 2) * (64 * 128) + (kk & 3) * 32),
+                       desc_at(desc_k_major(kst), (kk >> 2) * (BK * 128) + (kk & 3) * 32), kk > 0);
         }
         tx_wgmma_commit();  // group 1: S
         if (prev) {  // O += P V of the previous tile
 #pragma unroll
           for (int ks = 0; ks < BK / 16; ++ks)
-            pv_wgmma<DV>(o, pa + 4 * ks, desc_mn_major(vprev + ks * 2048, BK * 128), 1);
+            pv_wgmma<DV>(o, pa + 4 * ks, desc_at(desc_mn_major(vprev, BK * 128), ks * 2048), 1);
         }
         tx_wgmma_commit();  // group 2: P V (empty for the first tile)
 #pragma unroll
@@ -754,7 +755,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         const u32 vst = base + RING + sl * STAGE_BYTES + TILE_BYTES;
 #pragma unroll
         for (int ks = 0; ks < BK / 16; ++ks)
-          pv_wgmma<DV>(o, pa + 4 * ks, desc_mn_major(vst + ks * 2048, BK * 128), 1);
+          pv_wgmma<DV>(o, pa + 4 * ks, desc_at(desc_mn_major(vst, BK * 128), ks * 2048), 1);
         tx_wgmma_commit();
 #pragma unroll
         for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
@@ -780,8 +781,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         tx_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-          qk_wgmma<BK>(sc, desc_k_major(qw + (kk >> 2) * (64 * 128) + (kk & 3) * 32),
-                       desc_k_major(kst + (kk >> 2) * (BK * 128) + (kk & 3) * 32), kk > 0);
+          qk_wgmma<BK>(sc, desc_at(dq, (kk >> 2) * (64 * 128) + (kk & 3) * 32),
+                       desc_at(desc_k_major(kst), (kk >> 2) * (BK * 128) + (kk & 3) * 32), kk > 0);
         }
         tx_wgmma_commit();
       }
@@ -859,7 +860,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
         tx_wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < BK / 16; ++ks)
-          pv_wgmma<DV>(o, pa + 4 * ks, desc_mn_major(vst + ks * 2048, BK * 128), 1);
+          pv_wgmma<DV>(o, pa + 4 * ks, desc_at(desc_mn_major(vst, BK * 128), ks * 2048), 1);
         tx_wgmma_commit();
 #pragma unroll
         for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
