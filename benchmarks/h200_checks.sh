@@ -24,6 +24,9 @@
 #   cudnn-sinks-probe    benchmarks/cudnn_sinks_probe.py: does cuDNN's paged SDPA take sink_token (prefill, decode)?
 #   ragged-tma-probe     benchmarks/ragged_tma_probe.py: R1-R3 on cuda_native, K/V through tensor maps against the
 #                        one-token-page gather, a few tactics, alternating twice (about 60 s on a fresh H100)
+#   sections-probe       the same probe alternating TACTIX_CUDA_NATIVE_HEAD_SECTIONS (1: head sections, 0: heads fastest)
+#                        on the default tactic: R2 is the case it changes (session 38: written, not yet run)
+#   ragged-host          benchmarks/ragged_host.py: ragged run() host time, same and new K/V each call (R1, R3)
 #   bench-attention      tactix bench on the attention cases (bf16, fp8, V1), FlashInfer anchors
 #   bench-open-models    tactix bench on R1-R3 (ragged, DeepSeek 192/128) and O1 (gpt-oss sinks), anchors
 #   plan-device          plan_time.py for cuda_native with decode work lists made on the device and on the host
@@ -112,6 +115,9 @@ job() {
     fp8-prefill-probe) t python benchmarks/fp8_prefill_probe.py --json "$OUT/fp8-prefill-probe-h200.json" ;;
     cudnn-sinks-probe) t python benchmarks/cudnn_sinks_probe.py --json "$OUT/cudnn-sinks-probe-h200.json" ;;
     ragged-tma-probe) t python benchmarks/ragged_tma_probe.py --json "$OUT/ragged-tma-probe.json" ;;
+    sections-probe) t python benchmarks/ragged_tma_probe.py --toggle TACTIX_CUDA_NATIVE_HEAD_SECTIONS --tactics default \
+      --json "$OUT/sections-probe.json" ;;
+    ragged-host) t python benchmarks/ragged_host.py --json "$OUT/ragged-host.json" ;;
     bench-attention) t python -m tactix bench --cases "$ATTENTION" --json "$OUT/bench-attention-h200.json" \
       --markdown "$OUT/bench-attention-h200.md" ;;
     bench-open-models) t python -m tactix bench --cases "$OPEN_MODELS" --json "$OUT/bench-open-models-h200.json" \
