@@ -1,11 +1,11 @@
 """Host cost of a ragged-KV prefill ``run()`` when K and V are new tensors at every call.
 
 A server hands `tactix.RaggedPrefill.run` the keys and values its layer just projected: new
-tensors each layer, often at new addresses. cuda_native's tensor-map kernel keeps the maps it
-encoded by address and layout, so this times (host wall clock, `tactix.autotune.timing.host_us`,
-one process) ``run()`` over the same K and V at every call and over ``--layers`` pairs in turn
-(more pairs than the plan keeps maps for: every call encodes two), for cuda_native with tensor
-maps and with the gather (``TACTIX_CUDA_NATIVE_RAGGED_TMA=0``), cudnn, and FlashInfer's own
+tensors each layer, often at new addresses. cuda_native's tensor-map kernel keeps one map per
+layout and swaps a new address into it (`TensorMaps.rebound`), so this times (host wall clock,
+`tactix.autotune.timing.host_us`, one process) ``run()`` over the same K and V at every call and
+over ``--layers`` pairs in turn (a new address at every call: two swaps), for cuda_native with
+tensor maps and with the gather (``TACTIX_CUDA_NATIVE_RAGGED_TMA=0``), cudnn, and FlashInfer's own
 ragged wrapper (fa3) where it is installed. It also times one map's encoding alone.
 
     python benchmarks/ragged_host.py [--cases R1,R3] [--layers 24] [--json PATH]
