@@ -343,8 +343,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     const float* __restrict__ k_scale_p, const float* __restrict__ v_scale_p, const float* __restrict__ sinks) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const int hgs = (int)head_groups;
-  // Virtual CTAs vc = (item, head group), tx_item_head's order. Without TX_PERSIST one per CTA (CTAs past the work list
-  // exit at once); with it the virtual CTAs go out in rounds of G = gridDim.x: in round r CTA b
+  // Virtual CTAs vc = (item, head group) in tx_item_head's order (heads fastest with TX_PERSIST).
+  // Without TX_PERSIST one per CTA (CTAs past the work list exit at once); with it the virtual CTAs go out in rounds of G = gridDim.x: in round r CTA b
   // takes vc = r G + b, or with TX_SNAKE (the plan sets it for sched 2, items longest first over
   // the whole batch) r G + G - 1 - b in odd rounds, so a CTA that took one of the longest of a
   // round takes one of the shortest of the next (round robin over a sorted list gives CTA 0 the
