@@ -15,7 +15,8 @@ runs one of:
 
 GEMM runs ``matmul`` (``torch.mm``/``addmm``/``bmm``) for 16- and 32-bit operands, and for fp8
 either ``scaled_mm`` (``torch._scaled_mm``, both operands k-major, unbatched) or ``dequant``
-(upcast to float32, multiply, scale). All plans keep their index buffers at fixed addresses, so
+(upcast to float32, multiply, scale; the default on the CPU and on GPUs without fp8 tensor
+cores). All plans keep their index buffers at fixed addresses, so
 ``run`` captures in a CUDA graph; with ``use_cuda_graph`` a re-plan of the same shape bucket
 rewrites those buffers in place, so a captured graph replays the new batch.
 """
@@ -251,8 +252,11 @@ def _concrete(problem: AnyProblem, tactic: Tactic, batch: Batch | None) -> Tacti
     if isinstance(problem, GemmProblem):
         if problem.scale_mode == "none":
             return Tactic(backend=NAME, kernel="matmul")
+        # torch._scaled_mm where the GPU has fp8 tensor cores; elsewhere dequant: on the CPU
+        # _scaled_mm is a slow reference loop (7.8 s a call at m=256, n=512, k=384, where dequant's
+        # float32 matmul takes well under a second), so it stays a tuning candidate only
         scaled = Tactic(backend=NAME, kernel="scaled_mm")
-        cc_ok = problem.device_type != "cuda" or torch.cuda.get_device_capability() >= (8, 9)
+        cc_ok = problem.device_type == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
         if cc_ok and not _gemm_reasons(problem, scaled):
             return scaled
         return Tactic(backend=NAME, kernel="dequant")
