@@ -77,7 +77,7 @@ mkdir -p "$LOGS" "$OUT"
 export TACTIX_CACHE_DIR=${TACTIX_CACHE_DIR:-/tmp/txcache}
 LIMIT=${H200_LIMIT:-550}
 ATTENTION=D1,D2,D3,D1-fp8,D2-fp8,D3-fp8,P1,P1-fp8,P3,P3-fp8,V1
-OPEN_MODELS=R1,R2,R3,O1,O1-w128  # issue 24: DeepSeek ragged prefill, a ragged chunk, gpt-oss decode with sinks
+OPEN_MODELS=${OPEN_MODELS:-R1,R2,R3,O1,O1-w128}  # issue 24: DeepSeek ragged prefill, a ragged chunk, gpt-oss decode with sinks
 
 t() { timeout -s INT -k 30 "$LIMIT" "$@"; }  # SIGINT: pytest still writes the kit's JSON (KILL 30 s later)
 
@@ -115,7 +115,7 @@ job() {
     fp8-prefill-probe) t python benchmarks/fp8_prefill_probe.py --json "$OUT/fp8-prefill-probe-h200.json" ;;
     cudnn-sinks-probe) t python benchmarks/cudnn_sinks_probe.py --json "$OUT/cudnn-sinks-probe-h200.json" ;;
     ragged-tma-probe) t python benchmarks/ragged_tma_probe.py --json "$OUT/ragged-tma-probe.json" ;;
-    sections-probe) t python benchmarks/ragged_tma_probe.py --toggle TACTIX_CUDA_NATIVE_HEAD_SECTIONS --tactics default \
+    sections-probe) t python benchmarks/ragged_tma_probe.py --toggle TACTIX_CUDA_NATIVE_HEAD_SECTIONS --tactics "${SECTIONS_TACTICS:-default}" \
       --json "$OUT/sections-probe.json" ;;
     ragged-host) t python benchmarks/ragged_host.py --json "$OUT/ragged-host.json" ;;
     bench-attention) t python -m tactix bench --cases "$ATTENTION" --json "$OUT/bench-attention-h200.json" \

@@ -47,6 +47,7 @@ TACTICS: dict[str, dict[str, Any] | None] = {
     "default": None,
     "128 s2 pp": _wg(128, 2),
     "128 s2 pp persist sched2": _wg(128, 2, persist=1, sched=2),
+    "128 s2 pp persist sched3": _wg(128, 2, persist=1, sched=3),
     "64 s3 pp persist": _wg(64, 3, persist=1),
 }
 

@@ -3,7 +3,7 @@
 // The same entry point as emu_prefill.cpp; `threads` includes the producer warpgroup and
 // `smem_bytes` is the plan's (prefill.prefill_smem_bytes with mma "wgmma", mbarriers included).
 // With TX_KV_TMA the ragged K and V tensor maps come first, by address, in the emulation's layout
-// (emulate.tensor_map).
+// (emulate.tensor_map); with TX_DYN the turn counters come last.
 #include "prefill_sm90.cu"
 
 extern "C" const char* emu_prefill(unsigned grid, int threads, i64 smem_bytes, int resident, int order,
@@ -17,7 +17,11 @@ extern "C" const char* emu_prefill(unsigned grid, int threads, i64 smem_bytes, i
                                    const int* kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups, i64 head_section,
                                    i64 page_shift, i64 causal, i64 window_left, double scale_log2, double cap,
                                    double k_scale, double v_scale, const float* k_scale_p, const float* v_scale_p,
-                                   const float* sinks) {
+                                   const float* sinks
+#if TX_DYN
+                                   , int* turns
+#endif
+) {
   if (threads != NT) return "launch: thread count differs from the kernel's (consumer and producer warpgroups)";
   const txe::Schedule schedule{resident, order, seed, park != 0, (size_t)smem_bytes};
 #if TX_KV_TMA
@@ -32,6 +36,10 @@ extern "C" const char* emu_prefill(unsigned grid, int threads, i64 smem_bytes, i
 #endif
         q, q_st, q_sh, k, v, k_sp, k_st, k_sh, v_sp, v_st, v_sh, out, lse, items, num_items, reqs,
                    kv_indices, num_qo_heads, gqa, pack, head_groups, head_section, page_shift, causal, window_left, scale_log2,
-                   cap, k_scale, v_scale, k_scale_p, v_scale_p, sinks);
+                   cap, k_scale, v_scale, k_scale_p, v_scale_p, sinks
+#if TX_DYN
+                   , turns
+#endif
+    );
   }, schedule);
 }

@@ -143,10 +143,15 @@ def run_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Any, q: torc
         mask = prefill.prefill_mask(batch, torch.device("cpu"), None, graph=False)
         offsets = torch.tensor(batch.custom_mask.offsets[:-1] or [0], dtype=i32)
         args += _args([mask.view(torch.uint8), offsets])
+    turns = torch.zeros(2, dtype=i32)  # sched 3: the turn counters, as the plan sends them
+    if params.dynamic:
+        args += _args([turns])
     sched = (schedule or Schedule()).args()
     err = lib.emu_prefill(ctypes.c_uint(grid), ctypes.c_int(params.threads), ctypes.c_longlong(smem), *sched, *args)
     if err:
         raise RuntimeError(f"emulated kernel misuse: {err.decode()}")
+    if turns.any():
+        raise RuntimeError(f"the launch left its turn counters at {turns.tolist()}: the next one would skip work")
     return out, lse, work
 
 

@@ -453,10 +453,29 @@ static inline int atomicCAS(int* p, int compare, int v) {
   return tx_emu_atomic(p, [compare, v](int old) { return old == compare ? v : old; });
 }
 
+// common.cuh's relaxed work-counter add: other CTAs may run just before and after, and it is no
+// ticket (no __threadfence is asked for, nothing later is constrained)
+static inline int tx_atomic_add_relaxed(int* p, int v) {
+  txe::check_aligned(p, sizeof(int), "atomic: unaligned address");
+  txe::yield();
+  const int old = *p;
+  *p = (int)((unsigned)old + (unsigned)v);
+  txe::yield();
+  return old;
+}
+
 static inline float __shfl_xor_sync(unsigned, float v, int mask) {
   txe::my_slot().f[0] = v;
   txe::warp_barrier();
   const float r = txe::lane_slot(txe::lane() ^ mask).f[0];
+  txe::warp_barrier();
+  return r;
+}
+
+static inline int __shfl_sync(unsigned, int v, int src) {
+  txe::my_slot().u[0] = (u32)v;
+  txe::warp_barrier();
+  const int r = (int)txe::lane_slot(src & 31).u[0];
   txe::warp_barrier();
   return r;
 }

@@ -10,6 +10,7 @@ relative error, so a wrong fragment layout or index shows up as a pattern across
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import math
@@ -882,6 +883,50 @@ def test_prefill_head_sections_on_a_long_request_keep_the_bits(
     out, lse = results["1"]
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert torch.equal(out, results["0"][0]) and torch.equal(lse, results["0"][1])
+
+
+@pytest.mark.parametrize("kv_tma", ["1", "0"], ids=["tensor-maps", "gather"])
+def test_prefill_turns_from_a_counter_keep_the_bits_run_after_run_and_in_a_graph(
+    kv_tma: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sched 3 (persistent CTAs taking turns from a counter, TX_DYN) on DeepSeek's 192/128 over
+    R1-like and uneven ragged batches: bitwise the non-persistent kernel's output and LSE, on
+    every one of several eager runs and CUDA-graph replays (each launch must leave its counters
+    at zero for the next), with K and V through tensor maps and through the gather."""
+    monkeypatch.setenv(prefill.RAGGED_TMA_ENV, kv_tma)
+    hq = hkv = 16
+    dyn = prefill.PrefillParams(q_tile=128, kv_tile=128, warps=8, stages=2, mma="wgmma", pingpong=1, persist=1,
+                                sched=3)  # fmt: skip
+    plain = dyn.replace(persist=0, sched=2)
+    gen = torch.Generator().manual_seed(31)
+    for lens in ([1024] * 4, [1500, 3, 700, 129, 2048, 64]):
+        n = sum(lens)
+        qo = kv = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+        q = torch.randn(n, hq, 192, generator=gen).to(CUDA, torch.bfloat16)
+        k = torch.randn(n, hkv, 192, generator=gen).to(CUDA, torch.bfloat16)
+        v = torch.randn(n, hkv, 128, generator=gen).to(CUDA, torch.bfloat16)
+        results = []
+        for params, graph in ((plain, False), (dyn, False), (dyn, True)):
+            w = tactix.RaggedPrefill(backend="cuda_native", device=CUDA, use_cuda_graph=graph)
+            w.plan(qo, kv, hq, hkv, 192, 128, causal=True, q_data_type=torch.bfloat16, return_lse=True,
+                   tactic=params.to_tactic())  # fmt: skip
+            assert w.plan_object.paged.params == params and bool(w.plan_object.paged._kv_tma) == (kv_tma == "1")
+            out = torch.full((n, hq, 128), float("nan"), device=CUDA, dtype=torch.bfloat16)
+            lse = torch.full((n, hq), float("nan"), device=CUDA)
+            runs = [functools.partial(w.run, q, k, v, out=out, lse=lse)] * 3
+            if graph:
+                replay = captured(runs[0])
+                runs = [replay.replay] * 3
+            for run in runs:
+                out.fill_(float("nan"))
+                lse.fill_(float("nan"))
+                run()
+                torch.cuda.synchronize()
+                results.append((out.clone(), lse.clone()))
+        ref_out, ref_lse = results[0]
+        assert not torch.isnan(ref_out).any() and not torch.isnan(ref_lse).any()
+        for at, (out, lse) in enumerate(results[1:]):
+            assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse), (lens, at)
 
 
 @pytest.mark.parametrize("mma", MMAS)

@@ -1462,7 +1462,10 @@ def test_prefill_tactics_are_enumerated_valid_and_round_trip() -> None:
             # both kernels, so the tuner compares them; "sync" stays implicit in the params
             assert {t.params.get("mma", "sync") for t in tactics} == {"sync", "wgmma"}
             assert all(t.params.get("mma") in (None, "wgmma") for t in tactics)
-            assert {t.params["sched"] for t in tactics} == {0, 1, 2}
+            assert {t.params["sched"] for t in tactics} == {0, 1, 2, 3}
+            # turns from a counter (sched 3): persistent wgmma only
+            assert all(t.params.get("persist") == 1 and t.params["mma"] == "wgmma" for t in tactics
+                       if t.params["sched"] == 3)  # fmt: skip
             # persistent CTAs, off by default (left out of the params), enumerated for the wgmma shapes
             assert "persist" not in default.to_tactic().params
             persistent = [t for t in tactics if t.params.get("persist")]
@@ -1530,7 +1533,8 @@ def test_bad_prefill_tactics_and_problems_give_reasons() -> None:
     assert "must divide the GQA group size 4" in reasons({**ok, "pack": 3})[0]
     assert reasons({**ok, "pack": 4}) == [] and reasons({**ok, "pack": 2}) == []
     assert reasons({**ok, "sched": 2}) == []
-    assert "sched must be 0, 1 or 2" in reasons({**ok, "sched": 3})[0]
+    assert "sched must be 0, 1, 2 or 3" in reasons({**ok, "sched": 4})[0]
+    assert "sched 3 (turns from a counter) needs persist 1" in reasons({**ok, "sched": 3})[0]
     assert "accumulators need 192 registers" not in " ".join(reasons({**ok, "kv_tile": 64}))
     d256 = prefill(head_dim_qk=256, head_dim_vo=256)
     assert "accumulators need" in reasons({**ok, "q_tile": 128, "warps": 4}, d256)[0]

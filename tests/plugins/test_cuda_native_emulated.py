@@ -1150,6 +1150,45 @@ def test_emulated_persistent_rounds_back_and_forth_with_the_batch_longest_first(
         assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), ctas
 
 
+@pytest.mark.parametrize("pingpong", [0, 1], ids=["plain", "pingpong"])
+def test_emulated_persistent_turns_from_a_counter(pingpong: int) -> None:
+    """sched 3 (TX_DYN): after the first round each persistent CTA takes its next turn from a
+    counter in global memory, published to its warps through two shared-memory slots. 1 to 5
+    CTAs over a batch with short and long items, resident together and interleaved (turns drawn
+    in any order, CTAs held back right after a draw), a window, a CUDA-graph capacity past the
+    work list, and a grid larger than the work list: bitwise the non-persistent kernel's result
+    every time (each turn is done once, by one CTA), and the launch leaves its counters at zero
+    (`emulate.run_prefill` checks them)."""
+    shape = (128, 128, 8, 2)
+    q_lens, kv_lens = [300, 5, 129, 1, 40, 260], [1100, 700, 129, 900, 40, 260]
+    params = prefill.PrefillParams.model_validate(_wgmma(shape, sched=3, persist=1, pingpong=pingpong))
+    variant = prefill.prefill_variant("bfloat16", 64, params, "sm_90a")
+    assert ("TX_DYN", "1") in variant.defines and ("TX_SNAKE", "1") not in variant.defines
+    assert params.smem_bytes(64) == prefill.prefill_smem_bytes(64, 128, 128, 2, "wgmma") + prefill.DYN_TURNS_SMEM
+    case: dict[str, Any] = {"d": 64, "hq": 8, "hkv": 2, "page": 16, "seed": 29}
+    ref = prefill_case(q_lens, kv_lens, tactic=_wgmma(shape, sched=2, pingpong=pingpong), **case)
+    dyn = _wgmma(shape, sched=3, persist=1, pingpong=pingpong)
+    runs = [(1, emulate.SCHEDULES[0], 0), (3, emulate.SCHEDULES[2], 0), (5, emulate.SCHEDULES[3], 0),
+            (4, emulate.SCHEDULES[5], 40), (64, emulate.SCHEDULES[4], 0)]  # fmt: skip
+    for ctas, schedule, capacity in runs:
+        got = prefill_case(q_lens, kv_lens, tactic=dyn, persistent=ctas, schedule=schedule, capacity=capacity,
+                           **case)  # fmt: skip
+        assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), (ctas, schedule)
+    windowed = {**case, "window": 90, "page": 1}
+    ref = prefill_case(q_lens, kv_lens, tactic=_wgmma(shape, pingpong=pingpong), **windowed)
+    got = prefill_case(q_lens, kv_lens, tactic=dyn, persistent=2, schedule=emulate.SCHEDULES[3], **windowed)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+
+
+def test_sched_3_needs_persistent_wgmma_over_a_16_bit_cache() -> None:
+    fine = prefill.PrefillParams(q_tile=128, kv_tile=128, warps=8, stages=2, mma="wgmma", persist=1, sched=3)
+    assert fine.reasons(128, H200) == [] and fine.dynamic
+    for bad, kv_bytes in ((fine.replace(persist=0), 2), (fine, 1)):
+        (why,) = bad.reasons(128, H200, kv_bytes=kv_bytes)
+        assert "sched 3" in why and "persist 1" in why and "16-bit cache" in why
+    assert "sched must be 0, 1, 2 or 3" in fine.replace(sched=4).reasons(128, H200)[0]
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_emulated_persistent_every_head_dim_and_features(d: int) -> None:
     """The persistent variant of the default wgmma shape of each head dim (the register split

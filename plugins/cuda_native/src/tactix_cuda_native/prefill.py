@@ -5,7 +5,8 @@ tactic cannot run, the tactic space and the default, and the plan (`CudaNativePr
 Tactics: ``Tactic(backend="cuda_native", kernel="prefill", params={"q_tile": 128, "kv_tile": 32, "warps": 4,
 "stages": 3, "pack": 0, "sched": 0})`` (``pack`` 0: the query heads of a GQA group per CTA chosen by
 `prefill_pack`; ``sched`` 0: requests by work, each one's items longest first, 1: request order,
-2: longest first over the batch; see `prefill_work`); with ``"mma": "wgmma"`` the Hopper kernel
+2: longest first over the batch; see `prefill_work`; 3, with persistent CTAs: longest first, the
+turns after the first round handed out by a counter); with ``"mma": "wgmma"`` the Hopper kernel
 (``q_tile`` 64 or 128 rows, ``warps`` = q_tile / 16 consumer warps, ``kv_tile`` 64 or 128), the
 default on sm_90 for head dims 64, 128 and 256; ``mma`` left out (or "sync") is the mma.sync kernel;
 wgmma also takes ``"persist": 1``: persistent CTAs (as many as the GPU holds at once, each looping
@@ -52,7 +53,9 @@ from tactix_cuda_native.paged import (
 from tactix_cuda_native.runtime import Variant, launch_config, stream_for, tensor_map, tensor_maps_status
 from tactix_cuda_native.tactics import TacticParams
 
-PREFILL_SCHEDULES: Final = ("requests_by_work", "in_order", "longest_first")
+PREFILL_SCHEDULES: Final = ("requests_by_work", "in_order", "longest_first", "longest_first_dynamic")
+DYN_TURNS_SMEM: Final = 48
+"""Shared memory of sched 3's turns (kernels/prefill_sm90.cu, TX_DYN): four mbarriers, two slots, padding."""
 PREFILL_MMAS: Final = ("sync", "wgmma")
 """The prefill kernels: "sync" kernels/prefill.cu (mma.sync, any GPU from sm_80), "wgmma"
 kernels/prefill_sm90.cu (Hopper warpgroup MMA, compiled for sm_90a)."""
@@ -115,8 +118,14 @@ class PrefillParams(TacticParams):
         """Threads per CTA: the computing warps, and for wgmma the producer warpgroup."""
         return 32 * self.warps + (128 if self.mma == "wgmma" else 0)
 
+    @property
+    def dynamic(self) -> bool:
+        """Persistent CTAs whose turns come from a counter (sched 3: ``TX_DYN``)."""
+        return self.sched == 3 and self.persist == 1 and self.mma == "wgmma"
+
     def smem_bytes(self, head_dim: int, kv_bytes: int = 2, head_dim_vo: int | None = None) -> int:
-        return prefill_smem_bytes(head_dim, self.q_tile, self.kv_tile, self.stages, self.mma, kv_bytes, head_dim_vo)
+        smem = prefill_smem_bytes(head_dim, self.q_tile, self.kv_tile, self.stages, self.mma, kv_bytes, head_dim_vo)
+        return smem + (DYN_TURNS_SMEM if self.dynamic else 0)
 
     def reasons(self, head_dim: int, info: DeviceInfo, gqa: int | None = None, kv_bytes: int = 2,
                 head_dim_vo: int | None = None) -> list[str]:  # fmt: skip
@@ -131,8 +140,10 @@ class PrefillParams(TacticParams):
             out.append(f"pack must be 0 (auto) or a divisor of the GQA group size (got {self.pack})")
         elif self.pack and gqa is not None and (gqa % self.pack or self.pack > self.q_tile):
             out.append(f"pack {self.pack} must divide the GQA group size {gqa} and be at most q_tile {self.q_tile}")
-        if self.sched not in (0, 1, 2):
-            out.append(f"sched must be 0, 1 or 2 ({', '.join(PREFILL_SCHEDULES)}) (got {self.sched})")
+        if self.sched not in (0, 1, 2, 3):
+            out.append(f"sched must be 0, 1, 2 or 3 ({', '.join(PREFILL_SCHEDULES)}) (got {self.sched})")
+        elif self.sched == 3 and (self.persist != 1 or self.mma != "wgmma" or kv_bytes != 2):
+            out.append("sched 3 (turns from a counter) needs persist 1 with mma 'wgmma' over a 16-bit cache")
         if self.persist not in (0, 1):
             out.append(f"persist must be 0 (one CTA per work item) or 1 (persistent CTAs) (got {self.persist})")
         elif self.persist and self.mma != "wgmma":
@@ -334,11 +345,12 @@ def prefill_candidates(head_dim: int, info: DeviceInfo, gqa: int = 1, kv_bytes: 
     wgmma_shapes = _WGMMA_SHAPES.get(head_dim, [])
     out += [_shape(shape, mma="wgmma", persist=1) for shape in wgmma_shapes]
     if base.mma == "wgmma":
-        out.append(_shape(shape, sched=2, mma="wgmma", persist=1))
+        out += [_shape(shape, sched=sched, mma="wgmma", persist=1) for sched in (2, 3)]
     out += [_shape(shape, mma="wgmma", persist=persist, pingpong=1) for shape in wgmma_shapes
             for persist in (0, 1) if shape[0] == 128]  # fmt: skip
-    if base.pingpong:  # the default's persistent form with the whole batch longest first (rounds back and forth)
-        out.append(_shape(shape, sched=2, mma="wgmma", persist=1, pingpong=1))
+    if base.pingpong:  # the default's persistent form with the whole batch longest first (rounds back and
+        # forth, or turns from a counter)
+        out += [_shape(shape, sched=sched, mma="wgmma", persist=1, pingpong=1) for sched in (2, 3)]
     unique = list(dict.fromkeys(out))
     return [p for p in unique if not p.reasons(head_dim, info, gqa, kv_bytes, head_dim_vo)]
 
@@ -428,9 +440,9 @@ def prefill_work(
     requests by their total work, largest first, and each request's items longest first: the
     batch ends on the smallest request's shortest items (as longest-processing-time scheduling
     would), while the CTAs in flight at any time read the K/V of one or two requests, which stay
-    in L2. sched 1: request order, items in token order. sched 2: longest first over the whole
-    batch (the tightest end, but equal items of every request run together: with many long
-    requests their K/V do not all fit in L2).
+    in L2. sched 1: request order, items in token order. sched 2 (and 3, whose persistent CTAs
+    take turns from a counter): longest first over the whole batch (the tightest end, but equal
+    items of every request run together: with many long requests their K/V do not all fit in L2).
     """
     tokens = q_tile // pack
     items: list[tuple[int, int]] = []
@@ -636,6 +648,7 @@ def prefill_variant(dtype: str, head_dim: int, params: PrefillParams, arch: str,
             **({"TX_PERSIST": 1} if params.persist else {}),  # absent when 0: default variants keep their keys
             **({"TX_PINGPONG": 1} if params.pingpong else {}),
             **({"TX_SNAKE": 1} if params.persist and params.sched == 2 else {}),  # sorted over the batch
+            **({"TX_DYN": 1} if params.dynamic else {}),  # turns from a counter
             **({"TX_KV_FP8": fp8, "TX_FP8_CVT": fp8_cvt()} if fp8 else {}),
             **({"TX_STAGED": 2} if fp8 and staged == 2 else {}),
             **({"TX_QK16": 1} if fp8 and bf16(dtype) and fp8_qk16() else {}),  # Q K^T in float16
@@ -673,14 +686,18 @@ def ragged_tma() -> bool:
     return os.environ.get(RAGGED_TMA_ENV, "1") != "0"
 
 
-def prefill_sections(item_cap: int, batch_cap: int, page_cap: int | None, masked: bool = False) -> Sections:
+def prefill_sections(item_cap: int, batch_cap: int, page_cap: int | None, masked: bool = False,
+                     dynamic: bool = False) -> Sections:  # fmt: skip
     """Where a prefill plan's int32 metadata lies in its staging slot: the work items (request,
     first token), the item count, four ints per request (`prefill_lists`), with a custom mask
-    each request's first element in the mask and, unless the kernel reads the caller's device
-    indices in place (``page_cap`` None), the page indices."""
+    each request's first element in the mask, with sched 3 (``dynamic``) the kernel's two turn
+    counters (sent as zeros; each launch leaves them zero) and, unless the kernel reads the
+    caller's device indices in place (``page_cap`` None), the page indices."""
     parts = [("items", 2 * item_cap), ("num_items", 1), ("reqs", 4 * batch_cap)]
     if masked:
         parts.append(("mask", batch_cap))
+    if dynamic:
+        parts.append(("turns", 2))
     if page_cap is not None:
         parts.append(("indices", page_cap))
     return sections(*parts)
@@ -886,13 +903,20 @@ class CudaNativePrefillPlan(StagedPlan):
                 raise UnsupportedProblemError(NAME, problem, [str(exc)]) from None
             assert batch.custom_mask is not None
             pieces.append(batch.custom_mask.offsets[:-1])
+        if params.dynamic:
+            pieces.append([0, 0])
         # (the ragged tensor-map kernel reads no page table: its identity indices are not sent)
-        layout, base, indices_ptr = self._send(problem, batch, previous, graph,
-                                               functools.partial(prefill_sections, item_cap, b_cap, masked=masked),
-                                               pieces, page_cap, indices=not self._kv_tma)  # fmt: skip
+        sections_of = functools.partial(prefill_sections, item_cap, b_cap, masked=masked, dynamic=params.dynamic)
+        layout, base, indices_ptr = self._send(problem, batch, previous, graph, sections_of, pieces, page_cap,
+                                               indices=not self._kv_tma)  # fmt: skip
         self._ptrs = (base + 4 * layout.offset("items"), base + 4 * layout.offset("num_items"),
                       base + 4 * layout.offset("reqs"), indices_ptr)  # fmt: skip
-        self._mask_args = (self._mask.data_ptr(), base + 4 * layout.offset("mask")) if self._mask is not None else ()
+        # the kernel's last arguments: a custom mask's, or sched 3's turn counters
+        self._tail_args: tuple[int, ...] = ()
+        if self._mask is not None:
+            self._tail_args = (self._mask.data_ptr(), base + 4 * layout.offset("mask"))
+        elif params.dynamic:
+            self._tail_args = (base + 4 * layout.offset("turns"),)
         self._launch = graph or bool(work.items)
         # persistent CTAs: as many as the GPU holds at once, each looping over the items
         persistent = prefill_persistent_ctas(info, kernel.ctas_per_sm) if params.persist else 0
@@ -948,7 +972,7 @@ class CudaNativePrefillPlan(StagedPlan):
         self._launch_fn(stream, self._cfg, self._kernel, *maps, q.data_ptr(), q.stride(0), q.stride(1), k_ptr, v_ptr,
                   *self._strides, out_ptr, lse_ptr, items, num_items, reqs, indices, *self._scalars,
                   *(UNIT_SCALES if k_scale is None and v_scale is None else scale_args(k_scale, v_scale)),
-                  0 if sinks is None else sinks.data_ptr(), *self._mask_args)  # fmt: skip
+                  0 if sinks is None else sinks.data_ptr(), *self._tail_args)  # fmt: skip
 
 
 def plan_prefill(problem: PrefillProblem, batch: PagedBatch, tactic: Tactic, options: PlanOptions,

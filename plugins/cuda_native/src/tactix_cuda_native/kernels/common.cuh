@@ -178,6 +178,13 @@ TX_DEVICE float tx_rcp(float x) {
   asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+// A work counter's fetch-and-add: relaxed (it hands out work, it publishes nothing), so it needs
+// no __threadfence before it as a ticket does.
+TX_DEVICE int tx_atomic_add_relaxed(int* p, int v) {
+  int old;
+  asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
 #endif  // TX_EMULATE
 
 TX_DEVICE float tx_neg_inf() { return __int_as_float(0xff800000); }

@@ -48,7 +48,7 @@
 //
 // Shared memory (dynamic, 1024-byte aligned): [Q: TX_QTILE rows] [stages x (K tile, V tile)]
 // [TX_KV_FP8: TX_STAGED staged fp8 (K, V) pairs] [row pointers: TX_KVTILE x (K, V)]
-// [mbarriers: 4 x stages] (prefill.prefill_smem_bytes).
+// [mbarriers: 4 x stages] [TX_DYN: 4 mbarriers, 2 turns, 8 bytes of padding] (prefill.prefill_smem_bytes).
 //
 // TX_KV_FP8 (1: e4m3fn, 2: e5m2): an fp8 KV cache under 16-bit q and out. wgmma reads 16-bit
 // operands from shared memory, so the producer converts: each producer thread copies its own
@@ -94,13 +94,16 @@
 // mbarrier phases and the tile count running on across them: each consumer warpgroup releases
 // the item's last V tile before its epilogue, so the producer gathers the next item's keys
 // meanwhile. Every consumer warpgroup keeps the protocol for every item.
+// TX_DYN=1 (tactic param sched 3, with persist): after the first round the persistent CTAs take
+// their turns from a counter in global memory (`turns`, two ints of the plan's metadata) rather
+// than in a fixed order (see the kernel).
 // TX_PINGPONG=1 (tactic param pingpong, two consumer warpgroups): FlashAttention-3's ping-pong.
 // Named barriers PP_BAR + wg are the warpgroups' turns at the tensor cores; in its turn a
 // warpgroup issues S of tile i and P V of tile i - 1, then passes the turn and computes the
 // softmax of S while the other's GEMMs run (see the loop).
 //
 // Compile-time parameters: TX_BF16, TX_D (64, 128, 192, 256), TX_DVO (64, 128, 256; default TX_D),
-// TX_QTILE (64, 128), TX_KVTILE (64, 128), TX_STAGES (2..4), TX_PERSIST, TX_PINGPONG, TX_SNAKE,
+// TX_QTILE (64, 128), TX_KVTILE (64, 128), TX_STAGES (2..4), TX_PERSIST, TX_PINGPONG, TX_SNAKE, TX_DYN,
 // TX_KV_FP8, TX_FP8_CVT (see fp8.cuh), TX_STAGED (1, 2), TX_QK16, TX_SMEM (optional: the size the host
 // computed, checked against the layout). One kernel serves every combination of the options: a second copy
 // once kept for the case of neither was measured on the H200 to be no faster (B/A 0.992-0.997 on
@@ -136,6 +139,9 @@
 #ifndef TX_KV_TMA
 #define TX_KV_TMA 0
 #endif
+#ifndef TX_DYN
+#define TX_DYN 0
+#endif
 
 constexpr int D = TX_D;      // q's and k's head dim
 #ifndef TX_DVO
@@ -147,6 +153,7 @@ constexpr int BK = TX_KVTILE;
 constexpr int STAGES = TX_STAGES;
 constexpr bool PERSIST = TX_PERSIST != 0;  // each CTA loops over work items (see the top)
 constexpr bool SNAKE = PERSIST && TX_SNAKE != 0;  // rounds of persistent CTAs back and forth (see the kernel)
+constexpr bool DYN = PERSIST && TX_DYN != 0;       // persistent CTAs take turns from a counter (see the top)
 constexpr int CWG = BQ / 64;            // consumer warpgroups
 constexpr bool PINGPONG = TX_PINGPONG != 0;  // the two consumer warpgroups take turns (see the top)
 constexpr int PRODUCER = 128 * CWG;     // first thread of the producer warpgroup (the last one)
@@ -174,6 +181,8 @@ constexpr int RING = Q_BYTES;                           // offsets in dynamic sh
 constexpr int STG = RING + STAGES * STAGE_BYTES;        // fp8: the staged (K, V) pairs
 constexpr int ROWP = STG + (FP8 ? NSTG * 2 * STG_TILE : 0);  // [BK][2] row pointers (K, V)
 constexpr int BARS = ROWP + BK * 16;                    // [4][STAGES] mbarriers
+constexpr int TURNS = BARS + 4 * STAGES * 8;            // TX_DYN: [2] "turn full", [2] "turn empty" mbarriers, [2] turns
+constexpr int SMEM_END = TURNS + (DYN ? 48 : 0);
 constexpr int FULL_K = 0, FULL_V = 1, EMPTY_K = 2, EMPTY_V = 3;
 constexpr int RW = BK / 4;                   // rows of a tile per producer warp
 constexpr int RPI = CH >= 32 ? 1 : 32 / CH;  // K rows per producer warp instruction (CH lanes a row)
@@ -193,7 +202,10 @@ constexpr int MIN_CTAS = TWO_CTAS ? 2 : 1;
 // TX_PERSIST with 128-key tiles at d128 (a producer warp gathers 32 rows of 256 bytes a tile): the
 // producer's loop over items needs 16 more (56); the two consumer warpgroups give 8 each (224).
 // (With one consumer warpgroup that leaves it too few: PrefillParams.reasons refuses q_tile 64 there.)
-constexpr int PRODUCER_REGS = (PERSIST && BK == 128 && D == 128) ? 56 : 40;
+// TX_DYN over the gather needs 56 too (the turn hand-over beside the gather's row pointers), and
+// 72 at d128 with 128-key tiles (the consumers keep 216).
+constexpr int PRODUCER_REGS = (TX_DYN && !KV_TMA && BK == 128 && D == 128) ? 72
+                              : ((PERSIST && BK == 128 && D == 128) || (TX_DYN && !KV_TMA)) ? 56 : 40;
 constexpr int CONSUMER_REGS = (CWG == 2 ? 232 : 216) - (PRODUCER_REGS - 40) / CWG;
 constexpr float LN2 = 0.6931471805599453f;
 constexpr float LOG2E = 1.4426950408889634f;
@@ -212,10 +224,11 @@ static_assert(TX_KV_FP8 >= 0 && TX_KV_FP8 <= 2, "TX_KV_FP8: 0 (16-bit cache), 1 
 static_assert(!FP8 || RW % RPI8 == 0, "fp8: whole rows per producer warp pass");
 static_assert(NSTG == 1 || NSTG == 2, "TX_STAGED: 1 or 2 staged fp8 pairs");
 static_assert(!KV_TMA || !FP8, "TX_KV_TMA: 16-bit K and V only (an fp8 cache is converted by the producer)");
+static_assert(!(TX_DYN) || (PERSIST && !SNAKE && !FP8), "TX_DYN: persistent CTAs over a 16-bit cache, without TX_SNAKE");
 static_assert(!REBALANCE || PRODUCER_REGS + CWG * CONSUMER_REGS <= (CWG + 1) * LAUNCH_REGS,
               "the register hand-over must balance");
 #ifdef TX_SMEM  // the dynamic shared memory the plan launches with (prefill.prefill_smem_bytes)
-static_assert(BARS + 4 * STAGES * 8 == TX_SMEM, "prefill.prefill_smem_bytes disagrees with this kernel's layout");
+static_assert(SMEM_END == TX_SMEM, "prefill.prefill_smem_bytes disagrees with this kernel's layout");
 #endif
 
 #include "sm90.cuh"
@@ -297,6 +310,22 @@ TX_DEVICE int key_lo(const Item& it, int tl, int win) { return win >= 0 ? it.del
 TX_DEVICE int key_hi(const Item& it, int tl, bool is_causal) {
   return is_causal ? it.delta + it.t0 + tl : it.kv_len - 1;
 }
+// Logits of keys outside their row's [lo, hi] to -inf: register j of a thread holds key
+// `key0` + 8 (j / 4) + j % 2 (key0 = the tile's first key + 2 x the thread's place in its quad)
+// of row r0 (j & 2 clear) or r1. The bounds are moved to offsets from key0, so each test is one
+// compare with a constant; LO false: every key of the tile is at or past both rows' lower bounds
+// (a causal tile on the diagonal), so only the upper bounds are tested.
+template <bool LO>
+TX_DEVICE void mask_tile(float (&sc)[BK / 2], int key0, int lo0, int hi0, int lo1, int hi1) {
+  const int l0 = lo0 - key0, h0 = hi0 - key0, l1 = lo1 - key0, h1 = hi1 - key0;
+#pragma unroll
+  for (int j = 0; j < BK / 2; ++j) {
+    const int c = 8 * (j >> 2) + (j & 1);
+    const bool ok = (j & 2) ? (!LO || c >= l1) && c <= h1 : (!LO || c >= l0) && c <= h0;
+    sc[j] = ok ? sc[j] : tx_neg_inf();
+  }
+}
+
 // the virtual CTA of turn u (= round r x G + CTA b): r G + b in even rounds, r G + G - 1 - b in odd ones
 TX_DEVICE int snake_turn(int u, int G) {
   const int r = u / G;
@@ -340,7 +369,11 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     const int* __restrict__ kv_indices, i64 num_qo_heads, i64 gqa, i64 pack, i64 head_groups, i64 head_section,
     i64 page_shift,
     i64 causal, i64 window_left, double scale_log2_d, double cap_d, double k_scale_d, double v_scale_d,
-    const float* __restrict__ k_scale_p, const float* __restrict__ v_scale_p, const float* __restrict__ sinks) {
+    const float* __restrict__ k_scale_p, const float* __restrict__ v_scale_p, const float* __restrict__ sinks
+#if TX_DYN
+    , int* __restrict__ turns  // [next turn past the first round, CTAs done]: zero at launch, zeroed again at the end
+#endif
+) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const int hgs = (int)head_groups;
   // Virtual CTAs vc = (item, head group) in tx_item_head's order (heads fastest with TX_PERSIST).
@@ -350,7 +383,17 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   // round takes one of the shortest of the next (round robin over a sorted list gives CTA 0 the
   // longest of every round). The K/V ring, its mbarrier phases and the tile count run on across
   // a CTA's items.
+  // With TX_DYN (sched 3: items longest first over the batch) the first round is the same, and
+  // every later turn is handed out by `turns`: the producer's first thread, done issuing a turn's
+  // tiles, takes the next (vc = G + a fetch-and-add) and publishes it to the CTA in a ring of two
+  // shared-memory slots, each with a "full" mbarrier (its one arrival) and an "empty" one (every
+  // other warp's, once read); so a CTA that drew short items takes more of them, as a GPU hands
+  // out the CTAs of a non-persistent grid, with no CTA launched anew. The CTA that draws a turn
+  // past the work list is done; the last CTA done zeroes the counters for the next launch.
   const int hsec = (int)head_section;  // head groups per section (common.cuh, tx_item_head)
+#if !TX_DYN
+  int* const turns = nullptr;
+#endif
   const int n_items = __ldg(num_items);
   const int total = n_items * hgs;
   const int vc0 = (int)blockIdx.x;
@@ -382,9 +425,26 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
       tx_mbar_init(bars + 8 * (EMPTY_K * STAGES + s), 4 * nwg);
       tx_mbar_init(bars + 8 * (EMPTY_V * STAGES + s), 4 * nwg);
     }
+    if (DYN) {
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        tx_mbar_init(base + TURNS + 8 * s, 1);                 // full: the publishing thread
+        tx_mbar_init(base + TURNS + 16 + 8 * s, 4 * CWG + 3);  // empty: every warp but the publisher's
+      }
+    }
     tx_mbar_init_fence();
   }
   __syncthreads();
+  // TX_DYN: turn t >= 1 as published in slot (t - 1) % 2, read by a whole warp (which then frees the slot)
+  volatile int* const turn_slot = reinterpret_cast<volatile int*>(smem + TURNS + 32);
+  auto read_turn = [&](int t) -> int {
+    const int p = t - 1, slot = p & 1;
+    tx_mbar_wait(base + TURNS + 8 * slot, (u32)(p >> 1) & 1);
+    const int vc = turn_slot[slot];
+    __syncwarp();
+    if ((tid & 31) == 0) tx_mbar_arrive(base + TURNS + 16 + 8 * slot);
+    return vc;
+  };
 
   if (tid >= PRODUCER) {
     // ---- producer warpgroup: page lookups, row pointers, cp.async gathers --------------------
@@ -397,7 +457,21 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     const int h = lane / CH, ch = lane % CH, hv = lane / CHV, chv = lane % CHV;
     const bool k_lane = lane < RPI * CH;  // (d192: lanes 24..31 copy no K chunk)
     int g = 0;  // tiles issued so far (over every item of this CTA): the ring position
-    for (int u = vc0; u < uend; u += vstep) {
+    // TX_DYN: the next turn t, taken and published by the producer's first thread, once every
+    // warp has read the turn that slot held before; its warp gets it by a shuffle
+    auto next_turn = [&](int t) -> int {
+      if (pw != 0) return read_turn(t);
+      int vc = 0;
+      if (lane == 0) {
+        const int p = t - 1, slot = p & 1;
+        tx_mbar_wait(base + TURNS + 16 + 8 * slot, ((u32)(p >> 1) & 1) ^ 1);
+        vc = (int)gridDim.x + tx_atomic_add_relaxed(turns, 1);
+        turn_slot[slot] = vc;
+        tx_mbar_arrive(base + TURNS + 8 * slot);  // (release: the slot's value is seen by the readers' wait)
+      }
+      return __shfl_sync(0xffffffffu, vc, 0);
+    };
+    for (int u = vc0, t = 1; u < (DYN ? total : uend); u = DYN ? next_turn(t++) : u + vstep) {
       const int vc = SNAKE ? snake_turn(u, vstep) : u;
       if (SNAKE && vc >= total) continue;
       const Item it = PERSIST ? load_item(vc, hgs, hsec, n_items, items, reqs, P, win, is_causal) : it0;
@@ -559,6 +633,13 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     }
     tx_cp_async_commit();
     tx_cp_async_wait<0>();  // nothing of this thread in flight when it exits
+    if (DYN && tid == PRODUCER) {  // this CTA draws no more turns; the last one done zeroes the counters
+      __threadfence();
+      if (atomicAdd(turns + 1, 1) == (int)gridDim.x - 1) {
+        atomicExch(turns, 0);
+        atomicExch(turns + 1, 0);
+      }
+    }
     return;
   }
 
@@ -585,7 +666,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   if (pp && wg == 1) tx_bar_arrive(PP_BAR + 0, 256);
 
   int g = 0;  // tiles consumed so far (over every item of this CTA): the ring position
-  for (int u = vc0; u < uend; u += vstep) {
+  for (int u = vc0, t = 1; u < (DYN ? total : uend); u = DYN ? read_turn(t++) : u + vstep) {
     const int vc = SNAKE ? snake_turn(u, vstep) : u;
     if (SNAKE && vc >= total) continue;
     const Item it = PERSIST ? load_item(vc, hgs, hsec, n_items, items, reqs, P, win, is_causal) : it0;
@@ -617,7 +698,11 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 
     // this thread's rows (16 warp + grp and + 8 of the warpgroup) and the warpgroup's bounds; rows
     // past the valid tokens take the last valid token's bounds (computed, never written)
-    const u64 dq = desc_k_major(qw);  // this warpgroup's Q rows (the k16 steps: desc_at)
+    // this warpgroup's Q rows (the k16 steps: desc_at). qw is the same in every lane, but ptxas
+    // only knows that of a broadcast: then it keeps the descriptor in uniform registers, where
+    // each S wgmma needs 4 instructions beside it instead of 7 (the whole wgmma from tid >> 7
+    // made an fp8 persistent variant spill)
+    const u64 dq = desc_k_major(__shfl_sync(0xffffffffu, qw, 0));
     const int r0 = wrow0 + 16 * warp + grp, r1 = r0 + 8;
     const int lo0 = key_lo(it, min(r0 / P, nt - 1), win), hi0 = key_hi(it, min(r0 / P, nt - 1), is_causal);
     const int lo1 = key_lo(it, min(r1 / P, nt - 1), win), hi1 = key_hi(it, min(r1 / P, nt - 1), is_causal);
@@ -684,18 +769,14 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 
         float al0, al1;
         {
-          const bool need_mask = !active || kv0 < lo_max_w || kv_last > hi_min_w;
           if (cap > 0.f) {
 #pragma unroll
             for (int j = 0; j < BK / 2; ++j) sc[j] = cap_log2 * tx_tanh(sc[j] * soc_q);
           }
-          if (need_mask) {
-#pragma unroll
-            for (int j = 0; j < BK / 2; ++j) {
-              const int key = kv0 + 8 * (j >> 2) + 2 * tig + (j & 1);
-              const bool ok = (j & 2) ? key >= lo1 && key <= hi1 : key >= lo0 && key <= hi0;
-              sc[j] = ok ? sc[j] : tx_neg_inf();
-            }
+          if (!active || kv0 < lo_max_w) {
+            mask_tile<true>(sc, kv0 + 2 * tig, lo0, hi0, lo1, hi1);
+          } else if (kv_last > hi_min_w) {
+            mask_tile<false>(sc, kv0 + 2 * tig, lo0, hi0, lo1, hi1);
           }
           float mx0 = tx_neg_inf(), mx1 = tx_neg_inf();
 #pragma unroll
@@ -799,18 +880,14 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
       }
 
       if (active) {
-        const bool need_mask = kv0 < lo_max_w || kv_last > hi_min_w;
         if (cap > 0.f) {
 #pragma unroll
           for (int j = 0; j < BK / 2; ++j) sc[j] = cap_log2 * tx_tanh(sc[j] * soc_q);
         }
-        if (need_mask) {
-#pragma unroll
-          for (int j = 0; j < BK / 2; ++j) {
-            const int key = kv0 + 8 * (j >> 2) + 2 * tig + (j & 1);
-            const bool ok = (j & 2) ? key >= lo1 && key <= hi1 : key >= lo0 && key <= hi0;
-            sc[j] = ok ? sc[j] : tx_neg_inf();
-          }
+        if (kv0 < lo_max_w) {
+          mask_tile<true>(sc, kv0 + 2 * tig, lo0, hi0, lo1, hi1);
+        } else if (kv_last > hi_min_w) {
+          mask_tile<false>(sc, kv0 + 2 * tig, lo0, hi0, lo1, hi1);
         }
         // online softmax: registers j with (j & 2) == 0 belong to row r0, the others to r1
         float mx0 = tx_neg_inf(), mx1 = tx_neg_inf();
