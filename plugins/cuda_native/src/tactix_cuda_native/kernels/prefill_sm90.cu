@@ -43,7 +43,7 @@
 //     (imm-trans-b = 1; LBO = the distance between 64-column blocks of d, SBO = 1024 bytes
 //     between 8-key groups). It is left running: the next tile's S is issued before waiting.
 // Epilogue: O / l written through the warpgroup's own Q rows (same swizzle, no bank conflicts)
-// and stored with 16-byte writes; LSE = (m + log2 l) ln 2. Deterministic: every output element
+// and stored with 16-byte writes (TX_PERSIST: from registers, see below); LSE = (m + log2 l) ln 2. Deterministic: every output element
 // is computed by one CTA in a fixed order.
 //
 // Shared memory (dynamic, 1024-byte aligned): [Q: TX_QTILE rows] [stages x (K tile, V tile)]
@@ -93,7 +93,9 @@
 // CTA b walks virtual CTAs (item x head group) b, b + gridDim.x, ... with the K/V ring, its
 // mbarrier phases and the tile count running on across them: each consumer warpgroup releases
 // the item's last V tile before its epilogue, so the producer gathers the next item's keys
-// meanwhile. Every consumer warpgroup keeps the protocol for every item.
+// meanwhile, and copies the next item's Q rows into its own before the epilogue, which writes O
+// from registers (without TX_PERSIST it goes through the Q rows). Every consumer warpgroup keeps
+// the protocol for every item.
 // TX_DYN=1 (tactic param sched 3, with persist): after the first round the persistent CTAs take
 // their turns from a counter in global memory (`turns`, two ints of the plan's metadata) rather
 // than in a fixed order (see the kernel).
@@ -665,23 +667,38 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   const bool pp = PINGPONG && nwg == 2;
   if (pp && wg == 1) tx_bar_arrive(PP_BAR + 0, 256);
 
-  int g = 0;  // tiles consumed so far (over every item of this CTA): the ring position
-  for (int u = vc0, t = 1; u < (DYN ? total : uend); u = DYN ? read_turn(t++) : u + vstep) {
-    const int vc = SNAKE ? snake_turn(u, vstep) : u;
-    if (SNAKE && vc >= total) continue;
-    const Item it = PERSIST ? load_item(vc, hgs, hsec, n_items, items, reqs, P, win, is_causal) : it0;
-    const int nt = it.nt, kv_lo = it.kv_lo, ntiles = it.ntiles;
-    const bool wg_rows = !PERSIST || wrow0 < nt * P;  // a valid row in this warpgroup
-
-    // Q rows (rows past the valid tokens are zero)
+  // this warpgroup's Q rows of an item, copied into its shared memory (rows past the valid tokens
+  // are zero): one cp.async group
+  auto load_q = [&](const Item& it) {
     for (int c = wtid; c < 64 * CH; c += 128) {
       const int lr = c / CH, cc = c % CH;
       const int row = wrow0 + lr, tl = row / P;
-      const bool ok = tl < nt;
+      const bool ok = tl < it.nt;
       const u16* src = q + (i64)(it.q_start + it.t0 + tl) * q_st + (i64)(it.head0 + row % P) * q_sh + cc * 8;
       tx_cp_async16(qw + sw128(lr, cc, 64), ok ? (const void*)src : (const void*)q, ok ? 16 : 0);
     }
     tx_cp_async_commit();
+  };
+  // (persistent) the turns: u = vc0, then the next in this CTA's order whose virtual CTA is on the
+  // work list (TX_SNAKE's last round may hold some past it), or with TX_DYN the published ones
+  const int uend_all = DYN ? total : uend;
+  auto vc_of = [&](int u) { return SNAKE ? snake_turn(u, vstep) : u; };
+  auto skip_past_list = [&](int u) {
+    while (SNAKE && u < uend && snake_turn(u, vstep) >= total) u += vstep;
+    return u;
+  };
+  int u = skip_past_list(vc0), t = 1;
+  // persistent CTAs copy an item's Q rows before the loop for the first and, for every later one,
+  // during the epilogue of the one before (its Q rows are read by then: O goes out from registers)
+  if (PERSIST && u < uend_all) load_q(load_item(vc_of(u), hgs, hsec, n_items, items, reqs, P, win, is_causal));
+  int g = 0;  // tiles consumed so far (over every item of this CTA): the ring position
+  while (u < uend_all) {
+    const int vc = vc_of(u);
+    const Item it = PERSIST ? load_item(vc, hgs, hsec, n_items, items, reqs, P, win, is_causal) : it0;
+    const int nt = it.nt, kv_lo = it.kv_lo, ntiles = it.ntiles;
+    const bool wg_rows = !PERSIST || wrow0 < nt * P;  // a valid row in this warpgroup
+
+    if (!PERSIST) load_q(it);
     tx_cp_async_wait<0>();
     tx_fence_proxy_async();
     tx_bar_sync(1 + wg, 128);
@@ -953,6 +970,15 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     // the slot with the next item's keys during this epilogue
     if (PERSIST && ntiles > 0 && lane == 0) tx_mbar_arrive(bars + 8 * (EMPTY_V * STAGES + (g + ntiles - 1) % STAGES));
     g += ntiles;
+    // (persistent) the next turn, and its Q rows copied once every warp of the warpgroup is done
+    // with this item's (its wgmma reads of them are complete)
+    int u_next = uend_all;
+    if constexpr (PERSIST) {
+      u_next = DYN ? read_turn(t++) : skip_past_list(u + vstep);
+      tx_bar_sync(1 + wg, 128);
+      tx_fence_proxy_async();
+      if (u_next < uend_all) load_q(load_item(vc_of(u_next), hgs, hsec, n_items, items, reqs, P, win, is_causal));
+    }
     // (a warpgroup without valid rows in this item goes through the epilogue writing nothing: a
     // branch around it makes ptxas serialize the wgmma of TX_PINGPONG)
     // (persistent) the item's rows, loaded again rather than kept in registers through the tiles
@@ -975,23 +1001,37 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     }
     // a row that attends no key (causal, before its request's first key) has l 0: zeros, LSE -inf
     const float inv0 = l0 > 0.f ? v_scale * f0 / l0 : 0.f, inv1 = l1 > 0.f ? v_scale * f1 / l1 : 0.f;
-    tx_bar_sync(1 + wg, 128);  // every warp's wgmma reads of Q are complete before Q is overwritten
-    tx_fence_proxy_async();
-    const int lr0 = 16 * warp + grp;
+    if constexpr (PERSIST) {  // straight from registers: a quad writes 16 bytes of a row per store
 #pragma unroll
-    for (int j = 0; j < DV / 8; ++j) {
-      *reinterpret_cast<u32*>(smem + qoff + sw128(lr0, j, 64) + tig * 4) =
-          tx_pack2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
-      *reinterpret_cast<u32*>(smem + qoff + sw128(lr0 + 8, j, 64) + tig * 4) =
-          tx_pack2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
-    }
-    tx_bar_sync(1 + wg, 128);
-    for (int c = wtid; c < 64 * CHV; c += 128) {
-      const int lr = c / CHV, cc = c % CHV;
-      const int row = wrow0 + lr, tl = row / P;
-      if (tl < nt) {
-        const tx_u4 val = *reinterpret_cast<const tx_u4*>(smem + qoff + sw128(lr, cc, 64));
-        *reinterpret_cast<tx_u4*>(out + ((i64)(q_start + t0 + tl) * H + head0 + row % P) * DV + cc * 8) = val;
+      for (int h = 0; h < 2; ++h) {
+        const int row = h ? r1 : r0, tl = row / P;
+        if (tl < nt) {
+          u16* dst = out + ((i64)(q_start + t0 + tl) * H + head0 + row % P) * DV + 2 * tig;
+          const float inv = h ? inv1 : inv0;
+#pragma unroll
+          for (int j = 0; j < DV / 8; ++j)
+            *reinterpret_cast<u32*>(dst + 8 * j) = tx_pack2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+        }
+      }
+    } else {  // staged through the warpgroup's Q rows, then 16-byte stores
+      tx_bar_sync(1 + wg, 128);  // every warp's wgmma reads of Q are complete before Q is overwritten
+      tx_fence_proxy_async();
+      const int lr0 = 16 * warp + grp;
+#pragma unroll
+      for (int j = 0; j < DV / 8; ++j) {
+        *reinterpret_cast<u32*>(smem + qoff + sw128(lr0, j, 64) + tig * 4) =
+            tx_pack2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+        *reinterpret_cast<u32*>(smem + qoff + sw128(lr0 + 8, j, 64) + tig * 4) =
+            tx_pack2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+      }
+      tx_bar_sync(1 + wg, 128);
+      for (int c = wtid; c < 64 * CHV; c += 128) {
+        const int lr = c / CHV, cc = c % CHV;
+        const int row = wrow0 + lr, tl = row / P;
+        if (tl < nt) {
+          const tx_u4 val = *reinterpret_cast<const tx_u4*>(smem + qoff + sw128(lr, cc, 64));
+          *reinterpret_cast<tx_u4*>(out + ((i64)(q_start + t0 + tl) * H + head0 + row % P) * DV + cc * 8) = val;
+        }
       }
     }
     if (lse != nullptr && tig == 0) {
@@ -999,6 +1039,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
       if (r1 / P < nt) lse[(i64)(q_start + t0 + r1 / P) * H + head0 + r1 % P] = (m1 + tx_log2(l1)) * LN2;
     }
     if (!PERSIST) break;
-    tx_bar_sync(1 + wg, 128);  // every thread has read its O out of the Q rows: the next item's Q may land
+    u = u_next;
   }
 }
