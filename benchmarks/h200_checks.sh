@@ -25,7 +25,9 @@
 #   ragged-tma-probe     benchmarks/ragged_tma_probe.py: R1-R3 on cuda_native, K/V through tensor maps against the
 #                        one-token-page gather, a few tactics, alternating twice (about 60 s on a fresh H100)
 #   sections-probe       the same probe alternating TACTIX_CUDA_NATIVE_HEAD_SECTIONS (1: head sections, 0: heads fastest)
-#                        on the default tactic: R2 is the case it changes (session 38: written, not yet run)
+#                        on the default tactic (SECTIONS_TACTICS: other probe tactics too, e.g. "default,128 s2 pp
+#                        persist sched2,128 s2 pp persist sched3" also times sched 3's turns from a counter):
+#                        R2 is the case sections change (sessions 38-39: written, not yet run)
 #   ragged-host          benchmarks/ragged_host.py: ragged run() host time, same and new K/V each call (R1, R3)
 #   bench-attention      tactix bench on the attention cases (bf16, fp8, V1), FlashInfer anchors
 #   bench-open-models    tactix bench on R1-R3 (ragged, DeepSeek 192/128) and O1 (gpt-oss sinks), anchors

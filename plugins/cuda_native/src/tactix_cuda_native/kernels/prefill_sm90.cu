@@ -43,8 +43,8 @@
 //     (imm-trans-b = 1; LBO = the distance between 64-column blocks of d, SBO = 1024 bytes
 //     between 8-key groups). It is left running: the next tile's S is issued before waiting.
 // Epilogue: O / l written through the warpgroup's own Q rows (same swizzle, no bank conflicts)
-// and stored with 16-byte writes (TX_PERSIST: from registers, see below); LSE = (m + log2 l) ln 2. Deterministic: every output element
-// is computed by one CTA in a fixed order.
+// and stored with 16-byte writes (TX_PERSIST: from registers, see below); LSE = (m + log2 l) ln 2.
+// Deterministic: every output element is computed by one CTA in a fixed order.
 //
 // Shared memory (dynamic, 1024-byte aligned): [Q: TX_QTILE rows] [stages x (K tile, V tile)]
 // [TX_KV_FP8: TX_STAGED staged fp8 (K, V) pairs] [row pointers: TX_KVTILE x (K, V)]
@@ -183,7 +183,7 @@ constexpr int RING = Q_BYTES;                           // offsets in dynamic sh
 constexpr int STG = RING + STAGES * STAGE_BYTES;        // fp8: the staged (K, V) pairs
 constexpr int ROWP = STG + (FP8 ? NSTG * 2 * STG_TILE : 0);  // [BK][2] row pointers (K, V)
 constexpr int BARS = ROWP + BK * 16;                    // [4][STAGES] mbarriers
-constexpr int TURNS = BARS + 4 * STAGES * 8;            // TX_DYN: [2] "turn full", [2] "turn empty" mbarriers, [2] turns
+constexpr int TURNS = BARS + 4 * STAGES * 8;            // TX_DYN: [2] "full", [2] "empty" mbarriers, [2] turns
 constexpr int SMEM_END = TURNS + (DYN ? 48 : 0);
 constexpr int FULL_K = 0, FULL_V = 1, EMPTY_K = 2, EMPTY_V = 3;
 constexpr int RW = BK / 4;                   // rows of a tile per producer warp
@@ -226,7 +226,8 @@ static_assert(TX_KV_FP8 >= 0 && TX_KV_FP8 <= 2, "TX_KV_FP8: 0 (16-bit cache), 1 
 static_assert(!FP8 || RW % RPI8 == 0, "fp8: whole rows per producer warp pass");
 static_assert(NSTG == 1 || NSTG == 2, "TX_STAGED: 1 or 2 staged fp8 pairs");
 static_assert(!KV_TMA || !FP8, "TX_KV_TMA: 16-bit K and V only (an fp8 cache is converted by the producer)");
-static_assert(!(TX_DYN) || (PERSIST && !SNAKE && !FP8), "TX_DYN: persistent CTAs over a 16-bit cache, without TX_SNAKE");
+static_assert(!(TX_DYN) || (PERSIST && !SNAKE && !FP8),
+              "TX_DYN: persistent CTAs over a 16-bit cache, without TX_SNAKE");
 static_assert(!REBALANCE || PRODUCER_REGS + CWG * CONSUMER_REGS <= (CWG + 1) * LAUNCH_REGS,
               "the register hand-over must balance");
 #ifdef TX_SMEM  // the dynamic shared memory the plan launches with (prefill.prefill_smem_bytes)
@@ -717,8 +718,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     // past the valid tokens take the last valid token's bounds (computed, never written)
     // this warpgroup's Q rows (the k16 steps: desc_at). qw is the same in every lane, but ptxas
     // only knows that of a broadcast: then it keeps the descriptor in uniform registers, where
-    // each S wgmma needs 4 instructions beside it instead of 7 (the whole wgmma from tid >> 7
-    // made an fp8 persistent variant spill)
+    // each S wgmma needs 4 instructions beside it instead of 7 (broadcasting the warpgroup index
+    // itself made an fp8 persistent variant spill)
     const u64 dq = desc_k_major(__shfl_sync(0xffffffffu, qw, 0));
     const int r0 = wrow0 + 16 * warp + grp, r1 = r0 + 8;
     const int lo0 = key_lo(it, min(r0 / P, nt - 1), win), hi0 = key_hi(it, min(r0 / P, nt - 1), is_causal);
