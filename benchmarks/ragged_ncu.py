@@ -6,7 +6,9 @@ caches), then runs each once between ``cudaProfilerStart`` and ``cudaProfilerSto
     ncu --profile-from-start off --clock-control none --section SpeedOfLight ... \\
         python benchmarks/ragged_ncu.py --case R2
 
-profiles exactly those launches (cuda_native's default tactic, its ping-pong tactic, then fa3).
+profiles exactly those launches (cuda_native's default tactic, the tactics ``--tactics`` names,
+then fa3). ``--tactics``: comma-separated names of `TACTICS` (default ``pingpong``; ``persist2`` and
+``persist3`` are the persistent ping-pong kernel with sched 2 and sched 3).
 """
 
 from __future__ import annotations
@@ -22,18 +24,28 @@ from tactix.bench import _attention_inputs, suite
 
 CUDA = torch.device("cuda")
 PARAMS = {"q_tile": 128, "kv_tile": 128, "warps": 8, "stages": 2, "mma": "wgmma", "pingpong": 1}
-PINGPONG = {"backend": "cuda_native", "kernel": "prefill", "params": PARAMS}
+TACTICS = {
+    name: {"backend": "cuda_native", "kernel": "prefill", "params": {**PARAMS, **extra}}
+    for name, extra in (
+        ("pingpong", {}),
+        ("persist2", {"persist": 1, "sched": 2}),
+        ("persist3", {"persist": 1, "sched": 3}),
+    )
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", default="R2")
+    parser.add_argument("--no-flashinfer", action="store_true", help="leave out fa3 (its JIT build takes minutes)")
+    parser.add_argument("--tactics", default="pingpong", help=f"comma-separated, of {', '.join(TACTICS)}")
     args = parser.parse_args()
     case = {c.id: c for c in suite("gpu")}[args.case]
     x = _attention_inputs(case, CUDA, torch.bfloat16)
     hq, hkv = case.heads
     calls: list[tuple[str, Any]] = []
-    for name, tactic in (("cuda_native default", None), ("cuda_native pingpong", PINGPONG)):
+    named = [(f"cuda_native {n}", TACTICS[n]) for n in args.tactics.split(",") if n]
+    for name, tactic in [("cuda_native default", None), *named]:
         w = tactix.RaggedPrefill(backend="cuda_native", device=CUDA)
         chosen = None if tactic is None else tactix.Tactic.model_validate(tactic)
         w.plan(x.qo_indptr, x.kv_indptr, hq, hkv, case.head_dim, case.dim_vo, causal=True, q_data_type=x.q.dtype,
@@ -41,6 +53,8 @@ def main() -> None:
         print(name, w.plan_object.tactic, flush=True)
         calls.append((name, lambda w=w: w.run(x.q, x.k, x.v, out=x.out)))
     try:
+        if args.no_flashinfer:
+            raise RuntimeError("left out (--no-flashinfer)")
         import flashinfer  # type: ignore[import-not-found]
 
         workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=CUDA)
