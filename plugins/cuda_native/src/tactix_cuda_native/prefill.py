@@ -727,9 +727,11 @@ def prefill_scalars(problem: PrefillProblem, pack: int, section: int = 0) -> tup
 HEAD_SECTIONS_ENV: Final = "TACTIX_CUDA_NATIVE_HEAD_SECTIONS"
 """Set to 1: `prefill_head_section` puts the prefill grid's head groups in sections where one
 request's keys and values outgrow L2; otherwise one section, heads fastest over every head group,
-as before (read at each plan). Opt-in until timed on a GPU: session 38 had no device time left to
-run its A/B (``benchmarks/ragged_tma_probe.py --toggle TACTIX_CUDA_NATIVE_HEAD_SECTIONS --tactics
-default``); the emulator and the CPU tests hold the sections to the same output bit for bit."""
+as before (read at each plan). Opt-in, because timing did not favour it: on one H100 (session 40,
+``benchmarks/ragged_tma_probe.py --toggle TACTIX_CUDA_NATIVE_HEAD_SECTIONS``,
+results/h100-sections-probe-session40.json) the default tactic took 619 and 625 us on R2 with
+sections against 582 and 608 us without, and R3 moved within its noise (496 / 532 against
+529 / 528 us). The emulator and the CPU tests hold the sections to the same output bit for bit."""
 
 L2_SHARE: Final = 0.5
 """The share of L2 the keys and values of one head section may take (`prefill_head_section`): the
@@ -745,7 +747,7 @@ def prefill_head_section(head_groups: int, groups_per_kv_head: int, max_kv_len: 
     stay in L2 while every query tile of those heads passes over them: on one H100 the ragged
     1 x 8192 DeepSeek case (R2, 16 heads, 84 MB of keys and values) hit L2 on 76.6 % of its reads
     heads fastest, FlashInfer's fa3 91.8 % (ncu, benchmarks/results/h100-ncu-R2-session38.txt).
-    Only with `HEAD_SECTIONS_ENV` set to 1 (not yet timed); otherwise one section."""
+    Only with `HEAD_SECTIONS_ENV` set to 1 (slower on R2 when timed); otherwise one section."""
     if os.environ.get(HEAD_SECTIONS_ENV) != "1":
         return head_groups
     kv_heads = max(1, head_groups // max(1, groups_per_kv_head))
