@@ -28,6 +28,10 @@
 #                        on the default tactic (SECTIONS_TACTICS: other probe tactics too, e.g. "default,128 s2 pp
 #                        persist sched2,128 s2 pp persist sched3" also times sched 3's turns from a counter):
 #                        R2 is the case sections change (sessions 38-39: written, not yet run)
+#   ncu-ragged           Nsight Compute over benchmarks/ragged_ncu.py (NCU_CASE, default R1; NCU_TACTICS, default
+#                        persist2,persist3, beside the default tactic; NCU_FA3=1 adds fa3, whose JIT build takes
+#                        minutes on a fresh machine): one launch each, speed of light, launch, occupancy,
+#                        scheduler, warp state and instruction sections; run it alone (ncu serializes kernels)
 #   ragged-host          benchmarks/ragged_host.py: ragged run() host time, same and new K/V each call (R1, R3)
 #   bench-attention      tactix bench on the attention cases (bf16, fp8, V1), FlashInfer anchors
 #   bench-open-models    tactix bench on R1-R3 (ragged, DeepSeek 192/128) and O1 (gpt-oss sinks), anchors
@@ -119,6 +123,10 @@ job() {
     ragged-tma-probe) t python benchmarks/ragged_tma_probe.py --json "$OUT/ragged-tma-probe.json" ;;
     sections-probe) t python benchmarks/ragged_tma_probe.py --toggle TACTIX_CUDA_NATIVE_HEAD_SECTIONS --tactics "${SECTIONS_TACTICS:-default}" \
       --json "$OUT/sections-probe.json" ;;
+    ncu-ragged) t ncu --profile-from-start off --clock-control none --section SpeedOfLight --section LaunchStats \
+      --section Occupancy --section SchedulerStats --section WarpStateStats --section InstructionStats \
+      python benchmarks/ragged_ncu.py --case "${NCU_CASE:-R1}" --tactics "${NCU_TACTICS:-persist2,persist3}" \
+      $([ "${NCU_FA3:-0}" = 1 ] || echo --no-flashinfer) > "$OUT/ncu-${NCU_CASE:-R1}.txt" 2>&1 ;;
     ragged-host) t python benchmarks/ragged_host.py --json "$OUT/ragged-host.json" ;;
     bench-attention) t python -m tactix bench --cases "$ATTENTION" --json "$OUT/bench-attention-h200.json" \
       --markdown "$OUT/bench-attention-h200.md" ;;
