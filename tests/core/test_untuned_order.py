@@ -15,6 +15,7 @@ import torch
 
 import tactix
 from tactix import untuned_order
+from tactix.autotune.store import TacticStore
 from tactix.bench import case_problem, select_cases, suite
 from tactix.cli import main
 from tactix.problems import bucket_size
@@ -77,6 +78,26 @@ def test_auto_plans_the_backend_the_table_orders_first(
         assert (w.backend, w.selection_source) == ("torch", "store")
     finally:
         set_tactic_source(previous)
+
+
+def test_tuning_auto_measures_winners_against_the_untuned_choice_the_table_gives(
+    second_backend: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A tuned winner must beat what untuned auto would plan, which the table decides, not the
+    preferences (on the H100 of session 40, R3's tuned tactic beat cudnn's default, the preferred
+    backend, but was 4 % slower than cuda_native's, which the table orders first)."""
+
+    def tuned_baseline(store: Path) -> tactix.Tactic:
+        with tactix.autotune(mode="tune", cache_dir=store, policy=tactix.MeasurementPolicy(warmup=1, repeat=3)):
+            _plan_decode()
+        [env_dir] = TacticStore.environments(store)
+        [entry] = TacticStore.open(env_dir).attach().entries()
+        assert entry.baseline in {c.tactic for c in entry.candidates if c.status == "ok"}  # measured
+        return entry.baseline
+
+    assert tuned_baseline(tmp_path / "by-preference") == tactix.Tactic.default("torch")
+    _use_table(monkeypatch, tmp_path / "order.json", [_entry(["twin", "torch"])])
+    assert tuned_baseline(tmp_path / "by-table") == tactix.Tactic.default("twin")
 
 
 def test_the_table_applies_only_to_its_architecture_and_class(

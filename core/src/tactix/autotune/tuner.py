@@ -23,6 +23,7 @@ from typing import Any, Final
 
 import torch
 
+from tactix import untuned_order
 from tactix.autotune.policy import MeasurementPolicy
 from tactix.autotune.stats import bump
 from tactix.autotune.store import CandidateResult, StoreEntry
@@ -105,7 +106,10 @@ def tune(
     known = definition(problem.op).extras
     extras = {name: known[name].sample(problem, device, gen)  # type: ignore[misc]
               for name in getattr(problem, "run_extras", ()) if known[name].sample is not None}  # fmt: skip
-    competitors = registry.active(problem.op) if backend == "auto" else [registry.get(backend)]
+    # auto's competitors in the order untuned auto tries them (`untuned_order`: the measured table,
+    # else the preferences), so the first default that works is the untuned choice a winner must beat
+    competitors = (untuned_order.ordered(registry.active(problem.op), problem, device) if backend == "auto"
+                   else [registry.get(backend)])  # fmt: skip
     candidates: list[tuple[Backend, Tactic]] = []
     refused: list[str] = []
     for b in competitors:
