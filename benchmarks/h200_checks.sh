@@ -32,6 +32,12 @@
 #                        persist2,persist3, beside the default tactic; NCU_FA3=1 adds fa3, whose JIT build takes
 #                        minutes on a fresh machine): one launch each, speed of light, launch, occupancy,
 #                        scheduler, warp state and instruction sections; run it alone (ncu serializes kernels)
+#   ncu-source           Nsight Compute's per-SASS-instruction counts (SourceCounters) of cuda_native's default ragged
+#                        tactic (NCU_TACTICS: more) on NCU_CASE (default R1), as CSV (`--page source --print-source
+#                        sass`) beside the report: which instructions of the kernel run how often
+#   kernel-ab            benchmarks/kernel_ab.py: the ragged prefill kernels of .gpu/old's wheels against the checkout's
+#                        (ragged_tma_probe.py in each, new old new old, outputs checked against the float64 oracle;
+#                        KAB_CASES, default R1,R2,R3; KAB_TACTICS, default "default,128 s2 pp persist sched2")
 #   ragged-host          benchmarks/ragged_host.py: ragged run() host time, same and new K/V each call (R1, R3)
 #   bench-attention      tactix bench on the attention cases (bf16, fp8, V1), FlashInfer anchors
 #   bench-open-models    tactix bench on R1-R3 (ragged, DeepSeek 192/128) and O1 (gpt-oss sinks), anchors
@@ -127,6 +133,12 @@ job() {
       --section Occupancy --section SchedulerStats --section WarpStateStats --section InstructionStats \
       python benchmarks/ragged_ncu.py --case "${NCU_CASE:-R1}" --tactics "${NCU_TACTICS:-persist2,persist3}" \
       $([ "${NCU_FA3:-0}" = 1 ] || echo --no-flashinfer) > "$OUT/ncu-${NCU_CASE:-R1}.txt" 2>&1 ;;
+    ncu-source) t ncu --profile-from-start off --clock-control none --section SourceCounters --section InstructionStats \
+      -f -o /tmp/ncu-source python benchmarks/ragged_ncu.py --case "${NCU_CASE:-R1}" --tactics "${NCU_TACTICS-}" --no-flashinfer \
+      && ncu -i /tmp/ncu-source.ncu-rep --page source --print-source sass --csv > "$OUT/ncu-source-${NCU_CASE:-R1}.csv" ;
+      cp /tmp/ncu-source.ncu-rep "$OUT/" ;;
+    kernel-ab) old_site && t python3 benchmarks/kernel_ab.py --old /tmp/old-site --new "$PYTHONPATH" --cases "${KAB_CASES:-R1,R2,R3}" \
+      --tactics "${KAB_TACTICS:-default,128 s2 pp persist sched2}" --json "$OUT/kernel-ab.json" ;;
     ragged-host) t python benchmarks/ragged_host.py --json "$OUT/ragged-host.json" ;;
     bench-attention) t python -m tactix bench --cases "$ATTENTION" --json "$OUT/bench-attention-h200.json" \
       --markdown "$OUT/bench-attention-h200.md" ;;
