@@ -668,15 +668,23 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   const bool pp = PINGPONG && nwg == 2;
   if (pp && wg == 1) tx_bar_arrive(PP_BAR + 0, 256);
 
+  // A thread's share of the 16-byte chunks of the warpgroup's 64 rows (Q in, O out): chunk c8 =
+  // wtid % 8 of every 64-column block of rows wtid / 8 + 16 k, k < 4. Four rows a thread, so the
+  // row's token and head (a division by the runtime pack) are computed four times, not once a
+  // chunk (a loop over chunks in row order took 58 instructions a chunk at d192, more than the
+  // softmax of a tile in all); a warp instruction moves four whole 128-byte row segments.
+  const int c8 = wtid & 7, lr8 = wtid >> 3;
   // this warpgroup's Q rows of an item, copied into its shared memory (rows past the valid tokens
   // are zero): one cp.async group
   auto load_q = [&](const Item& it) {
-    for (int c = wtid; c < 64 * CH; c += 128) {
-      const int lr = c / CH, cc = c % CH;
-      const int row = wrow0 + lr, tl = row / P;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int lr = lr8 + 16 * k, row = wrow0 + lr, tl = row / P;
       const bool ok = tl < it.nt;
-      const u16* src = q + (i64)(it.q_start + it.t0 + tl) * q_st + (i64)(it.head0 + row % P) * q_sh + cc * 8;
-      tx_cp_async16(qw + sw128(lr, cc, 64), ok ? (const void*)src : (const void*)q, ok ? 16 : 0);
+      const u16* src = q + (i64)(it.q_start + it.t0 + tl) * q_st + (i64)(it.head0 + row % P) * q_sh + c8 * 8;
+#pragma unroll
+      for (int b = 0; b < D / 64; ++b)
+        tx_cp_async16(qw + sw128(lr, 8 * b + c8, 64), ok ? (const void*)(src + 64 * b) : (const void*)q, ok ? 16 : 0);
     }
     tx_cp_async_commit();
   };
@@ -773,8 +781,11 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 #pragma unroll
           for (int ks = 0; ks < BK / 16; ++ks)
             pv_wgmma<DV>(o, pa + 4 * ks, desc_at(desc_mn_major(vprev, BK * 128), ks * 2048), 1);
+          tx_wgmma_commit();  // group 2: P V
+        } else {  // (each branch commits its own group: one commit after the branch made ptxas add
+                  // an empty group after P V at every tile, so the wait for S below waited for P V too)
+          tx_wgmma_commit();  // group 2: empty for the first tile
         }
-        tx_wgmma_commit();  // group 2: P V (empty for the first tile)
 #pragma unroll
         for (int j = 0; j < BK / 4; ++j) tx_reg_fence(pa[j]);
 #pragma unroll
@@ -1026,12 +1037,15 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
             tx_pack2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
       }
       tx_bar_sync(1 + wg, 128);
-      for (int c = wtid; c < 64 * CHV; c += 128) {
-        const int lr = c / CHV, cc = c % CHV;
-        const int row = wrow0 + lr, tl = row / P;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {  // the rows and chunks load_q takes
+        const int lr = lr8 + 16 * k, row = wrow0 + lr, tl = row / P;
         if (tl < nt) {
-          const tx_u4 val = *reinterpret_cast<const tx_u4*>(smem + qoff + sw128(lr, cc, 64));
-          *reinterpret_cast<tx_u4*>(out + ((i64)(q_start + t0 + tl) * H + head0 + row % P) * DV + cc * 8) = val;
+          u16* dst = out + ((i64)(q_start + t0 + tl) * H + head0 + row % P) * DV + c8 * 8;
+#pragma unroll
+          for (int b = 0; b < DV / 64; ++b)
+            *reinterpret_cast<tx_u4*>(dst + 64 * b) =
+                *reinterpret_cast<const tx_u4*>(smem + qoff + sw128(lr, 8 * b + c8, 64));
         }
       }
     }
