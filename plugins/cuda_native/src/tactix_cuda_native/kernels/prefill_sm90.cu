@@ -334,18 +334,19 @@ TX_DEVICE int snake_turn(int u, int G) {
   const int r = u / G;
   return (r & 1) ? 2 * r * G + G - 1 - u : u;
 }
-TX_DEVICE Item load_item(int v, int hgs, int section, int n_items, const int* __restrict__ items,
-                         const int* __restrict__ reqs, int P, int win, bool is_causal) {
-  Item it;
-  int item, hg;
+// the work item and head group of virtual CTA v
+TX_DEVICE void item_head(int v, int hgs, int section, int n_items, int& item, int& hg) {
   if constexpr (PERSIST) {  // heads fastest, one section (the plan passes hgs): the persistent
     item = v / hgs;         // producer's 40 registers hold no more live values (fp8 spilled)
     hg = v % hgs;
   } else {
     tx_item_head(v, hgs, section, n_items, item, hg);
   }
-  const int req = __ldg(items + 2 * item);
-  it.t0 = __ldg(items + 2 * item + 1);
+}
+// the Item of work item (req, t0) in head group hg (the work list's two ints already loaded)
+TX_DEVICE Item item_of(int req, int t0, int hg, const int* __restrict__ reqs, int P, int win, bool is_causal) {
+  Item it;
+  it.t0 = t0;
   it.q_start = __ldg(reqs + 4 * req);
   const int q_len = __ldg(reqs + 4 * req + 1);
   it.kv_len = __ldg(reqs + 4 * req + 2);
@@ -358,6 +359,12 @@ TX_DEVICE Item load_item(int v, int hgs, int section, int n_items, const int* __
   it.ntiles = (it.kv_hi - it.kv_lo + BK - 1) / BK;
   if (PERSIST) it.ntiles = max(0, it.ntiles);  // (the ring position adds them up)
   return it;
+}
+TX_DEVICE Item load_item(int v, int hgs, int section, int n_items, const int* __restrict__ items,
+                         const int* __restrict__ reqs, int P, int win, bool is_causal) {
+  int item, hg;
+  item_head(v, hgs, section, n_items, item, hg);
+  return item_of(__ldg(items + 2 * item), __ldg(items + 2 * item + 1), hg, reqs, P, win, is_causal);
 }
 
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
@@ -706,6 +713,17 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     const Item it = PERSIST ? load_item(vc, hgs, hsec, n_items, items, reqs, P, win, is_causal) : it0;
     const int nt = it.nt, kv_lo = it.kv_lo, ntiles = it.ntiles;
     const bool wg_rows = !PERSIST || wrow0 < nt * P;  // a valid row in this warpgroup
+    // (persistent, turns in a fixed order) the next turn's work item (request, first token),
+    // loaded now so the loads land during this item's tiles: the next item's Q rows, copied
+    // before this item's epilogue, then wait for one load (its request's), not for two in a chain
+    const int u_ahead = PERSIST && !DYN ? skip_past_list(u + vstep) : uend_all;
+    int ahead_req = 0, ahead_t0 = 0, ahead_hg = 0;
+    if (u_ahead < uend_all) {
+      int item;
+      item_head(vc_of(u_ahead), hgs, hsec, n_items, item, ahead_hg);
+      ahead_req = __ldg(items + 2 * item);
+      ahead_t0 = __ldg(items + 2 * item + 1);
+    }
 
     if (!PERSIST) load_q(it);
     tx_cp_async_wait<0>();
@@ -986,10 +1004,13 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
     // with this item's (its wgmma reads of them are complete)
     int u_next = uend_all;
     if constexpr (PERSIST) {
-      u_next = DYN ? read_turn(t++) : skip_past_list(u + vstep);
+      u_next = DYN ? read_turn(t++) : u_ahead;
       tx_bar_sync(1 + wg, 128);
       tx_fence_proxy_async();
-      if (u_next < uend_all) load_q(load_item(vc_of(u_next), hgs, hsec, n_items, items, reqs, P, win, is_causal));
+      if (u_next < uend_all) {
+        load_q(DYN ? load_item(vc_of(u_next), hgs, hsec, n_items, items, reqs, P, win, is_causal)
+                   : item_of(ahead_req, ahead_t0, ahead_hg, reqs, P, win, is_causal));
+      }
     }
     // (a warpgroup without valid rows in this item goes through the epilogue writing nothing: a
     // branch around it makes ptxas serialize the wgmma of TX_PINGPONG)
