@@ -404,9 +404,19 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
 #if !TX_DYN
   int* const turns = nullptr;
 #endif
+  const int vc0 = (int)blockIdx.x;
+  // Without TX_PERSIST and in one section (the default) this CTA's work-list entry is at vc0 / hgs
+  // whatever the item count, and inside the list's capacity (the grid is never larger): it is
+  // loaded beside the count, not after it, one dependent load fewer before the Q copy (a CTA past
+  // the list reads a stale entry and exits without using it)
+  const bool early = !PERSIST && hsec >= hgs;
+  int early_req = 0, early_t0 = 0;
+  if (early) {
+    early_req = __ldg(items + 2 * (vc0 / hgs));
+    early_t0 = __ldg(items + 2 * (vc0 / hgs) + 1);
+  }
   const int n_items = __ldg(num_items);
   const int total = n_items * hgs;
-  const int vc0 = (int)blockIdx.x;
   if (!PERSIST && vc0 >= total) return;
   const int vstep = PERSIST ? (int)gridDim.x : 1;  // without TX_PERSIST the loops below make one pass
   // the turns u = vc0, vc0 + G, ... run to the end of the last (partial) round; turns whose
@@ -418,7 +428,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) tactix_prefill(
   const bool is_causal = causal != 0;
   // the CTA's item without TX_PERSIST (the loops below load each item at its turn with it)
   Item it0{};
-  if (!PERSIST) it0 = load_item(vc0, hgs, hsec, n_items, items, reqs, P, win, is_causal);
+  if (!PERSIST) {
+    it0 = early ? item_of(early_req, early_t0, vc0 % hgs, reqs, P, win, is_causal)
+                : load_item(vc0, hgs, hsec, n_items, items, reqs, P, win, is_causal);
+  }
   // consumer warpgroups taking part in the barrier protocol: without TX_PERSIST those with at
   // least one valid row (the others exit); with it all of them for every item (a warpgroup
   // without valid rows in an item computes and writes nothing but keeps the protocol)
