@@ -135,8 +135,8 @@ job() {
       $([ "${NCU_FA3:-0}" = 1 ] || echo --no-flashinfer) > "$OUT/ncu-${NCU_CASE:-R1}.txt" 2>&1 ;;
     ncu-source) t ncu --profile-from-start off --clock-control none --section SourceCounters --section InstructionStats \
       -f -o /tmp/ncu-source python benchmarks/ragged_ncu.py --case "${NCU_CASE:-R1}" --tactics "${NCU_TACTICS-}" --no-flashinfer \
-      && ncu -i /tmp/ncu-source.ncu-rep --page source --print-source sass --csv > "$OUT/ncu-source-${NCU_CASE:-R1}.csv" ;
-      cp /tmp/ncu-source.ncu-rep "$OUT/" ;;
+      && cp /tmp/ncu-source.ncu-rep "$OUT/" \
+      && ncu -i /tmp/ncu-source.ncu-rep --page source --print-source sass --csv > "$OUT/ncu-source-${NCU_CASE:-R1}.csv" ;;
     kernel-ab) old_site && t python3 benchmarks/kernel_ab.py --old /tmp/old-site --new "$PYTHONPATH" --cases "${KAB_CASES:-R1,R2,R3}" \
       --tactics "${KAB_TACTICS:-default,128 s2 pp persist sched2}" --json "$OUT/kernel-ab.json" ;;
     ragged-host) t python benchmarks/ragged_host.py --json "$OUT/ragged-host.json" ;;
